@@ -1,0 +1,119 @@
+"""Benchmark runner: ``python -m benchmarks.run [--ops NAMES] [--out FILE] [--iterations N]``.
+
+On a GPU: for every registered op and spec shape, checks the kernel against the
+reference, then times the kernel and the XLA-compiled ``jnp`` reference with CUPTI
+(cold L2, median of ``--iterations``), and reports device µs, GB/s, % of the
+device-to-device copy bandwidth measured in the same run, and the speed-up over
+XLA. Rows go to a JSONL file under ``benchmarks/results/``; regenerate the summary
+with ``python -m benchmarks.summarize``.
+
+Without a GPU it says so and runs a small correctness-only pass of the kernels in
+Pallas interpret mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+import time
+
+import jax
+
+import jaxkern
+from benchmarks import transpose as _transpose  # noqa: F401  (registers its ops)
+from benchmarks.registry import REGISTRY
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def _select(names: str | None):
+  if not names:
+    return list(REGISTRY.values())
+  unknown = [n for n in names.split(",") if n not in REGISTRY]
+  if unknown:
+    raise SystemExit(f"unknown ops {unknown}; registered: {sorted(REGISTRY)}")
+  return [REGISTRY[n] for n in names.split(",")]
+
+
+def _correctness_pass(ops) -> int:
+  print(f"No GPU found (JAX backend: {jax.default_backend()}): nothing is timed. "
+        "Running a correctness-only pass of the kernels in Pallas interpret mode.")
+  failures = 0
+  key = jax.random.key(0)
+  for op in ops:
+    for case in op.small_cases():
+      key, sub = jax.random.split(key)
+      args = case.make_args(sub)
+      t0 = time.perf_counter()
+      try:
+        with jaxkern.use_implementation("interpret"):
+          out = op.fn(*args)
+        op.check(out, op.reference(*args))
+        status = "ok"
+      except Exception as e:  # report every case, fail at the end
+        failures += 1
+        status = f"FAILED: {type(e).__name__}: {e}"
+      print(f"{op.name:24s} {case.label:28s} {time.perf_counter() - t0:6.2f}s  {status}")
+  return failures
+
+
+def _benchmark(ops, out_path: pathlib.Path, iterations: int) -> int:
+  from jaxkern.testing.timing import copy_bandwidth_gbps, device_time_us
+
+  device = jax.devices()[0].device_kind
+  date = datetime.date.today().isoformat()
+  copy_bw = copy_bandwidth_gbps()
+  print(f"{device}, jax {jax.__version__}, {date}; device-to-device copy: {copy_bw:.0f} GB/s")
+  header = f"{'op':20s} {'shape':26s} {'µs':>9s} {'GB/s':>7s} {'%copy':>6s} {'xla µs':>9s} {'speed-up':>8s}"
+  print(header)
+  failures = 0
+  key = jax.random.key(0)
+  out_path.parent.mkdir(parents=True, exist_ok=True)
+  with out_path.open("a") as f:
+    for op in ops:
+      kernel, ref = jax.jit(op.fn), jax.jit(op.reference)
+      for case in op.cases():
+        key, sub = jax.random.split(key)
+        args = case.make_args(sub)
+        try:
+          op.check(kernel(*args), ref(*args))
+          ok = True
+        except AssertionError as e:
+          ok = False
+          failures += 1
+          print(f"{op.name} {case.label}: WRONG RESULT: {e}")
+        t = device_time_us(kernel, *args, iterations=iterations)
+        t_ref = device_time_us(ref, *args, iterations=iterations)
+        gbps = case.nbytes / t / 1e3
+        row = dict(op=op.name, shape=case.label, device_us=round(t, 3), gbps=round(gbps, 1),
+                   pct_copy=round(100 * gbps / copy_bw, 1), xla_us=round(t_ref, 3),
+                   speedup=round(t_ref / t, 3), correct=ok, bytes=case.nbytes, copy_gbps=round(copy_bw, 1),
+                   gpu=device, date=date, jax=jax.__version__, iterations=iterations)
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        print(f"{op.name:20s} {case.label:26s} {t:9.2f} {gbps:7.0f} {row['pct_copy']:6.1f} "
+              f"{t_ref:9.2f} {row['speedup']:8.2f}{'' if ok else '  WRONG'}", flush=True)
+        del args
+  print(f"wrote {out_path}")
+  return failures
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--ops", help="comma-separated op names (default: all registered)")
+  parser.add_argument("--out", type=pathlib.Path, help="JSONL output (default: benchmarks/results/<date>_<gpu>.jsonl)")
+  parser.add_argument("--iterations", type=int, default=30, help="timed calls per measurement (median)")
+  args = parser.parse_args(argv)
+  ops = _select(args.ops)
+  if jax.default_backend() != "gpu":
+    return 1 if _correctness_pass(ops) else 0
+  slug = jax.devices()[0].device_kind.replace(" ", "-")
+  out = args.out or RESULTS / f"{datetime.date.today().isoformat()}_{slug}.jsonl"
+  return 1 if _benchmark(ops, out, args.iterations) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

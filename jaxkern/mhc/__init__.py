@@ -1,0 +1,1 @@
+"""Manifold-constrained hyper-connections (mHC); ops land here as they are ported."""

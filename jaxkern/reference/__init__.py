@@ -1,0 +1,5 @@
+"""Plain ``jnp`` references, one per op: readable, and the source of truth in tests."""
+
+from jaxkern.reference import transpose
+
+__all__ = ["transpose"]

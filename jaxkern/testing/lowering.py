@@ -1,0 +1,23 @@
+"""Lowering a kernel for an H100 on a machine without a GPU.
+
+Tracing under an abstract CUDA device and lowering for ``cuda`` runs the real
+Pallas GPU lowering (Mosaic GPU and Triton) and raises the errors the GPU would:
+unsupported primitives, layout inference, SMEM budget, TMA limits. It does not run
+ptxas or the kernel.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
+
+
+def lower_for_h100(f, *args):
+  """Lowers ``jax.jit(f)(*args)`` for CUDA (H100); ``args`` may be ``jax.ShapeDtypeStruct``s.
+
+  Returns the ``Lowered`` object; raises whatever the GPU lowering raises.
+  """
+  with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=H100)):
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))

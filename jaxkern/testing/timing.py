@@ -1,0 +1,60 @@
+"""Device time with CUPTI (``jax.experimental.mosaic.gpu.profiler``), cold L2.
+
+Every timed call runs after a 256 MiB streaming kernel that evicts the 50-60 MB
+L2; the flush is launched in the same executable, ordered before the op with an
+optimisation barrier, and its kernels are left out of the sum. GPU only.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.mosaic.gpu import profiler
+
+_FLUSH_WORDS = 64 << 20  # 256 MiB of uint32
+_LIVE_BYTES = 16 << 30  # outputs kept alive by one profiler.measure call
+
+
+def _flush(buf):
+  return ~buf
+
+
+def device_times_us(f, *args, iterations: int = 30, flush: bool = True) -> list[float]:
+  """Device time in µs of each of ``iterations`` calls of ``f(*args)`` (all kernels it launches)."""
+  out = jax.eval_shape(f, *args)
+  out_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(out))
+  if flush:
+    buf = jnp.full((_FLUSH_WORDS,), 1, jnp.uint32)
+    _, flush_kernels = profiler.measure(jax.jit(_flush), aggregate=False)(buf)
+    skip = len(flush_kernels)
+
+    def g(buf, *a):
+      fb, a = jax.lax.optimization_barrier((_flush(buf), a))
+      return fb, f(*a)
+
+    fn, args, out_bytes = jax.jit(g), (buf, *args), out_bytes + 4 * _FLUSH_WORDS
+  else:
+    fn, skip = jax.jit(f), 0
+  chunk = int(max(1, min(iterations, _LIVE_BYTES // max(out_bytes, 1))))
+  times: list[float] = []
+  while len(times) < iterations:
+    n = min(chunk, iterations - len(times))
+    _, t = profiler.measure(fn, aggregate=False, iterations=n)(*args)
+    if t is None:
+      raise RuntimeError("no kernel was launched")
+    runs = [t] if n == 1 else t
+    times += [1e3 * sum(ms for _, ms in run[skip:]) for run in runs]
+  return times
+
+
+def device_time_us(f, *args, iterations: int = 30, flush: bool = True) -> float:
+  """Median device time in µs of ``f(*args)``; see :func:`device_times_us`."""
+  return float(np.median(device_times_us(f, *args, iterations=iterations, flush=flush)))
+
+
+def copy_bandwidth_gbps(nbytes: int = 1 << 30, iterations: int = 30) -> float:
+  """Measured device-to-device streaming bandwidth (bytes read + written) in GB/s."""
+  x = jnp.full((nbytes // 4,), 7, jnp.uint32)
+  t = device_time_us(lambda a: ~a, x, iterations=iterations, flush=False)
+  return 2 * nbytes / t / 1e3

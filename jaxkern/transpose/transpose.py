@@ -1,0 +1,102 @@
+"""Tiled 2-D and batched transposes as Mosaic GPU kernels.
+
+One CTA (one warpgroup) per ``(BM, BN)`` tile: a TMA copy brings the tile into
+SMEM, it is loaded into registers in the WGMMA layout, re-laid out to
+``WGMMA_TRANSPOSED`` (a lane shuffle), stored through a transposed view of an
+output SMEM buffer and written back with a TMA copy. The layout change works on
+16- and 32-bit registers, so 8-bit data is widened to int16 and narrowed back,
+which keeps every bit pattern (NaN payloads included).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkern import _checks, _config
+from jaxkern.reference import transpose as ref
+
+ALIGNMENT = 64  # both transposed dimensions must be multiples of this
+_LARGE_BYTES = 32 << 20  # above this, order the grid for DRAM locality rather than latency
+
+
+def _tiles(m: int, n: int, itemsize: int) -> tuple[int, int]:
+  """``(BM, BN)``: 128 where the dimension allows it, at most 32 KiB per tile."""
+  bm = 128 if m % 128 == 0 else 64
+  bn = 128 if n % 128 == 0 and itemsize <= 2 else 64
+  return bm, bn
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _batched_transpose_kernel(x: jax.Array, interpret=None) -> jax.Array:
+  b, m, n = x.shape
+  bm, bn = _tiles(m, n, x.dtype.itemsize)
+  widen = x.dtype.itemsize == 1
+  sizes = {"b": b, "i": m // bm, "j": n // bn}
+  order = "bji" if x.size * x.dtype.itemsize > _LARGE_BYTES else "bij"
+
+  @functools.partial(
+      plgpu.kernel,
+      out_type=jax.ShapeDtypeStruct((b, n, m), x.dtype),
+      grid=tuple(sizes[a] for a in order),
+      grid_names=tuple(order),
+      scratch_types=dict(
+          x_s=plgpu.SMEM((bm, bn), x.dtype),
+          o_s=plgpu.SMEM((bn, bm), x.dtype),
+          bar=plgpu.Barrier(num_arrivals=1),
+      ),
+      interpret=interpret,
+  )
+  def kernel(x_g, o_g, x_s, o_s, bar):
+    bi, i, j = lax.axis_index("b"), lax.axis_index("i"), lax.axis_index("j")
+    plgpu.copy_gmem_to_smem(x_g.at[bi, pl.ds(i * bm, bm), pl.ds(j * bn, bn)], x_s, bar)
+    plgpu.barrier_wait(bar)
+    v = plgpu.load(x_s, layout=plgpu.Layout.WGMMA)
+    if widen:
+      v = lax.bitcast_convert_type(v, jnp.int8).astype(jnp.int16)
+    v = plgpu.layout_cast(v, plgpu.Layout.WGMMA_TRANSPOSED)
+    if widen:
+      v = lax.bitcast_convert_type(v.astype(jnp.int8), x.dtype)
+    o_s.T[...] = v
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_s, o_g.at[bi, pl.ds(j * bn, bn), pl.ds(i * bm, bm)])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  return kernel(x)
+
+
+def _check(name: str, x, ndim: int) -> None:
+  _checks.check_rank(name, x, ndim)
+  if x.dtype.itemsize not in (1, 2, 4):
+    raise ValueError(f"{name} must have a 1-, 2- or 4-byte dtype, got {x.dtype}")
+  _checks.check_multiple(name, x, -2, ALIGNMENT)
+  _checks.check_multiple(name, x, -1, ALIGNMENT)
+
+
+def batched_transpose(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
+  """Swaps the last two axes: ``(B, M, N) -> (B, N, M)``, bit-exact.
+
+  Args:
+    x: ``(B, M, N)`` array of any 1-, 2- or 4-byte dtype (float8_e4m3fn, bfloat16,
+      float32, ints, ...); ``M`` and ``N`` must be multiples of 64.
+    implementation: see :mod:`jaxkern._config`.
+
+  Returns:
+    ``(B, N, M)`` array with ``out[b, j, i] = x[b, i, j]``.
+  """
+  _check("x", x, 3)
+  impl = _config.get_implementation(implementation)
+  if impl == "reference" or x.size == 0:
+    return ref.batched_transpose(x)
+  return _batched_transpose_kernel(x, interpret=_config.mosaic_interpret(impl))
+
+
+def transpose(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
+  """2-D transpose ``(M, N) -> (N, M)``, bit-exact; same constraints as :func:`batched_transpose`."""
+  _check("x", x, 2)
+  return batched_transpose(x[None], implementation=implementation)[0]

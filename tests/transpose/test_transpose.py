@@ -1,0 +1,110 @@
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkern
+from jaxkern import reference
+from jaxkern.testing import assert_bitwise_equal, hidden_sizes, lower_for_h100, num_tokens, randn, random_bits
+from jaxkern.transpose import batched_transpose, transpose
+
+DTYPES = [jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32, jnp.int8, jnp.uint16]
+
+
+def _poisoned_call(f, x):
+  """Runs ``f(x)`` right after freeing a same-sized all-ones buffer, so on a GPU the output is
+  likely to land on poisoned memory; unwritten elements then fail the bitwise comparison."""
+  out = jax.eval_shape(f, x)
+  jnp.full(out.shape, -1, jnp.int8 if out.dtype.itemsize == 1 else out.dtype).block_until_ready()
+  return f(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", [(64, 64), (128, 192), (192, 320)])
+def test_transpose_bit_exact(key, dtype, shape):
+  x = random_bits(key, shape, dtype)  # every bit pattern, NaN payloads and -0 included
+  assert_bitwise_equal(transpose(x), np.asarray(x).T)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+def test_batched_transpose_bit_exact(key, dtype):
+  x = randn(key, (3, 128, 320), dtype)
+  assert_bitwise_equal(batched_transpose(x), np.swapaxes(np.asarray(x), 1, 2))
+
+
+def test_transpose_of_a_slice(key):
+  """Upstream transposes a row-strided view (left half of a wider buffer): here a sliced array."""
+  wide = randn(key, (128, 2 * 192), jnp.bfloat16)
+  x = wide[:, :192]
+  assert_bitwise_equal(jax.jit(transpose)(x), np.asarray(x).T)
+
+
+@pytest.mark.parametrize("shape", [(0, 576), (64, 0), (0, 0)])
+def test_zero_size(shape):
+  y = transpose(jnp.ones(shape, jnp.bfloat16))
+  assert y.shape == shape[::-1] and y.dtype == jnp.bfloat16
+  assert batched_transpose(jnp.ones((0, 64, 128), jnp.float32)).shape == (0, 128, 64)
+  assert batched_transpose(jnp.ones((2,) + shape, jnp.float32)).shape == (2,) + shape[::-1]
+
+
+def test_jit_and_vmap(key):
+  x = randn(key, (2, 64, 128), jnp.bfloat16)
+  want = np.swapaxes(np.asarray(x), 1, 2)
+  assert_bitwise_equal(jax.jit(jax.vmap(transpose))(x), want)
+  assert_bitwise_equal(jax.jit(batched_transpose)(x), want)
+
+
+def test_implementation_switch(key):
+  x = randn(key, (64, 128), jnp.bfloat16)
+  for impl in ("reference", "interpret"):
+    assert_bitwise_equal(transpose(x, implementation=impl), np.asarray(x).T)
+  with jaxkern.use_implementation("reference"):
+    assert jaxkern.get_implementation() == "reference"
+  with pytest.raises(ValueError, match="implementation"):
+    transpose(x, implementation="cuda")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (jnp.ones((64,), jnp.bfloat16), "x must have rank 2"),
+    (jnp.ones((2, 64, 64), jnp.bfloat16), "x must have rank 2"),
+    (jnp.ones((100, 64), jnp.bfloat16), r"x.shape\[-2\] must be a multiple of 64"),
+    (jnp.ones((64, 96), jnp.bfloat16), r"x.shape\[-1\] must be a multiple of 64"),
+    (jnp.ones((64, 64), jnp.complex64), "1-, 2- or 4-byte dtype"),
+])
+def test_transpose_bad_input(bad, match):
+  with pytest.raises(ValueError, match=match):
+    transpose(bad)
+
+
+def test_batched_transpose_bad_rank():
+  with pytest.raises(ValueError, match="x must have rank 3"):
+    batched_transpose(jnp.ones((64, 64), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", [(1, 4032, 576), (1, 8064, 7168), (32, 8064, 7168), (8, 128, 2560)])
+def test_lowers_for_h100(dtype, shape):
+  """Every tile configuration and grid order lowers through Mosaic GPU for an H100."""
+  f = functools.partial(batched_transpose, implementation="pallas")
+  text = lower_for_h100(f, jax.ShapeDtypeStruct(shape, dtype)).as_text()
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("n", hidden_sizes(64))
+@pytest.mark.parametrize("m", num_tokens(64))
+def test_transpose_spec_shapes_gpu(key, m, n, dtype):
+  x = randn(key, (m, n), dtype)
+  assert_bitwise_equal(_poisoned_call(jax.jit(transpose), x), reference.transpose.transpose(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("n", [576, 7168])
+@pytest.mark.parametrize("b", [8, 32])
+def test_batched_transpose_spec_shapes_gpu(key, b, n, dtype):
+  x = randn(key, (b, 4032, n), dtype)
+  assert_bitwise_equal(_poisoned_call(jax.jit(batched_transpose), x), reference.transpose.batched_transpose(x))
