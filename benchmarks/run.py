@@ -15,18 +15,25 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import pathlib
+import pkgutil
 import sys
 import time
 
 import jax
 
+import benchmarks
 import jaxkern
-from benchmarks import transpose as _transpose  # noqa: F401  (registers its ops)
 from benchmarks.registry import REGISTRY
 
 RESULTS = pathlib.Path(__file__).parent / "results"
+_NOT_OPS = {"registry", "run", "summarize"}
+
+for _m in pkgutil.iter_modules(benchmarks.__path__):
+  if _m.name not in _NOT_OPS:
+    importlib.import_module(f"benchmarks.{_m.name}")  # each op module registers its ops
 
 
 def _select(names: str | None):

@@ -34,6 +34,18 @@ def test_batched_transpose_bit_exact(key, dtype):
   assert_bitwise_equal(batched_transpose(x), np.swapaxes(np.asarray(x), 1, 2))
 
 
+@pytest.mark.parametrize("tiling", [(128, 128, "bji"), (128, 64, "bji"), (64, 128, "bij")])
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+def test_every_tiling_bit_exact(key, dtype, tiling):
+  """The large-array tilings, forced on a small array so the interpreter can run them."""
+  from jaxkern.transpose.transpose import _batched_transpose_kernel
+
+  x = random_bits(key, (2, 256, 128), dtype)
+  y = _batched_transpose_kernel(x, interpret=jaxkern._config.mosaic_interpret(jaxkern.get_implementation()),
+                                tiling=tiling)
+  assert_bitwise_equal(y, np.swapaxes(np.asarray(x), 1, 2))
+
+
 def test_transpose_of_a_slice(key):
   """Upstream transposes a row-strided view (left half of a wider buffer): here a sliced array."""
   wide = randn(key, (128, 2 * 192), jnp.bfloat16)
