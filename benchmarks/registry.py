@@ -12,12 +12,14 @@ from jaxkern.testing import assert_bitwise_equal
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """One benchmark shape: ``make_args(key)`` builds the inputs; ``nbytes`` counts each input read
-  and each output written once (the spec's byte count)."""
+  """One benchmark shape: ``make_args(key)`` builds the array inputs, ``kwargs`` are the op's static
+  keyword arguments; ``nbytes`` counts each input read and each output written once (the spec's
+  byte count)."""
 
   label: str
   make_args: Callable[[jax.Array], tuple]
   nbytes: int
+  kwargs: dict = dataclasses.field(default_factory=dict)
 
 
 def bitwise_check(out, expected) -> None:

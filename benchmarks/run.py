@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib
 import json
 import pathlib
@@ -57,8 +58,8 @@ def _correctness_pass(ops) -> int:
       t0 = time.perf_counter()
       try:
         with jaxkern.use_implementation("interpret"):
-          out = op.fn(*args)
-        op.check(out, op.reference(*args))
+          out = op.fn(*args, **case.kwargs)
+        op.check(out, op.reference(*args, **case.kwargs))
         status = "ok"
       except Exception as e:  # report every case, fail at the end
         failures += 1
@@ -81,8 +82,9 @@ def _benchmark(ops, out_path: pathlib.Path, iterations: int) -> int:
   out_path.parent.mkdir(parents=True, exist_ok=True)
   with out_path.open("a") as f:
     for op in ops:
-      kernel, ref = jax.jit(op.fn), jax.jit(op.reference)
       for case in op.cases():
+        kernel = jax.jit(functools.partial(op.fn, **case.kwargs))
+        ref = jax.jit(functools.partial(op.reference, **case.kwargs))
         key, sub = jax.random.split(key)
         args = case.make_args(sub)
         try:

@@ -1,8 +1,9 @@
 """Device time with CUPTI (``jax.experimental.mosaic.gpu.profiler``), cold L2.
 
 Every timed call runs after a 256 MiB streaming kernel that evicts the 50-60 MB
-L2; the flush is launched in the same executable, ordered before the op with an
-optimisation barrier, and its kernels are left out of the sum. GPU only.
+L2; the flush is launched in the same executable, ordered before the op's inputs
+with an optimisation barrier, and its kernels (recognised by name: XLA may schedule
+kernels that need no input before it) are left out of the sum. GPU only.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def device_times_us(f, *args, iterations: int = 30, flush: bool = True) -> list[
   if flush:
     buf = jnp.full((_FLUSH_WORDS,), 1, jnp.uint32)
     _, flush_kernels = profiler.measure(jax.jit(_flush), aggregate=False)(buf)
-    skip = len(flush_kernels)
+    skip = [name for name, _ in flush_kernels]
 
     def g(buf, *a):
       fb, a = jax.lax.optimization_barrier((_flush(buf), a))
@@ -35,7 +36,7 @@ def device_times_us(f, *args, iterations: int = 30, flush: bool = True) -> list[
 
     fn, args, out_bytes = jax.jit(g), (buf, *args), out_bytes + 4 * _FLUSH_WORDS
   else:
-    fn, skip = jax.jit(f), 0
+    fn, skip = jax.jit(f), []
   chunk = int(max(1, min(iterations, _LIVE_BYTES // max(out_bytes, 1))))
   times: list[float] = []
   while len(times) < iterations:
@@ -44,8 +45,22 @@ def device_times_us(f, *args, iterations: int = 30, flush: bool = True) -> list[
     if t is None:
       raise RuntimeError("no kernel was launched")
     runs = [t] if n == 1 else t
-    times += [1e3 * sum(ms for _, ms in run[skip:]) for run in runs]
+    times += [1e3 * _without(run, skip) for run in runs]
   return times
+
+
+def _without(run, skip: list[str]) -> float:
+  """Sum of a run's kernel times (ms) less one kernel of each name in ``skip``."""
+  skip = list(skip)
+  total = 0.0
+  for name, ms in run:
+    if name in skip:
+      skip.remove(name)
+    else:
+      total += ms
+  if skip:
+    raise RuntimeError(f"flush kernels {skip} not found in {[n for n, _ in run]}")
+  return total
 
 
 def device_time_us(f, *args, iterations: int = 30, flush: bool = True) -> float:
