@@ -2,7 +2,8 @@
 
 Mosaic GPU kernel, one CTA per block of ``BT`` tokens or of ``BN`` fused rows. Rows are
 viewed as ``(R, C)`` (``row_tiling``) so that one 2-D TMA copy moves a whole hidden row.
-A token CTA loads its ``BT`` rows with one TMA copy, then issues one TMA store per valid
+A token CTA loads its ``BT`` rows with one TMA copy and, meanwhile, the ``BT*K``
+positions (scalar loads issued back to back, before any store), then issues one TMA store per valid
 slot ``token_topk_to_pos[t, k] = p >= 0`` into fused row ``p`` (all stores in flight at
 once). A padding CTA TMA-loads one zero row (a tiny constant input: a register store of
 zeros would need the row size to fit a warpgroup register layout) and TMA-stores it into
@@ -60,11 +61,10 @@ def _expand_kernel(x, token_topk_to_pos, pos_to_expert, interpret=None):
     def _():
       t0 = jnp.minimum(i * bt, t - bt)
       plgpu.copy_gmem_to_smem(x_g.at[pl.ds(t0, bt)], x_s, bar)
+      positions = [pos_g[t0 + j // k, j % k] for j in range(bt * k)]  # independent loads, all in flight
       plgpu.barrier_wait(bar)
-      @pl.loop(0, bt * k)
-      def _(j):
+      for j, p in enumerate(positions):
         row = j // k
-        p = pos_g[t0 + row, j % k]
 
         @pl.when((p >= 0) & (t0 + row >= i * bt))
         def _():
@@ -72,13 +72,15 @@ def _expand_kernel(x, token_topk_to_pos, pos_to_expert, interpret=None):
 
     @pl.when(i >= gt)
     def _():
+      p0 = (i - gt) * _ROW_BLOCK
       plgpu.copy_gmem_to_smem(zero_g, x_s.at[pl.ds(0, 1)], bar)
+      experts = [expert_g[jnp.minimum(p0 + q, n - 1)] for q in range(_ROW_BLOCK)]
       plgpu.barrier_wait(bar)
-      @pl.loop((i - gt) * _ROW_BLOCK, jnp.minimum((i - gt + 1) * _ROW_BLOCK, n))
-      def _(p):
-        @pl.when(expert_g[p] < 0)
+      for q, e in enumerate(experts):
+
+        @pl.when((p0 + q < n) & (e < 0))
         def _():
-          plgpu.copy_smem_to_gmem(x_s.at[0], o_g.at[p])
+          plgpu.copy_smem_to_gmem(x_s.at[0], o_g.at[p0 + q])
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -3,7 +3,8 @@
 Mosaic GPU kernel on a ``(token blocks, hidden chunks)`` grid. Rows are viewed as
 ``(R, 256)``; a CTA owns ``BT`` tokens and ``RC`` of the ``R`` pieces. It first issues one
 TMA copy per valid slot (each with its own barrier, so skipped slots cost nothing and all
-copies are in flight together), then, per token, waits for each slot in order and
+copies are in flight together; the positions, weights and row scales are scalar loads issued
+back to back before any wait), then, per token, waits for each slot in order and
 accumulates ``acc = x * s + acc`` in fp32, casts, and writes the ``(BT, RC, 256)`` output
 block with one TMA store. The last token block starts at ``T - BT`` (it recomputes a few
 rows of the previous block, with identical results), so ragged ``T`` needs no masking.
@@ -76,27 +77,27 @@ def _reduce_kernel(x, x_sf, topk_weights, token_topk_to_pos, sf, out_dtype, inte
     sf_x_g, w_g, sf_g = (rest.pop(0) if present else None for present in optional)
     i, j = lax.axis_index("i"), lax.axis_index("j")
     t0 = jnp.minimum(i * bt, t - bt)
-    for slot in range(bt * k):
-      p = pos_g[t0 + slot // k, slot % k]
+    positions = [pos_g[t0 + slot // k, slot % k] for slot in range(bt * k)]
+    for slot, p in enumerate(positions):
 
       @pl.when(p >= 0)
       def _():
         plgpu.copy_gmem_to_smem(x_g.at[p, pl.ds(j * rc, rc)], x_s.at[slot], bar.at[slot])
 
+    scales = [jnp.float32(1) if w_g is None else w_g[t0 + slot // k, slot % k] for slot in range(bt * k)]
+    if sf_x_g is not None:
+      scales = [s * sf_x_g[jnp.maximum(p, 0)] for s, p in zip(scales, positions)]
     for row in range(bt):
       acc = jnp.zeros(shape, jnp.float32)
       for slot in range(row * k, (row + 1) * k):
-        p = pos_g[t0 + row, slot % k]
+        p = positions[slot]
 
         @pl.when(p >= 0)
         def _():
           plgpu.barrier_wait(bar.at[slot])
 
-        s = jnp.float32(1) if w_g is None else w_g[t0 + row, slot % k]
-        if sf_x_g is not None:
-          s = s * sf_x_g[jnp.maximum(p, 0)]
         v = x_s[slot].astype(jnp.float32)
-        acc = jnp.where(jnp.broadcast_to(p >= 0, shape), v * jnp.broadcast_to(s, shape) + acc, acc)
+        acc = jnp.where(jnp.broadcast_to(p >= 0, shape), v * jnp.broadcast_to(scales[slot], shape) + acc, acc)
       if sf_g is not None:
         acc = acc * jnp.broadcast_to(sf_g[0], shape)
       if out_dtype == jnp.float8_e4m3fn:
