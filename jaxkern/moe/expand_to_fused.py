@@ -43,7 +43,9 @@ def _expand_kernel(x, token_topk_to_pos, pos_to_expert, interpret=None):
   k = token_topk_to_pos.shape[1]
   n = pos_to_expert.shape[0]
   r, c = _routing.row_tiling(h, x.dtype.itemsize, "x")
-  bt = max(1, min(_MAX_TOKEN_BLOCK, t, _TOKEN_BLOCK_BYTES // (h * x.dtype.itemsize)))
+  row_bytes = h * x.dtype.itemsize
+  # A TMA copy needs a 128-byte aligned SMEM address: several rows per CTA only if each row keeps it.
+  bt = max(1, min(_MAX_TOKEN_BLOCK, t, _TOKEN_BLOCK_BYTES // row_bytes)) if row_bytes % 128 == 0 else 1
   gt, gn = pl.cdiv(t, bt), pl.cdiv(n, _ROW_BLOCK)
 
   @functools.partial(

@@ -12,9 +12,11 @@ rows of the previous block, with identical results), so ragged ``T`` needs no ma
 Fused multiply-add: Mosaic GPU lowers vector ``a * b`` and ``a + b`` (``FragmentedArray``
 in ``jax/experimental/mosaic/gpu/fragmented_array.py``: ``mulf``/``addf``) to
 ``arith.mulf``/``arith.addf`` with ``fastmath<contract>``; there is no explicit fma
-primitive (``jax.lax`` has none). LLVM's NVPTX backend fuses a contractable multiply
-feeding a contractable add into ``fma.rn.f32``, which is the single rounding the spec
-asks for; the ``gpu``-marked test checks this bit for bit against the exact-FMA reference.
+primitive (``jax.lax`` has none, and no Mosaic GPU rule emits ``math.fma``). In this
+kernel's lowered module every accumulation step is such a ``mulf`` whose only use is such
+an ``addf`` (a CPU test checks this), which LLVM's NVPTX backend fuses into
+``fma.rn.f32``: the single rounding the spec asks for. The ``gpu``-marked test checks the
+resulting bits against the exact-FMA reference.
 In interpret mode on CPU, XLA contracts ``a * b + c`` into an FMA as well. The per-slot
 scale ``w * x_sf[p]`` and the final ``acc * sf`` are scalar / lone multiplies, rounded once.
 

@@ -158,3 +158,29 @@ def test_spec_shapes_fma_bit_exact_gpu(key, num_topk, experts, ranks, in_dtype, 
   sf = jax.random.normal(key, (1,), jnp.float32) if fp8 else None
   args = ((x, x_sf), w, pos, fp8, sf)
   assert_bitwise_equal(jax.jit(moe.reduce_fused, static_argnums=3)(*args), ref.reduce_fused(*args))
+
+
+def test_lowered_accumulation_is_contractable(monkeypatch):
+  """The Mosaic GPU module multiplies and accumulates with ``fastmath<contract>`` (LLVM fuses
+  these into ``fma.rn.f32``): the single-rounding FMA the spec needs. Checked on the MLIR
+  handed to the Mosaic GPU compiler; the ``gpu`` test checks the resulting bits."""
+  import re
+
+  import jax.experimental.mosaic.gpu.core as mgpu_core
+
+  modules = []
+  serde = mgpu_core._run_serde_pass
+
+  def spy(module, serialize, ir_version):
+    if serialize:
+      modules.append(str(module))
+    return serde(module, serialize=serialize, ir_version=ir_version)
+
+  monkeypatch.setattr(mgpu_core, "_run_serde_pass", spy)
+  spec = jax.ShapeDtypeStruct
+  lower_for_h100(lambda x, w, p: moe.reduce_fused(x, w, p, implementation="pallas"),
+                 spec((64, 256), jnp.float32), spec((4, 2), jnp.float32), spec((4, 2), jnp.int32))
+  muls = re.findall(r"(%\d+) = arith.mulf .* fastmath<contract> : vector<\d+xf32>", modules[-1])
+  assert muls
+  for m in muls:
+    assert re.search(rf"arith.addf {m}, %\d+ fastmath<contract>", modules[-1])
