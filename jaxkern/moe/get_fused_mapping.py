@@ -1,4 +1,10 @@
-"""``get_fused_mapping``: the expert-major fused row layout and the token <-> row maps (spec §5.1)."""
+"""``get_fused_mapping``: the expert-major fused row layout and the token <-> row maps (spec §5.1).
+
+No Pallas kernel yet: the layout is computed with deterministic XLA code (an int32
+scatter-add histogram, prefix sums, and a stable sort of the flat entries by expert, which
+gives the canonical in-segment order). A Mosaic GPU version would need per-block histograms
+and in-block ranks built from compares and loops (no sort/cumsum/scatter lowering).
+"""
 
 from __future__ import annotations
 
