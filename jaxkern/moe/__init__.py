@@ -1,1 +1,22 @@
 """MoE gating and routing (see ../shared/spec/moe_transpose.md); ops land here as they are ported."""
+
+from jaxkern.moe.aux_fi import aux_fi
+from jaxkern.moe.expand_to_fused import expand_to_fused, expand_to_fused_with_sf
+from jaxkern.moe.get_fused_mapping import get_fused_mapping
+from jaxkern.moe.group_count import group_count
+from jaxkern.moe.mask_indices_by_tp import mask_indices_by_tp
+from jaxkern.moe.normalize_weight import normalize_weight
+from jaxkern.moe.reduce_fused import reduce_fused
+from jaxkern.moe.unique_group_indices import unique_group_indices
+
+__all__ = [
+    "aux_fi",
+    "expand_to_fused",
+    "expand_to_fused_with_sf",
+    "get_fused_mapping",
+    "group_count",
+    "mask_indices_by_tp",
+    "normalize_weight",
+    "reduce_fused",
+    "unique_group_indices",
+]

@@ -44,3 +44,19 @@ def random_bits(key: jax.Array, shape, dtype) -> jax.Array:
   udtype = jnp.dtype(f"uint{8 * dtype.itemsize}")
   bits = jax.random.bits(key, shape, udtype)
   return jax.lax.bitcast_convert_type(bits, dtype)
+
+
+def moe_topk_idx(key: jax.Array, num_send_tokens: int, num_topk: int, num_experts: int,
+                 num_ep_ranks: int):
+  """Upstream's ``generate_topk_idx``: the ``(T, K)`` int32 routing EP rank 0 receives.
+
+  Top-``K`` of uniform bf16 scores over all ``num_experts * num_ep_ranks`` experts for
+  ``num_send_tokens * num_ep_ranks`` tokens; ids of other ranks become -1 and rows left
+  all -1 are dropped, so ``T`` is random. Returns a NumPy array.
+  """
+  import numpy as np
+
+  scores = jax.random.uniform(key, (num_send_tokens * num_ep_ranks, num_experts * num_ep_ranks), jnp.bfloat16)
+  idx = np.asarray(jax.lax.top_k(scores, num_topk)[1]).astype(np.int32)
+  idx[idx >= num_experts] = -1
+  return idx[(idx >= 0).any(axis=1)]

@@ -1,0 +1,140 @@
+"""MoE routing ops on the spec's shapes (moe_transpose.md §5, §6).
+
+The routing of each ``(local experts, EP ranks, K)`` config comes from upstream's generator
+(4001 tokens sent per rank) with a fixed key, so byte counts are known when cases are built.
+Static arguments the jitted benchmark wrappers need (``E``, ``fp8_format``, ...) travel as
+the shape of a small placeholder array or are closed over per op.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.registry import BenchOp, Case, register
+from jaxkern import moe
+from jaxkern.reference import moe_routing as ref
+from jaxkern.testing import hidden_sizes, moe_topk_idx, randn
+
+MOE_PARAMS = [(e, r, k) for (e, r), k in itertools.product(((9, 8), (32, 8), (4, 64)), (2, 6, 8, 9))]
+SEND_TOKENS = 4001
+
+
+@functools.lru_cache(maxsize=None)
+def _routing(experts: int, ranks: int, num_topk: int, send_tokens: int = SEND_TOKENS, alignment: int = 16):
+  """``(topk_idx, token_topk_to_pos, pos_to_expert)`` as NumPy arrays."""
+  idx = moe_topk_idx(jax.random.key(0), send_tokens, num_topk, experts, ranks)
+  m = ref.get_fused_mapping(jnp.asarray(idx), experts, int(ref.upper_bound_rows(*idx.shape, experts, alignment)),
+                            alignment)
+  n = int(np.asarray(m[6]).sum())
+  return idx, np.asarray(m[3]), np.asarray(m[0])[:n]
+
+
+def _label(experts, ranks, num_topk, t, extra=""):
+  return f"E={experts}x{ranks} K={num_topk} T={t}" + (f" {extra}" if extra else "")
+
+
+def _mapping(topk_idx, experts_like):
+  """get_fused_mapping without host sync: N is the upper bound; E is ``experts_like.shape[0]``."""
+  return tuple(moe.get_fused_mapping(topk_idx, experts_like.shape[0], 0, 128, force_no_sync=True)[:7])
+
+
+def _mapping_ref(topk_idx, experts_like):
+  e = experts_like.shape[0]
+  return ref.get_fused_mapping(topk_idx, e, ref.upper_bound_rows(*topk_idx.shape, e, 128), 128)
+
+
+def _mapping_case(experts, ranks, num_topk, send_tokens=SEND_TOKENS):
+  idx = _routing(experts, ranks, num_topk, send_tokens)[0]
+  t, k = idx.shape
+  n = sum(-(-int((idx == e).sum()) // 128) * 128 for e in range(experts))
+  nbytes = t * k * 8 + 3 * n * 4 + t * k * 4 + 3 * experts * 4
+  return Case(_label(experts, ranks, num_topk, t),
+              lambda key: (jnp.asarray(idx), jnp.zeros((experts,), jnp.int8)), nbytes)
+
+
+register(BenchOp(
+    "get_fused_mapping", _mapping, _mapping_ref,
+    lambda: [_mapping_case(*p) for p in MOE_PARAMS],
+    lambda: [_mapping_case(9, 8, 6, 4)]))
+
+
+def _expand_case(experts, ranks, num_topk, hidden, send_tokens=SEND_TOKENS):
+  idx, pos, pte = _routing(experts, ranks, num_topk, send_tokens)
+  t, n = idx.shape[0], pte.shape[0]
+  nbytes = t * hidden * 2 + t * num_topk * 4 + n * 4 + n * hidden * 2
+  return Case(_label(experts, ranks, num_topk, t, f"H={hidden} bf16"),
+              lambda key: (randn(key, (t, hidden), jnp.bfloat16), jnp.asarray(pos), jnp.asarray(pte)), nbytes)
+
+
+register(BenchOp(
+    "expand_to_fused", moe.expand_to_fused, ref.expand_to_fused,
+    lambda: [_expand_case(*p, h) for p in MOE_PARAMS for h in hidden_sizes(64)],
+    lambda: [_expand_case(9, 8, 2, 576, 2)]))
+
+
+def _expand_sf_fn(impl_fn, npc, col_major):
+  return lambda x, x_sf, pos, pte: impl_fn((x, x_sf), npc, pos, pte, col_major)
+
+
+def _expand_sf_case(experts, ranks, num_topk, hidden, npc, col_major, send_tokens=SEND_TOKENS):
+  idx, pos, pte = _routing(experts, ranks, num_topk, send_tokens)
+  t, n = idx.shape[0], pte.shape[0]
+  blocks = -(-hidden // npc)
+  hs, sf_dtype = (-(-blocks // 4), jnp.int32) if col_major else (blocks, jnp.float32)
+  nbytes = (t + n) * (hidden + hs * 4) + t * num_topk * 4 + n * 4
+
+  def make_args(key):
+    k1, k2 = jax.random.split(key)
+    sf = jax.random.randint(k2, (t, hs), 0, 2**31 - 1) if col_major else jax.random.uniform(k2, (t, hs))
+    return randn(k1, (t, hidden), jnp.float8_e4m3fn), sf.astype(sf_dtype), jnp.asarray(pos), jnp.asarray(pte)
+
+  return Case(_label(experts, ranks, num_topk, t, f"H={hidden} e4m3 npc={npc}"), make_args, nbytes)
+
+
+for _npc, _col in itertools.product((32, 128), (False, True)):
+  register(BenchOp(
+      f"expand_to_fused_with_sf:npc{_npc}:{'col_ue8m0' if _col else 'row_fp32'}",
+      _expand_sf_fn(moe.expand_to_fused_with_sf, _npc, _col), _expand_sf_fn(ref.expand_to_fused_with_sf, _npc, _col),
+      functools.partial(lambda npc, col: [_expand_sf_case(*p, h, npc, col) for p in MOE_PARAMS for h in (2048, 7168)],
+                        _npc, _col),
+      functools.partial(lambda npc, col: [_expand_sf_case(9, 8, 2, 576, npc, col, 2)], _npc, _col)))
+
+
+def _reduce_fn(impl_fn, fp8_format, use_x_sf):
+  def fn(x, x_sf, w, pos, sf):
+    return impl_fn((x, x_sf) if use_x_sf else x, w, pos, fp8_format, sf if fp8_format else None)
+  return fn
+
+
+def _reduce_case(experts, ranks, num_topk, hidden, in_dtype, fp8, use_x_sf, send_tokens=SEND_TOKENS):
+  idx, _, _ = _routing(experts, ranks, num_topk, send_tokens)
+  pos = np.asarray(moe.get_fused_mapping(jnp.asarray(idx), experts, 0, 1)[3])
+  t = idx.shape[0]
+  itemsize = jnp.dtype(in_dtype).itemsize
+  out_size = 1 if fp8 else itemsize
+  nbytes = (t * num_topk * 4 + (t * num_topk * 4 if use_x_sf else 0) + t * hidden * out_size
+            + int((pos >= 0).sum()) * hidden * itemsize + t * num_topk * 4)
+
+  def make_args(key):
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    return (randn(k1, (t * num_topk, hidden), in_dtype), randn(k2, (t * num_topk,), jnp.float32),
+            jax.random.uniform(k3, (t, num_topk), jnp.float32), jnp.asarray(pos), randn(k4, (1,), jnp.float32))
+
+  name = jnp.dtype(in_dtype).name
+  return Case(_label(experts, ranks, num_topk, t, f"H={hidden} {name}->{'e4m3' if fp8 else name}"), make_args, nbytes)
+
+
+for _fp8, _xsf in itertools.product(("", "e4m3"), (False, True)):
+  register(BenchOp(
+      f"reduce_fused:{_fp8 or 'same'}{':x_sf' if _xsf else ''}",
+      _reduce_fn(moe.reduce_fused, _fp8, _xsf), _reduce_fn(ref.reduce_fused, _fp8, _xsf),
+      functools.partial(lambda fp8, xsf: [_reduce_case(e, r, k, h, d, fp8, xsf)
+                                          for (e, r, k) in MOE_PARAMS if k == 6
+                                          for h in hidden_sizes(256) for d in (jnp.float32, jnp.bfloat16)],
+                        _fp8, _xsf),
+      functools.partial(lambda fp8, xsf: [_reduce_case(9, 8, 6, 256, jnp.bfloat16, fp8, xsf, 1)], _fp8, _xsf)))

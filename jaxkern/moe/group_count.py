@@ -1,0 +1,32 @@
+"""``group_count``: int32 histogram of indices, ignoring -1 (spec §6.3).
+
+No Pallas kernel: an XLA scatter-add of int32 ones (exact, hence deterministic in any order).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxkern import _config
+from jaxkern.moe import _routing
+from jaxkern.reference import moe_routing as ref
+
+
+def group_count(group_idx: jax.Array, num_groups: int, *, implementation: str | None = None) -> jax.Array:
+  """Counts the entries equal to each ``g`` in ``[0, num_groups)``.
+
+  Args:
+    group_idx: ``(T, K)`` int32 or int64, entries in ``{-1} ∪ [0, num_groups)`` (concrete
+      arrays are range-checked; traced out-of-range entries are ignored).
+    num_groups: number of buckets (static).
+    implementation: see :mod:`jaxkern._config` (every choice runs the same XLA code).
+
+  Returns:
+    ``(num_groups,)`` int32 counts.
+  """
+  _routing.check_index("group_idx", group_idx, 2)
+  if num_groups < 1:
+    raise ValueError(f"num_groups must be positive, got {num_groups}")
+  _routing.check_values_below("group_idx", group_idx, num_groups)
+  _config.get_implementation(implementation)
+  return ref.group_count(group_idx, num_groups)

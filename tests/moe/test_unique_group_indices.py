@@ -1,0 +1,46 @@
+import hypothesis
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+from jaxkern import moe
+from jaxkern.testing import assert_bitwise_equal, moe_topk_idx
+
+
+def _expected(g):
+  out = g.copy()
+  for row in out:
+    seen = set()
+    for j, v in enumerate(row):
+      if v >= 0 and v in seen:
+        row[j] = -1
+      seen.add(v)
+  return out
+
+
+@pytest.mark.parametrize("num_groups", [8, 16, 72])
+@pytest.mark.parametrize("num_topk, experts, ranks", [(2, 9, 8), (6, 32, 8), (9, 4, 64), (8, 72, 1)])
+def test_spec_grid(key, num_topk, experts, ranks, num_groups):
+  if (experts * ranks) % num_groups:
+    pytest.skip("total experts not a multiple of num_groups")
+  idx = moe_topk_idx(key, 8, num_topk, experts, ranks)
+  g = np.where(idx >= 0, idx // (experts * ranks // num_groups), -1).astype(np.int32)
+  assert_bitwise_equal(jax.jit(moe.unique_group_indices, static_argnums=1)(jnp.asarray(g), num_groups), _expected(g))
+
+
+@hypothesis.settings(max_examples=20, deadline=None)
+@hypothesis.given(g=hnp.arrays(np.int32, st.tuples(st.integers(0, 6), st.integers(1, 9)),
+                               elements=st.integers(-3, 5)))
+def test_random_rows(g):
+  """Negative values, repeated -3 included, stay as they are (the upstream kernel's behaviour)."""
+  assert_bitwise_equal(moe.unique_group_indices(jnp.asarray(g), 8), _expected(g))
+
+
+def test_bad_inputs():
+  with pytest.raises(ValueError, match="group_indices must have rank 2"):
+    moe.unique_group_indices(jnp.zeros((4,), jnp.int32), 8)
+  with pytest.raises(ValueError, match="num_groups"):
+    moe.unique_group_indices(jnp.zeros((4, 2), jnp.int32), 200)
