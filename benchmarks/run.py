@@ -1,4 +1,4 @@
-"""Benchmark runner: ``python -m benchmarks.run [--ops NAMES] [--out FILE] [--iterations N]``.
+"""Benchmark runner: ``python -m benchmarks.run [--ops NAMES] [--shapes REGEX] [--out FILE] [--iterations N]``.
 
 On a GPU: for every registered op and spec shape, checks the kernel against the
 reference, then times the kernel and the XLA-compiled ``jnp`` reference with CUPTI
@@ -20,6 +20,7 @@ import importlib
 import json
 import pathlib
 import pkgutil
+import re
 import sys
 import time
 
@@ -68,7 +69,7 @@ def _correctness_pass(ops) -> int:
   return failures
 
 
-def _benchmark(ops, out_path: pathlib.Path, iterations: int) -> int:
+def _benchmark(ops, out_path: pathlib.Path, iterations: int, shapes: str | None) -> int:
   from jaxkern.testing.timing import copy_bandwidth_gbps, device_time_us
 
   device = jax.devices()[0].device_kind
@@ -83,6 +84,8 @@ def _benchmark(ops, out_path: pathlib.Path, iterations: int) -> int:
   with out_path.open("a") as f:
     for op in ops:
       for case in op.cases():
+        if shapes and not re.search(shapes, case.label):
+          continue
         kernel = jax.jit(functools.partial(op.fn, **case.kwargs))
         ref = jax.jit(functools.partial(op.reference, **case.kwargs))
         key, sub = jax.random.split(key)
@@ -113,6 +116,7 @@ def _benchmark(ops, out_path: pathlib.Path, iterations: int) -> int:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--ops", help="comma-separated op names (default: all registered)")
+  parser.add_argument("--shapes", help="only the shapes whose label matches this regular expression")
   parser.add_argument("--out", type=pathlib.Path, help="JSONL output (default: benchmarks/results/<date>_<gpu>.jsonl)")
   parser.add_argument("--iterations", type=int, default=30, help="timed calls per measurement (median)")
   args = parser.parse_args(argv)
@@ -121,7 +125,7 @@ def main(argv=None) -> int:
     return 1 if _correctness_pass(ops) else 0
   slug = jax.devices()[0].device_kind.replace(" ", "-")
   out = args.out or RESULTS / f"{datetime.date.today().isoformat()}_{slug}.jsonl"
-  return 1 if _benchmark(ops, out, args.iterations) else 0
+  return 1 if _benchmark(ops, out, args.iterations, args.shapes) else 0
 
 
 if __name__ == "__main__":
