@@ -34,8 +34,20 @@ from jaxkern.reference import quant as ref
 BM = 64  # rows per CTA (the WGMMA register layout)
 TILE = 256  # columns per TMA box (the TMA limit)
 ROW_ALIGN = 8  # TMA row granularity of the tiled SMEM
-# 64-byte swizzle for the e4m3 output tile, so that widths that are multiples of 64 (576) can be stored.
-_OUT_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
+# 64-byte swizzle for e4m3 SMEM tiles, so that arrays whose width is a multiple of 64 (576) can be copied.
+FP8_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
+
+
+def group_select(values, width: int):
+  """Per-row values of consecutive column groups -> a ``(64, width)`` register array (WGMMA layout):
+  ``values[s]`` fills the columns of group ``s`` (groups of ``width / len(values)`` columns)."""
+  if len(values) == 1:
+    return values[0][:, None]
+  col = plgpu.broadcasted_iota(jnp.int32, (BM, width), 1, layout=plgpu.Layout.WGMMA) // (width // len(values))
+  out = values[0][:, None]
+  for s in range(1, len(values)):
+    out = jnp.where(col == s, values[s][:, None], out)
+  return out
 
 
 def _tile_width(k: int, npc: int) -> int:
@@ -65,7 +77,7 @@ def _kernel(x, sf_in, *, npc, round_sf, write_data, compute_sf, interpret):
     out_type.append(jax.ShapeDtypeStruct((ng, mb * BM), jnp.float32))
   scratch = dict(x_s=plgpu.SMEM((BM, t), x.dtype), bar=plgpu.Barrier(num_arrivals=1))
   if write_data:
-    scratch["o_s"] = plgpu.SMEM((BM, t), jnp.float8_e4m3fn, transforms=_OUT_TRANSFORMS)
+    scratch["o_s"] = plgpu.SMEM((BM, t), jnp.float8_e4m3fn, transforms=FP8_TRANSFORMS)
   grid, names = ((mb,), ("i",)) if row_mode else ((mb, kt), ("i", "j"))
   gw = t if row_mode else npc  # group width inside a tile
 
@@ -102,9 +114,7 @@ def _kernel(x, sf_in, *, npc, round_sf, write_data, compute_sf, interpret):
 
     def quantise_tile(j, invs):
       for c in range(len(invs) // nsub):
-        inv = invs[c * nsub][:, None]
-        for s in range(1, nsub):
-          inv = jnp.where(col == s, invs[c * nsub + s][:, None], inv)
+        inv = group_select(invs[c * nsub:(c + 1) * nsub], cw)
         o_s.at[:, pl.ds(c * cw, cw)][...] = ref.encode_e4m3(chunk(c) * inv)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_s, o_g.at[rows, pl.ds(j * t, t)])
