@@ -5,7 +5,8 @@ Mosaic GPU kernel: each CTA (one warpgroup) owns 64 rows. Tiles of ``(64, 256)``
 registers in the WGMMA layout (a row reduction gives each group's amax), quantised, written to SMEM
 as e4m3 and stored by TMA (clipped at the edge). Groups of at most 128 columns never straddle a
 tile, so the grid is ``(row blocks, column tiles)``; one scale per row (``num_per_channels == K``
-with ``K > 256``) makes each CTA walk its rows twice (amax, then quantisation).
+with ``K > 256``) makes each CTA walk its rows twice: a TMA-pipelined amax pass (``emit_pipeline``,
+up to 128 KiB of tiles in flight), then a quantisation pass that re-reads each tile.
 
 Exact numerics (quant.md §3.3/§4.8): ``sf = a / 448`` and ``sf_inv = 448 / a`` are true divisions
 by a divisor that the kernel loads from memory, so XLA (interpret mode) cannot turn them into
@@ -34,6 +35,7 @@ from jaxkern.reference import quant as ref
 BM = 64  # rows per CTA (the WGMMA register layout)
 TILE = 256  # columns per TMA box (the TMA limit)
 ROW_ALIGN = 8  # TMA row granularity of the tiled SMEM
+_PIPELINE_BYTES = 128 << 10  # SMEM for the in-flight tiles of the amax pipeline (one sf per row)
 # 64-byte swizzle for e4m3 SMEM tiles, so that arrays whose width is a multiple of 64 (576) can be copied.
 FP8_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
 
@@ -75,7 +77,7 @@ def _kernel(x, sf_in, *, npc, round_sf, write_data, compute_sf, interpret):
     out_type.append(jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn))
   if compute_sf:
     out_type.append(jax.ShapeDtypeStruct((ng, mb * BM), jnp.float32))
-  scratch = dict(x_s=plgpu.SMEM((BM, t), x.dtype), bar=plgpu.Barrier(num_arrivals=1))
+  scratch = {} if row_mode else dict(x_s=plgpu.SMEM((BM, t), x.dtype), bar=plgpu.Barrier(num_arrivals=1))
   if write_data:
     scratch["o_s"] = plgpu.SMEM((BM, t), jnp.float8_e4m3fn, transforms=FP8_TRANSFORMS)
   grid, names = ((mb,), ("i",)) if row_mode else ((mb, kt), ("i", "j"))
@@ -83,7 +85,7 @@ def _kernel(x, sf_in, *, npc, round_sf, write_data, compute_sf, interpret):
 
   @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=grid, grid_names=names,
                      scratch_types=scratch, interpret=interpret)
-  def kernel(*refs, x_s, bar, o_s=None):
+  def kernel(*refs, x_s=None, bar=None, o_s=None):
     x_g, c_g, *rest = refs
     sfin_g = rest.pop(0) if sf_in is not None else None
     o_g = rest.pop(0) if write_data else None
@@ -100,8 +102,9 @@ def _kernel(x, sf_in, *, npc, round_sf, write_data, compute_sf, interpret):
     nsub = cw // gw  # groups per chunk (groups of 16 / 32 columns are selected by masks)
     col = plgpu.broadcasted_iota(jnp.int32, (BM, cw), 1, layout=plgpu.Layout.WGMMA) // gw if nsub > 1 else None
 
-    def chunk(c):
-      return plgpu.load(x_s.at[:, pl.ds(c * cw, cw)], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+    def chunk(c, src=None):
+      src = x_s if src is None else src
+      return plgpu.load(src.at[:, pl.ds(c * cw, cw)], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
 
     def chunk_amax(c):
       a = jnp.abs(chunk(c))
@@ -112,10 +115,10 @@ def _kernel(x, sf_in, *, npc, round_sf, write_data, compute_sf, interpret):
     def inverse(sf):
       return 1.0 / sf
 
-    def quantise_tile(j, invs):
+    def quantise_tile(j, invs, src=None):
       for c in range(len(invs) // nsub):
         inv = group_select(invs[c * nsub:(c + 1) * nsub], cw)
-        o_s.at[:, pl.ds(c * cw, cw)][...] = ref.encode_e4m3(chunk(c) * inv)
+        o_s.at[:, pl.ds(c * cw, cw)][...] = ref.encode_e4m3(chunk(c, src) * inv)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_s, o_g.at[rows, pl.ds(j * t, t)])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -138,24 +141,22 @@ def _kernel(x, sf_in, *, npc, round_sf, write_data, compute_sf, interpret):
         quantise_tile(j, invs)
       return
 
+    pipeline = functools.partial(
+        plgpu.emit_pipeline, grid=(kt,), in_specs=[plgpu.BlockSpec((BM, t), lambda j: (i, j))],
+        max_concurrent_steps=min(kt, _PIPELINE_BYTES // (BM * t * x.dtype.itemsize)))
     if sf_in is not None:
       inv = inverse(plgpu.load(sfin_g.at[0, rows], layout=row_layout, optimized=False))
     else:
-      def amax_step(j, a):
-        load_tile(j)
-        return jnp.maximum(a, chunk_amax(0)[0])
+      def amax_step(_, x_blk, a):
+        v = plgpu.load(x_blk, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        return jnp.maximum(a, jnp.max(jnp.abs(v), axis=1))
 
-      a = lax.fori_loop(0, kt, amax_step, jnp.zeros((BM,), jnp.float32))
+      a = pipeline(amax_step, init_carry=jnp.zeros((BM,), jnp.float32))(x_g)
       sf, inv = ref.scale_factors(a, maxv, "e4m3", round_sf)
       if compute_sf:
         sf_g[0, rows] = sf
     if write_data:
-      def quant_step(j, carry):
-        load_tile(j)
-        quantise_tile(j, [inv])
-        return carry
-
-      lax.fori_loop(0, kt, quant_step, 0)
+      pipeline(lambda idx, x_blk: quantise_tile(idx[0], [inv], x_blk))(x_g)
 
   args = (x, consts) if sf_in is None else (x, consts, sf_in)
   outs = list(kernel(*args))
