@@ -34,7 +34,7 @@ def test_cast_back_bit_exact(key, m, k, block, flags, fmt):
 
 
 @pytest.mark.parametrize("fmt, tol", [("e4m3", 1e-3), ("e2m1", 2e-2)])
-@pytest.mark.parametrize("npc", [32, 128])
+@pytest.mark.parametrize("npc", [32])
 def test_per_token_round_trip(key, fmt, tol, npc):
   x = randn(key, (48, 256), jnp.bfloat16)
   q = quant.per_token_cast(x, fmt, npc, None, True, True, True)
@@ -43,7 +43,7 @@ def test_per_token_round_trip(key, fmt, tol, npc):
 
 
 def test_fp4_and_per_channel_blocks_use_the_reference(key):
-  x, q = _quantised(key, 256, 128, (128, 1), "A")
+  x, q = _quantised(key, 128, 64, (128, 1), "A")
   assert_diff_below(quant.cast_back(q, "fp32", (128, 1)), x, 1e-3)
   x, q = _quantised(key, 16, 64, (1, 32), "C", "e2m1")
   back = quant.cast_back(q, "bf16", (1, 32))

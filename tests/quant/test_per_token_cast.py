@@ -25,13 +25,13 @@ def _both(f, *args, **kw):
   return f(*args, **kw), f(*args, **kw, implementation="reference")
 
 
-@pytest.mark.parametrize("flags", ["A", "C"])
-@pytest.mark.parametrize("m, k, npc, dtype", [
-    (100, 576, 128, jnp.bfloat16),  # ragged rows (padded to 8), partial last group
-    (72, 576, 576, jnp.float32),  # one sf per row, K > 256: two passes
-    (40, 320, 32, jnp.bfloat16),  # groups selected by masks inside a 64-wide chunk
-    (130, 192, 192, jnp.bfloat16),  # one sf per row, single tile
-    (9, 448, 16, jnp.float32),
+@pytest.mark.parametrize("m, k, npc, dtype, flags", [
+    (100, 576, 128, jnp.bfloat16, "A"),  # ragged rows (padded to 8), partial last group
+    (100, 576, 128, jnp.bfloat16, "C"),
+    (72, 576, 576, jnp.float32, "A-round"),  # one sf per row, K > 256: two pipelined passes
+    (40, 320, 32, jnp.bfloat16, "C"),  # groups selected by masks inside a 64-wide chunk
+    (130, 192, 192, jnp.bfloat16, "B"),  # one sf per row, single tile
+    (9, 448, 16, jnp.float32, "A"),
 ])
 def test_per_token_cast_bit_exact(key, m, k, npc, dtype, flags):
   x = _input(key, m, k, dtype)
@@ -160,10 +160,10 @@ def test_bad_precomputed_sf():
     quant.per_token_cast_with_precomputed_sf(x, "e4m3", 32, jnp.ones((8, 2), jnp.float32), None, True)
 
 
-@pytest.mark.parametrize("flags", ["A", "C"])
-@pytest.mark.parametrize("m, k, npc, dtype", [
-    (4001, 576, 32, jnp.float32), (4001, 576, 128, jnp.bfloat16), (8001, 7168, 128, jnp.bfloat16),
-    (8001, 7168, 7168, jnp.bfloat16), (4096, 576, 576, jnp.float32), (4096, 2048, 16, jnp.bfloat16),
+@pytest.mark.parametrize("m, k, npc, dtype, flags", [
+    (4001, 576, 32, jnp.float32, "C"), (4001, 576, 128, jnp.bfloat16, "A"), (8001, 7168, 128, jnp.bfloat16, "C"),
+    (8001, 7168, 7168, jnp.bfloat16, "C"), (8001, 7168, 7168, jnp.float32, "A"), (4096, 576, 576, jnp.float32, "B"),
+    (4096, 2048, 16, jnp.bfloat16, "A"),
 ])
 def test_lowers_for_h100(m, k, npc, dtype, flags):
   s = jax.ShapeDtypeStruct((m, k), dtype)
