@@ -61,4 +61,41 @@ for _name, _w in (("npc128", 128), ("row", None)):
         _grid(_back_case, _w, (_out,)),
         lambda _w=_w, _out=_out: [_back_case(72, 576, _out, _w)]))
 
-del _name, _w, _out
+
+
+def _block_case(m, k, dtype_name, block):
+  dtype = _DTYPES[dtype_name]
+  nbytes = m * k * jnp.dtype(dtype).itemsize + m * k + (-(-m // block[0])) * (-(-k // block[1])) * 4
+  return Case(f"M={m} K={k} {dtype_name}", lambda key: (randn(key, (m, k), dtype),), nbytes)
+
+
+for _bm, _bk in itertools.product((32, 128), repeat=2):
+  register(BenchOp(
+      f"per_block_cast_{_bm}x{_bk}",
+      lambda x, _b=(_bm, _bk): quant.per_block_cast(x, "e4m3", _b, True, True, True),
+      lambda x, _b=(_bm, _bk): ref.cast(x, "e4m3", _b, round_sf=True, use_tma_aligned_col_major_sf=True,
+                                        use_packed_ue8m0=True),
+      _grid(_block_case, (_bm, _bk), ("fp32", "bf16")),
+      lambda _b=(_bm, _bk): [_block_case(100, 576, "bf16", _b)]))
+
+
+def _channel_grid(npt, dtypes):
+  return lambda: [_block_case(m, k, d, (npt, 1))
+                  for d, m, k in itertools.product(dtypes, num_tokens(128), hidden_sizes(64))]
+
+
+register(BenchOp(
+    "per_channel_cast",
+    lambda x: quant.per_channel_cast(x, "e4m3", 128),
+    lambda x: ref.cast(x, "e4m3", (128, 1)),
+    _channel_grid(128, ("bf16",)),
+    lambda: [_block_case(256, 576, "bf16", (128, 1))]))
+for _npt in (32, 128):
+  register(BenchOp(
+      f"per_channel_cast_and_transpose_npt{_npt}",
+      lambda x, _npt=_npt: quant.per_channel_cast_and_transpose(x, "e4m3", _npt),
+      lambda x, _npt=_npt: (lambda o: (o[0].T, o[1]))(ref.cast(x, "e4m3", (_npt, 1))),
+      _channel_grid(_npt, ("bf16",)),
+      lambda _npt=_npt: [_block_case(128, 192, "bf16", (_npt, 1))]))
+
+del _name, _w, _out, _bm, _bk, _npt
