@@ -77,7 +77,7 @@ def _kernel(x, sf_in, *, block_size, round_sf, write_data, compute_sf, interpret
       return pl.ds(i * r + h * BM, BM)
 
     if sf_in is not None:
-      invs = [[1.0 / plgpu.load(sfin_g.at[j * gpt + g, rows(h)], layout=row_layout, optimized=False)
+      invs = [[common.exact_div(1.0, plgpu.load(sfin_g.at[j * gpt + g, rows(h)], layout=row_layout, optimized=False))
                for g in range(gpt)] for h in range(halves)]
     else:
       maxv = plgpu.load(c_g, layout=row_layout, optimized=False)
@@ -99,7 +99,7 @@ def _kernel(x, sf_in, *, block_size, round_sf, write_data, compute_sf, interpret
           hi = jnp.max(jnp.where(row >= 32, rm, 0.0), axis=0)
           blk = [jnp.where(row < 32, lo, hi)]
         for h in range(halves):
-          sf, inv = ref.scale_factors(blk[h], maxv, "e4m3", round_sf)
+          sf, inv = ref.scale_factors(blk[h], maxv, "e4m3", round_sf, div=common.exact_div)
           invs[h].append(inv)
           if compute_sf:
             sf_g[j * gpt + g, rows(h)] = sf

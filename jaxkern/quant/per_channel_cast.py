@@ -54,14 +54,14 @@ def _kernel(x, *, npt, round_sf, interpret):
          for h in range(r // BM)]
     if npt == 128:
       a = jnp.maximum(jnp.max(jnp.abs(v[0]), axis=0), jnp.max(jnp.abs(v[1]), axis=0))
-      sf, inv = ref.scale_factors(a, maxv, "e4m3", round_sf)
+      sf, inv = ref.scale_factors(a, maxv, "e4m3", round_sf, div=common.exact_div)
       sf_g[i, cols] = sf
       invs = [inv[None, :]] * 2
     else:
       row = plgpu.broadcasted_iota(jnp.int32, (BM, t), 0, layout=plgpu.Layout.WGMMA) < 32
       av = jnp.abs(v[0])
-      lo = ref.scale_factors(jnp.max(jnp.where(row, av, 0.0), axis=0), maxv, "e4m3", round_sf)
-      hi = ref.scale_factors(jnp.max(jnp.where(row, 0.0, av), axis=0), maxv, "e4m3", round_sf)
+      lo = ref.scale_factors(jnp.max(jnp.where(row, av, 0.0), axis=0), maxv, "e4m3", round_sf, div=common.exact_div)
+      hi = ref.scale_factors(jnp.max(jnp.where(row, 0.0, av), axis=0), maxv, "e4m3", round_sf, div=common.exact_div)
       sf_g[2 * i, cols] = lo[0]
       sf_g[2 * i + 1, cols] = hi[0]
       invs = [jnp.where(row, lo[1][None, :], hi[1][None, :])]

@@ -8,11 +8,11 @@ tile, so the grid is ``(row blocks, column tiles)``; one scale per row (``num_pe
 with ``K > 256``) makes each CTA walk its rows twice: a TMA-pipelined amax pass (``emit_pipeline``,
 up to 128 KiB of tiles in flight), then a quantisation pass that re-reads each tile.
 
-Exact numerics (quant.md §3.3/§4.8): ``sf = a / 448`` and ``sf_inv = 448 / a`` are true divisions
-by a divisor that the kernel loads from memory, so XLA (interpret mode) cannot turn them into
-reciprocal multiplies; on the GPU Mosaic emits ``arith.divf`` (checked by a ``gpu`` test against
-numpy). The kernel writes the scale factors as float32 ``(groups, rows)``; the wrapper turns them
-into the requested layout (A, B or packed UE8M0 C). TMA needs the row count of the array to be a
+Exact numerics (quant.md §3.3/§4.8): ``sf = a / 448``, ``sf_inv = 448 / a`` and ``1 / sf`` are
+correctly rounded with :func:`jaxkern.quant.common.exact_div` (the GPU's ``/`` is approximate; the
+divisor 448 is loaded from memory so that XLA cannot fold it in interpret mode), checked against
+numpy by a ``gpu`` test. The kernel writes the scale factors as float32 ``(groups, rows)``; the
+wrapper turns them into the requested layout (A, B or packed UE8M0 C). TMA needs the row count of the array to be a
 multiple of 8 (the SMEM tiling of the WGMMA layout), so other row counts are padded in the wrapper.
 
 FP4 e2m1 outputs and QuantTensor inputs run the ``jnp`` reference for now.
@@ -113,7 +113,7 @@ def _kernel(x, sf_in, *, npc, round_sf, write_data, compute_sf, interpret):
       return [jnp.max(jnp.where(col == s, a, 0.0), axis=1) for s in range(nsub)]
 
     def inverse(sf):
-      return 1.0 / sf
+      return common.exact_div(1.0, sf)
 
     def quantise_tile(j, invs, src=None):
       for c in range(len(invs) // nsub):
@@ -133,7 +133,7 @@ def _kernel(x, sf_in, *, npc, round_sf, write_data, compute_sf, interpret):
         amaxes = [a for c in range(gpt // nsub) for a in chunk_amax(c)]
         invs = []
         for g, a in enumerate(amaxes):
-          sf, inv = ref.scale_factors(a, maxv, "e4m3", round_sf)
+          sf, inv = ref.scale_factors(a, maxv, "e4m3", round_sf, div=common.exact_div)
           invs.append(inv)
           if compute_sf:
             sf_g[j * gpt + g, rows] = sf
@@ -152,7 +152,7 @@ def _kernel(x, sf_in, *, npc, round_sf, write_data, compute_sf, interpret):
         return jnp.maximum(a, jnp.max(jnp.abs(v), axis=1))
 
       a = pipeline(amax_step, init_carry=jnp.zeros((BM,), jnp.float32))(x_g)
-      sf, inv = ref.scale_factors(a, maxv, "e4m3", round_sf)
+      sf, inv = ref.scale_factors(a, maxv, "e4m3", round_sf, div=common.exact_div)
       if compute_sf:
         sf_g[0, rows] = sf
     if write_data:
