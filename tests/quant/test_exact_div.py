@@ -83,11 +83,15 @@ def test_reference_ieee_div_matches_numpy(jit):
 
 
 def test_reference_rounding_survives_an_inexact_float64_quotient():
-  """The GPU's float64 quotient need not be correctly rounded: perturb it by a few float64 ulps."""
+  """The GPU's float64 quotient need not be correctly rounded: start from the float64 midpoint
+  between the true float32 quotient and a neighbour, where rounding alone goes wrong half the time."""
   a, b = _pairs()
   a, b = np.abs(a), np.abs(b)
-  q64 = a.astype(np.float64) / b.astype(np.float64)
-  q64 = q64 * (1 + np.random.default_rng(2).integers(-4, 5, q64.shape) * 2.0**-52)
+  want = a / b
+  up = np.random.default_rng(2).random(want.shape) < 0.5
+  other = np.nextafter(want, np.where(up, np.float32(np.inf), np.float32(0)))
+  q64 = (want.astype(np.float64) + other.astype(np.float64)) / 2
+  assert np.mean(q64.astype(np.float32) != want) > 0.3
   with jax.enable_x64(True):
     got = ref._round_quotient(jnp.asarray(q64), jnp.asarray(a, jnp.float64), jnp.asarray(b, jnp.float64))
-  assert_bitwise_equal(got, a / b)
+  assert_bitwise_equal(got, want)
