@@ -6,24 +6,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern.quant import common
 from jaxkern.reference import quant as ref
-from jaxkern.testing import assert_bitwise_equal
+from jaxkern.testing import assert_bitwise_equal, lower_for_h100
 
 
 def _in_kernel(f, *args):
-  """``f`` on ``(R, 128)`` float32 arrays inside a Mosaic GPU kernel (interpret mode)."""
-
-  args = [jnp.asarray(x.reshape(-1, 128)) for x in args]
+  """``f`` on ``(R, 128)`` float32 arrays inside a Mosaic GPU kernel, in interpret mode on the CPU
+  (XLA on GPU neither contracts ``a*b+c`` nor divides exactly; the GPU kernels are checked by the
+  ``gpu`` tests of the ops)."""
+  cpu = jax.devices("cpu")[0]
+  args = [jax.device_put(x.reshape(-1, 128), cpu) for x in args]
 
   @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct(args[0].shape, jnp.float32), interpret=True)
   def kernel(*refs):
     *ins, o_g = refs
     o_g[...] = f(*(r[...] for r in ins))
 
-  return kernel(*args)
+  with jax.default_device(cpu):
+    return kernel(*args)
 
 
 def _hard_pairs(rng, n):
@@ -95,3 +100,37 @@ def test_reference_rounding_survives_an_inexact_float64_quotient():
   with jax.enable_x64(True):
     got = ref._round_quotient(jnp.asarray(q64), jnp.asarray(a, jnp.float64), jnp.asarray(b, jnp.float64))
   assert_bitwise_equal(got, want)
+
+
+def _gpu_kernel_div(a, b):
+  """``exact_div`` in a compiled Mosaic GPU kernel: ``(R, 128)`` float32 tiles of 64 rows via TMA."""
+  r = a.shape[0]
+
+  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct(a.shape, jnp.float32), grid=(r // 64,),
+                     grid_names=("i",), scratch_types=dict(a_s=plgpu.SMEM((64, 128), jnp.float32),
+                                                           b_s=plgpu.SMEM((64, 128), jnp.float32),
+                                                           o_s=plgpu.SMEM((64, 128), jnp.float32),
+                                                           bar=plgpu.Barrier(num_arrivals=2)))
+  def kernel(a_g, b_g, o_g, a_s, b_s, o_s, bar):
+    rows = pl.ds(lax.axis_index("i") * 64, 64)
+    plgpu.copy_gmem_to_smem(a_g.at[rows], a_s, bar)
+    plgpu.copy_gmem_to_smem(b_g.at[rows], b_s, bar)
+    plgpu.barrier_wait(bar)
+    o_s[...] = common.exact_div(plgpu.load(a_s, layout=plgpu.Layout.WGMMA), plgpu.load(b_s, layout=plgpu.Layout.WGMMA))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_s, o_g.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  return kernel(a, b)
+
+
+def test_gpu_kernel_lowers_for_h100():
+  s = jax.ShapeDtypeStruct((1024, 128), jnp.float32)
+  assert "mosaic_gpu" in lower_for_h100(_gpu_kernel_div, s, s).as_text()
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_exact_div_matches_numpy():
+  a, b = _pairs()
+  got = _gpu_kernel_div(jnp.asarray(a.reshape(-1, 128)), jnp.asarray(b.reshape(-1, 128)))
+  assert_bitwise_equal(np.asarray(got).reshape(-1), a / b)
