@@ -1,1 +1,40 @@
-"""FP8 / FP4 / E5M6 casts with per-token, per-block and per-channel scales; ops land here as they are ported."""
+"""FP8 e4m3 / FP4 e2m1 casts with per-token, per-block and per-channel scales (spec: quant.md).
+
+A QuantTensor is a plain tuple ``(data, sf)``. Scale-factor layouts: see :mod:`jaxkern.reference.quant`.
+"""
+
+from jaxkern.quant.cast_back import cast_back, per_token_cast_back, unpack_from_e2m1fn_x2
+from jaxkern.quant.common import sf_logical, sf_to_float
+from jaxkern.quant.per_block_cast import (
+    per_block_cast,
+    per_block_cast_lossless,
+    per_block_cast_with_precomputed_sf,
+    per_block_cast_with_sf_only,
+)
+from jaxkern.quant.per_channel_cast import per_channel_cast, per_channel_cast_and_transpose, per_channel_cast_fused
+from jaxkern.quant.per_token_cast import (
+    per_token_cast,
+    per_token_cast_with_precomputed_sf,
+    per_token_cast_with_sf_only,
+)
+
+QuantTensor = tuple
+
+__all__ = [
+    "QuantTensor",
+    "cast_back",
+    "per_block_cast",
+    "per_block_cast_lossless",
+    "per_block_cast_with_precomputed_sf",
+    "per_block_cast_with_sf_only",
+    "per_channel_cast",
+    "per_channel_cast_and_transpose",
+    "per_channel_cast_fused",
+    "per_token_cast",
+    "per_token_cast_back",
+    "per_token_cast_with_precomputed_sf",
+    "per_token_cast_with_sf_only",
+    "sf_logical",
+    "sf_to_float",
+    "unpack_from_e2m1fn_x2",
+]

@@ -1,0 +1,101 @@
+"""jaxkern.quant casts on the spec's benchmark shapes (quant.md §11).
+
+Static arguments cannot travel through ``make_args``, so each group width is its own benchmark op
+(``npc=K`` derives the width from the input). Byte counts are the logical sizes (input, data, sf).
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.registry import BenchOp, Case, register
+from jaxkern import quant
+from jaxkern.reference import quant as ref
+from jaxkern.testing import hidden_sizes, num_tokens, randn
+
+_DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
+_NPCS = {"npc32": 32, "npc64": 64, "npc128": 128, "row": None}
+
+
+def _npc(x, npc):
+  return npc or x.shape[-1]
+
+
+def _cast_case(m, k, dtype_name, npc):
+  dtype = _DTYPES[dtype_name]
+  kb = -(-k // (npc or k))
+  nbytes = m * k * jnp.dtype(dtype).itemsize + m * k + m * kb * 4
+  return Case(f"M={m} K={k} {dtype_name}", lambda key: (randn(key, (m, k), dtype),), nbytes)
+
+
+def _back_case(m, k, out_name, npc):
+  npc = npc or k
+  nbytes = m * k * jnp.dtype(_DTYPES[out_name]).itemsize + m * k + m * (-(-k // npc)) * 4
+
+  def make(key):
+    return ref.cast(randn(key, (m, k), jnp.float32), "e4m3", (1, npc), round_sf=True)
+
+  return Case(f"M={m} K={k} {out_name}", make, nbytes)
+
+
+def _grid(case, npc, names):
+  return lambda: [case(m, k, d, npc) for d, m, k in itertools.product(names, num_tokens(), hidden_sizes(64))]
+
+
+for _name, _w in _NPCS.items():
+  register(BenchOp(
+      f"per_token_cast_{_name}",
+      lambda x, _w=_w: quant.per_token_cast(x, "e4m3", _npc(x, _w), None, True, True, True),
+      lambda x, _w=_w: ref.cast(x, "e4m3", (1, _npc(x, _w)), round_sf=True, use_tma_aligned_col_major_sf=True,
+                                use_packed_ue8m0=True),
+      _grid(_cast_case, _w, ("fp32", "bf16")),
+      lambda _w=_w: [_cast_case(100, 576, "bf16", _w)]))
+
+for _name, _w in (("npc128", 128), ("row", None)):
+  for _out in ("bf16", "fp32"):
+    register(BenchOp(
+        f"per_token_cast_back_{_name}_{_out}",
+        lambda q, sf, _w=_w, _out=_out: quant.per_token_cast_back((q, sf), _out, _npc(q, _w)),
+        lambda q, sf, _w=_w, _out=_out: ref.cast_back((q, sf), _out, (1, _npc(q, _w))),
+        _grid(_back_case, _w, (_out,)),
+        lambda _w=_w, _out=_out: [_back_case(72, 576, _out, _w)]))
+
+
+
+def _block_case(m, k, dtype_name, block):
+  dtype = _DTYPES[dtype_name]
+  nbytes = m * k * jnp.dtype(dtype).itemsize + m * k + (-(-m // block[0])) * (-(-k // block[1])) * 4
+  return Case(f"M={m} K={k} {dtype_name}", lambda key: (randn(key, (m, k), dtype),), nbytes)
+
+
+for _bm, _bk in itertools.product((32, 128), repeat=2):
+  register(BenchOp(
+      f"per_block_cast_{_bm}x{_bk}",
+      lambda x, _b=(_bm, _bk): quant.per_block_cast(x, "e4m3", _b, True, True, True),
+      lambda x, _b=(_bm, _bk): ref.cast(x, "e4m3", _b, round_sf=True, use_tma_aligned_col_major_sf=True,
+                                        use_packed_ue8m0=True),
+      _grid(_block_case, (_bm, _bk), ("fp32", "bf16")),
+      lambda _b=(_bm, _bk): [_block_case(100, 576, "bf16", _b)]))
+
+
+def _channel_grid(npt, dtypes):
+  return lambda: [_block_case(m, k, d, (npt, 1))
+                  for d, m, k in itertools.product(dtypes, num_tokens(128), hidden_sizes(64))]
+
+
+register(BenchOp(
+    "per_channel_cast",
+    lambda x: quant.per_channel_cast(x, "e4m3", 128),
+    lambda x: ref.cast(x, "e4m3", (128, 1)),
+    _channel_grid(128, ("bf16",)),
+    lambda: [_block_case(256, 576, "bf16", (128, 1))]))
+for _npt in (32, 128):
+  register(BenchOp(
+      f"per_channel_cast_and_transpose_npt{_npt}",
+      lambda x, _npt=_npt: quant.per_channel_cast_and_transpose(x, "e4m3", _npt),
+      lambda x, _npt=_npt: (lambda o: (o[0].T, o[1]))(ref.cast(x, "e4m3", (_npt, 1))),
+      _channel_grid(_npt, ("bf16",)),
+      lambda _npt=_npt: [_block_case(128, 192, "bf16", (_npt, 1))]))
+
+del _name, _w, _out, _bm, _bk, _npt

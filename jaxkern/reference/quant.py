@@ -1,0 +1,288 @@
+"""``jnp`` references for :mod:`jaxkern.quant` (spec: quant.md), plus the shared numerics.
+
+The numeric helpers (scale factors, e4m3 / e2m1 encoding and decoding, the sf layouts)
+are also used inside the Pallas kernels, so kernel and reference round identically.
+Every division is correctly rounded (quant.md §4.8): :func:`ieee_div` here (float64 plus a midpoint
+correction, because XLA's float32 division is approximate on GPU and turns division by a constant
+into a reciprocal multiply), ``jaxkern.quant.common.exact_div`` inside the kernels.
+
+Scale-factor layouts (quant.md §3.1/3.2), for a logical sf matrix ``S`` of shape ``(Mb, Kb)``:
+
+* A (default): ``(Mb, Kb)`` float32, row-major.
+* B (``use_tma_aligned_col_major_sf``): the physical column-major buffer ``(Kb, Mp)`` float32,
+  ``Mp = align(Mb, 4)``, i.e. ``S.T`` zero-padded on its last axis.
+* C (``use_tma_aligned_col_major_sf`` and ``use_packed_ue8m0``, needs ``round_sf``): ``(ceil(Kb/4), Mp)``
+  int32; word ``[w, i]`` holds the UE8M0 bytes of ``S[i, 4w:4w+4]``, block column ``4w`` in the least
+  significant byte; padding bytes and rows are zero.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+MAX_VALUE = {"e4m3": FP8_MAX, "e2m1": FP4_MAX}
+CLAMP_MIN = {"e4m3": float(np.float32(1e-4)), "e2m1": 6.0 * 2.0**-126}
+# Magnitudes of the e2m1 nibbles 0..7; nibbles 8..15 are their negatives.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def _bits(x):
+  return lax.bitcast_convert_type(x, jnp.int32)
+
+
+def _float(u):
+  return lax.bitcast_convert_type(u, jnp.float32)
+
+
+def ieee_div(a, b):
+  """Correctly rounded float32 ``a / b`` (IEEE round to nearest even) on any backend.
+
+  XLA's float32 division is approximate on GPU and becomes a reciprocal multiply for constant
+  divisors, so the quotient ``q`` is formed in float64 and rounded to float32 ``q32``; the exact
+  float64 residuals ``a - q32·b`` and ``a - m·b`` (``m`` the midpoint between ``q32`` and its
+  neighbour on the side of the true quotient; ``m·b`` has at most 49 significant bits) then decide
+  between ``q32`` and that neighbour, ties to the even significand. This stays exact if the float64
+  quotient is off by a few float64 ulps. Assumes finite operands and a normal float32 quotient.
+  """
+  a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+  with jax.enable_x64(True):
+    a64, b64 = jnp.abs(a).astype(jnp.float64), jnp.abs(b).astype(jnp.float64)
+    q = _round_quotient(a64 / b64, a64, b64)
+  sign = (_bits(a) ^ _bits(b)) & jnp.int32(-2**31)
+  return _float(_bits(q) | sign)
+
+
+def _round_quotient(q64, a64, b64):
+  """float32 ``RN(a / b)`` from a float64 quotient ``q64`` of nonnegative float64 ``a``, ``b``
+  (widened float32 values) that is off by at most a few float64 ulps (call under ``enable_x64``)."""
+  q32 = q64.astype(jnp.float32)
+  r0 = a64 - q32.astype(jnp.float64) * b64
+  u = _bits(q32)
+  other = _float(u + jnp.where(r0 > 0, 1, -1))
+  m = (q32.astype(jnp.float64) + other.astype(jnp.float64)) * 0.5
+  rm = a64 - m * b64
+  beyond = (r0 != 0) & (rm != 0) & ((rm > 0) == (r0 > 0))
+  tie = (r0 != 0) & (rm == 0) & ((u & 1) == 1)
+  return jnp.where(beyond | tie, other, q32)
+
+
+def scale_factors(amax, max_value, fmt: str, round_sf: bool, div=ieee_div):
+  """``(sf, sf_inv)`` from a group's absolute maximum (quant.md §3.3).
+
+  ``max_value`` is the format's largest value (a float or an array shaped like ``amax``). ``div`` is
+  the correctly rounded division: :func:`ieee_div` here, ``jaxkern.quant.common.exact_div`` inside
+  the kernels. With ``round_sf`` the sf is the power of two ``2^ceil(log2(a / max_value))`` and
+  ``sf_inv`` its exact inverse.
+  """
+  a = jnp.maximum(amax, CLAMP_MIN[fmt])
+  sf = div(a, max_value)
+  if not round_sf:
+    return sf, div(max_value, a)
+  e = ((_bits(sf) - 1) >> 23) + 1  # biased exponent of the next power of two up
+  return _float(e << 23), _float((254 - e) << 23)
+
+
+def encode_e4m3(q):
+  """float32 -> float8_e4m3fn with saturation to ±448 (round to nearest even)."""
+  return jnp.clip(q, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+
+
+def encode_e2m1(q):
+  """float32 -> e2m1 nibble (int32 in 0..15): round to nearest even, saturate at ±6, keep the sign
+  (quant.md §4.4)."""
+  u = _bits(q)
+  sign = lax.shift_right_logical(u, 31)
+  e = (u >> 23) & 0xFF
+  f = u & 0x7FFFFF
+  shift = jnp.clip(127 - e, 0, 24)
+  big = e >= 127
+  g = jnp.where(big, f, lax.shift_right_logical(0x800000 | f, shift))
+  lost = jnp.where(big, 0, (0x800000 | f) & ((1 << shift) - 1))
+  ee = jnp.where(big, jnp.minimum(e - 126, 4), 0)
+  keep = (g >> 22) & 1
+  guard = (g >> 21) & 1
+  sticky = ((g & 0x1FFFFF) | lost) != 0
+  code = ((ee << 1) | keep) + (guard & (sticky | (keep == 1)).astype(jnp.int32))
+  return (sign << 3) | jnp.minimum(code, 7)
+
+
+def pack_e2m1(nibbles):
+  """``(..., 2L)`` nibbles -> ``(..., L)`` int8, column ``2j`` in the low nibble of byte ``j``."""
+  n = nibbles.reshape(*nibbles.shape[:-1], nibbles.shape[-1] // 2, 2)
+  return (n[..., 0] | (n[..., 1] << 4)).astype(jnp.uint8).astype(jnp.int8)
+
+
+def unpack_from_e2m1fn_x2(x, out_dtype=jnp.float32):
+  """Packed e2m1 bytes ``(..., L)`` (int8 / uint8) -> decoded values ``(..., 2L)``, low nibble first."""
+  b = x.astype(jnp.uint8).astype(jnp.int32)
+  n = jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(*x.shape[:-1], 2 * x.shape[-1])
+  table = jnp.asarray(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), jnp.float32)
+  return table[n].astype(out_dtype)
+
+
+def _decode(q):
+  """Quantised data -> float32 values and logical width: e4m3 ``(M, K)`` or packed e2m1 ``(M, K/2)``."""
+  if q.dtype == jnp.float8_e4m3fn:
+    return q.astype(jnp.float32)
+  return unpack_from_e2m1fn_x2(q)
+
+
+def sf_exponent_bytes(sf):
+  """Biased exponent field (the UE8M0 byte) of a float32 power-of-two sf."""
+  return (_bits(sf) >> 23) & 0xFF
+
+
+def format_sf(sf, use_tma_aligned_col_major_sf: bool = False, use_packed_ue8m0: bool = False):
+  """Logical ``(Mb, Kb)`` float32 sf -> layout A, B or C (see the module docstring)."""
+  if not use_tma_aligned_col_major_sf:
+    return sf
+  mb, kb = sf.shape
+  mp = cdiv(mb, 4) * 4
+  if not use_packed_ue8m0:
+    return jnp.pad(sf.T, ((0, 0), (0, mp - mb)))
+  b = jnp.pad(sf_exponent_bytes(sf), ((0, mp - mb), (0, cdiv(kb, 4) * 4 - kb)))
+  b = b.reshape(mp, cdiv(kb, 4), 4)
+  words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+  return words.T
+
+
+def sf_to_float(sf, num_rows: int, num_cols: int, *, use_tma_aligned_col_major_sf: bool = False):
+  """Any sf layout -> the decoded logical ``(num_rows, num_cols)`` float32 matrix (quant.md §3.4).
+
+  An int32 sf is layout C; a float32 sf is layout B with ``use_tma_aligned_col_major_sf``, else A.
+  UE8M0 bytes decode as ``float(b << 23)`` (0 -> +0.0, 255 -> +inf).
+  """
+  if sf.dtype == jnp.int32:
+    w = sf.T[:num_rows]
+    b = jnp.stack([lax.shift_right_logical(w, 8 * t) & 0xFF for t in range(4)], axis=-1)
+    return _float(b.reshape(num_rows, 4 * w.shape[1])[:, :num_cols] << 23)
+  if use_tma_aligned_col_major_sf:
+    return sf.T[:num_rows]
+  return sf
+
+
+def sf_logical(sf, num_rows: int, *, use_tma_aligned_col_major_sf: bool, use_packed_ue8m0: bool = False):
+  """Layout B / C physical buffer -> the logical view (``(Mb, Kb)`` float32 or ``(Mb, words)`` int32)."""
+  if use_tma_aligned_col_major_sf or use_packed_ue8m0:
+    return sf.T[:num_rows]
+  return sf
+
+
+def _blocked(v, bm: int, bk: int, fill=0.0):
+  """``(M, K)`` -> ``(Mb, bm, Kb, bk)``, padded with ``fill``."""
+  m, k = v.shape
+  mb, kb = cdiv(m, bm), cdiv(k, bk)
+  v = jnp.pad(v, ((0, mb * bm - m), (0, kb * bk - k)), constant_values=fill)
+  return v.reshape(mb, bm, kb, bk)
+
+
+def _unblocked(v, m: int, k: int):
+  mb, bm, kb, bk = v.shape
+  return v.reshape(mb * bm, kb * bk)[:m, :k]
+
+
+def _expand(s, bm: int, bk: int, m: int, k: int):
+  """Per-block ``(Mb, Kb)`` values -> per-element ``(M, K)``."""
+  return jnp.repeat(jnp.repeat(s, bm, axis=0), bk, axis=1)[:m, :k]
+
+
+def _encode(q, fmt: str):
+  if fmt == "e4m3":
+    return encode_e4m3(q)
+  return pack_e2m1(encode_e2m1(q))
+
+
+def cast(x, fmt: str, block_size, *, x_block_size=None, sf=None, round_sf: bool = False,
+         use_tma_aligned_col_major_sf: bool = False, use_packed_ue8m0: bool = False,
+         x_use_tma_aligned_col_major_sf: bool = False):
+  """Blockwise cast to e4m3 / packed e2m1 (the upstream reference ``cast``).
+
+  Args:
+    x: ``(M, K)`` bfloat16 / float32, or a QuantTensor ``(q, sf_in)`` for blocks ``x_block_size``.
+    fmt: ``"e4m3"`` or ``"e2m1"``.
+    block_size: ``(bm, bk)`` of the output sf.
+    sf: optional precomputed float32 layout-A sf ``(Mb, Kb)``; then ``sf_inv = 1 / sf`` and only the
+      data are returned.
+
+  Returns:
+    ``(out, out_sf)`` (or ``out`` with ``sf``): ``out`` ``(M, K)`` e4m3 or ``(M, K/2)`` int8.
+  """
+  bm, bk = block_size
+  if isinstance(x, tuple):
+    q_in, sf_in = x
+    v = _decode(q_in)
+    m, k = v.shape
+    ibm, ibk = x_block_size
+    sfv_in = _expand(sf_to_float(sf_in, cdiv(m, ibm), cdiv(k, ibk),
+                                 use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf), ibm, ibk, m, k)
+    x_val = v * sfv_in
+  else:
+    v = x_val = x.astype(jnp.float32)
+    sfv_in = None
+    m, k = v.shape
+  if sf is not None:
+    inv = _expand(ieee_div(1.0, sf), bm, bk, m, k)
+    return _encode(v * inv if sfv_in is None else v * (sfv_in * inv), fmt)
+  amax = jnp.max(jnp.abs(_blocked(x_val, bm, bk)), axis=(1, 3))
+  out_sf, inv = scale_factors(amax, MAX_VALUE[fmt], fmt, round_sf)
+  inv = _expand(inv, bm, bk, m, k)
+  # Scales first for a QuantTensor input (the kernels' order, quant.md §4.3).
+  q = v * inv if sfv_in is None else v * (sfv_in * inv)
+  return _encode(q, fmt), format_sf(out_sf, use_tma_aligned_col_major_sf, use_packed_ue8m0)
+
+
+def cast_back(x, fmt: str, x_block_size, *, x_use_tma_aligned_col_major_sf: bool = False):
+  """Dequantise ``(q, sf)`` with blocks ``x_block_size`` to ``fmt`` (``"bf16"`` / ``"fp32"``)."""
+  q, sf = x
+  v = _decode(q)
+  m, k = v.shape
+  bm, bk = x_block_size
+  s = sf_to_float(sf, cdiv(m, bm), cdiv(k, bk), use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
+  out = v * _expand(s, bm, bk, m, k)
+  return out.astype(jnp.bfloat16 if fmt == "bf16" else jnp.float32)
+
+
+def per_channel_cast_fused(x, num_per_tokens: int = 128, round_sf: bool = False, pos_to_token=None):
+  """Per-channel e4m3 cast (blocks ``(num_per_tokens, 1)``) with an optional row gather.
+
+  ``x`` is ``(M, K)`` bf16 / float32 or a QuantTensor ``(q, sf)`` with e4m3 ``q`` and a layout-A
+  float32 sf ``(M, K/128)``; it is dequantised (``RN(q·sf)``) before the cast. ``pos_to_token``
+  ``(Mo,)`` gathers rows; negative entries give zero rows. Rows past ``Mo`` in a partial last block
+  are not part of any amax. Returns ``(out (Mo, K) e4m3, out_sf (ceil(Mo/npt), K) float32)``.
+  """
+  if isinstance(x, tuple):
+    q, sf = x
+    v = q.astype(jnp.float32) * jnp.repeat(sf, 128, axis=1)[:, :q.shape[1]]
+  else:
+    v = x.astype(jnp.float32)
+  if pos_to_token is not None:
+    v = jnp.where((pos_to_token >= 0)[:, None], v[jnp.maximum(pos_to_token, 0)], 0.0)
+  return cast(v, "e4m3", (num_per_tokens, 1), round_sf=round_sf)
+
+
+def per_block_cast_lossless(x, x_block_size, out_block_size, *, use_tma_aligned_col_major_sf: bool = False,
+                            use_packed_ue8m0: bool = False, x_use_tma_aligned_col_major_sf: bool = False):
+  """Exact re-quantisation of a packed-e2m1 QuantTensor with power-of-two sf into e4m3 with larger
+  blocks (quant.md §6.4). Returns ``(out (M, K) e4m3, out_sf)``."""
+  q4, sf_in = x
+  v = unpack_from_e2m1fn_x2(q4)
+  m, k = v.shape
+  ibm, ibk = x_block_size
+  obm, obk = out_block_size
+  e_in = sf_exponent_bytes(sf_to_float(sf_in, cdiv(m, ibm), cdiv(k, ibk),
+                                       use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf))
+  e_el = _expand(e_in, ibm, ibk, m, k)
+  emax = jnp.max(_blocked(e_el, obm, obk, fill=0), axis=(1, 3))
+  e_out = jnp.maximum(emax - 6, 0)
+  d = e_el - _expand(e_out, obm, obk, m, k)
+  out = encode_e4m3(v * _float((d + 127) << 23))
+  return out, format_sf(_float(e_out << 23), use_tma_aligned_col_major_sf, use_packed_ue8m0)

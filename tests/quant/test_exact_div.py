@@ -1,0 +1,136 @@
+"""Correctly rounded float32 division: the kernel helper and the reference against numpy's IEEE ``/``."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkern.quant import common
+from jaxkern.reference import quant as ref
+from jaxkern.testing import assert_bitwise_equal, lower_for_h100
+
+
+def _in_kernel(f, *args):
+  """``f`` on ``(R, 128)`` float32 arrays inside a Mosaic GPU kernel, in interpret mode on the CPU
+  (XLA on GPU neither contracts ``a*b+c`` nor divides exactly; the GPU kernels are checked by the
+  ``gpu`` tests of the ops)."""
+  cpu = jax.devices("cpu")[0]
+  args = [jax.device_put(x.reshape(-1, 128), cpu) for x in args]
+
+  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct(args[0].shape, jnp.float32), interpret=True)
+  def kernel(*refs):
+    *ins, o_g = refs
+    o_g[...] = f(*(r[...] for r in ins))
+
+  with jax.default_device(cpu):
+    return kernel(*args)
+
+
+def _hard_pairs(rng, n):
+  """Pairs whose quotient lies within a few float32 ulps of a midpoint between two float32 values."""
+  q = np.abs(rng.standard_normal(n).astype(np.float32)) * np.float32(2.0) ** rng.integers(-20, 20, n)
+  b = np.abs(rng.standard_normal(n).astype(np.float32)) * np.float32(2.0) ** rng.integers(-20, 20, n)
+  q, b = q.astype(np.float32), b.astype(np.float32)
+  mid = (q.astype(np.float64) + np.nextafter(q, np.float32(np.inf)).astype(np.float64)) / 2
+  a = (mid * b.astype(np.float64)).astype(np.float32)
+  return a, b
+
+
+def _pairs():
+  rng = np.random.default_rng(0)
+  n = 1 << 14
+  a0 = rng.standard_normal(n).astype(np.float32) * np.float32(2.0) ** rng.integers(-30, 30, n).astype(np.float32)
+  b0 = rng.standard_normal(n).astype(np.float32) * np.float32(2.0) ** rng.integers(-30, 30, n).astype(np.float32)
+  a1, b1 = _hard_pairs(rng, n)
+  # The scale-factor divisions: amax of bf16 data over 448 / 6, their inverses and 1 / sf.
+  amax = np.maximum(np.abs(rng.standard_normal(n).astype(jnp.bfloat16).astype(np.float32)) * 10, np.float32(1e-4))
+  c = np.where(rng.random(n) < 0.5, np.float32(448), np.float32(6)).astype(np.float32)
+  sf = (amax / c).astype(np.float32)
+  a = np.concatenate([a0, a1, -a1, amax, c, np.ones_like(sf)])
+  b = np.concatenate([b0, b1, b1, c, amax, sf])
+  return a.astype(np.float32), b.astype(np.float32)
+
+
+def test_kernel_exact_div_matches_numpy():
+  a, b = _pairs()
+  want = a / b
+  # The hard pairs really are hard: a reciprocal multiply gets many of them wrong.
+  assert np.mean(a * (np.float32(1) / b) != want) > 0.05
+  assert_bitwise_equal(np.asarray(_in_kernel(common.exact_div, a, b)).reshape(-1), want)
+  # A constant numerator (``1 / sf`` with a precomputed sf).
+  assert_bitwise_equal(np.asarray(_in_kernel(lambda y: common.exact_div(1.0, y), b)).reshape(-1), np.float32(1) / b)
+
+
+def test_kernel_refine_quotient_corrects_2_ulp():
+  """The first quotient on the GPU is approximate: every start within 2 ulp must be corrected."""
+  a, b = _pairs()
+  want = a / b
+  k = np.random.default_rng(1).integers(-2, 3, want.shape).astype(np.int32)
+  q0 = (want.view(np.int32) + k).view(np.float32)  # sign-magnitude step: ± ulp away from the true quotient
+  assert np.mean(q0 != want) > 0.7
+  got = _in_kernel(common.refine_quotient, q0, a, b)
+  assert_bitwise_equal(np.asarray(got).reshape(-1), want)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_reference_ieee_div_matches_numpy(jit):
+  a, b = _pairs()
+  f = jax.jit(ref.ieee_div) if jit else ref.ieee_div
+  assert_bitwise_equal(f(jnp.asarray(a), jnp.asarray(b)), a / b)
+  # Constant divisors and numerators (XLA turns ``x / c`` into a reciprocal multiply).
+  assert_bitwise_equal(jax.jit(lambda x: ref.ieee_div(x, 448.0))(jnp.asarray(a)), a / np.float32(448))
+  assert_bitwise_equal(jax.jit(lambda x: ref.ieee_div(448.0, x))(jnp.asarray(b)), np.float32(448) / b)
+
+
+def test_reference_rounding_survives_an_inexact_float64_quotient():
+  """The GPU's float64 quotient need not be correctly rounded: start from the float64 midpoint
+  between the true float32 quotient and a neighbour, where rounding alone goes wrong half the time."""
+  a, b = _pairs()
+  a, b = np.abs(a), np.abs(b)
+  want = a / b
+  up = np.random.default_rng(2).random(want.shape) < 0.5
+  other = np.nextafter(want, np.where(up, np.float32(np.inf), np.float32(0)))
+  q64 = (want.astype(np.float64) + other.astype(np.float64)) / 2
+  assert np.mean(q64.astype(np.float32) != want) > 0.3
+  with jax.enable_x64(True):
+    got = ref._round_quotient(jnp.asarray(q64), jnp.asarray(a, jnp.float64), jnp.asarray(b, jnp.float64))
+  assert_bitwise_equal(got, want)
+
+
+def _gpu_kernel_div(a, b):
+  """``exact_div`` in a compiled Mosaic GPU kernel: ``(R, 128)`` float32 tiles of 64 rows via TMA."""
+  r = a.shape[0]
+
+  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct(a.shape, jnp.float32), grid=(r // 64,),
+                     grid_names=("i",), scratch_types=dict(a_s=plgpu.SMEM((64, 128), jnp.float32),
+                                                           b_s=plgpu.SMEM((64, 128), jnp.float32),
+                                                           o_s=plgpu.SMEM((64, 128), jnp.float32),
+                                                           bar=plgpu.Barrier(num_arrivals=2)))
+  def kernel(a_g, b_g, o_g, a_s, b_s, o_s, bar):
+    rows = pl.ds(lax.axis_index("i") * 64, 64)
+    plgpu.copy_gmem_to_smem(a_g.at[rows], a_s, bar)
+    plgpu.copy_gmem_to_smem(b_g.at[rows], b_s, bar)
+    plgpu.barrier_wait(bar)
+    o_s[...] = common.exact_div(plgpu.load(a_s, layout=plgpu.Layout.WGMMA), plgpu.load(b_s, layout=plgpu.Layout.WGMMA))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_s, o_g.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  return kernel(a, b)
+
+
+def test_gpu_kernel_lowers_for_h100():
+  s = jax.ShapeDtypeStruct((1024, 128), jnp.float32)
+  assert "mosaic_gpu" in lower_for_h100(_gpu_kernel_div, s, s).as_text()
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_exact_div_matches_numpy():
+  a, b = _pairs()
+  got = _gpu_kernel_div(jnp.asarray(a.reshape(-1, 128)), jnp.asarray(b.reshape(-1, 128)))
+  assert_bitwise_equal(np.asarray(got).reshape(-1), a / b)

@@ -1,0 +1,125 @@
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkern import quant
+from jaxkern.reference import quant as ref
+from jaxkern.testing import assert_bitwise_equal, assert_diff_below, lower_for_h100, randn
+
+FLAGS = {"A": (False, False, False), "A-round": (False, True, False), "B": (True, False, False),
+         "C": (True, True, True)}
+
+
+def _input(key, m, k, dtype):
+  k1, k2 = jax.random.split(key)
+  x = jax.random.normal(k1, (m, k)) * jnp.exp2(jax.random.randint(k2, (m, 1), -10, 10).astype(jnp.float32))
+  return x.astype(dtype)
+
+
+@pytest.mark.parametrize("m, k, block, dtype, flags", [
+    (100, 576, (128, 128), jnp.bfloat16, "A-round"),  # ragged rows: partial row block, partial column block
+    (72, 320, (32, 32), jnp.float32, "C"),
+    (40, 256, (32, 128), jnp.bfloat16, "B"),
+    (136, 192, (128, 32), jnp.float32, "A"),
+])
+def test_per_block_cast_bit_exact(key, m, k, block, dtype, flags):
+  x = _input(key, m, k, dtype)
+  out, sf = quant.per_block_cast(x, "e4m3", block, *FLAGS[flags])
+  want, want_sf = quant.per_block_cast(x, "e4m3", block, *FLAGS[flags], implementation="reference")
+  assert_bitwise_equal(out, want)
+  assert_bitwise_equal(sf, want_sf)
+  assert_bitwise_equal(quant.per_block_cast_with_sf_only(x, "e4m3", block, *FLAGS[flags]), want_sf)
+
+
+@pytest.mark.parametrize("block", [(128, 128), (32, 32)])
+def test_precomputed_sf_bit_exact(key, block):
+  x = _input(key, 100, 320, jnp.bfloat16)
+  _, sf = quant.per_block_cast(x, "e4m3", block, implementation="reference")
+  sf = sf * 0.3
+  got = quant.per_block_cast_with_precomputed_sf(x, "e4m3", block, sf)
+  assert_bitwise_equal(got, quant.per_block_cast_with_precomputed_sf(x, "e4m3", block, sf, implementation="reference"))
+
+
+@pytest.mark.parametrize("fmt, tol", [("e4m3", 1e-3), ("e2m1", 2e-2)])
+def test_round_trip(key, fmt, tol):
+  x = randn(key, (64, 128), jnp.float32)
+  q = quant.per_block_cast(x, fmt, (32, 32), round_sf=True)
+  assert_diff_below(quant.cast_back(q, "fp32", (32, 32)), x, tol)
+
+
+def test_lossless_is_exact(key):
+  x = randn(key, (32, 128), jnp.float32)
+  amax = jnp.max(jnp.abs(x))
+  x = jnp.sign(x) * jnp.maximum(jnp.abs(x), amax / 512)
+  q4 = ref.cast(x, "e2m1", (1, 32), round_sf=True)
+  want = quant.cast_back(q4, "fp32", (1, 32), implementation="reference")
+  for out_block, flags in [((1, 128), "A"), ((32, 32), "C"), ((128, 128), "B")]:
+    col, _, packed = FLAGS[flags]
+    q8 = quant.per_block_cast_lossless(q4, "e4m3", (1, 32), out_block, col, True, packed)
+    assert q8[0].dtype == jnp.float8_e4m3fn
+    back = quant.cast_back(q8, "fp32", out_block, x_use_tma_aligned_col_major_sf=col, implementation="reference")
+    assert_bitwise_equal(back, want)
+
+
+def test_zero_tokens():
+  x = jnp.zeros((0, 128), jnp.float32)
+  out, sf = quant.per_block_cast(x, "e4m3", (128, 128))
+  assert out.shape == (0, 128) and sf.shape == (0, 1)
+  assert quant.per_block_cast(x, "e4m3", (32, 32), True, True, True)[1].shape == (1, 0)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((jnp.ones((8, 96), jnp.float32), "e4m3", (32, 32)), r"x.shape\[1\] must be a multiple of 64"),
+    ((jnp.ones((8, 64), jnp.float32), "e4m3", (64, 32)), "block_size"),
+    ((jnp.ones((8, 64), jnp.float32), "e4m3", (32, 16)), "block_size"),
+    ((jnp.ones((8, 64), jnp.int8), "e4m3", (32, 32)), "x must have dtype"),
+    ((jnp.ones((8, 64), jnp.float32), "fp8", (32, 32)), "fmt"),
+])
+def test_bad_inputs(args, match):
+  with pytest.raises(ValueError, match=match):
+    quant.per_block_cast(*args)
+
+
+def test_lossless_bad_inputs():
+  q4 = (jnp.zeros((8, 32), jnp.int8), jnp.ones((8, 2), jnp.float32))
+  with pytest.raises(ValueError, match="out_block_size"):
+    quant.per_block_cast_lossless(q4, "e4m3", (1, 32), (1, 48))
+  with pytest.raises(ValueError, match="fmt"):
+    quant.per_block_cast_lossless(q4, "e2m1", (1, 32), (1, 64))
+  with pytest.raises(ValueError, match=r"x\[1\] \(sf\)"):
+    quant.per_block_cast_lossless(q4, "e4m3", (1, 16), (1, 64))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("m, k, block", [
+    (4001, 576, (128, 128)), (8001, 7168, (32, 32)), (4001, 576, (32, 128)), (4001, 7168, (128, 32)),
+])
+def test_lowers_for_h100(m, k, block, dtype):
+  s = jax.ShapeDtypeStruct((m, k), dtype)
+  f = functools.partial(quant.per_block_cast, fmt="e4m3", block_size=block, use_tma_aligned_col_major_sf=True,
+                        round_sf=True, use_packed_ue8m0=True, implementation="pallas")
+  assert "mosaic_gpu" in lower_for_h100(f, s).as_text()
+  g = functools.partial(quant.per_block_cast_with_sf_only, fmt="e4m3", block_size=block, implementation="pallas")
+  assert "mosaic_gpu" in lower_for_h100(g, s).as_text()
+  sf = jax.ShapeDtypeStruct((-(-m // block[0]), -(-k // block[1])), jnp.float32)
+  h = lambda x, sf: quant.per_block_cast_with_precomputed_sf(x, "e4m3", block, sf, implementation="pallas")
+  assert "mosaic_gpu" in lower_for_h100(h, s, sf).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [(128, 128), (32, 32)])
+def test_spec_shapes_gpu(key, block):
+  """Kernel vs numpy (IEEE division) on the GPU."""
+  x = randn(key, (4001, 7168), jnp.bfloat16)
+  out, sf = jax.jit(functools.partial(quant.per_block_cast, fmt="e4m3", block_size=block))(x)
+  bm, bk = block
+  xf = np.asarray(x, np.float32)
+  mb = -(-4001 // bm)
+  xp = np.pad(xf, ((0, mb * bm - 4001), (0, 0))).reshape(mb, bm, -1, bk)
+  a = np.maximum(np.abs(xp).max((1, 3)), np.float32(1e-4))
+  assert_bitwise_equal(sf, a / np.float32(448))
+  inv = np.repeat(np.repeat(np.float32(448) / a, bm, 0), bk, 1)[:4001]
+  assert_bitwise_equal(out, np.clip(xf * inv, -448, 448).astype(jnp.float8_e4m3fn))

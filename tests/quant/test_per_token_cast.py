@@ -1,0 +1,202 @@
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxkern import quant
+from jaxkern.reference import quant as ref
+from jaxkern.testing import assert_bitwise_equal, assert_diff_below, lower_for_h100, randn
+
+FLAGS = {"A": (False, False, False), "A-round": (False, True, False), "B": (True, False, False),
+         "C": (True, True, True)}
+
+
+def _input(key, m, k, dtype):
+  k1, k2 = jax.random.split(key)
+  x = jax.random.normal(k1, (m, k)) * jnp.exp2(jax.random.randint(k2, (m, 1), -20, 20).astype(jnp.float32))
+  return x.astype(dtype)
+
+
+def _both(f, *args, **kw):
+  return f(*args, **kw), f(*args, **kw, implementation="reference")
+
+
+@pytest.mark.parametrize("m, k, npc, dtype, flags", [
+    (100, 576, 128, jnp.bfloat16, "A"),  # ragged rows (padded to 8), partial last group
+    (100, 576, 128, jnp.bfloat16, "C"),
+    (72, 576, 576, jnp.float32, "A-round"),  # one sf per row, K > 256: two pipelined passes
+    (40, 320, 32, jnp.bfloat16, "C"),  # groups selected by masks inside a 64-wide chunk
+    (130, 192, 192, jnp.bfloat16, "B"),  # one sf per row, single tile
+    (9, 448, 16, jnp.float32, "A"),
+])
+def test_per_token_cast_bit_exact(key, m, k, npc, dtype, flags):
+  x = _input(key, m, k, dtype)
+  (out, sf), (want, want_sf) = _both(quant.per_token_cast, x, "e4m3", npc, None, *FLAGS[flags])
+  assert_bitwise_equal(out, want)
+  assert_bitwise_equal(sf, want_sf)
+  assert_bitwise_equal(quant.per_token_cast_with_sf_only(x, "e4m3", npc, None, *FLAGS[flags]), want_sf)
+
+
+@pytest.mark.parametrize("npc", [32, 576])
+def test_precomputed_sf_bit_exact(key, npc):
+  x = _input(key, 80, 576, jnp.bfloat16)
+  _, sf = quant.per_token_cast(x, "e4m3", npc, implementation="reference")
+  sf = sf * 0.37  # the ±448 clamp bites
+  got, want = _both(quant.per_token_cast_with_precomputed_sf, x, "e4m3", npc, sf)
+  assert_bitwise_equal(got, want)
+  assert np.any(np.abs(np.asarray(got, np.float32)) == 448)
+
+
+def test_sf_matches_numpy_division(key):
+  """sf = RN(max(amax, 1e-4) / 448) computed by numpy (IEEE) on the host, independent of XLA."""
+  x = _input(key, 64, 512, jnp.float32)
+  _, sf = quant.per_token_cast(x, "e4m3", 128)
+  a = np.abs(np.asarray(x)).reshape(64, 4, 128).max(-1)
+  want = np.maximum(a, np.float32(1e-4)) / np.float32(448)
+  assert_bitwise_equal(sf, want.astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("round_sf", [False, True])
+def test_round_trip_error(key, dtype, round_sf):
+  x = _input(key, 64, 256, dtype)
+  q = quant.per_token_cast(x, "e4m3", 128, round_sf=round_sf)
+  back = np.asarray(quant.per_token_cast_back(q, "fp32", 128))
+  xf = np.asarray(x, np.float32)
+  # e4m3 has 3 mantissa bits: relative error at most 2^-4 for |q| >= 2^-6 of the group scale.
+  amax = np.abs(xf).reshape(64, 2, 128).max(-1).repeat(128, 1)
+  assert np.all(np.abs(back - xf) <= np.maximum(np.abs(xf) * 2.0**-4, amax * 2.0**-9 * 2))
+  assert_diff_below(back, xf, 1e-3)
+
+
+def test_special_values():
+  """Zero rows (sf clamp), signed zeros, max finite, a row of ties; flag C decodes to the same sf."""
+  rows = np.zeros((8, 64), np.float32)
+  rows[1] = -0.0
+  rows[2, :] = np.float32(3.4028235e38)
+  rows[2, 1::2] *= -1
+  rows[3, :] = 1e-30
+  rows[3, 0] = 448 * 2.0**-9 * 3  # amax -> sf exactly 2^-9·3/... ties in the quantised values
+  rows[4] = np.linspace(-448, 448, 64)
+  rows[5] = 2.0**-10 * np.arange(64)  # e4m3 subnormal boundaries after scaling
+  rows[5, -1] = 448.0
+  x = jnp.asarray(rows)
+  for flags in (FLAGS["A"], FLAGS["B"]):
+    (out, sf), (want, want_sf) = _both(quant.per_token_cast, x, "e4m3", 64, None, *flags)
+    assert_bitwise_equal(out, want)
+    assert_bitwise_equal(sf, want_sf)
+  out, sf = quant.per_token_cast(x, "e4m3", 64)
+  bits = np.asarray(out).view(np.uint8)
+  assert np.all(bits[0] == 0) and np.all(bits[1] == 0x80)
+  assert np.all(np.abs(np.asarray(out[2], np.float32)) == 448)
+  assert float(sf[0, 0]) == np.float32(np.float32(1e-4) / np.float32(448))
+  _, sf = quant.per_token_cast(x, "e4m3", 64, round_sf=True)
+  assert float(sf[0, 0]) == 2.0**-22
+
+
+def test_nan_inf_documented():
+  """NaN / inf are outside the contract; the result follows the reference (inf amax -> NaN data)."""
+  x = jnp.ones((8, 64), jnp.float32).at[0, 3].set(jnp.inf).at[1, 5].set(jnp.nan)
+  (out, sf), (want, want_sf) = _both(quant.per_token_cast, x, "e4m3", 64)
+  assert_bitwise_equal(sf[2:], want_sf[2:])
+  assert_bitwise_equal(out[2:], want[2:])
+  assert np.isinf(float(sf[0, 0]))
+
+
+def test_zero_tokens():
+  x = jnp.zeros((0, 576), jnp.bfloat16)
+  out, sf = quant.per_token_cast(x, "e4m3", 128)
+  assert out.shape == (0, 576) and sf.shape == (0, 5)
+  assert quant.per_token_cast(x, "e4m3", 128, None, True, True, True)[1].shape == (2, 0)
+  assert quant.per_token_cast(x, "e2m1", 32)[0].shape == (0, 288)
+
+
+def test_jit_and_vmap(key):
+  x = _input(key, 2 * 64, 256, jnp.bfloat16).reshape(2, 64, 256)
+  f = jax.jit(jax.vmap(functools.partial(quant.per_token_cast, fmt="e4m3", num_per_channels=128)))
+  out, sf = f(x)
+  for b in range(2):
+    want, want_sf = quant.per_token_cast(x[b], "e4m3", 128, implementation="reference")
+    assert_bitwise_equal(out[b], want)
+    assert_bitwise_equal(sf[b], want_sf)
+
+
+@settings(max_examples=2, deadline=None)
+@given(m=st.integers(1, 70), kc=st.integers(1, 6), npc=st.sampled_from([16, 32, 64, 128, 0]))
+def test_hypothesis_shapes(m, kc, npc):
+  k = 64 * kc
+  npc = npc or k
+  x = _input(jax.random.key(m * 7 + kc), m, k, jnp.bfloat16)
+  (out, sf), (want, want_sf) = _both(quant.per_token_cast, x, "e4m3", npc, None, True, True, True)
+  assert_bitwise_equal(out, want)
+  assert_bitwise_equal(sf, want_sf)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(x=jnp.ones((8, 64), jnp.float16)), "x must have dtype"),
+    (dict(x=jnp.ones((64,), jnp.float32)), "x must have rank 2"),
+    (dict(npc=48), "num_per_channels"),
+    (dict(x=jnp.ones((8, 96), jnp.float32), npc=96), "num_per_channels"),
+    (dict(fmt="e5m2"), "fmt"),
+    (dict(flags=(False, True, True)), "use_packed_ue8m0"),
+    (dict(flags=(True, False, True)), "use_packed_ue8m0"),
+    (dict(fmt="e2m1", x=jnp.ones((8, 65), jnp.float32), npc=16), r"x.shape\[1\] must be a multiple of 2"),
+])
+def test_bad_inputs(kw, match):
+  x = kw.get("x", jnp.ones((8, 64), jnp.float32))
+  with pytest.raises(ValueError, match=match):
+    quant.per_token_cast(x, kw.get("fmt", "e4m3"), kw.get("npc", 32), None, *kw.get("flags", (False,) * 3))
+
+
+def test_bad_precomputed_sf():
+  x = jnp.ones((8, 64), jnp.float32)
+  with pytest.raises(ValueError, match="sf must have shape"):
+    quant.per_token_cast_with_precomputed_sf(x, "e4m3", 32, jnp.ones((8, 3), jnp.float32))
+  with pytest.raises(ValueError, match="use_tma_aligned_col_major_sf"):
+    quant.per_token_cast_with_precomputed_sf(x, "e4m3", 32, jnp.ones((8, 2), jnp.float32), None, True)
+
+
+@pytest.mark.parametrize("m, k, npc, dtype, flags", [
+    (4001, 576, 32, jnp.float32, "C"), (4001, 576, 128, jnp.bfloat16, "A"), (8001, 7168, 128, jnp.bfloat16, "C"),
+    (8001, 7168, 7168, jnp.bfloat16, "C"), (8001, 7168, 7168, jnp.float32, "A"), (4096, 576, 576, jnp.float32, "B"),
+    (4096, 2048, 16, jnp.bfloat16, "A"),
+])
+def test_lowers_for_h100(m, k, npc, dtype, flags):
+  s = jax.ShapeDtypeStruct((m, k), dtype)
+  f = functools.partial(quant.per_token_cast, fmt="e4m3", num_per_channels=npc, x_block_size=None,
+                        use_tma_aligned_col_major_sf=FLAGS[flags][0], round_sf=FLAGS[flags][1],
+                        use_packed_ue8m0=FLAGS[flags][2], implementation="pallas")
+  assert "mosaic_gpu" in lower_for_h100(f, s).as_text()
+  g = functools.partial(quant.per_token_cast_with_sf_only, fmt="e4m3", num_per_channels=npc, implementation="pallas")
+  assert "mosaic_gpu" in lower_for_h100(g, s).as_text()
+  sf = jax.ShapeDtypeStruct((m, -(-k // npc)), jnp.float32)
+  h = lambda x, sf: quant.per_token_cast_with_precomputed_sf(x, "e4m3", npc, sf, implementation="pallas")
+  assert "mosaic_gpu" in lower_for_h100(h, s, sf).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("npc", [32, 128, 7168])
+@pytest.mark.parametrize("flags", ["A", "C"])
+def test_spec_shapes_gpu(key, npc, flags):
+  """On the GPU the kernel's divisions must be IEEE: compare with numpy's float32 division."""
+  x = randn(key, (8001, 7168), jnp.bfloat16)
+  out, sf = jax.jit(functools.partial(quant.per_token_cast, fmt="e4m3", num_per_channels=npc, x_block_size=None,
+                                      use_tma_aligned_col_major_sf=FLAGS[flags][0], round_sf=FLAGS[flags][1],
+                                      use_packed_ue8m0=FLAGS[flags][2]))(x)
+  xf = np.asarray(x, np.float32).reshape(8001, -1, npc)
+  a = np.maximum(np.abs(xf).max(-1), np.float32(1e-4))
+  sf_np = a / np.float32(448)
+  if FLAGS[flags][1]:
+    u = sf_np.view(np.int32)
+    e = ((u - 1) >> 23) + 1
+    sf_np, inv = (e << 23).view(np.float32), ((254 - e) << 23).view(np.float32)
+  else:
+    inv = np.float32(448) / a
+  q = np.clip(xf * inv[..., None], -448, 448).reshape(8001, 7168).astype(jnp.float8_e4m3fn)
+  assert_bitwise_equal(out, q)
+  assert_bitwise_equal(ref.sf_to_float(sf, 8001, 7168 // npc, use_tma_aligned_col_major_sf=FLAGS[flags][0]),
+                       sf_np)
