@@ -1,5 +1,5 @@
 """Plain ``jnp`` references, one per op: readable, and the source of truth in tests."""
 
-from jaxkern.reference import transpose
+from jaxkern.reference import moe, transpose
 
-__all__ = ["transpose"]
+__all__ = ["moe", "transpose"]
