@@ -1,4 +1,4 @@
-"""MoE gating and routing (see ../shared/spec/moe_transpose.md); ops land here as they are ported."""
+"""MoE gating and routing (see ../shared/spec/moe_transpose.md)."""
 
 from jaxkern.moe.aux_fi import aux_fi
 from jaxkern.moe.expand_to_fused import expand_to_fused, expand_to_fused_with_sf
@@ -7,6 +7,9 @@ from jaxkern.moe.group_count import group_count
 from jaxkern.moe.mask_indices_by_tp import mask_indices_by_tp
 from jaxkern.moe.normalize_weight import normalize_weight
 from jaxkern.moe.reduce_fused import reduce_fused
+from jaxkern.moe.top2_sum_gate import top2_sum_gate
+from jaxkern.moe.topk_gate import topk_gate
+from jaxkern.moe.topk_sum_and_topk_group_idx import topk_sum_and_topk_group_idx
 from jaxkern.moe.unique_group_indices import unique_group_indices
 
 __all__ = [
@@ -18,5 +21,8 @@ __all__ = [
     "mask_indices_by_tp",
     "normalize_weight",
     "reduce_fused",
+    "top2_sum_gate",
+    "topk_gate",
+    "topk_sum_and_topk_group_idx",
     "unique_group_indices",
 ]

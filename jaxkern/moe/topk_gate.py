@@ -1,0 +1,81 @@
+"""``topk_gate``: per-row top-k expert indices as a Mosaic GPU kernel (spec moe_transpose.md §4.1).
+
+One CTA (one warpgroup) takes 64 token rows: TMA copies the ``(64, E)`` block
+into SMEM (in chunks of at most 64 columns), it is loaded into registers in the
+WGMMA layout and turned into int32 order keys, then ``K`` rounds of "row max,
+smallest column holding it, mark it taken" produce the slots best-first. Each
+slot is stored straight from registers into its column of the ``(T, K)`` output.
+Rows count that is not a multiple of 64 is handled by shifting the last block back
+(rows computed twice give identical values). ``E`` not a multiple of 8 is padded
+with ``-inf`` columns by XLA before the kernel, and fewer than 64 tokens are padded
+to 64 rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkern import _checks, _config
+from jaxkern.moe import _select
+from jaxkern.reference import moe as ref
+
+
+def pad_rows_and_cols(x: jax.Array, fill) -> jax.Array:
+  """Pads ``(T, E)`` to at least 64 rows and a multiple of 8 columns with ``fill``."""
+  t, e = x.shape
+  pt, pe = max(_select.BLOCK_ROWS - t, 0), _select.padded_width(e) - e
+  return jnp.pad(x, ((0, pt), (0, pe)), constant_values=fill) if pt or pe else x
+
+
+@functools.partial(jax.jit, static_argnames=("num_topk", "num_experts", "interpret"))
+def _topk_gate_kernel(scores: jax.Array, num_topk: int, num_experts: int, interpret=None) -> jax.Array:
+  t, e = scores.shape
+
+  @functools.partial(
+      plgpu.kernel,
+      out_type=jax.ShapeDtypeStruct((t, num_topk), jnp.int32),
+      grid=(pl.cdiv(t, _select.BLOCK_ROWS),),
+      grid_names=("i",),
+      scratch_types=_select.scratch(e),
+      interpret=interpret,
+  )
+  def kernel(x_g, o_g, smem, bars):
+    row0 = _select.block_start(t)
+    keys = _select.load_rows(x_g, smem, bars, row0, e).map(_select.order_key)
+    for k in range(num_topk):
+      _, idx, keys = _select.pick_best(keys, num_experts)
+      o_g[pl.ds(row0, _select.BLOCK_ROWS), k] = idx
+
+  return kernel(scores)
+
+
+def topk_gate(scores: jax.Array, num_topk: int, *, implementation: str | None = None) -> jax.Array:
+  """Indices of the ``num_topk`` largest scores of each row, best first, ties -> smaller index.
+
+  Args:
+    scores: ``(T, E)`` float32.
+    num_topk: ``1 <= num_topk <= E``.
+    implementation: see :mod:`jaxkern._config`.
+
+  Returns:
+    ``(T, num_topk)`` int32 (int64 upstream; spec §9.1). NaN ranks as ``-inf``; rows with
+    fewer than ``num_topk`` finite scores still get distinct indices.
+  """
+  _checks.check_rank("scores", scores, 2)
+  _checks.check_dtype("scores", scores, (jnp.float32,))
+  t, e = scores.shape
+  if not 1 <= num_topk <= e:
+    raise ValueError(f"num_topk must be in [1, {e}] (the number of experts), got {num_topk}")
+  impl = _config.get_implementation(implementation)
+  if impl == "reference":
+    return ref.topk_gate(scores, num_topk)
+  if t == 0:
+    return jnp.zeros((0, num_topk), jnp.int32)
+  x = pad_rows_and_cols(scores, -jnp.inf)
+  out = _topk_gate_kernel(x, num_topk, e, interpret=_config.mosaic_interpret(impl))
+  return out[:t] if x.shape[0] != t else out

@@ -1,0 +1,83 @@
+"""``topk_sum_and_topk_group_idx``: rank expert groups per token, Mosaic GPU (spec moe_transpose.md §4.2).
+
+Same row blocking as :mod:`jaxkern.moe.topk_gate` (64 token rows per CTA, TMA into
+SMEM, WGMMA register layout, int32 order keys). Each group's score is a masked row
+max (and, for ``num_topk_sum = 2``, a second max with the first occurrence of the
+best marked taken, summed in fp32). A group's rank counts the groups that beat it
+(higher score, or equal score and smaller index); output slot ``r`` holds the
+group of rank ``r``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkern import _checks, _config
+from jaxkern.moe import _select
+from jaxkern.moe.topk_gate import pad_rows_and_cols
+from jaxkern.reference import moe as ref
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups", "group_size", "num_topk_sum", "num_topk_groups",
+                                             "interpret"))
+def _kernel(x: jax.Array, num_groups: int, group_size: int, num_topk_sum: int, num_topk_groups: int,
+            interpret=None):
+  t, e = x.shape
+
+  @functools.partial(
+      plgpu.kernel,
+      out_type=jax.ShapeDtypeStruct((t, num_topk_groups), jnp.int32),
+      grid=(pl.cdiv(t, _select.BLOCK_ROWS),),
+      grid_names=("i",),
+      scratch_types=_select.scratch(e),
+      interpret=interpret,
+  )
+  def kernel(x_g, o_g, smem, bars):
+    row0 = _select.block_start(t)
+    keys = _select.load_rows(x_g, smem, bars, row0, e).map(_select.order_key)
+    ranks = _select.group_ranks(_select.group_scores(keys, num_groups, group_size, num_topk_sum))
+    for r in range(num_topk_groups):
+      out = jnp.zeros_like(ranks[0])
+      for g, rank in enumerate(ranks):
+        out = jnp.where(rank == r, g, out)
+      o_g[pl.ds(row0, _select.BLOCK_ROWS), r] = out
+
+  return kernel(x)
+
+
+def topk_sum_and_topk_group_idx(scores: jax.Array, num_topk_sum: int, num_topk_groups: int, *,
+                                implementation: str | None = None) -> jax.Array:
+  """The ``num_topk_groups`` best expert groups of each token, best first.
+
+  A group's score is its best value (``num_topk_sum = 1``) or the fp32 sum of its two
+  best values (``= 2``); ties go to the smaller group index.
+
+  Args:
+    scores: ``(T, G, Epg)`` float32.
+    num_topk_sum: 1 or 2 (``<= Epg``).
+    num_topk_groups: ``1 <= num_topk_groups <= G``.
+    implementation: see :mod:`jaxkern._config`.
+
+  Returns:
+    ``(T, num_topk_groups)`` int32 group indices (int64 upstream; spec §9.1).
+  """
+  _checks.check_rank("scores", scores, 3)
+  _checks.check_dtype("scores", scores, (jnp.float32,))
+  t, g, epg = scores.shape
+  if num_topk_sum not in (1, 2) or num_topk_sum > epg:
+    raise ValueError(f"num_topk_sum must be 1 or 2 and at most scores.shape[2] = {epg}, got {num_topk_sum}")
+  if not 1 <= num_topk_groups <= g:
+    raise ValueError(f"num_topk_groups must be in [1, {g}] (scores.shape[1]), got {num_topk_groups}")
+  impl = _config.get_implementation(implementation)
+  if impl == "reference":
+    return ref.topk_sum_and_topk_group_idx(scores, num_topk_sum, num_topk_groups)
+  if t == 0:
+    return jnp.zeros((0, num_topk_groups), jnp.int32)
+  x = pad_rows_and_cols(scores.reshape(t, g * epg), -jnp.inf)
+  out = _kernel(x, g, epg, num_topk_sum, num_topk_groups, interpret=_config.mosaic_interpret(impl))
+  return out[:t]
