@@ -64,7 +64,7 @@ _GATE_CONFIGS = [(0, 0, 72, 1, 6), (0, 0, 32, 2, 6), (0, 0, 64, 2, 6), (0, 0, 96
 
 
 def _gate_case(g, ntg, e, s, k, func, active=32, masked=4):
-  s = s if k % s == 0 and e % (k // s) == 0 else 0
+  s = s if s and k % s == 0 and e % (k // s) == 0 else 0
   t = active + masked
   x = 32
 
