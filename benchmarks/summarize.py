@@ -10,6 +10,7 @@ import pathlib
 import statistics
 import sys
 
+from benchmarks.registry import REGISTRY
 from benchmarks.run import RESULTS
 
 OUT = pathlib.Path(__file__).parent / "RESULTS.md"
@@ -33,10 +34,12 @@ def summarize(paths) -> str:
     by_op.setdefault((r["op"], r["gpu"]), []).append(r)
   for (op, gpu), rs in sorted(by_op.items()):
     dates = sorted({r["date"] for r in rs})
+    total = len(REGISTRY[op].cases()) if op in REGISTRY else len(rs)
     lines += [f"## {op} — {gpu}, {', '.join(dates)}, jax {rs[0]['jax']}, copy {rs[0]['copy_gbps']:.0f} GB/s", "",
               f"Median over shapes: {statistics.median(r['gbps'] for r in rs):.0f} GB/s, "
               f"speed-up over XLA {statistics.median(r['speedup'] for r in rs):.2f}× "
-              f"(min {min(r['speedup'] for r in rs):.2f}×); all correct: {all(r['correct'] for r in rs)}.", "",
+              f"(min {min(r['speedup'] for r in rs):.2f}×); all correct: {all(r['correct'] for r in rs)}; "
+              f"{len(rs)} of {total} spec shapes measured.", "",
               "| shape | µs | GB/s | % copy | XLA µs | speed-up |", "|---|---:|---:|---:|---:|---:|"]
     for r in rs:
       lines.append(f"| {r['shape']} | {r['device_us']:.2f} | {r['gbps']:.0f} | {r['pct_copy']:.1f} | "
