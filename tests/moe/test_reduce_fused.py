@@ -49,8 +49,8 @@ def test_spec_grid(key, num_topk, experts, ranks):
 
 
 def test_tiling_with_several_chunks_and_token_tail(key):
-  """H = 7168 in fp32 with K = 9 splits rows into chunks; 5 tokens leave a ragged token block."""
-  x = randn(key, (12, 7168), jnp.float32)
+  """H = 8448 (> 8192) splits rows into two chunks; 5 tokens leave a ragged token block."""
+  x = randn(key, (12, 8448), jnp.float32)
   pos = jnp.asarray(np.random.default_rng(1).integers(-1, 12, (5, 9)).astype(np.int32))
   w = jax.random.uniform(key, (5, 9), jnp.float32)
   _reduce(x, w, pos)
