@@ -1,12 +1,19 @@
 """``get_fused_mapping``: the expert-major fused row layout and the token <-> row maps (spec §5.1).
 
-No Pallas kernel yet: the layout is computed with deterministic XLA code (an int32
-scatter-add histogram, prefix sums, and a stable sort of the flat entries by expert, which
-gives the canonical in-segment order). A Mosaic GPU version would need per-block histograms
-and in-block ranks built from compares and loops (no sort/cumsum/scatter lowering).
+No Pallas kernel: deterministic, sort-free XLA code for up to 64 experts. The flat entries
+are cut into blocks of 64; an entry's rank inside its expert's segment is the number of
+earlier entries of the same expert in its block (a 64x64 comparison per block, independent
+of ``E``) plus the counts of that expert in all earlier blocks (per-block compare-and-sum
+histograms and a prefix sum over blocks). ``pos_to_token_topk`` is a scatter with unique
+indices and ``pos_to_expert`` is read off the segment bounds. On an H200 this is 1.7-3.8x
+faster than the reference (a stable sort of the entries by expert) at ``E`` = 4 and 9.
+With more experts the reference's sort is used. A Mosaic GPU kernel would need the same
+block ranks from compares and loops (no sort/cumsum/scatter lowering in 0.11.2).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +22,38 @@ import numpy as np
 from jaxkern import _config
 from jaxkern.moe import _routing
 from jaxkern.reference import moe_routing as ref
+
+
+_BLOCK = 64  # flat entries per rank block
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _sort_free_mapping(topk_idx, num_experts: int, num_rows: int, alignment: int):
+  """:func:`jaxkern.reference.moe_routing.get_fused_mapping` without a sort (same outputs)."""
+  t, k = topk_idx.shape
+  e, m = num_experts, t * k
+  flat = topk_idx.reshape(-1).astype(jnp.int32)
+  valid = (flat >= 0) & (flat < e)
+  key = jnp.where(valid, flat, e)
+  padded = -(-m // _BLOCK) * _BLOCK
+  blocks = jnp.pad(key, (0, padded - m), constant_values=e).reshape(-1, _BLOCK)
+  earlier = jnp.tril(jnp.ones((_BLOCK, _BLOCK), bool), -1)
+  rank_in_block = jnp.sum((blocks[:, :, None] == blocks[:, None, :]) & earlier, axis=2, dtype=jnp.int32)
+  block_counts = jnp.sum(blocks[:, :, None] == jnp.arange(e, dtype=jnp.int32), axis=1, dtype=jnp.int32)
+  before = jnp.cumsum(block_counts, axis=0) - block_counts
+  safe = jnp.minimum(blocks, e - 1)
+  rank = (jnp.take_along_axis(before, safe, axis=1) + rank_in_block).reshape(-1)[:m]
+  counts = jnp.sum(block_counts, axis=0)
+  aligned = (counts + alignment - 1) // alignment * alignment
+  start = jnp.cumsum(aligned) - aligned
+  pos = jnp.where(valid, start[jnp.minimum(key, e - 1)] + rank, -1)
+  pos_to_token_topk = jnp.full((num_rows,), -1, jnp.int32).at[jnp.where(valid, pos, num_rows)].set(
+      jnp.arange(m, dtype=jnp.int32), mode="drop", unique_indices=True)
+  row = jnp.arange(num_rows, dtype=jnp.int32)[:, None]
+  occupied = (row >= start[None, :]) & (row < (start + counts)[None, :])
+  pos_to_expert = jnp.max(jnp.where(occupied, jnp.arange(e, dtype=jnp.int32)[None, :], -1), axis=1)
+  pos_to_token = jnp.where(pos_to_token_topk >= 0, pos_to_token_topk // k, -1)
+  return pos_to_expert, pos_to_token, pos_to_token_topk, pos.reshape(t, k), start, start + aligned, aligned
 
 
 def get_fused_mapping(topk_idx: jax.Array, num_experts: int, num_expanded_tokens: int, alignment: int,
@@ -37,7 +76,8 @@ def get_fused_mapping(topk_idx: jax.Array, num_experts: int, num_expanded_tokens
       with ``force_no_sync=True`` it allocates the upper bound ``floor((T*K + (a-1)*E) / a) * a``.
     alignment: segment alignment ``a >= 1`` (static).
     force_no_sync: see ``num_expanded_tokens``.
-    implementation: see :mod:`jaxkern._config`.
+    implementation: see :mod:`jaxkern._config` (``reference``: the reference's sort; otherwise
+      the sort-free formulation above for up to 64 experts).
 
   Returns:
     ``(pos_to_expert (N,), pos_to_token (N,), pos_to_token_topk (N,), token_topk_to_pos (T, K),
@@ -59,8 +99,10 @@ def get_fused_mapping(topk_idx: jax.Array, num_experts: int, num_expanded_tokens
     raise ValueError("num_expanded_tokens=0 sizes the layout on the host and cannot be traced (jit/vmap): "
                      "pass a static num_expanded_tokens, or force_no_sync=True for the upper bound")
   n = num_expanded_tokens or ref.upper_bound_rows(t, k, num_experts, alignment)
-  _config.get_implementation(implementation)
-  outs = ref.get_fused_mapping(jnp.asarray(topk_idx), num_experts, n, alignment)
+  impl = _config.get_implementation(implementation)
+  sort_free = impl != "reference" and num_experts <= _routing.ONE_HOT_MAX_BUCKETS and t * k > 0
+  outs = (_sort_free_mapping if sort_free else ref.get_fused_mapping)(jnp.asarray(topk_idx), num_experts, n,
+                                                                       alignment)
   if not sync:
     return (*outs, [])
   counts = np.asarray(outs[6]).tolist()

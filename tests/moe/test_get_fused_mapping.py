@@ -147,3 +147,13 @@ def test_spec_grid_gpu(key, experts, ranks, num_topk):
     for got, w in zip(outs[:7], ref.get_fused_mapping(jnp.asarray(idx), experts, len(outs[0]), alignment)):
       assert_bitwise_equal(got, w)
 
+
+
+@pytest.mark.parametrize("experts, ranks, num_topk", [(9, 8, 6), (64, 4, 8), (65, 1, 2)])
+def test_sort_free_matches_reference_sort(key, experts, ranks, num_topk):
+  """Many rank blocks (several thousand entries), up to and past the sort-free expert limit."""
+  idx = jnp.asarray(moe_topk_idx(key, 500, num_topk, experts, ranks))
+  n = ref.upper_bound_rows(*idx.shape, experts, 16) + 5
+  got = moe.get_fused_mapping(idx, experts, n, 16)
+  for a, b in zip(got[:7], ref.get_fused_mapping(idx, experts, n, 16)):
+    assert_bitwise_equal(a, b)
