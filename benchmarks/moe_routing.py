@@ -1,4 +1,8 @@
-"""MoE routing ops on the spec's shapes (moe_transpose.md §5, §6).
+"""MoE routing ops on the spec's shapes (moe_transpose.md §5, §6): every op's full benchmark grid.
+
+Grid sizes: get_fused_mapping 12, expand_to_fused 84, expand_to_fused_with_sf 4 x 84,
+reduce_fused 4 x 36, normalize_weight 12, aux_fi 24, group_count 12, mask_indices_by_tp 36,
+unique_group_indices 24. Most of a full run is compile time (two programs per shape).
 
 The routing of each ``(local experts, EP ranks, K)`` config comes from upstream's generator
 (4001 tokens sent per rank) with a fixed key, so byte counts are known when cases are built.
@@ -100,7 +104,7 @@ for _npc, _col in itertools.product((32, 128), (False, True)):
   register(BenchOp(
       f"expand_to_fused_with_sf:npc{_npc}:{'col_ue8m0' if _col else 'row_fp32'}",
       _expand_sf_fn(moe.expand_to_fused_with_sf, _npc, _col), _expand_sf_fn(ref.expand_to_fused_with_sf, _npc, _col),
-      functools.partial(lambda npc, col: [_expand_sf_case(*p, h, npc, col) for p in MOE_PARAMS for h in (2048, 7168)],
+      functools.partial(lambda npc, col: [_expand_sf_case(*p, h, npc, col) for p in MOE_PARAMS for h in hidden_sizes(64)],
                         _npc, _col),
       functools.partial(lambda npc, col: [_expand_sf_case(9, 8, 2, 576, npc, col, 2)], _npc, _col)))
 
@@ -138,3 +142,63 @@ for _fp8, _xsf in itertools.product(("", "e4m3"), (False, True)):
                                           for h in hidden_sizes(256) for d in (jnp.float32, jnp.bfloat16)],
                         _fp8, _xsf),
       functools.partial(lambda fp8, xsf: [_reduce_case(9, 8, 6, 256, jnp.bfloat16, fp8, xsf, 1)], _fp8, _xsf)))
+
+
+def _index_case(experts, ranks, num_topk, nbytes_of, extra="", transform=None, **kwargs):
+  idx = _routing(experts, ranks, num_topk)[0]
+  if transform is not None:
+    idx = transform(idx)
+  return Case(_label(experts, ranks, num_topk, idx.shape[0], extra), lambda key: (jnp.asarray(idx),),
+              nbytes_of(idx), kwargs)
+
+
+def _small_index_case(**kwargs):
+  idx = moe_topk_idx(jax.random.key(0), 2, 2, 9, 8)
+  return Case("E=9x8 K=2 small", lambda key: (jnp.asarray(idx),), idx.size * 8, kwargs)
+
+
+def _normalize_case(experts, ranks, num_topk):
+  t = _routing(experts, ranks, num_topk)[0].shape[0]
+  return Case(_label(experts, ranks, num_topk, t),
+              lambda key: (jax.random.uniform(key, (t, num_topk), jnp.float32),), t * num_topk * 8 + t * 4)
+
+
+register(BenchOp(
+    "normalize_weight", moe.normalize_weight, ref.normalize_weight,
+    lambda: [_normalize_case(*p) for p in MOE_PARAMS],
+    lambda: [Case("T=5 K=6", lambda key: (jax.random.uniform(key, (5, 6), jnp.float32),), 5 * 52)]))
+
+register(BenchOp(
+    "aux_fi", moe.aux_fi, ref.aux_fi,
+    lambda: [_index_case(e, r, k, lambda i: i.size * 8, f"aux_topk={a}", num_experts=e, num_aux_topk=a)
+             for e, r, k in MOE_PARAMS for a in sorted({1, k})],
+    lambda: [_small_index_case(num_experts=9, num_aux_topk=2)]))
+
+register(BenchOp(
+    "group_count", moe.group_count, ref.group_count,
+    lambda: [_index_case(e, r, k, lambda i: i.size * 8, num_groups=e) for e, r, k in MOE_PARAMS],
+    lambda: [_small_index_case(num_groups=9)]))
+
+register(BenchOp(
+    "mask_indices_by_tp", moe.mask_indices_by_tp, ref.mask_indices_by_tp,
+    lambda: [_index_case(e, r, k, lambda i: i.size * 16, f"tp={tp}", n=e * r, num_ep_ranks=r, tp_rank=1 % tp,
+                         num_tp_ranks=tp)
+             for e, r, k in MOE_PARAMS for tp in (2, 4, 8)],
+    lambda: [_small_index_case(n=72, num_ep_ranks=8, tp_rank=1, num_tp_ranks=2)]))
+
+
+def _group_ids(experts, ranks, groups):
+  per_group = experts * ranks // groups
+  return lambda idx: np.where(idx >= 0, idx // per_group, -1).astype(np.int32)
+
+
+def _changed(groups):
+  return lambda ids: np.asarray(ref.unique_group_indices(jnp.asarray(ids), groups) != jnp.asarray(ids)).sum()
+
+
+register(BenchOp(
+    "unique_group_indices", moe.unique_group_indices, ref.unique_group_indices,
+    lambda: [_index_case(e, r, k, lambda i, g=g: i.size * 8 + 4 * int(_changed(g)(i)), f"groups={g}",
+                         _group_ids(e, r, g), num_groups=g)
+             for e, r, k in MOE_PARAMS for g in (8, 16, 72) if (e * r) % g == 0],
+    lambda: [_small_index_case(num_groups=8)]))
