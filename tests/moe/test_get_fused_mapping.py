@@ -51,13 +51,13 @@ def _check_properties(idx, outs, alignment):
   assert ((pte < 0) == (ptt < 0)).all() and ((pte < 0) == (pttk < 0)).all()
 
 
-@pytest.mark.parametrize("num_topk", [1, 2, 6, 9])
+@pytest.mark.parametrize("num_topk", [1, 6, 9])
 @pytest.mark.parametrize("experts, ranks", EXPERT_SPLITS)
 def test_spec_grid(key, experts, ranks, num_topk):
   if num_topk > experts * ranks:
     pytest.skip("K > total experts")
   idx = moe_topk_idx(key, 24, num_topk, experts, ranks)
-  for alignment in (1, 16, 128) if num_topk in (2, 9) else (64,):
+  for alignment in (1, 16, 128) if num_topk == 9 else (64,):
     outs = moe.get_fused_mapping(jnp.asarray(idx), experts, 0, alignment)
     _check_properties(idx, outs, alignment)
     want = _expected(idx, experts, alignment, sum(outs[7]))
@@ -65,7 +65,7 @@ def test_spec_grid(key, experts, ranks, num_topk):
       assert_bitwise_equal(got, w)
 
 
-@hypothesis.settings(max_examples=12, deadline=None)
+@hypothesis.settings(max_examples=8, deadline=None)
 @hypothesis.given(data=st.data(), experts=st.integers(1, 40), num_topk=st.integers(1, 9),
                   alignment=st.sampled_from([1, 3, 16, 64]), extra=st.integers(1, 20))
 def test_random_routings(data, experts, num_topk, alignment, extra):

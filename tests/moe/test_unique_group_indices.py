@@ -31,7 +31,7 @@ def test_spec_grid(key, num_topk, experts, ranks, num_groups):
   assert_bitwise_equal(jax.jit(moe.unique_group_indices, static_argnums=1)(jnp.asarray(g), num_groups), _expected(g))
 
 
-@hypothesis.settings(max_examples=20, deadline=None)
+@hypothesis.settings(max_examples=10, deadline=None)
 @hypothesis.given(g=hnp.arrays(np.int32, st.tuples(st.integers(0, 6), st.integers(1, 9)),
                                elements=st.integers(-3, 5)))
 def test_random_rows(g):
