@@ -6,6 +6,11 @@ SMEM, it is loaded into registers in the WGMMA layout, re-laid out to
 output SMEM buffer and written back with a TMA copy. The layout change works on
 16- and 32-bit registers, so 8-bit data is widened to int16 and narrowed back,
 which keeps every bit pattern (NaN payloads included).
+
+Mid-sized 2-D 16-bit transposes move the tile between GMEM and SMEM with plain
+16-byte vector loads and stores instead of TMA: on an H200 that was 1-4.5% faster
+there (and about the speed of XLA's transpose), while TMA stays faster for large
+arrays and for other dtypes.
 """
 
 from __future__ import annotations
@@ -18,51 +23,59 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkern import _checks, _config
+from jaxkern import _checks, _config, _layouts
 from jaxkern.reference import transpose as ref
 
 ALIGNMENT = 64  # both transposed dimensions must be multiples of this
 _LARGE_BYTES = 32 << 20  # input size above which the tiling favours bandwidth over latency
+_DIRECT_BYTES = (12 << 20, 64 << 20)  # 2-D 16-bit inputs in this range skip TMA
 
 
-def _tiling(b: int, m: int, n: int, itemsize: int) -> tuple[int, int, str]:
-  """Tile ``(BM, BN)`` and grid order, chosen from measurements on an H200.
+def _tiling(b: int, m: int, n: int, itemsize: int) -> tuple[int, int, str, bool]:
+  """Tile ``(BM, BN)``, grid order and whether to skip TMA, chosen from measurements on an H200.
 
   Tiles are 128 wide where the dimension allows it (at most 32 KiB per tile), except
   for small 16/32-bit arrays, which are latency-bound and run fastest with the most
   CTAs (64x64). Large arrays walk the output's rows first, which keeps DRAM pages open.
   """
-  small = b * m * n * itemsize <= _LARGE_BYTES
+  nbytes = b * m * n * itemsize
+  if b == 1 and itemsize == 2 and _DIRECT_BYTES[0] < nbytes <= _DIRECT_BYTES[1]:
+    return 64, 64, "bji", True
+  small = nbytes <= _LARGE_BYTES
   if small and itemsize > 1:
-    return 64, 64, "bij"
+    return 64, 64, "bij", False
   bm = 128 if m % 128 == 0 else 64
   bn = 128 if n % 128 == 0 and itemsize <= 2 else 64
-  return bm, bn, "bij" if small else "bji"
+  return bm, bn, "bij" if small else "bji", False
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
 def _batched_transpose_kernel(x: jax.Array, interpret=None, tiling=None) -> jax.Array:
   b, m, n = x.shape
-  bm, bn, order = tiling or _tiling(b, m, n, x.dtype.itemsize)
+  bm, bn, order, direct = tiling or _tiling(b, m, n, x.dtype.itemsize)
   widen = x.dtype.itemsize == 1
   sizes = {"b": b, "i": m // bm, "j": n // bn}
+  scratch = dict(x_s=plgpu.SMEM((bm, bn), x.dtype), o_s=plgpu.SMEM((bn, bm), x.dtype))
+  if not direct:
+    scratch["bar"] = plgpu.Barrier(num_arrivals=1)
 
   @functools.partial(
       plgpu.kernel,
       out_type=jax.ShapeDtypeStruct((b, n, m), x.dtype),
       grid=tuple(sizes[a] for a in order),
       grid_names=tuple(order),
-      scratch_types=dict(
-          x_s=plgpu.SMEM((bm, bn), x.dtype),
-          o_s=plgpu.SMEM((bn, bm), x.dtype),
-          bar=plgpu.Barrier(num_arrivals=1),
-      ),
+      scratch_types=scratch,
       interpret=interpret,
   )
-  def kernel(x_g, o_g, x_s, o_s, bar):
+  def kernel(x_g, o_g, x_s, o_s, bar=None):
     bi, i, j = lax.axis_index("b"), lax.axis_index("i"), lax.axis_index("j")
-    plgpu.copy_gmem_to_smem(x_g.at[bi, pl.ds(i * bm, bm), pl.ds(j * bn, bn)], x_s, bar)
-    plgpu.barrier_wait(bar)
+    src = x_g.at[bi, pl.ds(i * bm, bm), pl.ds(j * bn, bn)]
+    dst = o_g.at[bi, pl.ds(j * bn, bn), pl.ds(i * bm, bm)]
+    if direct:
+      x_s[...] = plgpu.load(src, (), layout=_layouts.row_layout(bn, x.dtype.itemsize)[0], optimized=False)
+    else:
+      plgpu.copy_gmem_to_smem(src, x_s, bar)
+      plgpu.barrier_wait(bar)
     v = plgpu.load(x_s, layout=plgpu.Layout.WGMMA)
     if widen:
       v = lax.bitcast_convert_type(v, jnp.int8).astype(jnp.int16)
@@ -70,9 +83,12 @@ def _batched_transpose_kernel(x: jax.Array, interpret=None, tiling=None) -> jax.
     if widen:
       v = lax.bitcast_convert_type(v.astype(jnp.int8), x.dtype)
     o_s.T[...] = v
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_s, o_g.at[bi, pl.ds(j * bn, bn), pl.ds(i * bm, bm)])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if direct:
+      dst[...] = plgpu.load(o_s, (), layout=_layouts.row_layout(bm, x.dtype.itemsize)[0])
+    else:
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_s, dst)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return kernel(x)
 

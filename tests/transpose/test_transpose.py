@@ -34,10 +34,11 @@ def test_batched_transpose_bit_exact(key, dtype):
   assert_bitwise_equal(batched_transpose(x), np.swapaxes(np.asarray(x), 1, 2))
 
 
-@pytest.mark.parametrize("tiling", [(128, 128, "bji"), (128, 64, "bji"), (64, 128, "bij")])
+@pytest.mark.parametrize("tiling", [(128, 128, "bji", False), (128, 64, "bji", False), (64, 128, "bij", False),
+                                    (64, 64, "bji", True)])
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
 def test_every_tiling_bit_exact(key, dtype, tiling):
-  """The large-array tilings, forced on a small array so the interpreter can run them."""
+  """The large-array and TMA-free tilings, forced on a small array so the interpreter can run them."""
   from jaxkern.transpose.transpose import _batched_transpose_kernel
 
   x = random_bits(key, (2, 256, 128), dtype)
@@ -96,7 +97,7 @@ def test_batched_transpose_bad_rank():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape", [(1, 4032, 576), (1, 8064, 7168), (32, 8064, 7168), (8, 128, 2560)])
+@pytest.mark.parametrize("shape", [(1, 4032, 576), (1, 4032, 3072), (1, 8064, 7168), (32, 8064, 7168), (8, 128, 2560)])
 def test_lowers_for_h100(dtype, shape):
   """Every tile configuration and grid order lowers through Mosaic GPU for an H100."""
   f = functools.partial(batched_transpose, implementation="pallas")
