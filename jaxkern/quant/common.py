@@ -19,6 +19,10 @@ BM = 64  # rows of the WGMMA register layout (per-channel kernel)
 # 64-byte swizzle for e4m3 SMEM tiles, so that arrays whose width is a multiple of 64 (576) can be copied.
 FP8_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
 THREAD_BYTES = 128  # input bytes per thread and CTA that the row kernels aim for
+# Lanes that share one row of a group (the rest of the warp takes other rows). Every lane holding a
+# part of a row redoes that row's scale-factor arithmetic, so narrow groups want few lanes per row;
+# 2 lanes still read whole 32-byte sectors per instruction.
+GROUP_LANES = 2
 
 
 MAX_SEGMENTS = 16  # partial last group: at most this many groups per row run as separate segments
@@ -44,22 +48,22 @@ def _pow2_divisor(n: int, cap: int) -> int:
   return p
 
 
-def row_layout(width: int, itemsize: int):
+def row_layout(width: int, itemsize: int, max_lanes: int = 32):
   """Register layout for a ``(rows, width)`` tile read straight from / written straight to GMEM.
 
   Each thread holds vectors of up to 16 bytes (``itemsize`` is the widest element type involved)
   that lie along a row, consecutive lanes (then warps) cover consecutive vectors of a row and the
   remaining lanes / warps consecutive rows, so a warp reads whole contiguous row segments
   (coalesced) and a reduction along the row is a vector, warp-shuffle (and, when warps share a row,
-  SMEM) reduction. ``width * itemsize`` must be a multiple of the vector bytes chosen (any
-  multiple of 16 bytes works).
+  SMEM) reduction. At most ``max_lanes`` lanes share a row (warps share rows only with 32 lanes);
+  a row wider than the lanes' vectors repeats over registers.
 
   Returns ``(layout, rows)``: the Pallas layout and the number of rows it covers once (a tile's
   row count must be a multiple of it).
   """
   v = math.gcd(16 // itemsize, width)
   nvec = width // v
-  lanes_c = _pow2_divisor(nvec, 32)
+  lanes_c = _pow2_divisor(nvec, max_lanes)
   warps_c = _pow2_divisor(nvec // lanes_c, 4) if lanes_c == 32 else 1
   lanes_r, warps_r = 32 // lanes_c, 4 // warps_c
   tiling = mgpu_fa.Tiling(((warps_r * lanes_r, warps_c * lanes_c * v), (lanes_r, lanes_c * v), (v,)))

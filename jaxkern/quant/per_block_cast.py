@@ -74,17 +74,16 @@ def _kernel(x, sf_in, *, block_size, round_sf, write_data, compute_sf, interpret
 
     for s in range(nb):
       plgpu.copy_gmem_to_smem(x_g.at[rows, cols(s)], x_s.at[s], bar.at[s])
-    maxv = plgpu.load(c_g, layout=layout.reduce(1), optimized=False)
-    zero = maxv * 0.0
     for s in range(nb):
       plgpu.barrier_wait(bar.at[s])
-      # The block's amax / sf are scalars; the sf arithmetic (bit casts) runs on (bm,) vectors.
+      # The block's amax / sf are scalars; the sf arithmetic (bit casts) runs on splat vectors
+      # (one register per thread), as scalar bit casts do not lower.
       if sf_in is not None:
-        inv = common.exact_div(1.0, zero + sfin_g[i, j * nb + s])
+        inv = common.exact_div(1.0, jnp.broadcast_to(sfin_g[i, j * nb + s], (bm,)))
       else:
         v = plgpu.load(x_s.at[s], layout=layout).astype(jnp.float32)
-        a = jnp.max(jnp.max(jnp.abs(v), axis=1), axis=0)
-        sf, inv = ref.scale_factors(zero + a, maxv, "e4m3", round_sf, div=common.exact_div)
+        a = jnp.broadcast_to(jnp.max(jnp.max(jnp.abs(v), axis=1), axis=0), (bm,))
+        sf, inv = ref.scale_factors(a, jnp.broadcast_to(c_g[0], (bm,)), "e4m3", round_sf, div=common.exact_div)
         if compute_sf:
           sf_g[i, j * nb + s] = jnp.max(sf, axis=0)
       if write_data:
@@ -96,7 +95,7 @@ def _kernel(x, sf_in, *, block_size, round_sf, write_data, compute_sf, interpret
         plgpu.copy_smem_to_gmem(o_s.at[s], o_g.at[rows, cols(s)])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  consts = jnp.full((bm,), ref.FP8_MAX, jnp.float32)
+  consts = jnp.full((1,), ref.FP8_MAX, jnp.float32)
   if sf_in is not None:
     sf_in = jnp.pad(sf_in, ((0, 0), (0, kt * nb - kb)), constant_values=1.0)
   outs = list(kernel(*((x, consts) if sf_in is None else (x, consts, sf_in))))

@@ -35,15 +35,18 @@ from jaxkern import _checks, _config
 from jaxkern.quant import common
 from jaxkern.reference import quant as ref
 
-def row_kernel(x, sf_in, *, segs, round_sf, write_data, compute_sf, interpret, thread_bytes=common.THREAD_BYTES):
+
+def row_kernel(x, sf_in, *, segs, lanes, round_sf, write_data, compute_sf, interpret,
+               thread_bytes=common.THREAD_BYTES):
   """Per-row-group e4m3 cast of ``x`` ``(R, W)`` (``R`` at least one layout block of rows).
 
-  ``segs``: static ``(column, width)`` groups of each row. ``sf_in``: precomputed float32 sf
+  ``segs``: static ``(column, width)`` groups of each row; ``lanes``: at most this many lanes share
+  a row (:func:`jaxkern.quant.common.row_layout`). ``sf_in``: precomputed float32 sf
   ``(len(segs), R)`` or None. Returns ``(out (R, W) e4m3 | None, sf (len(segs), R) float32 | None)``.
   """
   r, w = x.shape
   itemsize = x.dtype.itemsize
-  layouts = [common.row_layout(sw, itemsize) for _, sw in segs]
+  layouts = [common.row_layout(sw, itemsize, lanes) for _, sw in segs]
   unit = max(u for _, u in layouts)
   rt = common.tile_rows(r, w, itemsize, unit, thread_bytes)
   out_type = []
@@ -88,14 +91,15 @@ def _kernel(x, sf_in, *, npc, round_sf, write_data, compute_sf, interpret):
   r, w, segs = common.row_plan(m, k, npc)
   kb = ref.cdiv(k, npc)
   xv = x.reshape(r, w)
-  unit = max(common.row_layout(sw, x.dtype.itemsize)[1] for _, sw in segs)
+  lanes = 32 if npc >= k else common.GROUP_LANES  # one scale per row: whole warps per row
+  unit = max(common.row_layout(sw, x.dtype.itemsize, lanes)[1] for _, sw in segs)
   rp = max(r, unit)
   if rp != r:  # fewer rows than one layout block: pad (tiny inputs only)
     xv = jnp.pad(xv, ((0, rp - r), (0, 0)))
   if sf_in is not None:
     sf_in = sf_in.reshape(1, r) if len(segs) == 1 else sf_in.T
     sf_in = jnp.pad(sf_in, ((0, 0), (0, rp - r)), constant_values=1.0)
-  out, sf = row_kernel(xv, sf_in, segs=segs, round_sf=round_sf, write_data=write_data, compute_sf=compute_sf,
+  out, sf = row_kernel(xv, sf_in, segs=segs, lanes=lanes, round_sf=round_sf, write_data=write_data, compute_sf=compute_sf,
                        interpret=interpret)
   if out is not None:
     out = out[:r].reshape(m, k)
