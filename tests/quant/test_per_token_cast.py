@@ -31,7 +31,7 @@ def _both(f, *args, **kw):
     (72, 576, 576, jnp.float32, "A-round"),  # one sf per row
     (40, 320, 32, jnp.bfloat16, "C"),  # groups as view rows, shifted last block
     (130, 192, 192, jnp.bfloat16, "B"),  # one sf per row, 130 rows: the last block overlaps
-    (9, 448, 16, jnp.float32, "A"),  # 252 view rows of 16, fewer than one CTA block
+    (9, 448, 16, jnp.float32, "A"),  # 252 view rows of 16: the last block overlaps
 ])
 def test_per_token_cast_bit_exact(key, m, k, npc, dtype, flags):
   x = _input(key, m, k, dtype)
