@@ -2,6 +2,9 @@
 
 Static arguments cannot travel through ``make_args``, so each group width is its own benchmark op
 (``npc=K`` derives the width from the input). Byte counts are the logical sizes (input, data, sf).
+Registered: the e4m3 grids of per_token_cast (flags T, T, T), per_block_cast, the per-channel casts,
+per_token_cast_back (layout-A input) and cast_back with (128, 128) blocks. Not registered: the e2m1
+and QuantTensor-input cases and cast_back with (128, 1) blocks (they run the jnp reference).
 """
 
 import itertools
@@ -61,6 +64,24 @@ for _name, _w in (("npc128", 128), ("row", None)):
         _grid(_back_case, _w, (_out,)),
         lambda _w=_w, _out=_out: [_back_case(72, 576, _out, _w)]))
 
+
+def _block_back_case(m, k, out_name, round_sf):
+  nbytes = m * k * jnp.dtype(_DTYPES[out_name]).itemsize + m * k + (-(-m // 128)) * (-(-k // 128)) * 4
+
+  def make(key):
+    return ref.cast(randn(key, (m, k), jnp.float32), "e4m3", (128, 128), round_sf=round_sf)
+
+  return Case(f"M={m} K={k} {out_name}{' round' if round_sf else ''}", make, nbytes)
+
+
+for _out in ("bf16", "fp32"):
+  register(BenchOp(
+      f"cast_back_128x128_{_out}",
+      lambda q, sf, _out=_out: quant.cast_back((q, sf), _out, (128, 128)),
+      lambda q, sf, _out=_out: ref.cast_back((q, sf), _out, (128, 128)),
+      lambda _out=_out: [_block_back_case(m, k, _out, r)
+                         for r, m, k in itertools.product((False, True), num_tokens(), hidden_sizes(64))],
+      lambda _out=_out: [_block_back_case(72, 576, _out, True)]))
 
 
 def _block_case(m, k, dtype_name, block):

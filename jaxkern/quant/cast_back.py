@@ -2,12 +2,13 @@
 
 ``out = RN(f32(q) · sf)`` in float32, then one rounding to bf16 for ``fmt="bf16"``.
 
-Mosaic GPU kernel for e4m3 data with block widths 16, 32, 64, 128 or the whole row (any block
-height): each CTA dequantises one ``(64, 256)`` tile (TMA in, WGMMA-layout registers, TMA out; the
-boxes clip at the array edges). The wrapper decodes the sf (any layout) into a float32
-``(groups, rows)`` matrix with one value per row and group, which the kernel reads as row vectors.
-Row counts that are not multiples of 8 are padded (TMA granularity of the tiled SMEM). Packed e2m1
-data and other block widths (e.g. per-channel ``(128, 1)``) run the ``jnp`` reference.
+Mosaic GPU kernel for e4m3 data whose block width divides ``K`` or is the whole row (any block
+height; a partial last block column runs as separate column segments): the data are viewed as rows
+of whole blocks (as in :mod:`jaxkern.quant.per_token_cast`), read straight from GMEM into registers
+in :func:`jaxkern.quant.common.row_layout`, multiplied by the row's sf and written straight back; no
+padding for any row count. The wrapper decodes the sf (any layout) into one float32 value per view
+row and segment. Packed e2m1 data and other block widths (e.g. per-channel ``(128, 1)``) run the
+``jnp`` reference.
 """
 
 from __future__ import annotations
@@ -22,61 +23,46 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config
 from jaxkern.quant import common
-from jaxkern.quant.per_token_cast import BM, FP8_TRANSFORMS, ROW_ALIGN, TILE, group_select
 from jaxkern.reference import quant as ref
 
-KERNEL_BLOCK_WIDTHS = (16, 32, 64, 128)
+
+def _row_kernel(q, sf, *, segs, out_dtype, interpret):
+  """``q`` ``(R, W)`` e4m3, ``sf`` ``(len(segs), R)`` float32 -> ``(R, W)`` ``out_dtype``."""
+  r, w = q.shape
+  itemsize = jnp.dtype(out_dtype).itemsize
+  layouts = [common.row_layout(sw, itemsize) for _, sw in segs]
+  rt = common.tile_rows(r, w, 2, max(u for _, u in layouts))
+
+  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((r, w), out_dtype), grid=(pl.cdiv(r, rt),),
+                     grid_names=("i",), interpret=interpret)
+  def kernel(q_g, sf_g, o_g):
+    rows = pl.ds(jnp.minimum(lax.axis_index("i") * rt, r - rt), rt)
+    vals = [plgpu.load(q_g.at[rows, pl.ds(c, sw)], layout=lay, optimized=False) for (c, sw), (lay, _) in
+            zip(segs, layouts)]
+    for s, ((c, sw), (lay, _), v) in enumerate(zip(segs, layouts, vals)):
+      scale = plgpu.load(sf_g.at[s, rows], layout=lay.reduce(1), optimized=False)
+      o_g[rows, pl.ds(c, sw)] = (v.astype(jnp.float32) * scale[:, None]).astype(out_dtype)
+
+  return kernel(q, sf)
 
 
-@functools.partial(jax.jit, static_argnames=("gw", "out_dtype", "interpret"))
-def _kernel(q, sfr, *, gw, out_dtype, interpret):
-  """``q`` ``(M, K)`` e4m3 (``M % 8 == 0``), ``sfr`` ``(G, Mb·64)`` float32 -> ``(M, K)`` ``out_dtype``."""
-  m, k = q.shape
-  t = TILE if gw <= TILE else min(TILE, k)
-  kt = ref.cdiv(k, t)
-  gpt = t // gw if gw <= TILE else 1
-  cw = max(min(gw, t), 64)
-  nsub = cw // min(gw, t)
-
-  @functools.partial(
-      plgpu.kernel, out_type=jax.ShapeDtypeStruct((m, k), out_dtype), grid=(ref.cdiv(m, BM), kt),
-      grid_names=("i", "j"), interpret=interpret,
-      scratch_types=dict(q_s=plgpu.SMEM((BM, t), q.dtype, transforms=FP8_TRANSFORMS),
-                         o_s=plgpu.SMEM((BM, t), out_dtype), bar=plgpu.Barrier(num_arrivals=1)))
-  def kernel(q_g, sf_g, o_g, q_s, o_s, bar):
-    i, j = lax.axis_index("i"), lax.axis_index("j")
-    rows = pl.ds(i * BM, BM)
-    plgpu.copy_gmem_to_smem(q_g.at[rows, pl.ds(j * t, t)], q_s, bar)
-    plgpu.barrier_wait(bar)
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    if gw > TILE:
-      sfs = [plgpu.load(sf_g.at[0, rows], layout=row_layout, optimized=False)]
-    else:
-      sfs = [plgpu.load(sf_g.at[j * gpt + g, rows], layout=row_layout, optimized=False) for g in range(gpt)]
-    for c in range(t // cw):
-      v = plgpu.load(q_s.at[:, pl.ds(c * cw, cw)], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-      sf = group_select(sfs[c * nsub:(c + 1) * nsub] if gw <= TILE else sfs, cw)
-      o_s.at[:, pl.ds(c * cw, cw)][...] = (v * sf).astype(out_dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_s, o_g.at[rows, pl.ds(j * t, t)])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-  return kernel(q, sfr)
-
-
-def _run_kernel(x, out_dtype, block_size, impl, col_major):
-  q, sf = x
+@functools.partial(jax.jit, static_argnames=("block_size", "out_dtype", "col_major", "interpret"))
+def _kernel(q, sf, *, block_size, out_dtype, col_major, interpret):
   m, k = q.shape
   bm, bk = block_size
-  gw = k if bk >= k else bk
+  gw = min(bk, k)
+  r, w, segs = common.row_plan(m, k, gw)
   s = ref.sf_to_float(sf, ref.cdiv(m, bm), ref.cdiv(k, bk), use_tma_aligned_col_major_sf=col_major)
-  s = jnp.repeat(s, bm, axis=0)[:m].T  # (Kb, M): one value per row and group
-  ng = 1 if gw > TILE else ref.cdiv(k, TILE) * (TILE // gw)
-  s = jnp.pad(s, ((0, ng - s.shape[0]), (0, ref.cdiv(m, BM) * BM - m)))
-  mp = ref.cdiv(m, ROW_ALIGN) * ROW_ALIGN
-  qp = jnp.pad(q, ((0, mp - m), (0, 0))) if mp != m else q
-  out = _kernel(qp, s, gw=gw, out_dtype=out_dtype, interpret=_config.mosaic_interpret(impl))
-  return out[:m] if mp != m else out
+  if bm > 1:
+    s = jnp.repeat(s, bm, axis=0)[:m]
+  s = s.reshape(1, r) if len(segs) == 1 else s.T
+  unit = max(common.row_layout(sw, jnp.dtype(out_dtype).itemsize)[1] for _, sw in segs)
+  rp = max(r, unit)
+  qv = q.reshape(r, w)
+  if rp != r:  # fewer rows than one layout block: pad (tiny inputs only)
+    qv, s = jnp.pad(qv, ((0, rp - r), (0, 0))), jnp.pad(s, ((0, 0), (0, rp - r)))
+  out = _row_kernel(qv, s, segs=segs, out_dtype=out_dtype, interpret=interpret)
+  return out[:r].reshape(m, k)
 
 
 def cast_back(x, fmt: str, x_block_size, x_special_fmt=None, *, x_use_tma_aligned_col_major_sf: bool = False,
@@ -101,10 +87,10 @@ def cast_back(x, fmt: str, x_block_size, x_special_fmt=None, *, x_use_tma_aligne
   common.check_fmt(fmt, ("bf16", "fp32"))
   impl = _config.get_implementation(implementation)
   q = x[0]
-  if (impl != "reference" and q.shape[0] and q.dtype == jnp.float8_e4m3fn
-      and (x_block_size[1] in KERNEL_BLOCK_WIDTHS or x_block_size[1] >= k)):
-    out_dtype = jnp.bfloat16 if fmt == "bf16" else jnp.float32
-    return _run_kernel(x, out_dtype, tuple(x_block_size), impl, x_use_tma_aligned_col_major_sf)
+  if (impl != "reference" and q.shape[0] and q.dtype == jnp.float8_e4m3fn and x_block_size[1] >= 16
+      and common.row_plan(q.shape[0], k, min(x_block_size[1], k)) is not None):
+    return _kernel(q, x[1], block_size=tuple(x_block_size), out_dtype=jnp.bfloat16 if fmt == "bf16" else jnp.float32,
+                   col_major=x_use_tma_aligned_col_major_sf, interpret=_config.mosaic_interpret(impl))
   return ref.cast_back(x, fmt, tuple(x_block_size), x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
 
 

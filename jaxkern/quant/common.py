@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks
 from jaxkern.reference.quant import cdiv, format_sf, sf_logical, sf_to_float
@@ -11,6 +15,67 @@ from jaxkern.reference.quant import cdiv, format_sf, sf_logical, sf_to_float
 __all__ = ["cdiv", "exact_div", "format_sf", "sf_logical", "sf_to_float"]
 
 FMTS = ("e4m3", "e2m1")
+BM = 64  # rows of the WGMMA register layout (per-channel kernel)
+# 64-byte swizzle for e4m3 SMEM tiles, so that arrays whose width is a multiple of 64 (576) can be copied.
+FP8_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
+THREAD_BYTES = 128  # input bytes per thread and CTA that the row kernels aim for
+# Lanes that share one row of a group (the rest of the warp takes other rows). Every lane holding a
+# part of a row redoes that row's scale-factor arithmetic, so narrow groups want few lanes per row;
+# 4 lanes (64 contiguous bytes of a row per load) measured best on the H200 for 128-wide groups.
+GROUP_LANES = 4
+
+
+MAX_SEGMENTS = 16  # partial last group: at most this many groups per row run as separate segments
+
+
+def row_plan(m: int, k: int, group: int):
+  """How the row kernels view an ``(m, k)`` array with one value per row and ``group`` columns:
+  ``(view rows, view width, column segments)`` (one segment per group of a view row), or None
+  (too many groups per row; use the reference). ``(m·k/group, group)`` when ``group`` divides
+  ``k`` (then the view-row order of the per-group values is row-major ``(m, k/group)``)."""
+  if group >= k:
+    return m, k, ((0, k),)
+  if k % group == 0:
+    return m * k // group, group, ((0, group),)
+  segs = tuple((c, min(group, k - c)) for c in range(0, k, group))
+  return (m, k, segs) if len(segs) <= MAX_SEGMENTS else None
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+  p = 1
+  while p < cap and n % (2 * p) == 0:
+    p *= 2
+  return p
+
+
+def row_layout(width: int, itemsize: int, max_lanes: int = 32):
+  """Register layout for a ``(rows, width)`` tile read straight from / written straight to GMEM.
+
+  Each thread holds vectors of up to 16 bytes (``itemsize`` is the widest element type involved)
+  that lie along a row, consecutive lanes (then warps) cover consecutive vectors of a row and the
+  remaining lanes / warps consecutive rows, so a warp reads whole contiguous row segments
+  (coalesced) and a reduction along the row is a vector, warp-shuffle (and, when warps share a row,
+  SMEM) reduction. At most ``max_lanes`` lanes share a row (warps share rows only with 32 lanes);
+  a row wider than the lanes' vectors repeats over registers.
+
+  Returns ``(layout, rows)``: the Pallas layout and the number of rows it covers once (a tile's
+  row count must be a multiple of it).
+  """
+  v = math.gcd(16 // itemsize, width)
+  nvec = width // v
+  lanes_c = _pow2_divisor(nvec, max_lanes)
+  warps_c = _pow2_divisor(nvec // lanes_c, 4) if lanes_c == 32 else 1
+  lanes_r, warps_r = 32 // lanes_c, 4 // warps_c
+  tiling = mgpu_fa.Tiling(((warps_r * lanes_r, warps_c * lanes_c * v), (lanes_r, lanes_c * v), (v,)))
+  lay = mgpu_fa.TiledLayout(tiling, (-5, -4), (-3, -2), -1, _check_canonical=False).canonicalize()
+  return plgpu.Layout.TILED(lay.tiling, lay.warp_dims, lay.lane_dims, lay.vector_dim), warps_r * lanes_r
+
+
+def tile_rows(num_rows: int, width: int, itemsize: int, unit: int, thread_bytes: int = THREAD_BYTES) -> int:
+  """Rows per CTA for ``(num_rows, width)``: a multiple of ``unit`` near ``thread_bytes`` per thread,
+  at most ``num_rows`` (the caller pads arrays with fewer than ``unit`` rows)."""
+  rows = max(1, thread_bytes * 128 // (width * itemsize) // unit) * unit
+  return max(unit, min(rows, num_rows // unit * unit))
 
 
 def exact_div(a, b):

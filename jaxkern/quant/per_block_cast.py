@@ -1,13 +1,14 @@
 """Per-block casts (``bm × bk`` blocks, ``bm, bk ∈ {32, 128}``) and the lossless FP4 -> FP8 re-quantisation.
 
-Mosaic GPU kernel for e4m3 (``per_block_cast*``): each CTA owns ``max(bm, 64)`` rows and 256 (128
-for ``bm = 128``) columns, brought in by one TMA box (clipped and zero-filled at the array edges).
-Each 64-row half is loaded in the WGMMA layout; a row reduction gives the amax of each row within a
-block column, and a reduction across the rows of the resulting vector (masked to 32-row halves for
-``bm = 32``) gives the block amax. The kernel writes one sf per row and block column, float32
-``(groups, rows)``; the wrapper keeps every ``bm``-th row and formats the layout. Divisions as in
-:mod:`jaxkern.quant.per_token_cast`. Row counts that are not multiples of 8 are padded with zero
-rows (TMA granularity), which never change a block amax.
+Mosaic GPU kernel for e4m3 (``per_block_cast*``): each CTA owns one block row and ``nb`` block
+columns (``bm · nb·bk`` elements, ``nb·bk`` = 256 columns for ``bm = 32``, 128 for ``bm = 128``).
+Each block comes in by its own TMA box into an untiled SMEM buffer (the box clips at the array
+edges and zero-fills, so partial blocks and any row count need no padding), is loaded into
+registers in :func:`jaxkern.quant.common.row_layout` (conflict-free: the buffer is contiguous), and
+reduced over both axes to the block's amax; the quantisation re-reads the buffer, writes e4m3 to an
+SMEM buffer and TMA stores it (clipped at the edges). The sf is stored per block from the kernel,
+float32 ``(Mb, kt·nb)``; the wrapper cuts the padding columns and formats the layout. Divisions as
+in :mod:`jaxkern.quant.per_token_cast`.
 
 FP4 e2m1 and ``per_block_cast_lossless`` run the ``jnp`` reference (:mod:`jaxkern.reference.quant`).
 """
@@ -24,41 +25,41 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config
 from jaxkern.quant import common
-from jaxkern.quant.per_token_cast import BM, FP8_TRANSFORMS, ROW_ALIGN, group_select
 from jaxkern.reference import quant as ref
 
 BLOCK_SIDES = (32, 128)
 
 
-def _tile(bm: int) -> tuple[int, int]:
-  return max(bm, BM), (128 if bm == 128 else 256)
+def _blocks_per_cta(block_size) -> int:
+  bm, bk = block_size
+  return (256 if bm == 32 else 128) // bk
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "round_sf", "write_data", "compute_sf", "interpret"))
 def _kernel(x, sf_in, *, block_size, round_sf, write_data, compute_sf, interpret):
-  """``x`` ``(M, K)``, ``M % 8 == 0``; ``sf_in`` per-row precomputed sf ``(G, Mr)`` or None.
+  """``x`` ``(M, K)``; ``sf_in`` precomputed layout-A sf ``(Mb, Kb)`` or None.
 
-  Returns ``(out (M, K) e4m3 | None, sf (G, Mr) float32 | None)``, one sf per row and block column
-  (``Mr`` = rows rounded up to the CTA height, ``G ≥ ceil(K / bk)``).
+  Returns ``(out (M, K) e4m3 | None, sf (Mb, Kb) float32 | None)``.
   """
   m, k = x.shape
   bm, bk = block_size
-  r, t = _tile(bm)
-  mt, kt = ref.cdiv(m, r), ref.cdiv(k, t)
-  gpt = t // bk
-  cw = max(bk, 64)
-  nsub = cw // bk
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  nb = _blocks_per_cta(block_size)
+  mb, kb, kt = ref.cdiv(m, bm), ref.cdiv(k, bk), ref.cdiv(k, nb * bk)
+  layout, _ = common.row_layout(bk, x.dtype.itemsize)
   out_type = []
   if write_data:
     out_type.append(jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn))
   if compute_sf:
-    out_type.append(jax.ShapeDtypeStruct((kt * gpt, mt * r), jnp.float32))
-  scratch = dict(x_s=plgpu.SMEM((r, t), x.dtype), bar=plgpu.Barrier(num_arrivals=1))
+    out_type.append(jax.ShapeDtypeStruct((mb, kt * nb), jnp.float32))
+  # A one-row tiling keeps the buffers row-major and stops the transform inference from choosing
+  # an (8, ·) tiling, which would make TMA require a row count that is a multiple of 8.
+  untiled = (plgpu.TilingTransform((1, 64 if bk > 64 else bk)),)  # K % 64 == 0
+  scratch = dict(x_s=plgpu.SMEM((nb, bm, bk), x.dtype, transforms=untiled),
+                 bar=plgpu.Barrier(num_arrivals=1, num_barriers=nb))
   if write_data:
-    scratch["o_s"] = plgpu.SMEM((r, t), jnp.float8_e4m3fn, transforms=FP8_TRANSFORMS)
+    scratch["o_s"] = plgpu.SMEM((nb, bm, bk), jnp.float8_e4m3fn, transforms=untiled)
 
-  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(mt, kt), grid_names=("i", "j"),
+  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(mb, kt), grid_names=("i", "j"),
                      scratch_types=scratch, interpret=interpret)
   def kernel(*refs, x_s, bar, o_s=None):
     x_g, c_g, *rest = refs
@@ -66,75 +67,45 @@ def _kernel(x, sf_in, *, block_size, round_sf, write_data, compute_sf, interpret
     o_g = rest.pop(0) if write_data else None
     sf_g = rest.pop(0) if compute_sf else None
     i, j = lax.axis_index("i"), lax.axis_index("j")
-    plgpu.copy_gmem_to_smem(x_g.at[pl.ds(i * r, r), pl.ds(j * t, t)], x_s, bar)
-    plgpu.barrier_wait(bar)
-    halves = r // BM
+    rows = pl.ds(i * bm, bm)
 
-    def chunk(h, c):
-      return plgpu.load(x_s.at[pl.ds(h * BM, BM), pl.ds(c * cw, cw)], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+    def cols(s):
+      return pl.ds((j * nb + s) * bk, bk)
 
-    def rows(h):
-      return pl.ds(i * r + h * BM, BM)
-
-    if sf_in is not None:
-      invs = [[common.exact_div(1.0, plgpu.load(sfin_g.at[j * gpt + g, rows(h)], layout=row_layout, optimized=False))
-               for g in range(gpt)] for h in range(halves)]
-    else:
-      maxv = plgpu.load(c_g, layout=row_layout, optimized=False)
-      col = plgpu.broadcasted_iota(jnp.int32, (BM, cw), 1, layout=plgpu.Layout.WGMMA) // bk
-      row = plgpu.broadcasted_iota(jnp.int32, (BM,), 0, layout=row_layout)
-      row_max = [[], []]
-      for h in range(halves):
-        for c in range(t // cw):
-          a = jnp.abs(chunk(h, c))
-          row_max[h] += [jnp.max(a if nsub == 1 else jnp.where(col == s, a, 0.0), axis=1) for s in range(nsub)]
-      invs = [[], []]
-      for g in range(gpt):
-        if bm == 128:
-          a = jnp.max(jnp.maximum(row_max[0][g], row_max[1][g]), axis=0)
-          blk = [jnp.where(row < BM, a, 0.0)] * 2  # the scalar broadcast back to a row vector
-        else:
-          rm = row_max[0][g]
-          lo = jnp.max(jnp.where(row < 32, rm, 0.0), axis=0)
-          hi = jnp.max(jnp.where(row >= 32, rm, 0.0), axis=0)
-          blk = [jnp.where(row < 32, lo, hi)]
-        for h in range(halves):
-          sf, inv = ref.scale_factors(blk[h], maxv, "e4m3", round_sf, div=common.exact_div)
-          invs[h].append(inv)
-          if compute_sf:
-            sf_g[j * gpt + g, rows(h)] = sf
+    for s in range(nb):
+      plgpu.copy_gmem_to_smem(x_g.at[rows, cols(s)], x_s.at[s], bar.at[s])
+    for s in range(nb):
+      plgpu.barrier_wait(bar.at[s])
+      # The block's amax / sf are scalars; the sf arithmetic (bit casts) runs on splat vectors
+      # (one register per thread), as scalar bit casts do not lower.
+      if sf_in is not None:
+        inv = common.exact_div(1.0, jnp.broadcast_to(sfin_g[i, j * nb + s], (bm,)))
+      else:
+        v = plgpu.load(x_s.at[s], layout=layout).astype(jnp.float32)
+        a = jnp.broadcast_to(jnp.max(jnp.max(jnp.abs(v), axis=1), axis=0), (bm,))
+        sf, inv = ref.scale_factors(a, jnp.broadcast_to(c_g[0], (bm,)), "e4m3", round_sf, div=common.exact_div)
+        if compute_sf:
+          sf_g[i, j * nb + s] = jnp.max(sf, axis=0)
+      if write_data:
+        q = plgpu.load(x_s.at[s], layout=layout).astype(jnp.float32) * inv[:, None]
+        o_s.at[s][...] = ref.encode_e4m3(q) if sf_in is not None else q.astype(jnp.float8_e4m3fn)
     if write_data:
-      for h in range(halves):
-        for c in range(t // cw):
-          inv = group_select(invs[h][c * nsub:(c + 1) * nsub], cw)
-          o_s.at[pl.ds(h * BM, BM), pl.ds(c * cw, cw)][...] = ref.encode_e4m3(chunk(h, c) * inv)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_s, o_g.at[pl.ds(i * r, r), pl.ds(j * t, t)])
+      for s in range(nb):
+        plgpu.copy_smem_to_gmem(o_s.at[s], o_g.at[rows, cols(s)])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  consts = jnp.full((BM,), ref.FP8_MAX, jnp.float32)
+  consts = jnp.full((1,), ref.FP8_MAX, jnp.float32)
+  if sf_in is not None:
+    sf_in = jnp.pad(sf_in, ((0, 0), (0, kt * nb - kb)), constant_values=1.0)
   outs = list(kernel(*((x, consts) if sf_in is None else (x, consts, sf_in))))
-  return (outs.pop(0) if write_data else None), (outs.pop(0) if compute_sf else None)
+  out = outs.pop(0) if write_data else None
+  return out, (outs.pop(0)[:, :kb] if compute_sf else None)
 
 
 def _run_kernel(x, block_size, impl, *, sf_in=None, round_sf=False, write_data=True, compute_sf=True):
-  """Pads rows to a multiple of 8 if needed, runs the kernel, returns ``(out, sf (Mb, Kb))``."""
-  m, k = x.shape
-  bm, bk = block_size
-  r, t = _tile(bm)
-  mp = ref.cdiv(m, ROW_ALIGN) * ROW_ALIGN
-  xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
-  if sf_in is not None:
-    s = jnp.repeat(sf_in, bm, axis=0).T
-    ng = ref.cdiv(k, t) * (t // bk)
-    sf_in = jnp.pad(s, ((0, ng - s.shape[0]), (0, ref.cdiv(m, r) * r - s.shape[1])), constant_values=1.0)
-  out, sf = _kernel(xp, sf_in, block_size=block_size, round_sf=round_sf, write_data=write_data,
-                    compute_sf=compute_sf, interpret=_config.mosaic_interpret(impl))
-  if out is not None and mp != m:
-    out = out[:m]
-  if sf is not None:
-    sf = sf[:ref.cdiv(k, bk), :m:bm].T
-  return out, sf
+  return _kernel(x, sf_in, block_size=block_size, round_sf=round_sf, write_data=write_data, compute_sf=compute_sf,
+                 interpret=_config.mosaic_interpret(impl))
 
 
 def _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0):

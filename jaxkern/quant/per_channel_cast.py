@@ -23,7 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config
 from jaxkern.quant import common
-from jaxkern.quant.per_token_cast import BM, FP8_TRANSFORMS
+from jaxkern.quant.common import BM, FP8_TRANSFORMS
 from jaxkern.reference import quant as ref
 from jaxkern.transpose import transpose
 

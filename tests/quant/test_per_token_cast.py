@@ -26,12 +26,12 @@ def _both(f, *args, **kw):
 
 
 @pytest.mark.parametrize("m, k, npc, dtype, flags", [
-    (100, 576, 128, jnp.bfloat16, "A"),  # ragged rows (padded to 8), partial last group
+    (100, 576, 128, jnp.bfloat16, "A"),  # partial last group: one column segment per group
     (100, 576, 128, jnp.bfloat16, "C"),
-    (72, 576, 576, jnp.float32, "A-round"),  # one sf per row, K > 256: two pipelined passes
-    (40, 320, 32, jnp.bfloat16, "C"),  # groups selected by masks inside a 64-wide chunk
-    (130, 192, 192, jnp.bfloat16, "B"),  # one sf per row, single tile
-    (9, 448, 16, jnp.float32, "A"),
+    (72, 576, 576, jnp.float32, "A-round"),  # one sf per row
+    (40, 320, 32, jnp.bfloat16, "C"),  # groups as view rows, shifted last block
+    (130, 192, 192, jnp.bfloat16, "B"),  # one sf per row, 130 rows: the last block overlaps
+    (9, 448, 16, jnp.float32, "A"),  # 252 view rows of 16: the last block overlaps
 ])
 def test_per_token_cast_bit_exact(key, m, k, npc, dtype, flags):
   x = _input(key, m, k, dtype)
