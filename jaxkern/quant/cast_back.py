@@ -5,7 +5,7 @@
 Mosaic GPU kernel for e4m3 data whose block width divides ``K`` or is the whole row (any block
 height; a partial last block column runs as separate column segments): the data are viewed as rows
 of whole blocks (as in :mod:`jaxkern.quant.per_token_cast`), read straight from GMEM into registers
-in :func:`jaxkern.quant.common.row_layout`, multiplied by the row's sf and written straight back; no
+in :func:`jaxkern._layouts.row_layout`, multiplied by the row's sf and written straight back; no
 padding for any row count. The wrapper decodes the sf (any layout) into one float32 value per view
 row and segment. Packed e2m1 data and other block widths (e.g. per-channel ``(128, 1)``) run the
 ``jnp`` reference.

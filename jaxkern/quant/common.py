@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks
+from jaxkern._layouts import row_layout
 from jaxkern.reference.quant import cdiv, format_sf, sf_logical, sf_to_float
 
-__all__ = ["cdiv", "exact_div", "format_sf", "sf_logical", "sf_to_float"]
+__all__ = ["cdiv", "exact_div", "format_sf", "row_layout", "sf_logical", "sf_to_float"]
 
 FMTS = ("e4m3", "e2m1")
 BM = 64  # rows of the WGMMA register layout (per-channel kernel)
@@ -39,36 +37,6 @@ def row_plan(m: int, k: int, group: int):
     return m * k // group, group, ((0, group),)
   segs = tuple((c, min(group, k - c)) for c in range(0, k, group))
   return (m, k, segs) if len(segs) <= MAX_SEGMENTS else None
-
-
-def _pow2_divisor(n: int, cap: int) -> int:
-  p = 1
-  while p < cap and n % (2 * p) == 0:
-    p *= 2
-  return p
-
-
-def row_layout(width: int, itemsize: int, max_lanes: int = 32):
-  """Register layout for a ``(rows, width)`` tile read straight from / written straight to GMEM.
-
-  Each thread holds vectors of up to 16 bytes (``itemsize`` is the widest element type involved)
-  that lie along a row, consecutive lanes (then warps) cover consecutive vectors of a row and the
-  remaining lanes / warps consecutive rows, so a warp reads whole contiguous row segments
-  (coalesced) and a reduction along the row is a vector, warp-shuffle (and, when warps share a row,
-  SMEM) reduction. At most ``max_lanes`` lanes share a row (warps share rows only with 32 lanes);
-  a row wider than the lanes' vectors repeats over registers.
-
-  Returns ``(layout, rows)``: the Pallas layout and the number of rows it covers once (a tile's
-  row count must be a multiple of it).
-  """
-  v = math.gcd(16 // itemsize, width)
-  nvec = width // v
-  lanes_c = _pow2_divisor(nvec, max_lanes)
-  warps_c = _pow2_divisor(nvec // lanes_c, 4) if lanes_c == 32 else 1
-  lanes_r, warps_r = 32 // lanes_c, 4 // warps_c
-  tiling = mgpu_fa.Tiling(((warps_r * lanes_r, warps_c * lanes_c * v), (lanes_r, lanes_c * v), (v,)))
-  lay = mgpu_fa.TiledLayout(tiling, (-5, -4), (-3, -2), -1, _check_canonical=False).canonicalize()
-  return plgpu.Layout.TILED(lay.tiling, lay.warp_dims, lay.lane_dims, lay.vector_dim), warps_r * lanes_r
 
 
 def tile_rows(num_rows: int, width: int, itemsize: int, unit: int, thread_bytes: int = THREAD_BYTES) -> int:

@@ -4,7 +4,7 @@ Mosaic GPU kernel for e4m3 (``per_block_cast*``): each CTA owns one block row an
 columns (``bm · nb·bk`` elements, ``nb·bk`` = 256 columns for ``bm = 32``, 128 for ``bm = 128``).
 Each block comes in by its own TMA box into an untiled SMEM buffer (the box clips at the array
 edges and zero-fills, so partial blocks and any row count need no padding), is loaded into
-registers in :func:`jaxkern.quant.common.row_layout` (conflict-free: the buffer is contiguous), and
+registers in :func:`jaxkern._layouts.row_layout` (conflict-free: the buffer is contiguous), and
 reduced over both axes to the block's amax; the quantisation re-reads the buffer, writes e4m3 to an
 SMEM buffer and TMA stores it (clipped at the edges). The sf is stored per block from the kernel,
 float32 ``(Mb, kt·nb)``; the wrapper cuts the padding columns and formats the layout. Divisions as

@@ -5,7 +5,7 @@ straight back (no SMEM, no TMA, so any row count works without padding). The wra
 ``(M, K)`` input as rows that each hold whole groups: ``(M·K/npc, npc)`` when ``npc`` divides ``K``
 (one group per view row, so the view-row order of the sf is layout A), ``(M, K)`` for one scale per
 row, and ``(M, K)`` split into column segments, one per group, when the last group is partial. Each
-CTA loads a block of view rows in :func:`jaxkern.quant.common.row_layout` (16-byte vectors along the
+CTA loads a block of view rows in :func:`jaxkern._layouts.row_layout` (16-byte vectors along the
 row, coalesced), reduces each group's ``|x|`` along the row (vector, warp-shuffle and cross-warp
 reductions), computes the scale factors, quantises and stores. The last CTA's block is shifted back
 to end at the last row (its overlap with the previous block is written twice with equal values).
@@ -41,7 +41,7 @@ def row_kernel(x, sf_in, *, segs, lanes, round_sf, write_data, compute_sf, inter
   """Per-row-group e4m3 cast of ``x`` ``(R, W)`` (``R`` at least one layout block of rows).
 
   ``segs``: static ``(column, width)`` groups of each row; ``lanes``: at most this many lanes share
-  a row (:func:`jaxkern.quant.common.row_layout`). ``sf_in``: precomputed float32 sf
+  a row (:func:`jaxkern._layouts.row_layout`). ``sf_in``: precomputed float32 sf
   ``(len(segs), R)`` or None. Returns ``(out (R, W) e4m3 | None, sf (len(segs), R) float32 | None)``.
   """
   r, w = x.shape
