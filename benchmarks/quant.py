@@ -9,7 +9,6 @@ and QuantTensor-input cases and cast_back with (128, 1) blocks (they run the jnp
 
 import itertools
 
-import jax
 import jax.numpy as jnp
 
 from benchmarks.registry import BenchOp, Case, register

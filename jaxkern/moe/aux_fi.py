@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxkern import _config
 from jaxkern.moe import _routing
+from jaxkern.reference import ieee
 from jaxkern.reference import moe_routing as ref
 
 
@@ -39,4 +40,4 @@ def aux_fi(topk_idx: jax.Array, num_experts: int, num_aux_topk: int, *,
   if _config.get_implementation(implementation) == "reference" or topk_idx.shape[0] == 0:
     return ref.aux_fi(topk_idx, num_experts, num_aux_topk)
   counts = _routing.histogram(topk_idx, num_experts).astype(jnp.float32)
-  return ref.div(counts * jnp.float32(num_experts), jnp.float32(topk_idx.shape[0] * num_aux_topk))
+  return ieee.div(counts * jnp.float32(num_experts), jnp.float32(topk_idx.shape[0] * num_aux_topk))

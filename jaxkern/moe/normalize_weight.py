@@ -2,7 +2,7 @@
 
 No Pallas kernel: the op is one pass over a ``(T, K)`` array with ``K <= 9``, which XLA
 already fuses into a single bandwidth-bound loop. The division is exact IEEE on every
-backend (:func:`jaxkern.reference.moe_routing.div`), as the bit-exact spec requires.
+backend (:func:`jaxkern.reference.ieee.div`), as the bit-exact spec requires.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxkern.reference import ieee
+
 _E4M3_MAX = 448.0
 
 
@@ -122,34 +124,12 @@ def reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format: str = "", sf=No
   return acc.astype(x.dtype)
 
 
-def div(a, b):
-  """IEEE correctly rounded float32 ``a / b`` on every backend (XLA may use a reciprocal).
-
-  The float64 quotient is within a few float64 ulps of the true one, so its float32
-  rounding can only be off when the true quotient lies beyond the float32 midpoint ``m``
-  next to it; the sign of ``a - m*b`` (exact: ``m*b`` has at most 49 significant bits)
-  decides, and an exact tie goes to the even neighbour.
-  """
-  with jax.enable_x64(True):
-    a, b = (jnp.asarray(v, jnp.float32).astype(jnp.float64) for v in (a, b))
-    q = a / b
-    q32 = q.astype(jnp.float32)
-    up = q >= q32.astype(jnp.float64)
-    other = jnp.nextafter(q32, jnp.where(up, jnp.float32(jnp.inf), jnp.float32(-jnp.inf)))
-    mid = (q32.astype(jnp.float64) + other.astype(jnp.float64)) / 2
-    rem = a - mid * b
-    beyond = jnp.where(up, rem * b > 0, rem * b < 0)
-    odd = (lax.bitcast_convert_type(q32, jnp.int32) & 1) == 1
-    take_other = (beyond | ((rem == 0) & odd)) & jnp.isfinite(mid) & (q32 != other)
-    return jnp.where(take_other, other, q32)
-
-
 def normalize_weight(topk_weights):
   """``(d, w / d[:, None])`` with ``d = ((1e-20 + w[:, 0]) + w[:, 1]) + ...`` and IEEE division."""
   d = jnp.full(topk_weights.shape[:1], 1e-20, jnp.float32)
   for k in range(topk_weights.shape[1]):
     d = d + topk_weights[:, k]
-  return d, div(topk_weights, d[:, None])
+  return d, ieee.div(topk_weights, d[:, None])
 
 
 def aux_fi(topk_idx, num_experts: int, num_aux_topk: int):
@@ -158,7 +138,7 @@ def aux_fi(topk_idx, num_experts: int, num_aux_topk: int):
   if num_tokens == 0:
     return jnp.zeros((num_experts,), jnp.float32)
   counts = group_count(topk_idx, num_experts).astype(jnp.float32)
-  return div(counts * jnp.float32(num_experts), jnp.float32(num_tokens * num_aux_topk))
+  return ieee.div(counts * jnp.float32(num_experts), jnp.float32(num_tokens * num_aux_topk))
 
 
 def group_count(group_idx, num_groups: int):

@@ -2,7 +2,7 @@
 
 The numeric helpers (scale factors, e4m3 / e2m1 encoding and decoding, the sf layouts)
 are also used inside the Pallas kernels, so kernel and reference round identically.
-Every division is correctly rounded (quant.md §4.8): :func:`ieee_div` here (float64 plus a midpoint
+Every division is correctly rounded (quant.md §4.8): :func:`jaxkern.reference.ieee.div` (float64 plus a midpoint
 correction, because XLA's float32 division is approximate on GPU and turns division by a constant
 into a reciprocal multiply), ``jaxkern.quant.common.exact_div`` inside the kernels.
 
@@ -18,10 +18,11 @@ Scale-factor layouts (quant.md §3.1/3.2), for a logical sf matrix ``S`` of shap
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxkern.reference import ieee
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -43,43 +44,11 @@ def _float(u):
   return lax.bitcast_convert_type(u, jnp.float32)
 
 
-def ieee_div(a, b):
-  """Correctly rounded float32 ``a / b`` (IEEE round to nearest even) on any backend.
-
-  XLA's float32 division is approximate on GPU and becomes a reciprocal multiply for constant
-  divisors, so the quotient ``q`` is formed in float64 and rounded to float32 ``q32``; the exact
-  float64 residuals ``a - q32·b`` and ``a - m·b`` (``m`` the midpoint between ``q32`` and its
-  neighbour on the side of the true quotient; ``m·b`` has at most 49 significant bits) then decide
-  between ``q32`` and that neighbour, ties to the even significand. This stays exact if the float64
-  quotient is off by a few float64 ulps. Assumes finite operands and a normal float32 quotient.
-  """
-  a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-  with jax.enable_x64(True):
-    a64, b64 = jnp.abs(a).astype(jnp.float64), jnp.abs(b).astype(jnp.float64)
-    q = _round_quotient(a64 / b64, a64, b64)
-  sign = (_bits(a) ^ _bits(b)) & jnp.int32(-2**31)
-  return _float(_bits(q) | sign)
-
-
-def _round_quotient(q64, a64, b64):
-  """float32 ``RN(a / b)`` from a float64 quotient ``q64`` of nonnegative float64 ``a``, ``b``
-  (widened float32 values) that is off by at most a few float64 ulps (call under ``enable_x64``)."""
-  q32 = q64.astype(jnp.float32)
-  r0 = a64 - q32.astype(jnp.float64) * b64
-  u = _bits(q32)
-  other = _float(u + jnp.where(r0 > 0, 1, -1))
-  m = (q32.astype(jnp.float64) + other.astype(jnp.float64)) * 0.5
-  rm = a64 - m * b64
-  beyond = (r0 != 0) & (rm != 0) & ((rm > 0) == (r0 > 0))
-  tie = (r0 != 0) & (rm == 0) & ((u & 1) == 1)
-  return jnp.where(beyond | tie, other, q32)
-
-
-def scale_factors(amax, max_value, fmt: str, round_sf: bool, div=ieee_div):
+def scale_factors(amax, max_value, fmt: str, round_sf: bool, div=ieee.div):
   """``(sf, sf_inv)`` from a group's absolute maximum (quant.md §3.3).
 
   ``max_value`` is the format's largest value (a float or an array shaped like ``amax``). ``div`` is
-  the correctly rounded division: :func:`ieee_div` here, ``jaxkern.quant.common.exact_div`` inside
+  the correctly rounded division: :func:`jaxkern.reference.ieee.div`, ``jaxkern.quant.common.exact_div`` inside
   the kernels. With ``round_sf`` the sf is the power of two ``2^ceil(log2(a / max_value))`` and
   ``sf_inv`` its exact inverse.
   """
@@ -230,7 +199,7 @@ def cast(x, fmt: str, block_size, *, x_block_size=None, sf=None, round_sf: bool 
     sfv_in = None
     m, k = v.shape
   if sf is not None:
-    inv = _expand(ieee_div(1.0, sf), bm, bk, m, k)
+    inv = _expand(ieee.div(1.0, sf), bm, bk, m, k)
     return _encode(v * inv if sfv_in is None else v * (sfv_in * inv), fmt)
   amax = jnp.max(jnp.abs(_blocked(x_val, bm, bk)), axis=(1, 3))
   out_sf, inv = scale_factors(amax, MAX_VALUE[fmt], fmt, round_sf)
