@@ -1,4 +1,4 @@
-"""Per-token casts to FP8 e4m3: one scale factor per row and group of ``num_per_channels`` columns.
+"""Per-token casts to FP8 e4m3 / FP4 e2m1: one scale factor per row and group of ``num_per_channels`` columns.
 
 Mosaic GPU kernel that reads the input straight from GMEM into registers and writes the e4m3 data
 straight back (no SMEM, no TMA, so any row count works without padding). The wrapper views the
@@ -18,7 +18,13 @@ explicit clip to ±448 is only needed with a precomputed sf. The kernel writes t
 float32 ``(segments, view rows)``; the wrapper turns them into the requested layout (A, B or packed
 UE8M0 C).
 
-FP4 e2m1 outputs and QuantTensor inputs run the ``jnp`` reference for now.
+FP4 e2m1 (same kernel, quant.md §4.4): Hopper has no FP4 conversion, so the rounding (nearest even,
+saturating at ±6, sign kept) and the packing (column ``2j`` in the low nibble) are integer bit
+operations, bit-exact with :func:`jaxkern.reference.quant.encode_e2m1`. Each pair of columns is
+read together: a bf16 pair as one int32 word (a free bitcast of the input; ``word << 16`` and
+``word & 0xFFFF0000`` are the float32 patterns), float32 as even / odd strided loads.
+
+QuantTensor inputs run the ``jnp`` reference for now.
 """
 
 from __future__ import annotations
