@@ -15,8 +15,9 @@ correctly rounded with :func:`jaxkern.quant.common.exact_div` (the GPU's ``/`` i
 divisor 448 is loaded from memory so that XLA cannot fold it in interpret mode), checked against
 numpy by a ``gpu`` test. The e4m3 conversion saturates on the GPU (``cvt.rn.satfinite``); the
 explicit clip to ±448 is only needed with a precomputed sf. The kernel writes the scale factors as
-float32 ``(segments, view rows)``; the wrapper turns them into the requested layout (A, B or packed
-UE8M0 C).
+float32 ``(segments, view rows)`` (the wrapper reshapes them to layout A, or XLA reformats them),
+or, when every view row is a row (one scale per row, or a partial last group), directly in the
+column-major layout B or packed UE8M0 layout C, padding rows zeroed by the last CTA.
 
 FP4 e2m1 (same kernel, quant.md §4.4): Hopper has no FP4 conversion, so the rounding (nearest even,
 saturating at ±6, sign kept) and the packing (column ``2j`` in the low nibble) are integer bit
@@ -65,15 +66,18 @@ def _load_pairs(x_g, rows, c, sw, layout):
   return tuple(plgpu.load(x_g.at[rows, pl.ds(c, sw), h], layout=layout, optimized=False) for h in (0, 1))
 
 
-def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, interpret,
+def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, interpret, sf_layout="rows",
                thread_bytes=common.THREAD_BYTES):
   """Per-row-group cast of ``x`` (``R`` at least one layout block of rows).
 
   ``x``: ``(R, W)`` for e4m3; for e2m1 the pair view of :func:`_fp4_pairs` (``W/2`` pairs, ``segs``
   in pairs). ``segs``: static ``(column, width)`` groups of each row; ``lanes``: at most this many
   lanes share a row (:func:`jaxkern._layouts.row_layout`). ``sf_in``: precomputed float32 sf
-  ``(len(segs), R)`` or None. Returns ``(out | None, sf (len(segs), R) float32 | None)``: ``out``
-  ``(R, W)`` e4m3 or ``(R, W/2)`` int8 (packed e2m1, column ``2j`` in the low nibble).
+  ``(len(segs), R)`` or None. ``sf_layout``: ``"rows"`` writes the sf as float32 ``(len(segs), R)``;
+  with one view row per row, ``"B"`` / ``"C"`` write layout B ``(len(segs), Mp)`` float32 / layout C
+  ``(ceil(len(segs)/4), Mp)`` int32 packed UE8M0 directly (``Mp = align(R, 4)``; the last CTA zeroes
+  the padding rows with scalar stores). Returns ``(out | None, sf | None)``: ``out`` ``(R, W)`` e4m3
+  or ``(R, W/2)`` int8 (packed e2m1, column ``2j`` in the low nibble).
   """
   r, w = x.shape[:2]
   fp4 = fmt == "e2m1"
@@ -87,10 +91,14 @@ def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, 
   out_type = []
   if write_data:
     out_type.append(jax.ShapeDtypeStruct((r, w), jnp.int8 if fp4 else jnp.float8_e4m3fn))
+  mp = ref.cdiv(r, 4) * 4
+  sf_type = {"rows": ((len(segs), r), jnp.float32), "B": ((len(segs), mp), jnp.float32),
+             "C": ((ref.cdiv(len(segs), 4), mp), jnp.int32)}[sf_layout]
   if compute_sf:
-    out_type.append(jax.ShapeDtypeStruct((len(segs), r), jnp.float32))
+    out_type.append(jax.ShapeDtypeStruct(*sf_type))
+  num_ctas = pl.cdiv(r, rt)
 
-  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(pl.cdiv(r, rt),), grid_names=("i",),
+  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(num_ctas,), grid_names=("i",),
                      interpret=interpret)
   def kernel(*refs):
     x_g, c_g, *rest = refs
@@ -111,8 +119,13 @@ def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, 
         maxv = plgpu.load(c_g, layout=vec, optimized=False)
         amax = jnp.max(functools.reduce(jnp.maximum, [jnp.abs(h) for h in v]), axis=1)
         sf, inv = ref.scale_factors(amax, maxv, fmt, round_sf, div=common.exact_div)
-        if compute_sf:
+        if compute_sf and sf_layout != "C":
           sf_g[s, rows] = sf
+        elif compute_sf:  # UE8M0 byte of segment s into byte s % 4 of word s // 4
+          byte = ((lax.bitcast_convert_type(sf, jnp.int32) >> 23) & 0xFF) << (8 * (s % 4))
+          word = byte if s % 4 == 0 else word | byte
+          if s % 4 == 3 or s == len(segs) - 1:
+            sf_g[s // 4, rows] = word
       if write_data:
         q = [h * inv[:, None] for h in v]
         if fp4:
@@ -120,16 +133,24 @@ def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, 
         else:
           out = ref.encode_e4m3(q[0]) if sf_in is not None else q[0].astype(jnp.float8_e4m3fn)
         o_g[rows, pl.ds(c, sw)] = out
+    if compute_sf and sf_layout != "rows" and mp > r:
+      @pl.when(lax.axis_index("i") == num_ctas - 1)
+      def _():
+        for j in range(r, mp):
+          for t in range(sf_type[0][0]):
+            sf_g[t, j] = jnp.zeros((), sf_type[1])
 
   consts = jnp.full((rt,), ref.MAX_VALUE[fmt], jnp.float32)
   outs = list(kernel(*((x, consts) if sf_in is None else (x, consts, sf_in))))
   return (outs.pop(0) if write_data else None), (outs.pop(0) if compute_sf else None)
 
 
-@functools.partial(jax.jit, static_argnames=("npc", "fmt", "round_sf", "write_data", "compute_sf", "interpret"))
-def _kernel(x, sf_in, *, npc, fmt, round_sf, write_data, compute_sf, interpret):
+@functools.partial(jax.jit, static_argnames=("npc", "fmt", "round_sf", "col_major", "packed", "write_data",
+                                             "compute_sf", "interpret"))
+def _kernel(x, sf_in, *, npc, fmt, round_sf, col_major, packed, write_data, compute_sf, interpret):
   """``x`` ``(M, K)``, ``sf_in`` layout-A ``(M, Kb)`` or None -> ``(out (M, K) e4m3 or (M, K/2) int8 |
-  None, sf (M, Kb) | None)``."""
+  None, sf in layout A / B / C | None)``. The kernel writes layouts B / C itself when each view row is
+  a row (whole-row groups or column segments); otherwise XLA reformats its layout-A sf."""
   m, k = x.shape
   r, w, segs = common.row_plan(m, k, npc)
   kb = ref.cdiv(k, npc)
@@ -146,13 +167,15 @@ def _kernel(x, sf_in, *, npc, fmt, round_sf, write_data, compute_sf, interpret):
   if sf_in is not None:
     sf_in = sf_in.reshape(1, r) if len(segs) == 1 else sf_in.T
     sf_in = jnp.pad(sf_in, ((0, 0), (0, rp - r)), constant_values=1.0)
+  in_kernel = col_major and r == m and rp == r
+  sf_layout = ("C" if packed else "B") if in_kernel else "rows"
   out, sf = row_kernel(xv, sf_in, segs=segs, lanes=lanes, fmt=fmt, round_sf=round_sf, write_data=write_data,
-                       compute_sf=compute_sf, interpret=interpret)
+                       compute_sf=compute_sf, interpret=interpret, sf_layout=sf_layout)
   if out is not None:
     out = out[:r].reshape(m, out.shape[1] * r // m)
-  if sf is not None:
+  if sf is not None and not in_kernel:
     sf = sf[:, :r]
-    sf = sf.reshape(m, kb) if len(segs) == 1 else sf.T
+    sf = ref.format_sf(sf.reshape(m, kb) if len(segs) == 1 else sf.T, col_major, packed)
   return out, sf
 
 
@@ -174,9 +197,10 @@ def _use_kernel(impl, x, npc) -> bool:
   return impl != "reference" and x.shape[0] > 0 and common.row_plan(*x.shape, npc) is not None
 
 
-def _run_kernel(x, fmt, npc, impl, *, sf_in=None, round_sf=False, write_data=True, compute_sf=True):
-  return _kernel(x, sf_in, npc=npc, fmt=fmt, round_sf=round_sf, write_data=write_data, compute_sf=compute_sf,
-                 interpret=_config.mosaic_interpret(impl))
+def _run_kernel(x, fmt, npc, impl, *, sf_in=None, round_sf=False, col_major=False, packed=False, write_data=True,
+                compute_sf=True):
+  return _kernel(x, sf_in, npc=npc, fmt=fmt, round_sf=round_sf, col_major=col_major, packed=packed,
+                 write_data=write_data, compute_sf=compute_sf, interpret=_config.mosaic_interpret(impl))
 
 
 def per_token_cast(x, fmt: str, num_per_channels: int, x_block_size=None, use_tma_aligned_col_major_sf: bool = False,
@@ -217,8 +241,8 @@ def per_token_cast(x, fmt: str, num_per_channels: int, x_block_size=None, use_tm
     return ref.cast(x, fmt, (1, num_per_channels), x_block_size=x_block_size, round_sf=round_sf,
                     use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0,
                     x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
-  out, sf = _run_kernel(x, fmt, num_per_channels, impl, round_sf=round_sf)
-  return out, ref.format_sf(sf, use_tma_aligned_col_major_sf, use_packed_ue8m0)
+  return _run_kernel(x, fmt, num_per_channels, impl, round_sf=round_sf, col_major=use_tma_aligned_col_major_sf,
+                     packed=use_packed_ue8m0)
 
 
 def per_token_cast_with_sf_only(x, fmt: str, num_per_channels: int, x_block_size=None,
@@ -232,8 +256,8 @@ def per_token_cast_with_sf_only(x, fmt: str, num_per_channels: int, x_block_size
   if not _use_kernel(impl, x, num_per_channels):
     return ref.cast(x, fmt, (1, num_per_channels), round_sf=round_sf,
                     use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0)[1]
-  _, sf = _run_kernel(x, fmt, num_per_channels, impl, round_sf=round_sf, write_data=False)
-  return ref.format_sf(sf, use_tma_aligned_col_major_sf, use_packed_ue8m0)
+  return _run_kernel(x, fmt, num_per_channels, impl, round_sf=round_sf, col_major=use_tma_aligned_col_major_sf,
+                     packed=use_packed_ue8m0, write_data=False)[1]
 
 
 def per_token_cast_with_precomputed_sf(x, fmt: str, num_per_channels: int, sf, x_block_size=None,

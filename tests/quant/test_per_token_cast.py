@@ -32,6 +32,9 @@ def _both(f, *args, **kw):
     (40, 320, 32, jnp.bfloat16, "C"),  # groups as view rows, shifted last block
     (130, 192, 192, jnp.bfloat16, "B"),  # one sf per row, 130 rows: the last block overlaps
     (9, 448, 16, jnp.float32, "A"),  # 252 view rows of 16: the last block overlaps
+    (65, 576, 576, jnp.bfloat16, "C"),  # packed sf written by the kernel, 3 zero padding rows
+    (130, 320, 64, jnp.float32, "C"),  # column segments, 2 packed words per row, 2 padding rows
+    (65, 576, 128, jnp.float32, "B"),  # column segments, layout B written by the kernel
 ])
 def test_per_token_cast_bit_exact(key, m, k, npc, dtype, flags):
   x = _input(key, m, k, dtype)
@@ -48,6 +51,7 @@ def test_per_token_cast_bit_exact(key, m, k, npc, dtype, flags):
     (130, 576, 576, jnp.float32, "B"),  # one sf per row
     (65, 192, 64, jnp.float32, "C"),
     (130, 320, 320, jnp.bfloat16, "A"),
+    (65, 576, 128, jnp.bfloat16, "C"),  # packed sf written by the kernel
 ])
 def test_per_token_cast_e2m1_bit_exact(key, m, k, npc, dtype, flags):
   x = _input(key, m, k, dtype)
@@ -207,7 +211,7 @@ def test_bad_precomputed_sf():
 @pytest.mark.parametrize("m, k, npc, dtype, flags", [
     (4001, 576, 32, jnp.float32, "C"), (4001, 576, 128, jnp.bfloat16, "A"), (8001, 7168, 128, jnp.bfloat16, "C"),
     (8001, 7168, 7168, jnp.bfloat16, "C"), (8001, 7168, 7168, jnp.float32, "A"), (4096, 576, 576, jnp.float32, "B"),
-    (4096, 2048, 16, jnp.bfloat16, "A"),
+    (4096, 2048, 16, jnp.bfloat16, "A"), (4001, 576, 128, jnp.bfloat16, "C"), (8001, 576, 128, jnp.float32, "B"),
 ])
 def test_lowers_for_h100(m, k, npc, dtype, flags):
   s = jax.ShapeDtypeStruct((m, k), dtype)
@@ -248,7 +252,7 @@ def test_spec_shapes_gpu(key, npc, flags):
 
 @pytest.mark.parametrize("m, k, npc, dtype, flags", [
     (4001, 576, 32, jnp.float32, "C"), (8001, 7168, 128, jnp.bfloat16, "C"), (4001, 576, 576, jnp.bfloat16, "A"),
-    (8001, 7168, 16, jnp.float32, "A"),
+    (8001, 7168, 16, jnp.float32, "A"), (4001, 576, 128, jnp.float32, "C"), (8001, 576, 576, jnp.bfloat16, "B"),
 ])
 def test_lowers_for_h100_e2m1(m, k, npc, dtype, flags):
   s = jax.ShapeDtypeStruct((m, k), dtype)
