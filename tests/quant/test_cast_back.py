@@ -130,3 +130,18 @@ def test_spec_shapes_gpu(key, block, fmt):
   got = jax.jit(lambda q: quant.cast_back(q, fmt, block))(q)
   want = (np.asarray(q[0], np.float32) * np.repeat(np.repeat(np.asarray(q[1]), block[0], 0), block[1], 1)[:8001, :7168])
   assert_bitwise_equal(got, want.astype(jnp.bfloat16 if fmt == "bf16" else np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [4001, 8001])
+@pytest.mark.parametrize("block, flags", [((1, 128), "A"), ((1, 128), "C"), ((1, 576), "C"), ((128, 128), "A"),
+                                          ((128, 128), "B")])
+def test_small_spec_shapes_in_kernel_sf_gpu(key, m, block, flags):
+  """K=576: the sf read inside the kernel (strided, packed, per block row), against numpy."""
+  x, q = _quantised(key, m, 576, block, flags)
+  col = FLAGS[flags][0]
+  s = np.asarray(ref.sf_to_float(q[1], -(-m // block[0]), -(-576 // block[1]), use_tma_aligned_col_major_sf=col))
+  want = np.asarray(q[0], np.float32) * np.repeat(np.repeat(s, block[0], 0), block[1], 1)[:m, :576]
+  for fmt, dtype in (("bf16", jnp.bfloat16), ("fp32", np.float32)):
+    got = jax.jit(lambda q: quant.cast_back(q, fmt, block, x_use_tma_aligned_col_major_sf=col))(q)
+    assert_bitwise_equal(got, want.astype(dtype))

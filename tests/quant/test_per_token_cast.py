@@ -284,3 +284,17 @@ def test_spec_shapes_e2m1_gpu(key, m, k, npc, dtype):
       jax.device_put(x, cpu))
   assert_bitwise_equal(out, want)
   assert_bitwise_equal(sf, want_sf)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, npc, flags", [(4001, 128, "C"), (8001, 576, "C"), (4001, 576, "B"), (8001, 128, "B")])
+def test_small_spec_shapes_sf_written_by_kernel_gpu(key, m, npc, flags):
+  """K=576: layouts B / C written by the kernel, against the reference run by XLA on the host CPU."""
+  x = _input(key, m, 576, jnp.bfloat16)
+  f = functools.partial(quant.per_token_cast, fmt="e4m3", num_per_channels=npc, x_block_size=None,
+                        use_tma_aligned_col_major_sf=FLAGS[flags][0], round_sf=FLAGS[flags][1],
+                        use_packed_ue8m0=FLAGS[flags][2])
+  out, sf = jax.jit(f)(x)
+  want, want_sf = jax.jit(functools.partial(f, implementation="reference"))(jax.device_put(x, jax.devices("cpu")[0]))
+  assert_bitwise_equal(out, want)
+  assert_bitwise_equal(sf, want_sf)
