@@ -6,9 +6,12 @@ Mosaic GPU kernel for e4m3 data whose block width divides ``K`` or is the whole 
 height; a partial last block column runs as separate column segments): the data are viewed as rows
 of whole blocks (as in :mod:`jaxkern.quant.per_token_cast`), read straight from GMEM into registers
 in :func:`jaxkern._layouts.row_layout`, multiplied by the row's sf and written straight back; no
-padding for any row count. The wrapper decodes the sf (any layout) into one float32 value per view
-row and segment. Packed e2m1 data and other block widths (e.g. per-channel ``(128, 1)``) run the
-``jnp`` reference.
+padding for any row count. The kernel reads the caller's sf itself where a tile's sf is a row slice
+of it: layout A with one group per view row (contiguous) or with column segments (a strided column
+load), layout B rows, packed UE8M0 words (decoded in registers), and for blocks taller than one row
+(when a tile fits in ``bm`` rows) two scalar loads per segment and a select. Only a column-major sf
+with several groups per view row, or blocks shorter than a layout block, is first decoded by XLA.
+Packed e2m1 data and other block widths (e.g. per-channel ``(128, 1)``) run the ``jnp`` reference.
 """
 
 from __future__ import annotations
