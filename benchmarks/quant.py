@@ -2,9 +2,10 @@
 
 Static arguments cannot travel through ``make_args``, so each group width is its own benchmark op
 (``npc=K`` derives the width from the input). Byte counts are the logical sizes (input, data, sf).
-Registered: the e4m3 grids of per_token_cast (flags T, T, T), per_block_cast, the per-channel casts,
-per_token_cast_back (layout-A input) and cast_back with (128, 128) blocks. Not registered: the e2m1
-and QuantTensor-input cases and cast_back with (128, 1) blocks (they run the jnp reference).
+Registered: the e4m3 and e2m1 grids of per_token_cast (flags T, T, T), per_block_cast, the
+per-channel casts, per_token_cast_back (layout-A and packed layout-C input) and cast_back with
+(128, 128) blocks. Not registered: the e2m1 per-block and QuantTensor-input cases, cast-back of e2m1
+data and cast_back with (128, 1) blocks (they run the jnp reference).
 """
 
 import itertools
@@ -24,19 +25,20 @@ def _npc(x, npc):
   return npc or x.shape[-1]
 
 
-def _cast_case(m, k, dtype_name, npc):
+def _cast_case(m, k, dtype_name, npc, fmt="e4m3"):
   dtype = _DTYPES[dtype_name]
   kb = -(-k // (npc or k))
-  nbytes = m * k * jnp.dtype(dtype).itemsize + m * k + m * kb * 4
+  nbytes = m * k * jnp.dtype(dtype).itemsize + m * k // (2 if fmt == "e2m1" else 1) + m * kb * 4
   return Case(f"M={m} K={k} {dtype_name}", lambda key: (randn(key, (m, k), dtype),), nbytes)
 
 
-def _back_case(m, k, out_name, npc):
+def _back_case(m, k, out_name, npc, packed=False):
   npc = npc or k
-  nbytes = m * k * jnp.dtype(_DTYPES[out_name]).itemsize + m * k + m * (-(-k // npc)) * 4
+  nbytes = m * k * jnp.dtype(_DTYPES[out_name]).itemsize + m * k + m * (-(-k // npc)) * (1 if packed else 4)
 
   def make(key):
-    return ref.cast(randn(key, (m, k), jnp.float32), "e4m3", (1, npc), round_sf=True)
+    return ref.cast(randn(key, (m, k), jnp.float32), "e4m3", (1, npc), round_sf=True,
+                    use_tma_aligned_col_major_sf=packed, use_packed_ue8m0=packed)
 
   return Case(f"M={m} K={k} {out_name}", make, nbytes)
 
@@ -54,14 +56,26 @@ for _name, _w in _NPCS.items():
       _grid(_cast_case, _w, ("fp32", "bf16")),
       lambda _w=_w: [_cast_case(100, 576, "bf16", _w)]))
 
+for _name, _w in _NPCS.items():
+  register(BenchOp(
+      f"per_token_cast_e2m1_{_name}",
+      lambda x, _w=_w: quant.per_token_cast(x, "e2m1", _npc(x, _w), None, True, True, True),
+      lambda x, _w=_w: ref.cast(x, "e2m1", (1, _npc(x, _w)), round_sf=True, use_tma_aligned_col_major_sf=True,
+                                use_packed_ue8m0=True),
+      lambda _w=_w: [_cast_case(m, k, d, _w, "e2m1")
+                     for d, m, k in itertools.product(("fp32", "bf16"), num_tokens(), hidden_sizes(64))],
+      lambda _w=_w: [_cast_case(100, 576, "bf16", _w, "e2m1")]))
+
 for _name, _w in (("npc128", 128), ("row", None)):
   for _out in ("bf16", "fp32"):
-    register(BenchOp(
-        f"per_token_cast_back_{_name}_{_out}",
-        lambda q, sf, _w=_w, _out=_out: quant.per_token_cast_back((q, sf), _out, _npc(q, _w)),
-        lambda q, sf, _w=_w, _out=_out: ref.cast_back((q, sf), _out, (1, _npc(q, _w))),
-        _grid(_back_case, _w, (_out,)),
-        lambda _w=_w, _out=_out: [_back_case(72, 576, _out, _w)]))
+    for _packed in (False, True):
+      register(BenchOp(
+          f"per_token_cast_back_{_name}{'_packed' if _packed else ''}_{_out}",
+          lambda q, sf, _w=_w, _out=_out: quant.per_token_cast_back((q, sf), _out, _npc(q, _w)),
+          lambda q, sf, _w=_w, _out=_out: ref.cast_back((q, sf), _out, (1, _npc(q, _w))),
+          lambda _w=_w, _out=_out, _packed=_packed: [
+              _back_case(m, k, _out, _w, _packed) for m, k in itertools.product(num_tokens(), hidden_sizes(64))],
+          lambda _w=_w, _out=_out, _packed=_packed: [_back_case(72, 576, _out, _w, _packed)]))
 
 
 def _block_back_case(m, k, out_name, round_sf):
@@ -118,4 +132,4 @@ for _npt in (32, 128):
       _channel_grid(_npt, ("bf16",)),
       lambda _npt=_npt: [_block_case(128, 192, "bf16", (_npt, 1))]))
 
-del _name, _w, _out, _bm, _bk, _npt
+del _name, _w, _out, _packed, _bm, _bk, _npt

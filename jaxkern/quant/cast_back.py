@@ -6,9 +6,12 @@ Mosaic GPU kernel for e4m3 data whose block width divides ``K`` or is the whole 
 height; a partial last block column runs as separate column segments): the data are viewed as rows
 of whole blocks (as in :mod:`jaxkern.quant.per_token_cast`), read straight from GMEM into registers
 in :func:`jaxkern._layouts.row_layout`, multiplied by the row's sf and written straight back; no
-padding for any row count. The wrapper decodes the sf (any layout) into one float32 value per view
-row and segment. Packed e2m1 data and other block widths (e.g. per-channel ``(128, 1)``) run the
-``jnp`` reference.
+padding for any row count. The kernel reads the caller's sf itself where a tile's sf is a row slice
+of it: layout A with one group per view row (contiguous) or with column segments (a strided column
+load), layout B rows, packed UE8M0 words (decoded in registers), and for blocks taller than one row
+(when a tile fits in ``bm`` rows) two scalar loads per segment and a select. Only a column-major sf
+with several groups per view row, or blocks shorter than a layout block, is first decoded by XLA.
+Packed e2m1 data and other block widths (e.g. per-channel ``(128, 1)``) run the ``jnp`` reference.
 """
 
 from __future__ import annotations
@@ -26,21 +29,53 @@ from jaxkern.quant import common
 from jaxkern.reference import quant as ref
 
 
-def _row_kernel(q, sf, *, segs, out_dtype, interpret):
-  """``q`` ``(R, W)`` e4m3, ``sf`` ``(len(segs), R)`` float32 -> ``(R, W)`` ``out_dtype``."""
+def _sf_raw(sf_g, mode, s, idx, layout=None):
+  """Stored sf of segment ``s`` for view rows ``idx`` (a ``pl.ds``, loaded as a vector in ``layout``)
+  or for one block row ``idx`` (a scalar). ``mode``: ``"rows"`` (float32 ``(segments, R)``),
+  ``"cols"`` (layout A ``(R, segments)``: a strided load) or ``"packed"`` (layout C int32 words
+  ``(ceil(segments/4), R)``)."""
+  at = {"rows": (s, idx), "cols": (idx, s), "packed": (s // 4, idx)}[mode]
+  return sf_g[at] if layout is None else plgpu.load(sf_g.at[at], layout=layout, optimized=False)
+
+
+def _sf_decode(v, mode, s):
+  """Stored sf vector -> float32 (a UE8M0 byte ``b`` of a packed word decodes as ``float(b << 23)``)."""
+  if mode != "packed":
+    return v
+  return lax.bitcast_convert_type((lax.shift_right_logical(v, 8 * (s % 4)) & 0xFF) << 23, jnp.float32)
+
+
+def _row_kernel(q, sf, *, segs, out_dtype, sf_mode, bm, num_blocks, interpret):
+  """``q`` ``(R, W)`` e4m3 -> ``(R, W)`` ``out_dtype``, the sf (see :func:`_sf_raw`) read in the
+  kernel: one value per view row and segment for ``bm == 1``, else one per block row of ``bm``
+  view rows (``num_blocks`` of them). A tile has at most ``bm`` rows, so it spans at most two block
+  rows: two scalar loads and a select."""
   r, w = q.shape
   itemsize = jnp.dtype(out_dtype).itemsize
   layouts = [common.row_layout(sw, itemsize) for _, sw in segs]
-  rt = common.tile_rows(r, w, 2, max(u for _, u in layouts))
+  unit = max(u for _, u in layouts)
+  rt = common.tile_rows(r, w, 2, unit)
+  if bm > 1:
+    rt = min(rt, bm // unit * unit)
 
   @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((r, w), out_dtype), grid=(pl.cdiv(r, rt),),
                      grid_names=("i",), interpret=interpret)
   def kernel(q_g, sf_g, o_g):
-    rows = pl.ds(jnp.minimum(lax.axis_index("i") * rt, r - rt), rt)
+    start = jnp.minimum(lax.axis_index("i") * rt, r - rt)
+    rows = pl.ds(start, rt)
     vals = [plgpu.load(q_g.at[rows, pl.ds(c, sw)], layout=lay, optimized=False) for (c, sw), (lay, _) in
             zip(segs, layouts)]
     for s, ((c, sw), (lay, _), v) in enumerate(zip(segs, layouts, vals)):
-      scale = plgpu.load(sf_g.at[s, rows], layout=lay.reduce(1), optimized=False)
+      vec = lay.reduce(1)
+      if bm == 1:
+        scale = _sf_raw(sf_g, sf_mode, s, rows, vec)
+      else:
+        b0 = start // bm
+        s0 = _sf_raw(sf_g, sf_mode, s, b0)
+        s1 = _sf_raw(sf_g, sf_mode, s, jnp.minimum(b0 + 1, num_blocks - 1))
+        row = plgpu.broadcasted_iota(jnp.int32, (rt,), 0, layout=vec) + start
+        scale = jnp.where(row < (b0 + 1) * bm, s0, s1)
+      scale = _sf_decode(scale, sf_mode, s)
       o_g[rows, pl.ds(c, sw)] = (v.astype(jnp.float32) * scale[:, None]).astype(out_dtype)
 
   return kernel(q, sf)
@@ -50,18 +85,31 @@ def _row_kernel(q, sf, *, segs, out_dtype, interpret):
 def _kernel(q, sf, *, block_size, out_dtype, col_major, interpret):
   m, k = q.shape
   bm, bk = block_size
-  gw = min(bk, k)
-  r, w, segs = common.row_plan(m, k, gw)
-  s = ref.sf_to_float(sf, ref.cdiv(m, bm), ref.cdiv(k, bk), use_tma_aligned_col_major_sf=col_major)
-  if bm > 1:
-    s = jnp.repeat(s, bm, axis=0)[:m]
-  s = s.reshape(1, r) if len(segs) == 1 else s.T
+  mb, kb = ref.cdiv(m, bm), ref.cdiv(k, bk)
+  r, w, segs = common.row_plan(m, k, min(bk, k))
   unit = max(common.row_layout(sw, jnp.dtype(out_dtype).itemsize)[1] for _, sw in segs)
   rp = max(r, unit)
+  # Read the caller's sf in the kernel where a tile's sf is a (strided) row slice of it; otherwise
+  # decode it with XLA into one float32 value per row and group first.
+  if r == m and (bm == 1 or bm >= unit):
+    mode = "packed" if sf.dtype == jnp.int32 else "rows" if col_major else "cols"
+    if mode == "cols" and kb == 1:
+      sf, mode = sf.reshape(1, mb), "rows"  # contiguous
+  else:
+    sf = ref.sf_to_float(sf, mb, kb, use_tma_aligned_col_major_sf=col_major)
+    if bm > 1:
+      sf = jnp.repeat(sf, bm, axis=0)[:m]
+    bm, mb = 1, m
+    sf, mode = (sf.reshape(1, r), "rows") if len(segs) == 1 else (sf, "cols")
   qv = q.reshape(r, w)
   if rp != r:  # fewer rows than one layout block: pad (tiny inputs only)
-    qv, s = jnp.pad(qv, ((0, rp - r), (0, 0))), jnp.pad(s, ((0, 0), (0, rp - r)))
-  out = _row_kernel(qv, s, segs=segs, out_dtype=out_dtype, interpret=interpret)
+    qv = jnp.pad(qv, ((0, rp - r), (0, 0)))
+    if bm == 1:
+      axis = 0 if mode == "cols" else 1
+      pad = [(0, 0), (0, 0)]
+      pad[axis] = (0, max(0, rp - sf.shape[axis]))
+      sf = jnp.pad(sf, pad)
+  out = _row_kernel(qv, sf, segs=segs, out_dtype=out_dtype, sf_mode=mode, bm=bm, num_blocks=mb, interpret=interpret)
   return out[:r].reshape(m, k)
 
 

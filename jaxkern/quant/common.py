@@ -58,7 +58,9 @@ def exact_div(a, b):
   to the even significand.
 
   Assumptions: finite, nonzero operands; ``q0`` within 2 ulp of the true quotient; a normal float32
-  quotient (no overflow or underflow); the FMA contraction. The scale-factor divisions
+  quotient (no overflow or underflow); the FMA contraction; ``|a| < 2^-60`` only with ``|a / b| < 2^64``
+  (then the residuals are scored on ``a·2^64``, so that flushing subnormals cannot create false ties:
+  e.g. the e2m1 clamp minimum ``6·2^-126 / 6``). The scale-factor divisions
   (``a / 448``, ``448 / a`` with ``a`` at least the amax clamp, ``1 / sf``) satisfy them.
   ``a`` may be a Python float; ``b`` must not be a constant in interpret mode, where XLA folds
   ``(a·(1/c))·c`` into ``a`` (the kernels load the divisor 448 from memory).
@@ -69,13 +71,17 @@ def exact_div(a, b):
 def refine_quotient(q0, a, b):
   """The correctly rounded ``a / b`` from a float32 quotient ``q0`` within 2 ulp of it (see
   :func:`exact_div`)."""
+  # For a tiny |a| the residuals are subnormal and may be flushed to zero (XLA on CPU does), which
+  # would make wrong candidates tie with the right one: score them on a and q scaled by 2^64 (exact).
+  s = 1.0 if isinstance(a, float) else jnp.where(jnp.abs(a) < 2.0**-60, jnp.float32(2.0**64), jnp.float32(1.0))
+  a_s = a * s
   u = lax.bitcast_convert_type(q0, jnp.int32)
   sign = u & jnp.int32(-2**31)
   mag = u & 0x7FFFFFFF
-  best, best_r = q0, jnp.abs(q0 * b - a)
+  best, best_r = q0, jnp.abs((q0 * s) * b - a_s)
   for k in (-1, 1, -2, 2):
     qk = lax.bitcast_convert_type(sign | (mag + k), jnp.float32)
-    rk = jnp.abs(qk * b - a)
+    rk = jnp.abs((qk * s) * b - a_s)
     take = (rk < best_r) | ((rk == best_r) & (((mag + k) & 1) == 0))
     best, best_r = jnp.where(take, qk, best), jnp.where(take, rk, best_r)
   return best

@@ -1,4 +1,4 @@
-"""Per-token casts to FP8 e4m3: one scale factor per row and group of ``num_per_channels`` columns.
+"""Per-token casts to FP8 e4m3 / FP4 e2m1: one scale factor per row and group of ``num_per_channels`` columns.
 
 Mosaic GPU kernel that reads the input straight from GMEM into registers and writes the e4m3 data
 straight back (no SMEM, no TMA, so any row count works without padding). The wrapper views the
@@ -15,10 +15,17 @@ correctly rounded with :func:`jaxkern.quant.common.exact_div` (the GPU's ``/`` i
 divisor 448 is loaded from memory so that XLA cannot fold it in interpret mode), checked against
 numpy by a ``gpu`` test. The e4m3 conversion saturates on the GPU (``cvt.rn.satfinite``); the
 explicit clip to ±448 is only needed with a precomputed sf. The kernel writes the scale factors as
-float32 ``(segments, view rows)``; the wrapper turns them into the requested layout (A, B or packed
-UE8M0 C).
+float32 ``(segments, view rows)`` (the wrapper reshapes them to layout A, or XLA reformats them),
+or, when every view row is a row (one scale per row, or a partial last group), directly in the
+column-major layout B or packed UE8M0 layout C, padding rows zeroed by the last CTA.
 
-FP4 e2m1 outputs and QuantTensor inputs run the ``jnp`` reference for now.
+FP4 e2m1 (same kernel, quant.md §4.4): Hopper has no FP4 conversion, so the rounding (nearest even,
+saturating at ±6, sign kept) and the packing (column ``2j`` in the low nibble) are integer bit
+operations, bit-exact with :func:`jaxkern.reference.quant.encode_e2m1`. Each pair of columns is
+read together: a bf16 pair as one int32 word (a free bitcast of the input; ``word << 16`` and
+``word & 0xFFFF0000`` are the float32 patterns), float32 as even / odd strided loads.
+
+QuantTensor inputs run the ``jnp`` reference for now.
 """
 
 from __future__ import annotations
@@ -36,26 +43,62 @@ from jaxkern.quant import common
 from jaxkern.reference import quant as ref
 
 
-def row_kernel(x, sf_in, *, segs, lanes, round_sf, write_data, compute_sf, interpret,
-               thread_bytes=common.THREAD_BYTES):
-  """Per-row-group e4m3 cast of ``x`` ``(R, W)`` (``R`` at least one layout block of rows).
-
-  ``segs``: static ``(column, width)`` groups of each row; ``lanes``: at most this many lanes share
-  a row (:func:`jaxkern._layouts.row_layout`). ``sf_in``: precomputed float32 sf
-  ``(len(segs), R)`` or None. Returns ``(out (R, W) e4m3 | None, sf (len(segs), R) float32 | None)``.
-  """
+def _fp4_pairs(x):
+  """``(R, W)`` -> the pair view of the e2m1 kernel: bf16 pairs as one int32 word each ``(R, W/2)``
+  (column ``2j`` in the low half), float32 as ``(R, W/2, 2)``."""
   r, w = x.shape
-  itemsize = x.dtype.itemsize
-  layouts = [common.row_layout(sw, itemsize, lanes) for _, sw in segs]
+  x = x.reshape(r, w // 2, 2)
+  return lax.bitcast_convert_type(x, jnp.int32) if x.dtype == jnp.bfloat16 else x
+
+
+def _pair_layout(x, width, lanes):
+  """Register layout of one half of the e2m1 pair view (16-byte int32 vectors for bf16 words,
+  single elements for the strided float32 halves)."""
+  return common.row_layout(width, 4 if x.ndim == 2 else 16, lanes)
+
+
+def _load_pairs(x_g, rows, c, sw, layout):
+  """Even and odd columns of ``[rows, 2c : 2(c+sw)]`` of the pair view, as float32."""
+  if len(x_g.shape) == 2:
+    u = plgpu.load(x_g.at[rows, pl.ds(c, sw)], layout=layout, optimized=False)
+    return (lax.bitcast_convert_type(u << 16, jnp.float32),
+            lax.bitcast_convert_type(u & jnp.int32(-65536), jnp.float32))
+  return tuple(plgpu.load(x_g.at[rows, pl.ds(c, sw), h], layout=layout, optimized=False) for h in (0, 1))
+
+
+def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, interpret, sf_layout="rows",
+               thread_bytes=common.THREAD_BYTES):
+  """Per-row-group cast of ``x`` (``R`` at least one layout block of rows).
+
+  ``x``: ``(R, W)`` for e4m3; for e2m1 the pair view of :func:`_fp4_pairs` (``W/2`` pairs, ``segs``
+  in pairs). ``segs``: static ``(column, width)`` groups of each row; ``lanes``: at most this many
+  lanes share a row (:func:`jaxkern._layouts.row_layout`). ``sf_in``: precomputed float32 sf
+  ``(len(segs), R)`` or None. ``sf_layout``: ``"rows"`` writes the sf as float32 ``(len(segs), R)``;
+  with one view row per row, ``"B"`` / ``"C"`` write layout B ``(len(segs), Mp)`` float32 / layout C
+  ``(ceil(len(segs)/4), Mp)`` int32 packed UE8M0 directly (``Mp = align(R, 4)``; the last CTA zeroes
+  the padding rows with scalar stores). Returns ``(out | None, sf | None)``: ``out`` ``(R, W)`` e4m3
+  or ``(R, W/2)`` int8 (packed e2m1, column ``2j`` in the low nibble).
+  """
+  r, w = x.shape[:2]
+  fp4 = fmt == "e2m1"
+  itemsize = x.dtype.itemsize * (2 if x.ndim == 3 else 1)  # input bytes per view element
+  if fp4:
+    layouts = [_pair_layout(x, sw, lanes) for _, sw in segs]
+  else:
+    layouts = [common.row_layout(sw, itemsize, lanes) for _, sw in segs]
   unit = max(u for _, u in layouts)
   rt = common.tile_rows(r, w, itemsize, unit, thread_bytes)
   out_type = []
   if write_data:
-    out_type.append(jax.ShapeDtypeStruct((r, w), jnp.float8_e4m3fn))
+    out_type.append(jax.ShapeDtypeStruct((r, w), jnp.int8 if fp4 else jnp.float8_e4m3fn))
+  mp = ref.cdiv(r, 4) * 4
+  sf_type = {"rows": ((len(segs), r), jnp.float32), "B": ((len(segs), mp), jnp.float32),
+             "C": ((ref.cdiv(len(segs), 4), mp), jnp.int32)}[sf_layout]
   if compute_sf:
-    out_type.append(jax.ShapeDtypeStruct((len(segs), r), jnp.float32))
+    out_type.append(jax.ShapeDtypeStruct(*sf_type))
+  num_ctas = pl.cdiv(r, rt)
 
-  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(pl.cdiv(r, rt),), grid_names=("i",),
+  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(num_ctas,), grid_names=("i",),
                      interpret=interpret)
   def kernel(*refs):
     x_g, c_g, *rest = refs
@@ -63,49 +106,76 @@ def row_kernel(x, sf_in, *, segs, lanes, round_sf, write_data, compute_sf, inter
     o_g = rest.pop(0) if write_data else None
     sf_g = rest.pop(0) if compute_sf else None
     rows = pl.ds(jnp.minimum(lax.axis_index("i") * rt, r - rt), rt)
-    vals = [plgpu.load(x_g.at[rows, pl.ds(c, sw)], layout=lay, optimized=False) for (c, sw), (lay, _) in
-            zip(segs, layouts)]
+    if fp4:
+      vals = [_load_pairs(x_g, rows, c, sw, lay) for (c, sw), (lay, _) in zip(segs, layouts)]
+    else:
+      vals = [(plgpu.load(x_g.at[rows, pl.ds(c, sw)], layout=lay, optimized=False).astype(jnp.float32),)
+              for (c, sw), (lay, _) in zip(segs, layouts)]
     for s, ((c, sw), (lay, _), v) in enumerate(zip(segs, layouts, vals)):
-      v = v.astype(jnp.float32)
       vec = lay.reduce(1)
       if sf_in is not None:
         inv = common.exact_div(1.0, plgpu.load(sfin_g.at[s, rows], layout=vec, optimized=False))
       else:
         maxv = plgpu.load(c_g, layout=vec, optimized=False)
-        sf, inv = ref.scale_factors(jnp.max(jnp.abs(v), axis=1), maxv, "e4m3", round_sf, div=common.exact_div)
-        if compute_sf:
+        amax = jnp.max(functools.reduce(jnp.maximum, [jnp.abs(h) for h in v]), axis=1)
+        sf, inv = ref.scale_factors(amax, maxv, fmt, round_sf, div=common.exact_div)
+        if compute_sf and sf_layout != "C":
           sf_g[s, rows] = sf
+        elif compute_sf:  # UE8M0 byte of segment s into byte s % 4 of word s // 4
+          byte = ((lax.bitcast_convert_type(sf, jnp.int32) >> 23) & 0xFF) << (8 * (s % 4))
+          word = byte if s % 4 == 0 else word | byte
+          if s % 4 == 3 or s == len(segs) - 1:
+            sf_g[s // 4, rows] = word
       if write_data:
-        q = v * inv[:, None]
-        o_g[rows, pl.ds(c, sw)] = (ref.encode_e4m3(q) if sf_in is not None else q.astype(jnp.float8_e4m3fn))
+        q = [h * inv[:, None] for h in v]
+        if fp4:
+          out = (ref.encode_e2m1(q[0]) | (ref.encode_e2m1(q[1]) << 4)).astype(jnp.int8)
+        else:
+          out = ref.encode_e4m3(q[0]) if sf_in is not None else q[0].astype(jnp.float8_e4m3fn)
+        o_g[rows, pl.ds(c, sw)] = out
+    if compute_sf and sf_layout != "rows" and mp > r:
+      @pl.when(lax.axis_index("i") == num_ctas - 1)
+      def _():
+        for j in range(r, mp):
+          for t in range(sf_type[0][0]):
+            sf_g[t, j] = jnp.zeros((), sf_type[1])
 
-  consts = jnp.full((rt,), ref.FP8_MAX, jnp.float32)
+  consts = jnp.full((rt,), ref.MAX_VALUE[fmt], jnp.float32)
   outs = list(kernel(*((x, consts) if sf_in is None else (x, consts, sf_in))))
   return (outs.pop(0) if write_data else None), (outs.pop(0) if compute_sf else None)
 
 
-@functools.partial(jax.jit, static_argnames=("npc", "round_sf", "write_data", "compute_sf", "interpret"))
-def _kernel(x, sf_in, *, npc, round_sf, write_data, compute_sf, interpret):
-  """``x`` ``(M, K)``, ``sf_in`` layout-A ``(M, Kb)`` or None -> ``(out (M, K) | None, sf (M, Kb) | None)``."""
+@functools.partial(jax.jit, static_argnames=("npc", "fmt", "round_sf", "col_major", "packed", "write_data",
+                                             "compute_sf", "interpret"))
+def _kernel(x, sf_in, *, npc, fmt, round_sf, col_major, packed, write_data, compute_sf, interpret):
+  """``x`` ``(M, K)``, ``sf_in`` layout-A ``(M, Kb)`` or None -> ``(out (M, K) e4m3 or (M, K/2) int8 |
+  None, sf in layout A / B / C | None)``. The kernel writes layouts B / C itself when each view row is
+  a row (whole-row groups or column segments); otherwise XLA reformats its layout-A sf."""
   m, k = x.shape
   r, w, segs = common.row_plan(m, k, npc)
   kb = ref.cdiv(k, npc)
   xv = x.reshape(r, w)
   lanes = 32 if npc >= k else common.GROUP_LANES  # one scale per row: whole warps per row
-  unit = max(common.row_layout(sw, x.dtype.itemsize, lanes)[1] for _, sw in segs)
+  if fmt == "e2m1":
+    xv, segs = _fp4_pairs(xv), tuple((c // 2, sw // 2) for c, sw in segs)
+    unit = max(_pair_layout(xv, sw, lanes)[1] for _, sw in segs)
+  else:
+    unit = max(common.row_layout(sw, x.dtype.itemsize, lanes)[1] for _, sw in segs)
   rp = max(r, unit)
   if rp != r:  # fewer rows than one layout block: pad (tiny inputs only)
-    xv = jnp.pad(xv, ((0, rp - r), (0, 0)))
+    xv = jnp.pad(xv, ((0, rp - r),) + ((0, 0),) * (xv.ndim - 1))
   if sf_in is not None:
     sf_in = sf_in.reshape(1, r) if len(segs) == 1 else sf_in.T
     sf_in = jnp.pad(sf_in, ((0, 0), (0, rp - r)), constant_values=1.0)
-  out, sf = row_kernel(xv, sf_in, segs=segs, lanes=lanes, round_sf=round_sf, write_data=write_data, compute_sf=compute_sf,
-                       interpret=interpret)
+  in_kernel = col_major and r == m and rp == r
+  sf_layout = ("C" if packed else "B") if in_kernel else "rows"
+  out, sf = row_kernel(xv, sf_in, segs=segs, lanes=lanes, fmt=fmt, round_sf=round_sf, write_data=write_data,
+                       compute_sf=compute_sf, interpret=interpret, sf_layout=sf_layout)
   if out is not None:
-    out = out[:r].reshape(m, k)
-  if sf is not None:
+    out = out[:r].reshape(m, out.shape[1] * r // m)
+  if sf is not None and not in_kernel:
     sf = sf[:, :r]
-    sf = sf.reshape(m, kb) if len(segs) == 1 else sf.T
+    sf = ref.format_sf(sf.reshape(m, kb) if len(segs) == 1 else sf.T, col_major, packed)
   return out, sf
 
 
@@ -123,13 +193,14 @@ def _check_plain(x, fmt, npc, use_tma_aligned_col_major_sf, round_sf, use_packed
     _checks.check_multiple("x", x, 1, 2)
 
 
-def _use_kernel(impl, x, fmt, npc) -> bool:
-  return impl != "reference" and x.shape[0] > 0 and fmt == "e4m3" and common.row_plan(*x.shape, npc) is not None
+def _use_kernel(impl, x, npc) -> bool:
+  return impl != "reference" and x.shape[0] > 0 and common.row_plan(*x.shape, npc) is not None
 
 
-def _run_kernel(x, npc, impl, *, sf_in=None, round_sf=False, write_data=True, compute_sf=True):
-  return _kernel(x, sf_in, npc=npc, round_sf=round_sf, write_data=write_data, compute_sf=compute_sf,
-                 interpret=_config.mosaic_interpret(impl))
+def _run_kernel(x, fmt, npc, impl, *, sf_in=None, round_sf=False, col_major=False, packed=False, write_data=True,
+                compute_sf=True):
+  return _kernel(x, sf_in, npc=npc, fmt=fmt, round_sf=round_sf, col_major=col_major, packed=packed,
+                 write_data=write_data, compute_sf=compute_sf, interpret=_config.mosaic_interpret(impl))
 
 
 def per_token_cast(x, fmt: str, num_per_channels: int, x_block_size=None, use_tma_aligned_col_major_sf: bool = False,
@@ -166,12 +237,12 @@ def per_token_cast(x, fmt: str, num_per_channels: int, x_block_size=None, use_tm
       raise ValueError("x_block_size must be None for a plain input")
     _check_plain(x, fmt, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
   impl = _config.get_implementation(implementation)
-  if quant_input or not _use_kernel(impl, x, fmt, num_per_channels):
+  if quant_input or not _use_kernel(impl, x, num_per_channels):
     return ref.cast(x, fmt, (1, num_per_channels), x_block_size=x_block_size, round_sf=round_sf,
                     use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0,
                     x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
-  out, sf = _run_kernel(x, num_per_channels, impl, round_sf=round_sf)
-  return out, ref.format_sf(sf, use_tma_aligned_col_major_sf, use_packed_ue8m0)
+  return _run_kernel(x, fmt, num_per_channels, impl, round_sf=round_sf, col_major=use_tma_aligned_col_major_sf,
+                     packed=use_packed_ue8m0)
 
 
 def per_token_cast_with_sf_only(x, fmt: str, num_per_channels: int, x_block_size=None,
@@ -182,11 +253,11 @@ def per_token_cast_with_sf_only(x, fmt: str, num_per_channels: int, x_block_size
     raise ValueError("x must be a plain (M, K) array and x_block_size None")
   _check_plain(x, fmt, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
   impl = _config.get_implementation(implementation)
-  if not _use_kernel(impl, x, fmt, num_per_channels):
+  if not _use_kernel(impl, x, num_per_channels):
     return ref.cast(x, fmt, (1, num_per_channels), round_sf=round_sf,
                     use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0)[1]
-  _, sf = _run_kernel(x, num_per_channels, impl, round_sf=round_sf, write_data=False)
-  return ref.format_sf(sf, use_tma_aligned_col_major_sf, use_packed_ue8m0)
+  return _run_kernel(x, fmt, num_per_channels, impl, round_sf=round_sf, col_major=use_tma_aligned_col_major_sf,
+                     packed=use_packed_ue8m0, write_data=False)[1]
 
 
 def per_token_cast_with_precomputed_sf(x, fmt: str, num_per_channels: int, sf, x_block_size=None,
@@ -203,7 +274,7 @@ def per_token_cast_with_precomputed_sf(x, fmt: str, num_per_channels: int, sf, x
   m, k = x.shape
   common.check_sf("sf", sf, (m, ref.cdiv(k, num_per_channels)), jnp.float32)
   impl = _config.get_implementation(implementation)
-  if not _use_kernel(impl, x, fmt, num_per_channels):
+  if not _use_kernel(impl, x, num_per_channels):
     return ref.cast(x, fmt, (1, num_per_channels), sf=sf)
-  out, _ = _run_kernel(x, num_per_channels, impl, sf_in=sf, compute_sf=False)
+  out, _ = _run_kernel(x, fmt, num_per_channels, impl, sf_in=sf, compute_sf=False)
   return out

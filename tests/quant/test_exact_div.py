@@ -66,6 +66,16 @@ def test_kernel_exact_div_matches_numpy():
   assert_bitwise_equal(np.asarray(_in_kernel(lambda y: common.exact_div(1.0, y), b)).reshape(-1), np.float32(1) / b)
 
 
+def test_kernel_exact_div_near_the_e2m1_clamp():
+  """e2m1 scale factors of near-zero groups: ``amax / 6`` and ``6 / amax`` for amax at and just above
+  the clamp minimum 6·2^-126 (the residuals are subnormal; XLA on CPU flushes them)."""
+  rng = np.random.default_rng(3)
+  tiny = (np.float32(6 * 2.0**-126) * (1 + rng.integers(0, 64, 1 << 12) * np.float32(2.0**-23))).astype(np.float32)
+  six = np.full_like(tiny, 6)
+  assert_bitwise_equal(np.asarray(_in_kernel(common.exact_div, tiny, six)).reshape(-1), tiny / six)
+  assert_bitwise_equal(np.asarray(_in_kernel(common.exact_div, six, tiny)).reshape(-1), six / tiny)
+
+
 def test_kernel_refine_quotient_corrects_2_ulp():
   """The first quotient on the GPU is approximate: every start within 2 ulp must be corrected."""
   a, b = _pairs()

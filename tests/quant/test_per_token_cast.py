@@ -32,6 +32,9 @@ def _both(f, *args, **kw):
     (40, 320, 32, jnp.bfloat16, "C"),  # groups as view rows, shifted last block
     (130, 192, 192, jnp.bfloat16, "B"),  # one sf per row, 130 rows: the last block overlaps
     (9, 448, 16, jnp.float32, "A"),  # 252 view rows of 16: the last block overlaps
+    (65, 576, 576, jnp.bfloat16, "C"),  # packed sf written by the kernel, 3 zero padding rows
+    (130, 320, 64, jnp.float32, "C"),  # column segments, 2 packed words per row, 2 padding rows
+    (65, 576, 128, jnp.float32, "B"),  # column segments, layout B written by the kernel
 ])
 def test_per_token_cast_bit_exact(key, m, k, npc, dtype, flags):
   x = _input(key, m, k, dtype)
@@ -39,6 +42,51 @@ def test_per_token_cast_bit_exact(key, m, k, npc, dtype, flags):
   assert_bitwise_equal(out, want)
   assert_bitwise_equal(sf, want_sf)
   assert_bitwise_equal(quant.per_token_cast_with_sf_only(x, "e4m3", npc, None, *FLAGS[flags]), want_sf)
+
+
+@pytest.mark.parametrize("m, k, npc, dtype, flags", [
+    (1, 576, 32, jnp.bfloat16, "C"),  # one row
+    (7, 576, 128, jnp.float32, "A"),  # partial last group: column segments
+    (65, 320, 16, jnp.bfloat16, "A-round"),
+    (130, 576, 576, jnp.float32, "B"),  # one sf per row
+    (65, 192, 64, jnp.float32, "C"),
+    (130, 320, 320, jnp.bfloat16, "A"),
+    (65, 576, 128, jnp.bfloat16, "C"),  # packed sf written by the kernel
+])
+def test_per_token_cast_e2m1_bit_exact(key, m, k, npc, dtype, flags):
+  x = _input(key, m, k, dtype)
+  (out, sf), (want, want_sf) = _both(quant.per_token_cast, x, "e2m1", npc, None, *FLAGS[flags])
+  assert out.dtype == jnp.int8 and out.shape == (m, k // 2)
+  assert_bitwise_equal(out, want)
+  assert_bitwise_equal(sf, want_sf)
+  assert_bitwise_equal(quant.per_token_cast_with_sf_only(x, "e2m1", npc, None, *FLAGS[flags]), want_sf)
+
+
+def test_e2m1_precomputed_sf_bit_exact(key):
+  x = _input(key, 65, 576, jnp.float32)
+  _, sf = quant.per_token_cast(x, "e2m1", 128, implementation="reference")
+  sf = sf * 0.37  # saturation at ±6 bites
+  got, want = _both(quant.per_token_cast_with_precomputed_sf, x, "e2m1", 128, sf)
+  assert_bitwise_equal(got, want)
+  assert np.any(np.abs(np.asarray(quant.unpack_from_e2m1fn_x2(got))) == 6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_e2m1_special_values(dtype):
+  """Ties to even, saturation, signed zeros and tiny values; with round_sf and amax 6 the sf is 1."""
+  row = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0, -0.1, 0.24, -5.5, 1e-30, -1e-30, 0.0, 2.0]
+  want_nibbles = [7, 0, 2, 2, 4, 4, 6, 6, 8, 8, 0, 15, 0, 8, 0, 4]
+  x = jnp.asarray(np.tile(np.asarray(row, np.float32), (4, 4)), dtype)
+  (out, sf), (want, want_sf) = _both(quant.per_token_cast, x, "e2m1", 16, None, False, True)
+  assert_bitwise_equal(out, want)
+  assert_bitwise_equal(sf, want_sf)
+  assert np.all(np.asarray(sf) == 1.0)
+  b = np.asarray(out).view(np.uint8)[0, :8]
+  assert list(np.stack([b & 0xF, b >> 4], -1).reshape(-1)) == want_nibbles
+  zeros = jnp.zeros((4, 64), dtype).at[1].set(-0.0)
+  out, sf = quant.per_token_cast(zeros, "e2m1", 32, None, False, True)
+  assert np.all(np.asarray(out[0]) == 0) and np.all(np.asarray(out[1]).view(np.uint8) == 0x88)
+  assert np.all(np.asarray(sf) == 2.0**-126)
 
 
 @pytest.mark.parametrize("npc", [32, 576])
@@ -163,7 +211,7 @@ def test_bad_precomputed_sf():
 @pytest.mark.parametrize("m, k, npc, dtype, flags", [
     (4001, 576, 32, jnp.float32, "C"), (4001, 576, 128, jnp.bfloat16, "A"), (8001, 7168, 128, jnp.bfloat16, "C"),
     (8001, 7168, 7168, jnp.bfloat16, "C"), (8001, 7168, 7168, jnp.float32, "A"), (4096, 576, 576, jnp.float32, "B"),
-    (4096, 2048, 16, jnp.bfloat16, "A"),
+    (4096, 2048, 16, jnp.bfloat16, "A"), (4001, 576, 128, jnp.bfloat16, "C"), (8001, 576, 128, jnp.float32, "B"),
 ])
 def test_lowers_for_h100(m, k, npc, dtype, flags):
   s = jax.ShapeDtypeStruct((m, k), dtype)
@@ -200,3 +248,53 @@ def test_spec_shapes_gpu(key, npc, flags):
   assert_bitwise_equal(out, q)
   assert_bitwise_equal(ref.sf_to_float(sf, 8001, 7168 // npc, use_tma_aligned_col_major_sf=FLAGS[flags][0]),
                        sf_np)
+
+
+@pytest.mark.parametrize("m, k, npc, dtype, flags", [
+    (4001, 576, 32, jnp.float32, "C"), (8001, 7168, 128, jnp.bfloat16, "C"), (4001, 576, 576, jnp.bfloat16, "A"),
+    (8001, 7168, 16, jnp.float32, "A"), (4001, 576, 128, jnp.float32, "C"), (8001, 576, 576, jnp.bfloat16, "B"),
+])
+def test_lowers_for_h100_e2m1(m, k, npc, dtype, flags):
+  s = jax.ShapeDtypeStruct((m, k), dtype)
+  f = functools.partial(quant.per_token_cast, fmt="e2m1", num_per_channels=npc, x_block_size=None,
+                        use_tma_aligned_col_major_sf=FLAGS[flags][0], round_sf=FLAGS[flags][1],
+                        use_packed_ue8m0=FLAGS[flags][2], implementation="pallas")
+  assert "mosaic_gpu" in lower_for_h100(f, s).as_text()
+  sf = jax.ShapeDtypeStruct((m, -(-k // npc)), jnp.float32)
+  h = lambda x, sf: quant.per_token_cast_with_precomputed_sf(x, "e2m1", npc, sf, implementation="pallas")
+  assert "mosaic_gpu" in lower_for_h100(h, s, sf).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, npc, dtype", [
+    (4001, 576, 32, jnp.bfloat16), (8001, 7168, 128, jnp.float32), (8001, 7168, 7168, jnp.bfloat16),
+])
+def test_spec_shapes_e2m1_gpu(key, m, k, npc, dtype):
+  """The GPU kernel against the reference run by XLA on the host CPU (IEEE divisions there)."""
+  x = _input(key, m, k, dtype)
+  f = functools.partial(quant.per_token_cast, fmt="e2m1", num_per_channels=npc, x_block_size=None,
+                        use_tma_aligned_col_major_sf=True, round_sf=True, use_packed_ue8m0=True)
+  out, sf = jax.jit(f)(x)
+  cpu = jax.devices("cpu")[0]
+  want, want_sf = jax.jit(functools.partial(f, implementation="reference"))(jax.device_put(x, cpu))
+  assert_bitwise_equal(out, want)
+  assert_bitwise_equal(sf, want_sf)
+  out, sf = jax.jit(lambda x: quant.per_token_cast(x, "e2m1", npc))(x)
+  want, want_sf = jax.jit(lambda x: quant.per_token_cast(x, "e2m1", npc, implementation="reference"))(
+      jax.device_put(x, cpu))
+  assert_bitwise_equal(out, want)
+  assert_bitwise_equal(sf, want_sf)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, npc, flags", [(4001, 128, "C"), (8001, 576, "C"), (4001, 576, "B"), (8001, 128, "B")])
+def test_small_spec_shapes_sf_written_by_kernel_gpu(key, m, npc, flags):
+  """K=576: layouts B / C written by the kernel, against the reference run by XLA on the host CPU."""
+  x = _input(key, m, 576, jnp.bfloat16)
+  f = functools.partial(quant.per_token_cast, fmt="e4m3", num_per_channels=npc, x_block_size=None,
+                        use_tma_aligned_col_major_sf=FLAGS[flags][0], round_sf=FLAGS[flags][1],
+                        use_packed_ue8m0=FLAGS[flags][2])
+  out, sf = jax.jit(f)(x)
+  want, want_sf = jax.jit(functools.partial(f, implementation="reference"))(jax.device_put(x, jax.devices("cpu")[0]))
+  assert_bitwise_equal(out, want)
+  assert_bitwise_equal(sf, want_sf)
