@@ -43,28 +43,19 @@ def _back_case(m, k, out_name, npc, packed=False):
   return Case(f"M={m} K={k} {out_name}", make, nbytes)
 
 
-def _grid(case, npc, names):
-  return lambda: [case(m, k, d, npc) for d, m, k in itertools.product(names, num_tokens(), hidden_sizes(64))]
+def _grid(case, npc, names, *extra):
+  return lambda: [case(m, k, d, npc, *extra) for d, m, k in itertools.product(names, num_tokens(), hidden_sizes(64))]
 
 
-for _name, _w in _NPCS.items():
-  register(BenchOp(
-      f"per_token_cast_{_name}",
-      lambda x, _w=_w: quant.per_token_cast(x, "e4m3", _npc(x, _w), None, True, True, True),
-      lambda x, _w=_w: ref.cast(x, "e4m3", (1, _npc(x, _w)), round_sf=True, use_tma_aligned_col_major_sf=True,
-                                use_packed_ue8m0=True),
-      _grid(_cast_case, _w, ("fp32", "bf16")),
-      lambda _w=_w: [_cast_case(100, 576, "bf16", _w)]))
-
-for _name, _w in _NPCS.items():
-  register(BenchOp(
-      f"per_token_cast_e2m1_{_name}",
-      lambda x, _w=_w: quant.per_token_cast(x, "e2m1", _npc(x, _w), None, True, True, True),
-      lambda x, _w=_w: ref.cast(x, "e2m1", (1, _npc(x, _w)), round_sf=True, use_tma_aligned_col_major_sf=True,
-                                use_packed_ue8m0=True),
-      lambda _w=_w: [_cast_case(m, k, d, _w, "e2m1")
-                     for d, m, k in itertools.product(("fp32", "bf16"), num_tokens(), hidden_sizes(64))],
-      lambda _w=_w: [_cast_case(100, 576, "bf16", _w, "e2m1")]))
+for _fmt, _prefix in (("e4m3", "per_token_cast_"), ("e2m1", "per_token_cast_e2m1_")):
+  for _name, _w in _NPCS.items():
+    register(BenchOp(
+        _prefix + _name,
+        lambda x, _w=_w, _fmt=_fmt: quant.per_token_cast(x, _fmt, _npc(x, _w), None, True, True, True),
+        lambda x, _w=_w, _fmt=_fmt: ref.cast(x, _fmt, (1, _npc(x, _w)), round_sf=True,
+                                             use_tma_aligned_col_major_sf=True, use_packed_ue8m0=True),
+        _grid(_cast_case, _w, ("fp32", "bf16"), _fmt),
+        lambda _w=_w, _fmt=_fmt: [_cast_case(100, 576, "bf16", _w, _fmt)]))
 
 for _name, _w in (("npc128", 128), ("row", None)):
   for _out in ("bf16", "fp32"):

@@ -208,21 +208,30 @@ def test_bad_precomputed_sf():
     quant.per_token_cast_with_precomputed_sf(x, "e4m3", 32, jnp.ones((8, 2), jnp.float32), None, True)
 
 
-@pytest.mark.parametrize("m, k, npc, dtype, flags", [
+E4M3_LOWERING = [
     (4001, 576, 32, jnp.float32, "C"), (4001, 576, 128, jnp.bfloat16, "A"), (8001, 7168, 128, jnp.bfloat16, "C"),
     (8001, 7168, 7168, jnp.bfloat16, "C"), (8001, 7168, 7168, jnp.float32, "A"), (4096, 576, 576, jnp.float32, "B"),
     (4096, 2048, 16, jnp.bfloat16, "A"), (4001, 576, 128, jnp.bfloat16, "C"), (8001, 576, 128, jnp.float32, "B"),
-])
-def test_lowers_for_h100(m, k, npc, dtype, flags):
+]
+E2M1_LOWERING = [
+    (4001, 576, 32, jnp.float32, "C"), (8001, 7168, 128, jnp.bfloat16, "C"), (4001, 576, 576, jnp.bfloat16, "A"),
+    (8001, 7168, 16, jnp.float32, "A"), (4001, 576, 128, jnp.float32, "C"), (8001, 576, 576, jnp.bfloat16, "B"),
+]
+
+
+@pytest.mark.parametrize("fmt, m, k, npc, dtype, flags",
+                         [("e4m3", *c) for c in E4M3_LOWERING] + [("e2m1", *c) for c in E2M1_LOWERING])
+def test_lowers_for_h100(fmt, m, k, npc, dtype, flags):
   s = jax.ShapeDtypeStruct((m, k), dtype)
-  f = functools.partial(quant.per_token_cast, fmt="e4m3", num_per_channels=npc, x_block_size=None,
+  f = functools.partial(quant.per_token_cast, fmt=fmt, num_per_channels=npc, x_block_size=None,
                         use_tma_aligned_col_major_sf=FLAGS[flags][0], round_sf=FLAGS[flags][1],
                         use_packed_ue8m0=FLAGS[flags][2], implementation="pallas")
   assert "mosaic_gpu" in lower_for_h100(f, s).as_text()
-  g = functools.partial(quant.per_token_cast_with_sf_only, fmt="e4m3", num_per_channels=npc, implementation="pallas")
-  assert "mosaic_gpu" in lower_for_h100(g, s).as_text()
+  if fmt == "e4m3":
+    g = functools.partial(quant.per_token_cast_with_sf_only, fmt=fmt, num_per_channels=npc, implementation="pallas")
+    assert "mosaic_gpu" in lower_for_h100(g, s).as_text()
   sf = jax.ShapeDtypeStruct((m, -(-k // npc)), jnp.float32)
-  h = lambda x, sf: quant.per_token_cast_with_precomputed_sf(x, "e4m3", npc, sf, implementation="pallas")
+  h = lambda x, sf: quant.per_token_cast_with_precomputed_sf(x, fmt, npc, sf, implementation="pallas")
   assert "mosaic_gpu" in lower_for_h100(h, s, sf).as_text()
 
 
@@ -248,21 +257,6 @@ def test_spec_shapes_gpu(key, npc, flags):
   assert_bitwise_equal(out, q)
   assert_bitwise_equal(ref.sf_to_float(sf, 8001, 7168 // npc, use_tma_aligned_col_major_sf=FLAGS[flags][0]),
                        sf_np)
-
-
-@pytest.mark.parametrize("m, k, npc, dtype, flags", [
-    (4001, 576, 32, jnp.float32, "C"), (8001, 7168, 128, jnp.bfloat16, "C"), (4001, 576, 576, jnp.bfloat16, "A"),
-    (8001, 7168, 16, jnp.float32, "A"), (4001, 576, 128, jnp.float32, "C"), (8001, 576, 576, jnp.bfloat16, "B"),
-])
-def test_lowers_for_h100_e2m1(m, k, npc, dtype, flags):
-  s = jax.ShapeDtypeStruct((m, k), dtype)
-  f = functools.partial(quant.per_token_cast, fmt="e2m1", num_per_channels=npc, x_block_size=None,
-                        use_tma_aligned_col_major_sf=FLAGS[flags][0], round_sf=FLAGS[flags][1],
-                        use_packed_ue8m0=FLAGS[flags][2], implementation="pallas")
-  assert "mosaic_gpu" in lower_for_h100(f, s).as_text()
-  sf = jax.ShapeDtypeStruct((m, -(-k // npc)), jnp.float32)
-  h = lambda x, sf: quant.per_token_cast_with_precomputed_sf(x, "e2m1", npc, sf, implementation="pallas")
-  assert "mosaic_gpu" in lower_for_h100(h, s, sf).as_text()
 
 
 @pytest.mark.gpu
