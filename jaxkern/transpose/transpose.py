@@ -5,7 +5,10 @@ SMEM, it is loaded into registers in the WGMMA layout, re-laid out to
 ``WGMMA_TRANSPOSED`` (a lane shuffle), stored through a transposed view of an
 output SMEM buffer and written back with a TMA copy. The layout change works on
 16- and 32-bit registers, so 8-bit data is widened to int16 and narrowed back,
-which keeps every bit pattern (NaN payloads included).
+which keeps every bit pattern (NaN payloads included). Small 2-D 16-bit
+transposes instead load the tile through a transposed view of the input SMEM
+buffer straight into the WGMMA layout (1.5% faster on an H200 at N = 576, where
+the kernel is latency-bound; equal or slower elsewhere).
 
 Mid-sized 2-D 16-bit transposes move the tile between GMEM and SMEM with plain
 16-byte vector loads and stores instead of TMA: on an H200 that was 1-4.5% faster
@@ -54,6 +57,7 @@ def _batched_transpose_kernel(x: jax.Array, interpret=None, tiling=None) -> jax.
   b, m, n = x.shape
   bm, bn, order, direct = tiling or _tiling(b, m, n, x.dtype.itemsize)
   widen = x.dtype.itemsize == 1
+  load_t = b == 1 and x.dtype.itemsize == 2 and (bm, bn) == (64, 64) and not direct
   sizes = {"b": b, "i": m // bm, "j": n // bn}
   scratch = dict(x_s=plgpu.SMEM((bm, bn), x.dtype), o_s=plgpu.SMEM((bn, bm), x.dtype))
   if not direct:
@@ -76,13 +80,16 @@ def _batched_transpose_kernel(x: jax.Array, interpret=None, tiling=None) -> jax.
     else:
       plgpu.copy_gmem_to_smem(src, x_s, bar)
       plgpu.barrier_wait(bar)
-    v = plgpu.load(x_s, layout=plgpu.Layout.WGMMA)
-    if widen:
-      v = lax.bitcast_convert_type(v, jnp.int8).astype(jnp.int16)
-    v = plgpu.layout_cast(v, plgpu.Layout.WGMMA_TRANSPOSED)
-    if widen:
-      v = lax.bitcast_convert_type(v.astype(jnp.int8), x.dtype)
-    o_s.T[...] = v
+    if load_t:
+      o_s[...] = plgpu.load(x_s.T, layout=plgpu.Layout.WGMMA)
+    else:
+      v = plgpu.load(x_s, layout=plgpu.Layout.WGMMA)
+      if widen:
+        v = lax.bitcast_convert_type(v, jnp.int8).astype(jnp.int16)
+      v = plgpu.layout_cast(v, plgpu.Layout.WGMMA_TRANSPOSED)
+      if widen:
+        v = lax.bitcast_convert_type(v.astype(jnp.int8), x.dtype)
+      o_s.T[...] = v
     if direct:
       dst[...] = plgpu.load(o_s, (), layout=_layouts.row_layout(bm, x.dtype.itemsize)[0])
     else:
