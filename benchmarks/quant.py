@@ -4,13 +4,16 @@ Static arguments cannot travel through ``make_args``, so each group width is its
 (``npc=K`` derives the width from the input). Byte counts are the logical sizes (input, data, sf).
 Registered: the e4m3 and e2m1 grids of per_token_cast (flags T, T, T), per_block_cast, the
 per-channel casts, per_token_cast_back (layout-A and packed layout-C input) and cast_back with
-(128, 128) blocks. Not registered: the e2m1 per-block and QuantTensor-input cases, cast-back of e2m1
+(128, 128) blocks, per_channel_cast_fused (plain 4096 tokens and the K=6 MoE gathers, bf16 or
+QuantTensor input). Not registered: the e2m1 per-block and QuantTensor-input cases, cast-back of e2m1
 data and cast_back with (128, 1) blocks (they run the jnp reference).
 """
 
 import itertools
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks.registry import BenchOp, Case, register
 from jaxkern import quant
@@ -122,5 +125,46 @@ for _npt in (32, 128):
       lambda x, _npt=_npt: (lambda o: (o[0].T, o[1]))(ref.cast(x, "e4m3", (_npt, 1))),
       _channel_grid(_npt, ("bf16",)),
       lambda _npt=_npt: [_block_case(128, 192, "bf16", (_npt, 1))]))
+
+
+
+def _gather_rows(experts, ranks):
+  """``(T, pos_to_token)`` of the spec's MoE config (4001 tokens sent per rank, alignment 128), as
+  NumPy; ``experts == 0``: 4096 plain tokens, no mapping."""
+  if not experts:
+    return 4096, None
+  from jaxkern.reference import moe_routing
+  from jaxkern.testing import moe_topk_idx
+
+  idx = moe_topk_idx(jax.random.key(0), 4001, 6, experts, ranks)
+  counts = [int((idx == e).sum()) for e in range(experts)]
+  n = sum(-(-c // 128) * 128 for c in counts)
+  return idx.shape[0], np.asarray(moe_routing.get_fused_mapping(jnp.asarray(idx), experts, n, 128)[1])
+
+
+def _fused_case(experts, ranks, k, quant_input):
+  t, pos = _gather_rows(experts, ranks)
+  mo = t if pos is None else pos.shape[0]
+  x_bytes = t * k * (1 + 4 / 128) if quant_input else t * k * 2
+  nbytes = int(x_bytes + (0 if pos is None else mo * 4) + mo * k + -(-mo // 128) * k * 4)
+  label = (f"T={t} K={k}" if pos is None else f"E={experts}x{ranks} K6 Mo={mo} H={k}") + (" qt" if quant_input else "")
+
+  def make(key):
+    x = randn(key, (t, k), jnp.bfloat16)
+    if quant_input:
+      x = ref.cast(x, "e4m3", (1, 128))
+    return (x,) if pos is None else (x, jnp.asarray(pos))
+
+  return Case(label, make, nbytes, dict(num_per_channels=128 if quant_input else None))
+
+
+register(BenchOp(
+    "per_channel_cast_fused",
+    lambda x, pos=None, num_per_channels=None: quant.per_channel_cast_fused(x, "e4m3", 128, False,
+                                                                            num_per_channels, pos),
+    lambda x, pos=None, num_per_channels=None: ref.per_channel_cast_fused(x, 128, False, pos),
+    lambda: [_fused_case(e, r, k, qt) for qt in (False, True) for e, r in ((0, 0), (9, 8), (32, 8), (4, 64))
+             for k in hidden_sizes(128)],
+    lambda: [_fused_case(0, 0, 256, True)]))
 
 del _name, _w, _out, _packed, _bm, _bk, _npt

@@ -225,7 +225,7 @@ def per_channel_cast_fused(x, num_per_tokens: int = 128, round_sf: bool = False,
 
   ``x`` is ``(M, K)`` bf16 / float32 or a QuantTensor ``(q, sf)`` with e4m3 ``q`` and a layout-A
   float32 sf ``(M, K/128)``; it is dequantised (``RN(q·sf)``) before the cast. ``pos_to_token``
-  ``(Mo,)`` gathers rows; negative entries give zero rows. Rows past ``Mo`` in a partial last block
+  ``(Mo,)`` gathers rows; negative (and out-of-range) entries give zero rows. Rows past ``Mo`` in a partial last block
   are not part of any amax. Returns ``(out (Mo, K) e4m3, out_sf (ceil(Mo/npt), K) float32)``.
   """
   if isinstance(x, tuple):
@@ -234,7 +234,8 @@ def per_channel_cast_fused(x, num_per_tokens: int = 128, round_sf: bool = False,
   else:
     v = x.astype(jnp.float32)
   if pos_to_token is not None:
-    v = jnp.where((pos_to_token >= 0)[:, None], v[jnp.maximum(pos_to_token, 0)], 0.0)
+    valid = (pos_to_token >= 0) & (pos_to_token < v.shape[0])
+    v = jnp.where(valid[:, None], v[jnp.clip(pos_to_token, 0, max(v.shape[0] - 1, 0))], 0.0)
   return cast(v, "e4m3", (num_per_tokens, 1), round_sf=round_sf)
 
 

@@ -1,4 +1,4 @@
-"""Per-channel casts (reference implementation) against a numpy oracle."""
+"""Per-channel casts (kernel in interpret mode on CPU, or the implementation the run selects) against a numpy oracle."""
 
 import jax
 import jax.numpy as jnp
@@ -44,20 +44,43 @@ def test_per_channel_cast_and_transpose(key, npt):
   assert_bitwise_equal(sf, s)
 
 
-def test_fused_gather_and_quant_tensor_input(key):
-  k1, k2 = jax.random.split(key)
-  x = randn(k1, (40, 256), jnp.bfloat16)
-  q_in, sf_in = quant.per_token_cast(x, "e4m3", 128, implementation="reference")
-  pos = jnp.asarray(np.random.default_rng(0).integers(-1, 40, 144), jnp.int32)  # Mo = 144: partial last block
-  out, sf = quant.per_channel_cast_fused((q_in, sf_in), "e4m3", 128, False, 128, pos)
-  v = np.asarray(q_in, np.float32) * np.repeat(np.asarray(sf_in), 128, 1)
+def _gathered(v, pos):
   p = np.asarray(pos)
-  g = np.where((p >= 0)[:, None], v[np.maximum(p, 0)], 0.0).astype(np.float32)
+  ok = (p >= 0) & (p < v.shape[0])
+  return np.where(ok[:, None], v[np.clip(p, 0, v.shape[0] - 1)], 0.0).astype(np.float32), ok
+
+
+def test_fused_gather_and_quant_tensor_input(key):
+  x = randn(key, (40, 256), jnp.bfloat16)
+  q_in, sf_in = quant.per_token_cast(x, "e4m3", 128, implementation="reference")
+  # Mo = 144: partial last block; -1 padding and positions >= 40 (out of range) give zero rows.
+  pos = jnp.asarray(np.random.default_rng(0).integers(-1, 43, 144), jnp.int32)
+  out, sf = quant.per_channel_cast_fused((q_in, sf_in), "e4m3", 128, False, 128, pos)
+  g, ok = _gathered(np.asarray(q_in, np.float32) * np.repeat(np.asarray(sf_in), 128, 1), pos)
   q, s = _oracle(g, 128)
   assert_bitwise_equal(out, q)
   assert_bitwise_equal(sf, s)
   assert out.shape == (144, 256) and sf.shape == (2, 256)
-  assert np.all(np.asarray(out).view(np.uint8)[p < 0] == 0)
+  assert (~ok).any() and np.all(np.asarray(out).view(np.uint8)[~ok] == 0)
+
+
+@pytest.mark.parametrize("dtype, round_sf", [(jnp.bfloat16, True), (jnp.float32, False)],
+                         ids=["bf16-round", "fp32"])
+def test_fused_gather_plain_input(key, dtype, round_sf):
+  x = randn(key, (37, 192), dtype) * 50
+  pos = jnp.asarray(np.random.default_rng(1).integers(-1, 37, 272), jnp.int32)  # 2 full blocks + 16 rows
+  out, sf = quant.per_channel_cast_fused(x, "e4m3", 128, round_sf, None, pos)
+  q, s = _oracle(_gathered(np.asarray(x, np.float32), pos)[0], 128, round_sf)
+  assert_bitwise_equal(out, q)
+  assert_bitwise_equal(sf, s)
+
+
+def test_fused_quant_tensor_without_gather(key):
+  q_in, sf_in = quant.per_token_cast(randn(key, (128, 384), jnp.float32), "e4m3", 128, implementation="reference")
+  out, sf = quant.per_channel_cast_fused((q_in, sf_in), "e4m3", 128, True, 128)
+  q, s = _oracle(np.asarray(q_in, np.float32) * np.repeat(np.asarray(sf_in), 128, 1), 128, True)
+  assert_bitwise_equal(out, q)
+  assert_bitwise_equal(sf, s)
 
 
 def test_zero_rows():
@@ -96,6 +119,13 @@ def test_per_channel_cast_lowers_for_h100(k, dtype):
     for npt in (32, 128):
       g = lambda x, npt=npt: quant.per_channel_cast_and_transpose(x, "e4m3", npt, implementation="pallas")
       assert "mosaic_gpu" in lower_for_h100(g, s).as_text()
+  pos = jax.ShapeDtypeStruct((6016,), jnp.int32)  # a gather with a partial last block
+  f = lambda x, p: quant.per_channel_cast_fused(x, "e4m3", 128, False, None, p, implementation="pallas")
+  assert "mosaic_gpu" in lower_for_h100(f, s, pos).as_text()
+  if k % 128 == 0:
+    qt = (jax.ShapeDtypeStruct((8064, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((8064, k // 128), jnp.float32))
+    f = lambda x, p: quant.per_channel_cast_fused(x, "e4m3", 128, True, 128, p, implementation="pallas")
+    assert "mosaic_gpu" in lower_for_h100(f, qt, pos).as_text()
 
 
 def test_kernel_vs_reference_ragged_columns(key):
@@ -114,3 +144,17 @@ def test_spec_shapes_gpu(key, npt):
   q, s = _oracle(np.asarray(x, np.float32), npt)
   assert_bitwise_equal(out, q.T)
   assert_bitwise_equal(sf, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant_input", [False, True])
+def test_fused_gather_spec_shape_gpu(key, quant_input):
+  x = randn(key, (8001, 7168), jnp.bfloat16)
+  if quant_input:
+    x = quant.per_token_cast(x, "e4m3", 128)
+  pos = jnp.asarray(np.random.default_rng(2).integers(-1, 8001, 48128), jnp.int32)
+  got = jax.jit(lambda x, p: quant.per_channel_cast_fused(x, "e4m3", 128, False, 128 if quant_input else None, p))(x, pos)
+  want = quant.per_channel_cast_fused(x, "e4m3", 128, False, 128 if quant_input else None, pos,
+                                      implementation="reference")
+  for a, b in zip(got, want):
+    assert_bitwise_equal(a, b)
