@@ -8,7 +8,7 @@ vectors). The divisions by the static ``R`` and ``num_tp_ranks`` are divisions b
 starts at the last vector-aligned window (it recomputes entries of the previous one) and also
 maps the up to 3 entries past the last whole vector with scalar code, so ragged ``T*K`` needs
 no masking; fewer than one CTA's entries are padded. int64 indices (only with ``jax_enable_x64``)
-run the ``jnp`` reference.
+and ``K`` outside ``KERNEL_TOPK`` (where the kernel only tied with XLA) run the ``jnp`` reference.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ from jaxkern.reference import moe_routing as ref
 
 VEC = 4  # int32 entries per 16-byte vector
 ELEMS_PER_CTA = 128 * VEC  # one vector per thread
+# K values that run the kernel. H200 (CUPTI, cold L2, tp=2): K = 9: 1.98-2.30 us vs XLA 2.24-2.88
+# (XLA does not vectorise rows of 9 int32); K = 2, 6, 8: 1.47-2.14 vs 1.47-2.08, a tie within
+# +-8%, so those keep the single XLA fusion of the reference.
+KERNEL_TOPK = (9,)
 
 
 def _mask(p, r: int, tp: int, tp_rank):
@@ -91,6 +95,7 @@ def mask_indices_by_tp(indices: jax.Array, n: int, num_ep_ranks: int, tp_rank, n
   if isinstance(tp_rank, int) and not 0 <= tp_rank < num_tp_ranks:
     raise ValueError(f"tp_rank must be in [0, {num_tp_ranks}), got {tp_rank}")
   impl = _config.get_implementation(implementation)
-  if impl == "reference" or indices.size == 0 or indices.dtype != jnp.int32:
+  if (impl == "reference" or indices.size == 0 or indices.dtype != jnp.int32
+      or indices.shape[1] not in KERNEL_TOPK):
     return ref.mask_indices_by_tp(indices, n, num_ep_ranks, tp_rank, num_tp_ranks)
   return _kernel(indices, tp_rank, r=n // num_ep_ranks, tp=num_tp_ranks, interpret=_config.mosaic_interpret(impl))

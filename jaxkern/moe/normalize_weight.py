@@ -11,6 +11,9 @@ with a midpoint test). The last CTA starts at
 ``T - ROWS_PER_CTA`` (it recomputes rows of the previous one with identical results), so
 ragged ``T`` needs no masking; fewer than 128 tokens are padded.
 
+Rows wider than ``MAX_KERNEL_TOPK`` run the ``jnp`` reference (one XLA fusion with a float64
+division), which measured faster there.
+
 The correction is exact for normal, finite quotients (spec inputs: weights in [0, 1), where
 ``|w| <= d``); a quotient outside the normal float32 range (only with cancelling negative
 weights or a weight below ``2^-126`` of its row sum) may differ from IEEE division by an ulp.
@@ -31,6 +34,11 @@ from jaxkern.quant.common import exact_div
 from jaxkern.reference import moe_routing as ref
 
 ROWS_PER_CTA = 128  # one token per thread
+# Widest K that runs the kernel. H200 (CUPTI, cold L2, spec grid): K = 2: 1.49-1.52 us vs XLA
+# 2.58-2.67; K = 6: 2.40-2.53 vs 3.39-3.71; but K = 8: 3.82-4.88 vs 3.81-3.94 and K = 9: 4.29-5.97
+# vs 4.03-4.94 (likely the K corrected divisions each thread runs back to back), so wider rows use
+# the reference.
+MAX_KERNEL_TOPK = 6
 _SEED = 1e-20
 
 
@@ -78,6 +86,7 @@ def normalize_weight(topk_weights: jax.Array, *, implementation: str | None = No
   _checks.check_rank("topk_weights", topk_weights, 2)
   _checks.check_dtype("topk_weights", topk_weights, (jnp.float32,))
   impl = _config.get_implementation(implementation)
-  if impl == "reference" or topk_weights.shape[0] == 0 or topk_weights.shape[1] == 0:
+  t, k = topk_weights.shape
+  if impl == "reference" or t == 0 or not 0 < k <= MAX_KERNEL_TOPK:
     return ref.normalize_weight(topk_weights)
   return _kernel(topk_weights, interpret=_config.mosaic_interpret(impl))

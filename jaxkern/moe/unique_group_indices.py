@@ -6,8 +6,8 @@ warp's loads of the ``K`` columns hit the same cache lines); entry ``j`` becomes
 non-negative and equal to one of the entries before it (``K(K-1)/2`` register compares, no
 ``num_groups``-sized table) and every column is stored back. The last CTA starts at
 ``T - ROWS_PER_CTA`` (it recomputes rows of the previous one), so ragged ``T`` needs no
-masking; fewer than 128 rows are padded. int64 indices (only with ``jax_enable_x64``) run the
-``jnp`` reference.
+masking; fewer than 128 rows are padded. int64 indices (only with ``jax_enable_x64``) and ``K``
+outside ``KERNEL_TOPK`` (where XLA measured faster) run the ``jnp`` reference.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ from jaxkern.moe import _routing
 from jaxkern.reference import moe_routing as ref
 
 ROWS_PER_CTA = 128  # one row per thread
+# K values that run the kernel. H200 (CUPTI, cold L2, groups=8): K = 2: 1.44-1.47 us vs XLA
+# 2.50-2.85; K = 8: 3.42-4.50 vs 4.48-4.69; but K = 6: 1.98-2.14 vs 1.79-2.05 and K = 9: 3.81-5.41
+# vs 2.37-3.20, so those keep the single XLA fusion of the reference.
+KERNEL_TOPK = (2, 8)
 
 
 @functools.partial(jax.jit, static_argnames=("rows_per_cta", "interpret"))
@@ -69,6 +73,7 @@ def unique_group_indices(group_indices: jax.Array, num_groups: int, *,
   if not 1 <= num_groups <= 128:
     raise ValueError(f"num_groups must be in [1, 128], got {num_groups}")
   impl = _config.get_implementation(implementation)
-  if impl == "reference" or group_indices.size == 0 or group_indices.dtype != jnp.int32:
+  if (impl == "reference" or group_indices.size == 0 or group_indices.dtype != jnp.int32
+      or group_indices.shape[1] not in KERNEL_TOPK):
     return ref.unique_group_indices(group_indices, num_groups)
   return _kernel(group_indices, interpret=_config.mosaic_interpret(impl))

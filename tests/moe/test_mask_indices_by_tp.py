@@ -3,7 +3,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxkern
 from jaxkern import moe
+from jaxkern.moe.mask_indices_by_tp import _kernel
 from jaxkern.reference import moe_routing as ref
 from jaxkern.testing import assert_bitwise_equal, lower_for_h100, moe_topk_idx
 
@@ -22,7 +24,7 @@ def _expected(idx, n, ep, tp_rank, tp):
 def test_bit_exact(key, experts, ranks, tp):
   """Ids spread over all EP ranks (upstream's test only sees rank 0)."""
   n = experts * ranks
-  idx = np.asarray(jax.random.randint(key, (37, 6), -1, n), np.int32)
+  idx = np.asarray(jax.random.randint(key, (37, 9), -1, n), np.int32)
   f = jax.jit(moe.mask_indices_by_tp, static_argnums=(1, 2, 4))
   for tp_rank in range(tp):
     assert_bitwise_equal(f(jnp.asarray(idx), n, ranks, jnp.int32(tp_rank), tp), _expected(idx, n, ranks, tp_rank, tp))
@@ -30,10 +32,11 @@ def test_bit_exact(key, experts, ranks, tp):
 
 @pytest.mark.parametrize("shape", [(1, 3), (130, 9), (257, 2)])
 def test_ragged_sizes(key, shape):
-  """Sizes below one CTA (padded) and with 1-3 entries past the last whole vector (scalar tail)."""
+  """The kernel (for any K) on sizes below one CTA (padded) and with 1-3 entries past the last whole
+  vector (scalar tail)."""
   idx = np.asarray(jax.random.randint(key, shape, -2, 72), np.int32)
-  assert_bitwise_equal(jax.jit(moe.mask_indices_by_tp, static_argnums=(1, 2, 4))(jnp.asarray(idx), 72, 8, 3, 4),
-                       _expected(idx, 72, 8, 3, 4))
+  got = _kernel(jnp.asarray(idx), 3, r=9, tp=4, interpret=jaxkern._config.mosaic_interpret(jaxkern.get_implementation()))
+  assert_bitwise_equal(got, _expected(idx, 72, 8, 3, 4))
 
 
 def test_lowers_for_h100():
