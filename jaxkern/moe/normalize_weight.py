@@ -11,7 +11,7 @@ with a midpoint test). The last CTA starts at
 ``T - ROWS_PER_CTA`` (it recomputes rows of the previous one with identical results), so
 ragged ``T`` needs no masking; fewer than 128 tokens are padded.
 
-Rows wider than ``MAX_KERNEL_TOPK`` run the ``jnp`` reference (one XLA fusion with a float64
+Rows wider than ``MAX_KERNEL_TOPK`` run the ``jnp`` reference (XLA code with a float64
 division), which measured faster there.
 
 The correction is exact for normal, finite quotients (spec inputs: weights in [0, 1), where
