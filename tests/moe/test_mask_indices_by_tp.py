@@ -3,8 +3,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxkern
 from jaxkern import moe
-from jaxkern.testing import assert_bitwise_equal
+from jaxkern.moe.mask_indices_by_tp import _kernel
+from jaxkern.reference import moe_routing as ref
+from jaxkern.testing import assert_bitwise_equal, lower_for_h100, moe_topk_idx
 
 
 def _expected(idx, n, ep, tp_rank, tp):
@@ -21,10 +24,39 @@ def _expected(idx, n, ep, tp_rank, tp):
 def test_bit_exact(key, experts, ranks, tp):
   """Ids spread over all EP ranks (upstream's test only sees rank 0)."""
   n = experts * ranks
-  idx = np.asarray(jax.random.randint(key, (37, 6), -1, n), np.int32)
+  idx = np.asarray(jax.random.randint(key, (37, 9), -1, n), np.int32)
   f = jax.jit(moe.mask_indices_by_tp, static_argnums=(1, 2, 4))
   for tp_rank in range(tp):
     assert_bitwise_equal(f(jnp.asarray(idx), n, ranks, jnp.int32(tp_rank), tp), _expected(idx, n, ranks, tp_rank, tp))
+
+
+@pytest.mark.parametrize("shape", [(1, 3), (130, 9), (257, 2)])
+def test_ragged_sizes(key, shape):
+  """The kernel (for any K) on sizes below one CTA (padded) and with 1-3 entries past the last whole
+  vector (scalar tail)."""
+  idx = np.asarray(jax.random.randint(key, shape, -2, 72), np.int32)
+  got = _kernel(jnp.asarray(idx), 3, r=9, tp=4, interpret=jaxkern._config.mosaic_interpret(jaxkern.get_implementation()))
+  assert_bitwise_equal(got, _expected(idx, 72, 8, 3, 4))
+
+
+def test_lowers_for_h100():
+  f = lambda x, r: moe.mask_indices_by_tp(x, 72, 8, r, 2, implementation="pallas")
+  spec = jax.ShapeDtypeStruct
+  assert "mosaic_gpu" in lower_for_h100(f, spec((23505, 9), jnp.int32), spec((), jnp.int32)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [2, 8])
+@pytest.mark.parametrize("num_topk, experts, ranks", [(2, 9, 8), (6, 32, 8), (9, 9, 8), (9, 4, 64)])
+def test_spec_shapes_gpu(key, num_topk, experts, ranks, tp):
+  t = moe_topk_idx(key, 4001, num_topk, experts, ranks).shape[0]
+  n = experts * ranks
+  idx = jax.random.randint(key, (t, num_topk), -1, n)
+  f = jax.jit(moe.mask_indices_by_tp, static_argnums=(1, 2, 4))
+  jax.block_until_ready(f(idx, n, ranks, 1, tp))
+  for rank in range(tp):
+    jnp.full(idx.shape, -7, jnp.int32).block_until_ready()  # poison the allocator
+    assert_bitwise_equal(f(idx, n, ranks, jnp.int32(rank), tp), ref.mask_indices_by_tp(idx, n, ranks, rank, tp))
 
 
 def test_negatives_and_empty():

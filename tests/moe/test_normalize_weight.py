@@ -5,9 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxkern
 from jaxkern import moe
+from jaxkern.moe.normalize_weight import MAX_KERNEL_TOPK, _kernel
 from jaxkern.reference import moe_routing as ref
-from jaxkern.testing import assert_bitwise_equal, moe_topk_idx
+from jaxkern.testing import assert_bitwise_equal, lower_for_h100, moe_topk_idx
 
 
 def _ieee_div(a: np.float32, b: np.float32) -> np.float32:
@@ -29,6 +31,36 @@ def test_bit_exact(key, num_topk, experts, ranks):
     want_d = (want_d + wn[:, k]).astype(np.float32)
   assert_bitwise_equal(d, want_d)
   assert_bitwise_equal(nw, wn / want_d[:, None])
+
+
+@pytest.mark.parametrize("t, num_topk", [(5, 6), (130, 9), (257, 2)])
+def test_kernel_signed_weights(key, t, num_topk):
+  """Negative weights and ragged T (padded, overlapping last CTA) against the reference, for any K
+  (the op runs the kernel only up to ``MAX_KERNEL_TOPK``)."""
+  w = jax.random.normal(key, (t, num_topk), jnp.float32) + 0.5
+  d, nw = _kernel(w, interpret=jaxkern._config.mosaic_interpret(jaxkern.get_implementation()))
+  want_d, want = ref.normalize_weight(w)
+  assert_bitwise_equal(d, want_d)
+  assert_bitwise_equal(nw, want)
+
+
+def test_lowers_for_h100():
+  spec = jax.ShapeDtypeStruct((18506, MAX_KERNEL_TOPK), jnp.float32)
+  assert "mosaic_gpu" in lower_for_h100(lambda w: moe.normalize_weight(w, implementation="pallas"), spec).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_topk, experts, ranks", [(2, 9, 8), (6, 9, 8), (9, 32, 8), (8, 4, 64), (9, 4, 64)])
+def test_spec_shapes_gpu(key, num_topk, experts, ranks):
+  t = moe_topk_idx(key, 4001, num_topk, experts, ranks).shape[0]
+  w = jax.random.uniform(key, (t, num_topk), jnp.float32)
+  f = jax.jit(moe.normalize_weight)
+  jax.block_until_ready(f(w))
+  jnp.full((t, num_topk), -1, jnp.int32).block_until_ready()  # poison the allocator
+  d, nw = f(w)
+  want_d, want = ref.normalize_weight(w)
+  assert_bitwise_equal(d, want_d)
+  assert_bitwise_equal(nw, want)
 
 
 def test_division_is_correctly_rounded():

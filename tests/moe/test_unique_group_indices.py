@@ -6,8 +6,11 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
+import jaxkern
 from jaxkern import moe
-from jaxkern.testing import assert_bitwise_equal, moe_topk_idx
+from jaxkern.moe.unique_group_indices import _kernel
+from jaxkern.reference import moe_routing as ref
+from jaxkern.testing import assert_bitwise_equal, lower_for_h100, moe_topk_idx
 
 
 def _expected(g):
@@ -37,6 +40,34 @@ def test_spec_grid(key, num_topk, experts, ranks, num_groups):
 def test_random_rows(g):
   """Negative values, repeated -3 included, stay as they are (the upstream kernel's behaviour)."""
   assert_bitwise_equal(moe.unique_group_indices(jnp.asarray(g), 8), _expected(g))
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (130, 9), (257, 6)])
+def test_kernel_any_topk(key, shape):
+  """The kernel for K the op leaves to XLA, ragged T, repeated values and negatives."""
+  g = np.asarray(jax.random.randint(key, shape, -3, 6), np.int32)
+  got = _kernel(jnp.asarray(g), interpret=jaxkern._config.mosaic_interpret(jaxkern.get_implementation()))
+  assert_bitwise_equal(got, _expected(g))
+
+
+def test_lowers_for_h100():
+  spec = jax.ShapeDtypeStruct((22062, 8), jnp.int32)
+  f = lambda g: moe.unique_group_indices(g, 8, implementation="pallas")
+  assert "mosaic_gpu" in lower_for_h100(f, spec).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_groups", [8, 72])
+@pytest.mark.parametrize("num_topk, experts, ranks", [(2, 9, 8), (6, 9, 8), (9, 32, 8), (9, 4, 64)])
+def test_spec_shapes_gpu(key, num_topk, experts, ranks, num_groups):
+  if (experts * ranks) % num_groups:
+    pytest.skip("total experts not a multiple of num_groups")
+  idx = moe_topk_idx(key, 4001, num_topk, experts, ranks)
+  g = jnp.asarray(np.where(idx >= 0, idx // (experts * ranks // num_groups), -1).astype(np.int32))
+  f = jax.jit(moe.unique_group_indices, static_argnums=1)
+  jax.block_until_ready(f(g, num_groups))
+  jnp.full(g.shape, -7, jnp.int32).block_until_ready()  # poison the allocator
+  assert_bitwise_equal(f(g, num_groups), ref.unique_group_indices(g, num_groups))
 
 
 def test_bad_inputs():
