@@ -2,11 +2,12 @@
 
 Static arguments cannot travel through ``make_args``, so each group width is its own benchmark op
 (``npc=K`` derives the width from the input). Byte counts are the logical sizes (input, data, sf).
-Registered: the e4m3 and e2m1 grids of per_token_cast (flags T, T, T), per_block_cast, the
-per-channel casts, per_token_cast_back (layout-A and packed layout-C input) and cast_back with
-(128, 128) blocks, per_channel_cast_fused (plain 4096 tokens and the K=6 MoE gathers, bf16 or
-QuantTensor input). Not registered: the e2m1 per-block and QuantTensor-input cases, cast-back of e2m1
-data and cast_back with (128, 1) blocks (they run the jnp reference).
+Registered: the e4m3 and e2m1 grids of per_token_cast (flags T, T, T), per_block_cast (e4m3; e2m1
+from bf16), the per-channel casts, per_token_cast_back of e4m3 and e2m1 data (layout-A and packed
+layout-C input), cast_back with (128, 128) blocks, unpack_from_e2m1fn_x2 and per_channel_cast_fused
+(plain 4096 tokens and the K=6 MoE gathers, bf16 or QuantTensor input). Not registered: float32
+-> e2m1 per-block casts, QuantTensor inputs of the other casts and cast_back with (128, 1) blocks
+(they run the jnp reference).
 """
 
 import itertools
@@ -35,12 +36,13 @@ def _cast_case(m, k, dtype_name, npc, fmt="e4m3"):
   return Case(f"M={m} K={k} {dtype_name}", lambda key: (randn(key, (m, k), dtype),), nbytes)
 
 
-def _back_case(m, k, out_name, npc, packed=False):
+def _back_case(m, k, out_name, npc, packed=False, fmt="e4m3"):
   npc = npc or k
-  nbytes = m * k * jnp.dtype(_DTYPES[out_name]).itemsize + m * k + m * (-(-k // npc)) * (1 if packed else 4)
+  nbytes = (m * k * jnp.dtype(_DTYPES[out_name]).itemsize + m * k // (2 if fmt == "e2m1" else 1)
+            + m * (-(-k // npc)) * (1 if packed else 4))
 
   def make(key):
-    return ref.cast(randn(key, (m, k), jnp.float32), "e4m3", (1, npc), round_sf=True,
+    return ref.cast(randn(key, (m, k), jnp.float32), fmt, (1, npc), round_sf=True,
                     use_tma_aligned_col_major_sf=packed, use_packed_ue8m0=packed)
 
   return Case(f"M={m} K={k} {out_name}", make, nbytes)
@@ -60,16 +62,35 @@ for _fmt, _prefix in (("e4m3", "per_token_cast_"), ("e2m1", "per_token_cast_e2m1
         _grid(_cast_case, _w, ("fp32", "bf16"), _fmt),
         lambda _w=_w, _fmt=_fmt: [_cast_case(100, 576, "bf16", _w, _fmt)]))
 
-for _name, _w in (("npc128", 128), ("row", None)):
-  for _out in ("bf16", "fp32"):
-    for _packed in (False, True):
-      register(BenchOp(
-          f"per_token_cast_back_{_name}{'_packed' if _packed else ''}_{_out}",
-          lambda q, sf, _w=_w, _out=_out: quant.per_token_cast_back((q, sf), _out, _npc(q, _w)),
-          lambda q, sf, _w=_w, _out=_out: ref.cast_back((q, sf), _out, (1, _npc(q, _w))),
-          lambda _w=_w, _out=_out, _packed=_packed: [
-              _back_case(m, k, _out, _w, _packed) for m, k in itertools.product(num_tokens(), hidden_sizes(64))],
-          lambda _w=_w, _out=_out, _packed=_packed: [_back_case(72, 576, _out, _w, _packed)]))
+def _logical_k(q):
+  return q.shape[-1] * (2 if q.dtype == jnp.int8 else 1)
+
+
+for (_fmt, _prefix), (_name, _w), _out, _packed in itertools.product(
+    (("e4m3", "per_token_cast_back_"), ("e2m1", "per_token_cast_back_e2m1_")), (("npc128", 128), ("row", None)),
+    ("bf16", "fp32"), (False, True)):
+  register(BenchOp(
+      f"{_prefix}{_name}{'_packed' if _packed else ''}_{_out}",
+      lambda q, sf, _w=_w, _out=_out: quant.per_token_cast_back((q, sf), _out, _w or _logical_k(q)),
+      lambda q, sf, _w=_w, _out=_out: ref.cast_back((q, sf), _out, (1, _w or _logical_k(q))),
+      lambda _w=_w, _out=_out, _packed=_packed, _fmt=_fmt: [
+          _back_case(m, k, _out, _w, _packed, _fmt) for m, k in itertools.product(num_tokens(), hidden_sizes(64))],
+      lambda _w=_w, _out=_out, _packed=_packed, _fmt=_fmt: [_back_case(72, 576, _out, _w, _packed, _fmt)]))
+
+
+def _unpack_case(m, k, out_name):
+  nbytes = m * k // 2 + m * k * jnp.dtype(_DTYPES[out_name]).itemsize
+  return Case(f"M={m} K={k} {out_name}", lambda key: (
+      jax.random.randint(key, (m, k // 2), -128, 128).astype(jnp.int8),), nbytes)
+
+
+for _out in ("bf16", "fp32"):
+  register(BenchOp(
+      f"unpack_from_e2m1fn_x2_{_out}",
+      lambda b, _out=_out: quant.unpack_from_e2m1fn_x2(b, _DTYPES[_out]),
+      lambda b, _out=_out: ref.unpack_from_e2m1fn_x2(b, _DTYPES[_out]),
+      lambda _out=_out: [_unpack_case(m, k, _out) for m, k in itertools.product(num_tokens(), hidden_sizes(64))],
+      lambda _out=_out: [_unpack_case(72, 576, _out)]))
 
 
 def _block_back_case(m, k, out_name, round_sf):
@@ -91,20 +112,22 @@ for _out in ("bf16", "fp32"):
       lambda _out=_out: [_block_back_case(72, 576, _out, True)]))
 
 
-def _block_case(m, k, dtype_name, block):
+def _block_case(m, k, dtype_name, block, fmt="e4m3"):
   dtype = _DTYPES[dtype_name]
-  nbytes = m * k * jnp.dtype(dtype).itemsize + m * k + (-(-m // block[0])) * (-(-k // block[1])) * 4
+  nbytes = (m * k * jnp.dtype(dtype).itemsize + m * k // (2 if fmt == "e2m1" else 1)
+            + (-(-m // block[0])) * (-(-k // block[1])) * 4)
   return Case(f"M={m} K={k} {dtype_name}", lambda key: (randn(key, (m, k), dtype),), nbytes)
 
 
-for _bm, _bk in itertools.product((32, 128), repeat=2):
+for (_fmt, _prefix, _dts), _bm, _bk in itertools.product(
+    (("e4m3", "per_block_cast_", ("fp32", "bf16")), ("e2m1", "per_block_cast_e2m1_", ("bf16",))), (32, 128), (32, 128)):
   register(BenchOp(
-      f"per_block_cast_{_bm}x{_bk}",
-      lambda x, _b=(_bm, _bk): quant.per_block_cast(x, "e4m3", _b, True, True, True),
-      lambda x, _b=(_bm, _bk): ref.cast(x, "e4m3", _b, round_sf=True, use_tma_aligned_col_major_sf=True,
-                                        use_packed_ue8m0=True),
-      _grid(_block_case, (_bm, _bk), ("fp32", "bf16")),
-      lambda _b=(_bm, _bk): [_block_case(100, 576, "bf16", _b)]))
+      f"{_prefix}{_bm}x{_bk}",
+      lambda x, _b=(_bm, _bk), _fmt=_fmt: quant.per_block_cast(x, _fmt, _b, True, True, True),
+      lambda x, _b=(_bm, _bk), _fmt=_fmt: ref.cast(x, _fmt, _b, round_sf=True, use_tma_aligned_col_major_sf=True,
+                                                   use_packed_ue8m0=True),
+      _grid(lambda m, k, d, b, _fmt=_fmt: _block_case(m, k, d, b, _fmt), (_bm, _bk), _dts),
+      lambda _b=(_bm, _bk), _fmt=_fmt: [_block_case(100, 576, "bf16", _b, _fmt)]))
 
 
 def _channel_grid(npt, dtypes):
@@ -167,4 +190,4 @@ register(BenchOp(
              for k in hidden_sizes(128)],
     lambda: [_fused_case(0, 0, 256, True)]))
 
-del _name, _w, _out, _packed, _bm, _bk, _npt
+del _fmt, _prefix, _dts, _name, _w, _out, _packed, _bm, _bk, _npt

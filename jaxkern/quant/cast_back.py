@@ -2,16 +2,21 @@
 
 ``out = RN(f32(q) · sf)`` in float32, then one rounding to bf16 for ``fmt="bf16"``.
 
-Mosaic GPU kernel for e4m3 data whose block width divides ``K`` or is the whole row (any block
-height; a partial last block column runs as separate column segments): the data are viewed as rows
-of whole blocks (as in :mod:`jaxkern.quant.per_token_cast`), read straight from GMEM into registers
-in :func:`jaxkern._layouts.row_layout`, multiplied by the row's sf and written straight back; no
-padding for any row count. The kernel reads the caller's sf itself where a tile's sf is a row slice
-of it: layout A with one group per view row (contiguous) or with column segments (a strided column
-load), layout B rows, packed UE8M0 words (decoded in registers), and for blocks taller than one row
-(when a tile fits in ``bm`` rows) two scalar loads per segment and a select. Only a column-major sf
-with several groups per view row, or blocks shorter than a layout block, is first decoded by XLA.
-Packed e2m1 data and other block widths (e.g. per-channel ``(128, 1)``) run the ``jnp`` reference.
+Mosaic GPU kernel for e4m3 and packed e2m1 data whose block width divides ``K`` or is the whole row
+(any block height; a partial last block column runs as separate column segments): the data are
+viewed as rows of whole blocks (as in :mod:`jaxkern.quant.per_token_cast`), read straight from GMEM
+into registers in :func:`jaxkern._layouts.row_layout`, multiplied by the row's sf and written
+straight back; no padding for any row count. The kernel reads the caller's sf itself where a tile's
+sf is a row slice of it: layout A with one group per view row (contiguous) or with column segments (a
+strided column load), layout B rows, packed UE8M0 words (decoded in registers), and for blocks taller
+than one row (when a tile fits in ``bm`` rows) two scalar loads per segment and a select. Only a
+column-major sf with several groups per view row, or blocks shorter than a layout block, is first
+decoded by XLA. Other block widths (e.g. per-channel ``(128, 1)``) run the ``jnp`` reference.
+
+Packed e2m1: each byte decodes with integer operations (:func:`jaxkern.reference.quant.decode_e2m1`)
+into columns ``2j`` (low nibble) and ``2j + 1``; a bf16 output pair is written as one int32 word (a
+free bitcast of the output), a float32 pair as two strided stores. ``unpack_from_e2m1fn_x2`` is the
+same kernel without scaling.
 """
 
 from __future__ import annotations
@@ -45,49 +50,92 @@ def _sf_decode(v, mode, s):
   return lax.bitcast_convert_type((lax.shift_right_logical(v, 8 * (s % 4)) & 0xFF) << 23, jnp.float32)
 
 
+def _out_layout(width, out_dtype, fp4):
+  """Register layout of a segment: e4m3 bytes -> ``out_dtype``; packed e2m1 bytes -> one int32 word
+  (two bf16) or a strided float32 pair half per byte."""
+  if not fp4:
+    return common.row_layout(width, jnp.dtype(out_dtype).itemsize)
+  return common.row_layout(width, 4 if out_dtype == jnp.bfloat16 else 16)
+
+
 def _row_kernel(q, sf, *, segs, out_dtype, sf_mode, bm, num_blocks, interpret):
-  """``q`` ``(R, W)`` e4m3 -> ``(R, W)`` ``out_dtype``, the sf (see :func:`_sf_raw`) read in the
-  kernel: one value per view row and segment for ``bm == 1``, else one per block row of ``bm``
-  view rows (``num_blocks`` of them). A tile has at most ``bm`` rows, so it spans at most two block
-  rows: two scalar loads and a select."""
+  """``q`` ``(R, W)`` e4m3 -> ``(R, W)`` ``out_dtype``, or packed e2m1 ``(R, W)`` int8 / uint8 (``segs``
+  in bytes) -> int32 ``(R, W)`` (bf16 pairs, column ``2j`` in the low half) or float32
+  ``(R, W, 2)``. The sf (see :func:`_sf_raw`) is read in the kernel: one value per view row and
+  segment for ``bm == 1``, else one per block row of ``bm`` view rows (``num_blocks`` of them); a
+  tile has at most ``bm`` rows, so it spans at most two block rows: two scalar loads and a select.
+  ``sf_mode`` None: no scaling (plain decoding)."""
   r, w = q.shape
-  itemsize = jnp.dtype(out_dtype).itemsize
-  layouts = [common.row_layout(sw, itemsize) for _, sw in segs]
+  fp4 = q.dtype != jnp.float8_e4m3fn
+  layouts = [_out_layout(sw, out_dtype, fp4) for _, sw in segs]
   unit = max(u for _, u in layouts)
-  rt = common.tile_rows(r, w, 2, unit)
+  rt = common.tile_rows(r, w, 2 * jnp.dtype(out_dtype).itemsize if fp4 else 2, unit)
   if bm > 1:
     rt = min(rt, bm // unit * unit)
+  if not fp4:
+    out_type = jax.ShapeDtypeStruct((r, w), out_dtype)
+  else:
+    out_type = jax.ShapeDtypeStruct((r, w) if out_dtype == jnp.bfloat16 else (r, w, 2),
+                                    jnp.int32 if out_dtype == jnp.bfloat16 else jnp.float32)
 
-  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((r, w), out_dtype), grid=(pl.cdiv(r, rt),),
-                     grid_names=("i",), interpret=interpret)
-  def kernel(q_g, sf_g, o_g):
+  @functools.partial(plgpu.kernel, out_type=out_type, grid=(pl.cdiv(r, rt),), grid_names=("i",),
+                     interpret=interpret)
+  def kernel(q_g, *refs):
+    sf_g, o_g = refs if sf_mode is not None else (None, *refs)
     start = jnp.minimum(lax.axis_index("i") * rt, r - rt)
     rows = pl.ds(start, rt)
     vals = [plgpu.load(q_g.at[rows, pl.ds(c, sw)], layout=lay, optimized=False) for (c, sw), (lay, _) in
             zip(segs, layouts)]
     for s, ((c, sw), (lay, _), v) in enumerate(zip(segs, layouts, vals)):
-      vec = lay.reduce(1)
-      if bm == 1:
-        scale = _sf_raw(sf_g, sf_mode, s, rows, vec)
+      if fp4:
+        b = v.astype(jnp.int32)
+        halves = [ref.decode_e2m1(b & 0xF), ref.decode_e2m1((b >> 4) & 0xF)]
       else:
-        b0 = start // bm
-        s0 = _sf_raw(sf_g, sf_mode, s, b0)
-        s1 = _sf_raw(sf_g, sf_mode, s, jnp.minimum(b0 + 1, num_blocks - 1))
-        row = plgpu.broadcasted_iota(jnp.int32, (rt,), 0, layout=vec) + start
-        scale = jnp.where(row < (b0 + 1) * bm, s0, s1)
-      scale = _sf_decode(scale, sf_mode, s)
-      o_g[rows, pl.ds(c, sw)] = (v.astype(jnp.float32) * scale[:, None]).astype(out_dtype)
+        halves = [v.astype(jnp.float32)]
+      if sf_mode is not None:
+        vec = lay.reduce(1)
+        if bm == 1:
+          scale = _sf_raw(sf_g, sf_mode, s, rows, vec)
+        else:
+          b0 = start // bm
+          s0 = _sf_raw(sf_g, sf_mode, s, b0)
+          s1 = _sf_raw(sf_g, sf_mode, s, jnp.minimum(b0 + 1, num_blocks - 1))
+          row = plgpu.broadcasted_iota(jnp.int32, (rt,), 0, layout=vec) + start
+          scale = jnp.where(row < (b0 + 1) * bm, s0, s1)
+        scale = _sf_decode(scale, sf_mode, s)
+        halves = [h * scale[:, None] for h in halves]
+      cols = pl.ds(c, sw)
+      if not fp4:
+        o_g[rows, cols] = halves[0].astype(out_dtype)
+      elif out_dtype == jnp.bfloat16:  # the bf16 patterns are the high halves of the rounded float32
+        lo, hi = (lax.bitcast_convert_type(h.astype(jnp.bfloat16).astype(jnp.float32), jnp.int32) for h in halves)
+        o_g[rows, cols] = lax.shift_right_logical(lo, 16) | hi
+      else:
+        for t, h in enumerate(halves):
+          o_g[rows, cols, t] = h
 
-  return kernel(q, sf)
+  out = kernel(q, sf) if sf_mode is not None else kernel(q)
+  if fp4 and out_dtype == jnp.bfloat16:
+    out = lax.bitcast_convert_type(out, jnp.bfloat16)
+  return out.reshape(r, -1)
+
+
+def _pad_rows(qv, unit):
+  """Pads a view with fewer than ``unit`` rows (tiny inputs only)."""
+  return jnp.pad(qv, ((0, max(0, unit - qv.shape[0])), (0, 0)))
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "out_dtype", "col_major", "interpret"))
 def _kernel(q, sf, *, block_size, out_dtype, col_major, interpret):
-  m, k = q.shape
+  """``q`` ``(M, K)`` e4m3 or ``(M, K/2)`` packed e2m1 -> ``(M, K)`` ``out_dtype``."""
+  fp4 = q.dtype != jnp.float8_e4m3fn
+  m, k = q.shape[0], q.shape[1] * (2 if fp4 else 1)
   bm, bk = block_size
   mb, kb = ref.cdiv(m, bm), ref.cdiv(k, bk)
   r, w, segs = common.row_plan(m, k, min(bk, k))
-  unit = max(common.row_layout(sw, jnp.dtype(out_dtype).itemsize)[1] for _, sw in segs)
+  if fp4:
+    w, segs = w // 2, tuple((c // 2, sw // 2) for c, sw in segs)
+  unit = max(_out_layout(sw, out_dtype, fp4)[1] for _, sw in segs)
   rp = max(r, unit)
   # Read the caller's sf in the kernel where a tile's sf is a (strided) row slice of it; otherwise
   # decode it with XLA into one float32 value per row and group first.
@@ -101,16 +149,24 @@ def _kernel(q, sf, *, block_size, out_dtype, col_major, interpret):
       sf = jnp.repeat(sf, bm, axis=0)[:m]
     bm, mb = 1, m
     sf, mode = (sf.reshape(1, r), "rows") if len(segs) == 1 else (sf, "cols")
-  qv = q.reshape(r, w)
-  if rp != r:  # fewer rows than one layout block: pad (tiny inputs only)
-    qv = jnp.pad(qv, ((0, rp - r), (0, 0)))
-    if bm == 1:
-      axis = 0 if mode == "cols" else 1
-      pad = [(0, 0), (0, 0)]
-      pad[axis] = (0, max(0, rp - sf.shape[axis]))
-      sf = jnp.pad(sf, pad)
-  out = _row_kernel(qv, sf, segs=segs, out_dtype=out_dtype, sf_mode=mode, bm=bm, num_blocks=mb, interpret=interpret)
+  if rp != r and bm == 1:
+    axis = 0 if mode == "cols" else 1
+    pad = [(0, 0), (0, 0)]
+    pad[axis] = (0, max(0, rp - sf.shape[axis]))
+    sf = jnp.pad(sf, pad)
+  out = _row_kernel(_pad_rows(q.reshape(r, w), unit), sf, segs=segs, out_dtype=out_dtype, sf_mode=mode, bm=bm,
+                    num_blocks=mb, interpret=interpret)
   return out[:r].reshape(m, k)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
+def _unpack_kernel(x, *, out_dtype, interpret):
+  """Packed e2m1 ``(N, L)`` -> ``(N, 2L)`` ``out_dtype`` (bf16 / float32)."""
+  n, w = x.shape
+  unit = _out_layout(w, out_dtype, True)[1]
+  out = _row_kernel(_pad_rows(x, unit), None, segs=((0, w),), out_dtype=out_dtype, sf_mode=None, bm=1,
+                    num_blocks=n, interpret=interpret)
+  return out[:n]
 
 
 def cast_back(x, fmt: str, x_block_size, x_special_fmt=None, *, x_use_tma_aligned_col_major_sf: bool = False,
@@ -135,7 +191,7 @@ def cast_back(x, fmt: str, x_block_size, x_special_fmt=None, *, x_use_tma_aligne
   common.check_fmt(fmt, ("bf16", "fp32"))
   impl = _config.get_implementation(implementation)
   q = x[0]
-  if (impl != "reference" and q.shape[0] and q.dtype == jnp.float8_e4m3fn and x_block_size[1] >= 16
+  if (impl != "reference" and q.shape[0] and x_block_size[1] >= 16
       and common.row_plan(q.shape[0], k, min(x_block_size[1], k)) is not None):
     return _kernel(q, x[1], block_size=tuple(x_block_size), out_dtype=jnp.bfloat16 if fmt == "bf16" else jnp.float32,
                    col_major=x_use_tma_aligned_col_major_sf, interpret=_config.mosaic_interpret(impl))
@@ -149,10 +205,15 @@ def per_token_cast_back(x, fmt: str, num_per_channels: int, x_special_fmt=None, 
                    x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf, implementation=implementation)
 
 
-def unpack_from_e2m1fn_x2(x, out_dtype=jnp.float32):
+def unpack_from_e2m1fn_x2(x, out_dtype=jnp.float32, *, implementation: str | None = None):
   """Decodes packed e2m1 bytes ``(..., L)`` (int8 / uint8, rank ≥ 1) to ``(..., 2L)`` of ``out_dtype``;
-  element ``2j`` is the low nibble of byte ``j``."""
+  element ``2j`` is the low nibble of byte ``j``. The kernel covers bfloat16 / float32 outputs."""
   if x.ndim < 1:
     raise ValueError("x must have rank >= 1")
   _checks.check_dtype("x", x, (jnp.int8, jnp.uint8))
-  return ref.unpack_from_e2m1fn_x2(x, out_dtype)
+  impl = _config.get_implementation(implementation)
+  if impl == "reference" or x.size == 0 or jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+    return ref.unpack_from_e2m1fn_x2(x, out_dtype)
+  out = _unpack_kernel(x.reshape(-1, x.shape[-1]), out_dtype=jnp.dtype(out_dtype),
+                       interpret=_config.mosaic_interpret(impl))
+  return out.reshape(*x.shape[:-1], 2 * x.shape[-1])

@@ -1,6 +1,6 @@
 """Per-block casts (``bm × bk`` blocks, ``bm, bk ∈ {32, 128}``) and the lossless FP4 -> FP8 re-quantisation.
 
-Mosaic GPU kernel for e4m3 (``per_block_cast*``): each CTA owns one block row and ``nb`` block
+Mosaic GPU kernel for e4m3 and bf16 -> e2m1 (``per_block_cast*``): each CTA owns one block row and ``nb`` block
 columns (``bm · nb·bk`` elements, ``nb·bk`` = 256 columns for ``bm = 32``, 128 for ``bm = 128``).
 Each block comes in by its own TMA box into an untiled SMEM buffer (the box clips at the array
 edges and zero-fills, so partial blocks and any row count need no padding), is loaded into
@@ -10,12 +10,17 @@ SMEM buffer and TMA stores it (clipped at the edges). The sf is stored per block
 float32 ``(Mb, kt·nb)``; the wrapper cuts the padding columns and formats the layout. Divisions as
 in :mod:`jaxkern.quant.per_token_cast`.
 
-FP4 e2m1 and ``per_block_cast_lossless`` run the ``jnp`` reference (:mod:`jaxkern.reference.quant`).
+e2m1 from bf16 reads each pair of columns as one int32 word (a free bitcast of the input; the data
+TMA boxes are half as wide) and packs the two nibbles per output byte as in
+:mod:`jaxkern.quant.per_token_cast`. float32 -> e2m1 (the pair split would need strided SMEM
+loads, which do not lower) and ``per_block_cast_lossless`` run the ``jnp`` reference
+(:mod:`jaxkern.reference.quant`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -35,29 +40,53 @@ def _blocks_per_cta(block_size) -> int:
   return (256 if bm == 32 else 128) // bk
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "round_sf", "write_data", "compute_sf", "interpret"))
-def _kernel(x, sf_in, *, block_size, round_sf, write_data, compute_sf, interpret):
+def _load_halves(x_s, layout, fp4):
+  """Float32 values of an SMEM block: ``(v,)``, or for e2m1 (bf16 pairs as int32 words) the even
+  and odd columns."""
+  if not fp4:
+    return (plgpu.load(x_s, layout=layout).astype(jnp.float32),)
+  u = plgpu.load(x_s, layout=layout)
+  return (lax.bitcast_convert_type(u << 16, jnp.float32), lax.bitcast_convert_type(u & jnp.int32(-65536), jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "block_size", "round_sf", "write_data", "compute_sf",
+                                             "interpret"))
+def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, interpret):
   """``x`` ``(M, K)``; ``sf_in`` precomputed layout-A sf ``(Mb, Kb)`` or None.
 
-  Returns ``(out (M, K) e4m3 | None, sf (Mb, Kb) float32 | None)``.
+  Returns ``(out (M, K) e4m3 or (M, K/2) int8 | None, sf (Mb, Kb) float32 | None)``.
   """
   m, k = x.shape
   bm, bk = block_size
   nb = _blocks_per_cta(block_size)
   mb, kb, kt = ref.cdiv(m, bm), ref.cdiv(k, bk), ref.cdiv(k, nb * bk)
-  layout, _ = common.row_layout(bk, x.dtype.itemsize)
+  fp4 = fmt == "e2m1"  # bf16 only: each pair of columns as one int32 word (a free bitcast of the input)
+  if fp4:
+    x = lax.bitcast_convert_type(x.reshape(m, k // 2, 2), jnp.int32)
+  obk = bk // 2 if fp4 else bk  # block width in x's columns and in output bytes
+  layout, _ = common.row_layout(obk, x.dtype.itemsize)
+  # e2m1 works on 32-row slices of a block: the integer rounding of a whole 128-row block at once
+  # needs too many registers (measured 6x slower than the e4m3 kernel on the H200).
+  rc = 32 if fp4 else bm
+  chunks = [pl.ds(r0, rc) for r0 in range(0, bm, rc)]
   out_type = []
   if write_data:
-    out_type.append(jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn))
+    out_type.append(jax.ShapeDtypeStruct((m, k // 2), jnp.int8) if fp4 else
+                    jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn))
   if compute_sf:
     out_type.append(jax.ShapeDtypeStruct((mb, kt * nb), jnp.float32))
+
   # A one-row tiling keeps the buffers row-major and stops the transform inference from choosing
   # an (8, ·) tiling, which would make TMA require a row count that is a multiple of 8.
-  untiled = (plgpu.TilingTransform((1, 64 if bk > 64 else bk)),)  # K % 64 == 0
-  scratch = dict(x_s=plgpu.SMEM((nb, bm, bk), x.dtype, transforms=untiled),
+  # The tile width must divide the array's width too (K/2 is only a multiple of 32).
+  def untiled(width, array_width):
+    return (plgpu.TilingTransform((1, math.gcd(64, width, array_width))),)
+
+  scratch = dict(x_s=plgpu.SMEM((nb, bm, obk), x.dtype, transforms=untiled(obk, x.shape[1])),
                  bar=plgpu.Barrier(num_arrivals=1, num_barriers=nb))
   if write_data:
-    scratch["o_s"] = plgpu.SMEM((nb, bm, bk), jnp.float8_e4m3fn, transforms=untiled)
+    scratch["o_s"] = plgpu.SMEM((nb, bm, obk), jnp.int8 if fp4 else jnp.float8_e4m3fn,
+                                 transforms=untiled(obk, k // 2 if fp4 else k))
 
   @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(mb, kt), grid_names=("i", "j"),
                      scratch_types=scratch, interpret=interpret)
@@ -69,33 +98,35 @@ def _kernel(x, sf_in, *, block_size, round_sf, write_data, compute_sf, interpret
     i, j = lax.axis_index("i"), lax.axis_index("j")
     rows = pl.ds(i * bm, bm)
 
-    def cols(s):
-      return pl.ds((j * nb + s) * bk, bk)
-
     for s in range(nb):
-      plgpu.copy_gmem_to_smem(x_g.at[rows, cols(s)], x_s.at[s], bar.at[s])
+      plgpu.copy_gmem_to_smem(x_g.at[rows, pl.ds((j * nb + s) * obk, obk)], x_s.at[s], bar.at[s])
     for s in range(nb):
       plgpu.barrier_wait(bar.at[s])
       # The block's amax / sf are scalars; the sf arithmetic (bit casts) runs on splat vectors
       # (one register per thread), as scalar bit casts do not lower.
       if sf_in is not None:
-        inv = common.exact_div(1.0, jnp.broadcast_to(sfin_g[i, j * nb + s], (bm,)))
+        inv = common.exact_div(1.0, jnp.broadcast_to(sfin_g[i, j * nb + s], (rc,)))
       else:
-        v = plgpu.load(x_s.at[s], layout=layout).astype(jnp.float32)
-        a = jnp.broadcast_to(jnp.max(jnp.max(jnp.abs(v), axis=1), axis=0), (bm,))
-        sf, inv = ref.scale_factors(a, jnp.broadcast_to(c_g[0], (bm,)), "e4m3", round_sf, div=common.exact_div)
+        a = functools.reduce(jnp.maximum, [jnp.max(jnp.max(jnp.abs(h), axis=1), axis=0)
+                                           for c in chunks for h in _load_halves(x_s.at[s, c], layout, fp4)])
+        sf, inv = ref.scale_factors(jnp.broadcast_to(a, (rc,)), jnp.broadcast_to(c_g[0], (rc,)), fmt, round_sf,
+                                    div=common.exact_div)
         if compute_sf:
           sf_g[i, j * nb + s] = jnp.max(sf, axis=0)
       if write_data:
-        q = plgpu.load(x_s.at[s], layout=layout).astype(jnp.float32) * inv[:, None]
-        o_s.at[s][...] = ref.encode_e4m3(q) if sf_in is not None else q.astype(jnp.float8_e4m3fn)
+        for c in chunks:
+          q = [h * inv[:, None] for h in _load_halves(x_s.at[s, c], layout, fp4)]
+          if fp4:
+            o_s.at[s, c][...] = (ref.encode_e2m1(q[0]) | (ref.encode_e2m1(q[1]) << 4)).astype(jnp.int8)
+          else:
+            o_s.at[s, c][...] = ref.encode_e4m3(q[0]) if sf_in is not None else q[0].astype(jnp.float8_e4m3fn)
     if write_data:
       plgpu.commit_smem()
       for s in range(nb):
-        plgpu.copy_smem_to_gmem(o_s.at[s], o_g.at[rows, cols(s)])
+        plgpu.copy_smem_to_gmem(o_s.at[s], o_g.at[rows, pl.ds((j * nb + s) * obk, obk)])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  consts = jnp.full((1,), ref.FP8_MAX, jnp.float32)
+  consts = jnp.full((1,), ref.MAX_VALUE[fmt], jnp.float32)
   if sf_in is not None:
     sf_in = jnp.pad(sf_in, ((0, 0), (0, kt * nb - kb)), constant_values=1.0)
   outs = list(kernel(*((x, consts) if sf_in is None else (x, consts, sf_in))))
@@ -103,9 +134,14 @@ def _kernel(x, sf_in, *, block_size, round_sf, write_data, compute_sf, interpret
   return out, (outs.pop(0)[:, :kb] if compute_sf else None)
 
 
-def _run_kernel(x, block_size, impl, *, sf_in=None, round_sf=False, write_data=True, compute_sf=True):
-  return _kernel(x, sf_in, block_size=block_size, round_sf=round_sf, write_data=write_data, compute_sf=compute_sf,
+def _run_kernel(x, fmt, block_size, impl, *, sf_in=None, round_sf=False, write_data=True, compute_sf=True):
+  return _kernel(x, sf_in, fmt=fmt, block_size=block_size, round_sf=round_sf, write_data=write_data, compute_sf=compute_sf,
                  interpret=_config.mosaic_interpret(impl))
+
+
+def _use_kernel(impl, x, fmt) -> bool:
+  """The kernel covers e4m3 and bf16 -> e2m1 (float32 -> e2m1 runs the reference)."""
+  return impl != "reference" and x.shape[0] > 0 and (fmt == "e4m3" or x.dtype == jnp.bfloat16)
 
 
 def _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0):
@@ -129,10 +165,10 @@ def per_block_cast(x, fmt: str, block_size, use_tma_aligned_col_major_sf: bool =
   """
   _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
   impl = _config.get_implementation(implementation)
-  if impl == "reference" or x.shape[0] == 0 or fmt != "e4m3":
+  if not _use_kernel(impl, x, fmt):
     return ref.cast(x, fmt, tuple(block_size), round_sf=round_sf,
                     use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0)
-  out, sf = _run_kernel(x, tuple(block_size), impl, round_sf=round_sf)
+  out, sf = _run_kernel(x, fmt, tuple(block_size), impl, round_sf=round_sf)
   return out, ref.format_sf(sf, use_tma_aligned_col_major_sf, use_packed_ue8m0)
 
 
@@ -142,10 +178,10 @@ def per_block_cast_with_sf_only(x, fmt: str, block_size, use_tma_aligned_col_maj
   """The ``out_sf`` of :func:`per_block_cast`, without writing the data."""
   _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
   impl = _config.get_implementation(implementation)
-  if impl == "reference" or x.shape[0] == 0 or fmt != "e4m3":
+  if not _use_kernel(impl, x, fmt):
     return ref.cast(x, fmt, tuple(block_size), round_sf=round_sf, use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
                     use_packed_ue8m0=use_packed_ue8m0)[1]
-  _, sf = _run_kernel(x, tuple(block_size), impl, round_sf=round_sf, write_data=False)
+  _, sf = _run_kernel(x, fmt, tuple(block_size), impl, round_sf=round_sf, write_data=False)
   return ref.format_sf(sf, use_tma_aligned_col_major_sf, use_packed_ue8m0)
 
 
@@ -159,9 +195,9 @@ def per_block_cast_with_precomputed_sf(x, fmt: str, block_size, sf, use_tma_alig
   m, k = x.shape
   common.check_sf("sf", sf, (ref.cdiv(m, block_size[0]), ref.cdiv(k, block_size[1])), jnp.float32)
   impl = _config.get_implementation(implementation)
-  if impl == "reference" or m == 0 or fmt != "e4m3":
+  if not _use_kernel(impl, x, fmt):
     return ref.cast(x, fmt, tuple(block_size), sf=sf)
-  out, _ = _run_kernel(x, tuple(block_size), impl, sf_in=sf, compute_sf=False)
+  out, _ = _run_kernel(x, fmt, tuple(block_size), impl, sf_in=sf, compute_sf=False)
   return out
 
 

@@ -84,6 +84,15 @@ def encode_e2m1(q):
   return (sign << 3) | jnp.minimum(code, 7)
 
 
+def decode_e2m1(n):
+  """e2m1 nibble (int32 in 0..15) -> float32 with integer operations (also used inside the kernels):
+  a magnitude ``m >= 2`` is the float32 pattern ``(m << 22) + (126 << 23)``, 1 is 0.5, 0 is 0; the
+  sign bit 3 moves to bit 31 (nibble 8 is -0.0)."""
+  m = n & 7
+  mag = jnp.where(m >= 2, (m << 22) + (126 << 23), jnp.where(m == 1, 126 << 23, 0))
+  return _float(mag | ((n & 8) << 28))
+
+
 def pack_e2m1(nibbles):
   """``(..., 2L)`` nibbles -> ``(..., L)`` int8, column ``2j`` in the low nibble of byte ``j``."""
   n = nibbles.reshape(*nibbles.shape[:-1], nibbles.shape[-1] // 2, 2)

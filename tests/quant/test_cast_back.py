@@ -54,7 +54,38 @@ def test_per_token_round_trip(key, fmt, tol, npc):
   assert_diff_below(back, x.astype(jnp.float32), tol)
 
 
-def test_fp4_and_per_channel_blocks_use_the_reference(key):
+@pytest.mark.parametrize("m, k, block, flags, fmt", [
+    (100, 576, (1, 128), "A", "bf16"),  # ragged rows, partial last group (strided layout-A sf)
+    (7, 576, (1, 128), "C", "fp32"),  # fewer rows than a layout block, packed UE8M0 words
+    (65, 320, (1, 32), "B", "fp32"),
+    (130, 576, (1, 576), "C", "bf16"),
+    (65, 576, (32, 128), "A", "fp32"),  # block rows: scalar sf loads + select
+    (33, 192, (1, 64), "C", "bf16"),  # several groups per view row, column-major sf: XLA decode
+])
+def test_cast_back_e2m1_bit_exact(key, m, k, block, flags, fmt):
+  _, q = _quantised(key, m, k, block, flags, "e2m1")
+  col = FLAGS[flags][0]
+  got = quant.cast_back(q, fmt, block, x_use_tma_aligned_col_major_sf=col)
+  assert_bitwise_equal(got, quant.cast_back(q, fmt, block, x_use_tma_aligned_col_major_sf=col,
+                                            implementation="reference"))
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 24), (70, 288), (1, 16)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_unpack_kernel_bit_exact(key, shape, dtype):
+  b = jax.random.randint(key, shape, -128, 128).astype(jnp.int8)
+  assert_bitwise_equal(quant.unpack_from_e2m1fn_x2(b, dtype), ref.unpack_from_e2m1fn_x2(b, dtype))
+  assert_bitwise_equal(quant.unpack_from_e2m1fn_x2(b.astype(jnp.uint8), dtype), ref.unpack_from_e2m1fn_x2(b, dtype))
+  assert quant.unpack_from_e2m1fn_x2(jnp.zeros((0, 8), jnp.int8), dtype).shape == (0, 16)
+
+
+def test_decode_e2m1_matches_the_table():
+  n = jnp.arange(16, dtype=jnp.int32)
+  want = np.array(ref.E2M1_VALUES + tuple(-v for v in ref.E2M1_VALUES), np.float32)
+  assert_bitwise_equal(ref.decode_e2m1(n), want)
+
+
+def test_per_channel_blocks_and_fp4_round_trip(key):
   x, q = _quantised(key, 128, 64, (128, 1), "A")
   assert_diff_below(quant.cast_back(q, "fp32", (128, 1)), x, 1e-3)
   x, q = _quantised(key, 16, 64, (1, 32), "C", "e2m1")
@@ -66,6 +97,8 @@ def test_fp4_and_per_channel_blocks_use_the_reference(key):
 def test_zero_tokens():
   q = (jnp.zeros((0, 128), jnp.float8_e4m3fn), jnp.zeros((0, 1), jnp.float32))
   assert quant.per_token_cast_back(q, "bf16", 128).shape == (0, 128)
+  q = (jnp.zeros((0, 64), jnp.int8), jnp.zeros((1, 0), jnp.int32))
+  assert quant.per_token_cast_back(q, "fp32", 128, x_use_tma_aligned_col_major_sf=True).shape == (0, 128)
 
 
 def test_jit(key):
@@ -87,13 +120,15 @@ def test_bad_inputs(q, block, fmt, match):
     quant.cast_back(q, fmt, block)
 
 
+@pytest.mark.parametrize("qfmt", ["e4m3", "e2m1"])
 @pytest.mark.parametrize("fmt", ["bf16", "fp32"])
 @pytest.mark.parametrize("m, k, block", [
     (4001, 576, (1, 128)), (8001, 7168, (1, 7168)), (4001, 576, (1, 32)), (8001, 7168, (128, 128)),
 ])
-def test_lowers_for_h100(m, k, block, fmt):
+def test_lowers_for_h100(m, k, block, fmt, qfmt):
   f = lambda q, s: quant.cast_back((q, s), fmt, block, implementation="pallas")
-  args = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),
+  q = jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn) if qfmt == "e4m3" else jax.ShapeDtypeStruct((m, k // 2), jnp.int8)
+  args = (q,
           jax.ShapeDtypeStruct((-(-m // block[0]), -(-k // block[1])), jnp.float32))
   assert "mosaic_gpu" in lower_for_h100(f, *args).as_text()
 
@@ -136,3 +171,23 @@ def test_small_spec_shapes_in_kernel_sf_gpu(key, m, block, flags):
   for fmt, dtype in (("bf16", jnp.bfloat16), ("fp32", np.float32)):
     got = jax.jit(lambda q: quant.cast_back(q, fmt, block, x_use_tma_aligned_col_major_sf=col))(q)
     assert_bitwise_equal(got, want.astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_unpack_lowers_for_h100(dtype):
+  f = lambda b: quant.unpack_from_e2m1fn_x2(b, dtype, implementation="pallas")
+  assert "mosaic_gpu" in lower_for_h100(f, jax.ShapeDtypeStruct((8001, 3584), jnp.int8)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block, flags", [((1, 128), "C"), ((1, 7168), "A"), ((128, 128), "A")])
+def test_spec_shapes_e2m1_gpu(key, block, flags):
+  _, q = _quantised(key, 8001, 7168, block, flags, "e2m1")
+  col = FLAGS[flags][0]
+  for fmt in ("bf16", "fp32"):
+    got = jax.jit(lambda q: quant.cast_back(q, fmt, block, x_use_tma_aligned_col_major_sf=col))(q)
+    want = jax.jit(lambda q: ref.cast_back(q, fmt, block, x_use_tma_aligned_col_major_sf=col))(q)
+    assert_bitwise_equal(got, want)
+  b = q[0]
+  for dtype in (jnp.float32, jnp.bfloat16):
+    assert_bitwise_equal(jax.jit(lambda b: quant.unpack_from_e2m1fn_x2(b, dtype))(b), ref.unpack_from_e2m1fn_x2(b, dtype))

@@ -19,28 +19,33 @@ def _input(key, m, k, dtype):
   return x.astype(dtype)
 
 
-@pytest.mark.parametrize("m, k, block, dtype, flags", [
-    (100, 576, (128, 128), jnp.bfloat16, "A-round"),  # ragged rows: partial row block, partial column block
-    (72, 320, (32, 32), jnp.float32, "C"),
-    (40, 256, (32, 128), jnp.bfloat16, "B"),
-    (136, 192, (128, 32), jnp.float32, "A"),
+@pytest.mark.parametrize("m, k, block, dtype, flags, fmt", [
+    (100, 576, (128, 128), jnp.bfloat16, "A-round", "e4m3"),  # ragged rows: partial row and column blocks
+    (72, 320, (32, 32), jnp.float32, "C", "e4m3"),
+    (40, 256, (32, 128), jnp.bfloat16, "B", "e4m3"),
+    (136, 192, (128, 32), jnp.float32, "A", "e4m3"),
+    # e2m1 (bf16 pairs as int32 words)
+    (100, 576, (128, 128), jnp.bfloat16, "C", "e2m1"),
+    (45, 320, (32, 32), jnp.bfloat16, "A-round", "e2m1"),
+    (33, 192, (32, 128), jnp.bfloat16, "B", "e2m1"),
+    (136, 128, (128, 32), jnp.bfloat16, "A", "e2m1"),
 ])
-def test_per_block_cast_bit_exact(key, m, k, block, dtype, flags):
+def test_per_block_cast_bit_exact(key, m, k, block, dtype, flags, fmt):
   x = _input(key, m, k, dtype)
-  out, sf = quant.per_block_cast(x, "e4m3", block, *FLAGS[flags])
-  want, want_sf = quant.per_block_cast(x, "e4m3", block, *FLAGS[flags], implementation="reference")
+  out, sf = quant.per_block_cast(x, fmt, block, *FLAGS[flags])
+  want, want_sf = quant.per_block_cast(x, fmt, block, *FLAGS[flags], implementation="reference")
   assert_bitwise_equal(out, want)
   assert_bitwise_equal(sf, want_sf)
-  assert_bitwise_equal(quant.per_block_cast_with_sf_only(x, "e4m3", block, *FLAGS[flags]), want_sf)
+  assert_bitwise_equal(quant.per_block_cast_with_sf_only(x, fmt, block, *FLAGS[flags]), want_sf)
 
 
-@pytest.mark.parametrize("block", [(128, 128), (32, 32)])
-def test_precomputed_sf_bit_exact(key, block):
+@pytest.mark.parametrize("block, fmt", [((128, 128), "e4m3"), ((32, 32), "e4m3"), ((32, 32), "e2m1")])
+def test_precomputed_sf_bit_exact(key, block, fmt):
   x = _input(key, 100, 320, jnp.bfloat16)
-  _, sf = quant.per_block_cast(x, "e4m3", block, implementation="reference")
+  _, sf = quant.per_block_cast(x, fmt, block, implementation="reference")
   sf = sf * 0.3
-  got = quant.per_block_cast_with_precomputed_sf(x, "e4m3", block, sf)
-  assert_bitwise_equal(got, quant.per_block_cast_with_precomputed_sf(x, "e4m3", block, sf, implementation="reference"))
+  got = quant.per_block_cast_with_precomputed_sf(x, fmt, block, sf)
+  assert_bitwise_equal(got, quant.per_block_cast_with_precomputed_sf(x, fmt, block, sf, implementation="reference"))
 
 
 @pytest.mark.parametrize("fmt, tol", [("e4m3", 1e-3), ("e2m1", 2e-2)])
@@ -69,6 +74,8 @@ def test_zero_tokens():
   out, sf = quant.per_block_cast(x, "e4m3", (128, 128))
   assert out.shape == (0, 128) and sf.shape == (0, 1)
   assert quant.per_block_cast(x, "e4m3", (32, 32), True, True, True)[1].shape == (1, 0)
+  out, sf = quant.per_block_cast(x.astype(jnp.bfloat16), "e2m1", (32, 32))
+  assert out.shape == (0, 64) and out.dtype == jnp.int8 and sf.shape == (0, 4)
 
 
 @pytest.mark.parametrize("args, match", [
@@ -93,19 +100,20 @@ def test_lossless_bad_inputs():
     quant.per_block_cast_lossless(q4, "e4m3", (1, 16), (1, 64))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype, fmt", [(jnp.bfloat16, "e4m3"), (jnp.float32, "e4m3"), (jnp.bfloat16, "e2m1")],
+                         ids=lambda v: v if isinstance(v, str) else jnp.dtype(v).name)
 @pytest.mark.parametrize("m, k, block", [
     (4001, 576, (128, 128)), (8001, 7168, (32, 32)), (4001, 576, (32, 128)), (4001, 7168, (128, 32)),
 ])
-def test_lowers_for_h100(m, k, block, dtype):
+def test_lowers_for_h100(m, k, block, dtype, fmt):
   s = jax.ShapeDtypeStruct((m, k), dtype)
-  f = functools.partial(quant.per_block_cast, fmt="e4m3", block_size=block, use_tma_aligned_col_major_sf=True,
+  f = functools.partial(quant.per_block_cast, fmt=fmt, block_size=block, use_tma_aligned_col_major_sf=True,
                         round_sf=True, use_packed_ue8m0=True, implementation="pallas")
   assert "mosaic_gpu" in lower_for_h100(f, s).as_text()
-  g = functools.partial(quant.per_block_cast_with_sf_only, fmt="e4m3", block_size=block, implementation="pallas")
+  g = functools.partial(quant.per_block_cast_with_sf_only, fmt=fmt, block_size=block, implementation="pallas")
   assert "mosaic_gpu" in lower_for_h100(g, s).as_text()
   sf = jax.ShapeDtypeStruct((-(-m // block[0]), -(-k // block[1])), jnp.float32)
-  h = lambda x, sf: quant.per_block_cast_with_precomputed_sf(x, "e4m3", block, sf, implementation="pallas")
+  h = lambda x, sf: quant.per_block_cast_with_precomputed_sf(x, fmt, block, sf, implementation="pallas")
   assert "mosaic_gpu" in lower_for_h100(h, s, sf).as_text()
 
 
@@ -123,3 +131,15 @@ def test_spec_shapes_gpu(key, block):
   assert_bitwise_equal(sf, a / np.float32(448))
   inv = np.repeat(np.repeat(np.float32(448) / a, bm, 0), bk, 1)[:4001]
   assert_bitwise_equal(out, np.clip(xf * inv, -448, 448).astype(jnp.float8_e4m3fn))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [(128, 128), (32, 32)])
+def test_spec_shapes_e2m1_gpu(key, block):
+  """bf16 -> e2m1 kernel vs the reference on the GPU."""
+  x = randn(key, (4001, 7168), jnp.bfloat16)
+  got = jax.jit(functools.partial(quant.per_block_cast, fmt="e2m1", block_size=block, use_tma_aligned_col_major_sf=True,
+                                  round_sf=True, use_packed_ue8m0=True))(x)
+  want = ref.cast(x, "e2m1", block, round_sf=True, use_tma_aligned_col_major_sf=True, use_packed_ue8m0=True)
+  assert_bitwise_equal(got[0], want[0])
+  assert_bitwise_equal(got[1], want[1])
