@@ -4,10 +4,11 @@ Static arguments cannot travel through ``make_args``, so each group width is its
 (``npc=K`` derives the width from the input). Byte counts are the logical sizes (input, data, sf).
 Registered: the e4m3 and e2m1 grids of per_token_cast (flags T, T, T), per_block_cast (e4m3; e2m1
 from bf16), the per-channel casts, per_token_cast_back of e4m3 and e2m1 data (layout-A and packed
-layout-C input), cast_back with (128, 128) blocks, unpack_from_e2m1fn_x2 and per_channel_cast_fused
-(plain 4096 tokens and the K=6 MoE gathers, bf16 or QuantTensor input). Not registered: float32
--> e2m1 per-block casts, QuantTensor inputs of the other casts and cast_back with (128, 1) blocks
-(they run the jnp reference).
+layout-C input), cast_back with (128, 128) blocks, unpack_from_e2m1fn_x2, per_block_cast_lossless
+(e2m1 (1, 32) -> e4m3 (128, 128), packed sf) and per_channel_cast_fused (plain 4096 tokens and the
+K=6 MoE gathers, bf16 or QuantTensor input). Not registered: float32 -> e2m1 per-block casts,
+QuantTensor inputs of the other casts and cast_back with (128, 1) blocks (they run the jnp
+reference).
 """
 
 import itertools
@@ -149,6 +150,24 @@ for _npt in (32, 128):
       _channel_grid(_npt, ("bf16",)),
       lambda _npt=_npt: [_block_case(128, 192, "bf16", (_npt, 1))]))
 
+
+
+def _lossless_case(m, k):
+  nbytes = m * k // 2 + m * (k // 32) * 4 + m * k + (-(-m // 128)) * (-(-k // 128))
+
+  def make(key):
+    return (ref.cast(randn(key, (m, k), jnp.float32), "e2m1", (1, 32), round_sf=True),)
+
+  return Case(f"M={m} K={k}", make, nbytes)
+
+
+register(BenchOp(
+    "per_block_cast_lossless_128x128",
+    lambda x: quant.per_block_cast_lossless(x, "e4m3", (1, 32), (128, 128), True, True, True),
+    lambda x: ref.per_block_cast_lossless(x, (1, 32), (128, 128), use_tma_aligned_col_major_sf=True,
+                                          use_packed_ue8m0=True),
+    lambda: [_lossless_case(m, k) for m, k in itertools.product(num_tokens(), hidden_sizes(64))],
+    lambda: [_lossless_case(100, 576)]))
 
 
 def _gather_rows(experts, ranks):

@@ -52,16 +52,16 @@ def _sf_decode(v, mode, s):
 
 def _out_layout(width, out_dtype, fp4):
   """Register layout of a segment: e4m3 bytes -> ``out_dtype``; packed e2m1 bytes -> one int32 word
-  (two bf16) or a strided float32 pair half per byte."""
+  (two bf16), one int16 word (two e4m3) or a strided float32 pair half per byte."""
   if not fp4:
     return common.row_layout(width, jnp.dtype(out_dtype).itemsize)
-  return common.row_layout(width, 4 if out_dtype == jnp.bfloat16 else 16)
+  return common.row_layout(width, 16 if out_dtype == jnp.float32 else 4)
 
 
 def _row_kernel(q, sf, *, segs, out_dtype, sf_mode, bm, num_blocks, interpret):
   """``q`` ``(R, W)`` e4m3 -> ``(R, W)`` ``out_dtype``, or packed e2m1 ``(R, W)`` int8 / uint8 (``segs``
-  in bytes) -> int32 ``(R, W)`` (bf16 pairs, column ``2j`` in the low half) or float32
-  ``(R, W, 2)``. The sf (see :func:`_sf_raw`) is read in the kernel: one value per view row and
+  in bytes) -> int32 ``(R, W)`` (bf16 pairs, column ``2j`` in the low half), int16 ``(R, W)`` (e4m3
+  pairs, saturating) or float32 ``(R, W, 2)``. The sf (see :func:`_sf_raw`) is read in the kernel: one value per view row and
   segment for ``bm == 1``, else one per block row of ``bm`` view rows (``num_blocks`` of them); a
   tile has at most ``bm`` rows, so it spans at most two block rows: two scalar loads and a select.
   ``sf_mode`` None: no scaling (plain decoding)."""
@@ -75,8 +75,9 @@ def _row_kernel(q, sf, *, segs, out_dtype, sf_mode, bm, num_blocks, interpret):
   if not fp4:
     out_type = jax.ShapeDtypeStruct((r, w), out_dtype)
   else:
-    out_type = jax.ShapeDtypeStruct((r, w) if out_dtype == jnp.bfloat16 else (r, w, 2),
-                                    jnp.int32 if out_dtype == jnp.bfloat16 else jnp.float32)
+    out_type = {jnp.dtype(jnp.bfloat16): jax.ShapeDtypeStruct((r, w), jnp.int32),
+                jnp.dtype(jnp.float8_e4m3fn): jax.ShapeDtypeStruct((r, w), jnp.int16),
+                jnp.dtype(jnp.float32): jax.ShapeDtypeStruct((r, w, 2), jnp.float32)}[jnp.dtype(out_dtype)]
 
   @functools.partial(plgpu.kernel, out_type=out_type, grid=(pl.cdiv(r, rt),), grid_names=("i",),
                      interpret=interpret)
@@ -110,13 +111,16 @@ def _row_kernel(q, sf, *, segs, out_dtype, sf_mode, bm, num_blocks, interpret):
       elif out_dtype == jnp.bfloat16:  # the bf16 patterns are the high halves of the rounded float32
         lo, hi = (lax.bitcast_convert_type(h.astype(jnp.bfloat16).astype(jnp.float32), jnp.int32) for h in halves)
         o_g[rows, cols] = lax.shift_right_logical(lo, 16) | hi
+      elif out_dtype == jnp.float8_e4m3fn:
+        lo, hi = (lax.bitcast_convert_type(ref.encode_e4m3(h), jnp.int8).astype(jnp.int32) & 0xFF for h in halves)
+        o_g[rows, cols] = (lo | (hi << 8)).astype(jnp.int16)
       else:
         for t, h in enumerate(halves):
           o_g[rows, cols, t] = h
 
   out = kernel(q, sf) if sf_mode is not None else kernel(q)
-  if fp4 and out_dtype == jnp.bfloat16:
-    out = lax.bitcast_convert_type(out, jnp.bfloat16)
+  if fp4 and out_dtype != jnp.float32:
+    out = lax.bitcast_convert_type(out, out_dtype)
   return out.reshape(r, -1)
 
 

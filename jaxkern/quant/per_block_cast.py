@@ -13,8 +13,11 @@ in :mod:`jaxkern.quant.per_token_cast`.
 e2m1 from bf16 reads each pair of columns as one int32 word (a free bitcast of the input; the data
 TMA boxes are half as wide) and packs the two nibbles per output byte as in
 :mod:`jaxkern.quant.per_token_cast`. float32 -> e2m1 (the pair split would need strided SMEM
-loads, which do not lower) and ``per_block_cast_lossless`` run the ``jnp`` reference
-(:mod:`jaxkern.reference.quant`).
+loads, which do not lower) runs the ``jnp`` reference (:mod:`jaxkern.reference.quant`).
+
+``per_block_cast_lossless`` computes the exponents per block in XLA (small: one value per input
+block) and moves the data through the packed-e2m1 row kernel of :mod:`jaxkern.quant.cast_back`
+with an e4m3 output (decode, multiply by the block's power of two, saturating e4m3 pairs).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config
 from jaxkern.quant import common
+from jaxkern.quant.cast_back import _kernel as _cast_back_kernel
 from jaxkern.reference import quant as ref
 
 BLOCK_SIDES = (32, 128)
@@ -221,8 +225,25 @@ def per_block_cast_lossless(x, fmt: str, x_block_size, out_block_size, use_tma_a
   if ibk & (ibk - 1) or obk & (obk - 1) or obm % ibm or obk % ibk:
     raise ValueError(f"out_block_size {out_block_size} must be a multiple of x_block_size {x_block_size} "
                      "with power-of-two widths")
-  _config.get_implementation(implementation)
-  return ref.per_block_cast_lossless(x, tuple(x_block_size), tuple(out_block_size),
-                                     use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
-                                     use_packed_ue8m0=use_packed_ue8m0,
-                                     x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
+  impl = _config.get_implementation(implementation)
+  flags = dict(use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0,
+               x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
+  if impl == "reference" or x[0].shape[0] == 0:
+    return ref.per_block_cast_lossless(x, tuple(x_block_size), tuple(out_block_size), **flags)
+  return _lossless(x, tuple(x_block_size), tuple(out_block_size), interpret=_config.mosaic_interpret(impl), **flags)
+
+
+@functools.partial(jax.jit, static_argnames=("x_block_size", "out_block_size", "use_tma_aligned_col_major_sf",
+                                             "use_packed_ue8m0", "x_use_tma_aligned_col_major_sf", "interpret"))
+def _lossless(x, x_block_size, out_block_size, *, use_tma_aligned_col_major_sf, use_packed_ue8m0,
+              x_use_tma_aligned_col_major_sf, interpret):
+  """Exponent bookkeeping per block in XLA (:func:`jaxkern.reference.quant.lossless_scales`), then the
+  e2m1 row kernel of :mod:`jaxkern.quant.cast_back` multiplies each decoded value by its block's
+  power of two and writes e4m3 pairs."""
+  q4, sf_in = x
+  m, k = q4.shape[0], 2 * q4.shape[1]
+  scale, e_out = ref.lossless_scales(sf_in, m, k, x_block_size, out_block_size, x_use_tma_aligned_col_major_sf)
+  out = _cast_back_kernel(q4, scale, block_size=(1, x_block_size[1]), out_dtype=jnp.float8_e4m3fn,
+                            col_major=False, interpret=interpret)
+  out_sf = lax.bitcast_convert_type(e_out << 23, jnp.float32)
+  return out, ref.format_sf(out_sf, use_tma_aligned_col_major_sf, use_packed_ue8m0)

@@ -248,6 +248,24 @@ def per_channel_cast_fused(x, num_per_tokens: int = 128, round_sf: bool = False,
   return cast(v, "e4m3", (num_per_tokens, 1), round_sf=round_sf)
 
 
+def lossless_scales(sf_in, m: int, k: int, x_block_size, out_block_size, x_use_tma_aligned_col_major_sf=False):
+  """The exponent bookkeeping of :func:`per_block_cast_lossless` at block granularity.
+
+  Returns ``(scale, e_out)``: ``scale`` float32 ``(M, cdiv(K, bk_in))``, the power of two
+  ``2^(E(b) - Eout(B))`` (as ``float((d + 127) << 23)``) that every element of input block ``b``
+  (row by row) is multiplied by, and ``e_out`` int32 ``(Mb_out, Kb_out)``, the output exponent bytes.
+  """
+  ibm, ibk = x_block_size
+  obm, obk = out_block_size
+  e_in = sf_exponent_bytes(sf_to_float(sf_in, cdiv(m, ibm), cdiv(k, ibk),
+                                       use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf))
+  e_rows = jnp.repeat(e_in, ibm, axis=0)[:m]  # (M, Kb_in); blocks outside the tensor are gone
+  emax = jnp.max(_blocked(e_rows, obm, obk // ibk, fill=0), axis=(1, 3))
+  e_out = jnp.maximum(emax - 6, 0)
+  d = e_rows - _expand(e_out, obm, obk // ibk, m, e_rows.shape[1])
+  return _float((d + 127) << 23), e_out
+
+
 def per_block_cast_lossless(x, x_block_size, out_block_size, *, use_tma_aligned_col_major_sf: bool = False,
                             use_packed_ue8m0: bool = False, x_use_tma_aligned_col_major_sf: bool = False):
   """Exact re-quantisation of a packed-e2m1 QuantTensor with power-of-two sf into e4m3 with larger
@@ -255,13 +273,6 @@ def per_block_cast_lossless(x, x_block_size, out_block_size, *, use_tma_aligned_
   q4, sf_in = x
   v = unpack_from_e2m1fn_x2(q4)
   m, k = v.shape
-  ibm, ibk = x_block_size
-  obm, obk = out_block_size
-  e_in = sf_exponent_bytes(sf_to_float(sf_in, cdiv(m, ibm), cdiv(k, ibk),
-                                       use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf))
-  e_el = _expand(e_in, ibm, ibk, m, k)
-  emax = jnp.max(_blocked(e_el, obm, obk, fill=0), axis=(1, 3))
-  e_out = jnp.maximum(emax - 6, 0)
-  d = e_el - _expand(e_out, obm, obk, m, k)
-  out = encode_e4m3(v * _float((d + 127) << 23))
+  scale, e_out = lossless_scales(sf_in, m, k, x_block_size, out_block_size, x_use_tma_aligned_col_major_sf)
+  out = encode_e4m3(v * _expand(scale, 1, x_block_size[1], m, k))
   return out, format_sf(_float(e_out << 23), use_tma_aligned_col_major_sf, use_packed_ue8m0)

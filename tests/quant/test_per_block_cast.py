@@ -69,6 +69,41 @@ def test_lossless_is_exact(key):
     assert_bitwise_equal(back, want)
 
 
+@pytest.mark.parametrize("m, k", [(37, 256), (130, 384)])
+@pytest.mark.parametrize("x_flags", ["A", "C"])
+def test_lossless_kernel_vs_reference(key, m, k, x_flags):
+  """Rows with input sf spread over 2^8 (exponent offsets of both signs inside one output block)."""
+  k1, k2 = jax.random.split(key)
+  x = randn(k1, (m, k), jnp.float32) * jnp.exp2(jax.random.randint(k2, (m, 1), -4, 4)).astype(jnp.float32)
+  xcol, _, xpacked = FLAGS[x_flags]
+  q4 = ref.cast(x, "e2m1", (1, 32), round_sf=True, use_tma_aligned_col_major_sf=xcol, use_packed_ue8m0=xpacked)
+  for out_block, flags in [((1, 128), "A"), ((32, 32), "C"), ((128, 128), "B")]:
+    col, _, packed = FLAGS[flags]
+    args = (q4, "e4m3", (1, 32), out_block, col, True, packed)
+    got = quant.per_block_cast_lossless(*args, x_use_tma_aligned_col_major_sf=xcol)
+    want = quant.per_block_cast_lossless(*args, x_use_tma_aligned_col_major_sf=xcol, implementation="reference")
+    for a, b in zip(got, want):
+      assert_bitwise_equal(a, b)
+
+
+def test_lossless_lowers_for_h100():
+  f = lambda q, s: quant.per_block_cast_lossless((q, s), "e4m3", (1, 32), (128, 128), True, True, True,
+                                                 implementation="pallas")
+  s = (jax.ShapeDtypeStruct((8001, 3584), jnp.int8), jax.ShapeDtypeStruct((8001, 224), jnp.float32))
+  assert "mosaic_gpu" in lower_for_h100(f, *s).as_text()
+
+
+@pytest.mark.gpu
+def test_lossless_spec_shape_gpu(key):
+  x = randn(key, (8001, 7168), jnp.float32)
+  q4 = ref.cast(x, "e2m1", (1, 32), round_sf=True)
+  for out_block in [(1, 128), (32, 32), (128, 128)]:
+    got = jax.jit(lambda q: quant.per_block_cast_lossless(q, "e4m3", (1, 32), out_block, True, True, True))(q4)
+    want = quant.per_block_cast_lossless(q4, "e4m3", (1, 32), out_block, True, True, True, implementation="reference")
+    for a, b in zip(got, want):
+      assert_bitwise_equal(a, b)
+
+
 def test_zero_tokens():
   x = jnp.zeros((0, 128), jnp.float32)
   out, sf = quant.per_block_cast(x, "e4m3", (128, 128))
@@ -76,6 +111,9 @@ def test_zero_tokens():
   assert quant.per_block_cast(x, "e4m3", (32, 32), True, True, True)[1].shape == (1, 0)
   out, sf = quant.per_block_cast(x.astype(jnp.bfloat16), "e2m1", (32, 32))
   assert out.shape == (0, 64) and out.dtype == jnp.int8 and sf.shape == (0, 4)
+  out, sf = quant.per_block_cast_lossless((jnp.zeros((0, 64), jnp.int8), jnp.zeros((0, 4), jnp.float32)), "e4m3",
+                                          (1, 32), (32, 32))
+  assert out.shape == (0, 128) and out.dtype == jnp.float8_e4m3fn and sf.shape == (0, 4)
 
 
 @pytest.mark.parametrize("args, match", [
