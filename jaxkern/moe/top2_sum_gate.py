@@ -60,6 +60,24 @@ def _select_kernel(b: jax.Array, num_experts: int, num_topk: int, num_groups: in
   return kernel(b)
 
 
+@functools.partial(jax.jit, static_argnames=("num_topk", "num_topk_groups", "num_groups", "num_shared",
+                                             "num_ep_ranks", "num_tp_ranks", "scoring_func", "interpret"))
+def _gate(logits, bias, rsf, ep_rank, tp_rank, mask, fix, to_physical_map, logical_count, unmapped, *, num_topk,
+          num_topk_groups, num_groups, num_shared, num_ep_ranks, num_tp_ranks, scoring_func, interpret):
+  """Scores, the selection kernel and the routing glue as one XLA computation.
+
+  One computation matters on CPU: eager ops after an interpret-mode kernel each hold a slot of
+  XLA:CPU's in-flight execution semaphore while they wait, and the kernel's host callbacks then
+  find no slot (a deadlock).
+  """
+  t, e = logits.shape
+  u = ref.gate_scores(logits, scoring_func)
+  b = pad_rows_and_cols(ref.ranking_scores(logits, u, bias, scoring_func), -jnp.inf)
+  idx = _select_kernel(b, e, num_topk, num_groups, num_topk_groups, interpret=interpret)[:t]
+  return ref.route_selected(u, idx, rsf, num_shared, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, mask, fix,
+                            to_physical_map, logical_count, unmapped)
+
+
 def _check_static(e, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
                   num_ep_ranks, num_tp_ranks, tp_rank, scoring_func):
   if e % 4:
@@ -162,9 +180,8 @@ def top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_share
   impl = _config.get_implementation(implementation)
   if impl == "reference" or t == 0:
     return ref.top2_sum_gate(*args)
-  scoring_func = scoring_func.lower()
-  u = ref.gate_scores(logits, scoring_func)
-  b = pad_rows_and_cols(ref.ranking_scores(logits, u, bias, scoring_func), -jnp.inf)
-  idx = _select_kernel(b, e, num_topk, num_groups, num_topk_groups, interpret=_config.mosaic_interpret(impl))[:t]
-  return ref.route_selected(u, idx, routed_scaling_factor, num_shared, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks,
-                            mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)
+  return _gate(logits, bias, routed_scaling_factor, ep_rank, tp_rank, mask, fix_routing_mask, to_physical_map,
+               logical_count, unmapped_topk_idx, num_topk=num_topk,
+               num_topk_groups=num_topk_groups, num_groups=num_groups, num_shared=num_shared,
+               num_ep_ranks=num_ep_ranks, num_tp_ranks=num_tp_ranks, scoring_func=scoring_func.lower(),
+               interpret=_config.mosaic_interpret(impl))

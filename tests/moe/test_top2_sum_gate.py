@@ -12,11 +12,6 @@ from jaxkern.reference import moe as ref
 from jaxkern.testing import assert_bitwise_equal, lower_for_h100
 from tests.moe.gating import tricky_rows
 
-# On CPU these tests intermittently hang (both xdist workers idle inside an eager op that follows
-# the interpret-mode kernel, e.g. test_ep_tp_masking), which would stall CI; they run on a GPU only
-# until that is diagnosed.
-pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="interpret-mode hang on CPU, see module note")
-
 FUNCS = ["sigmoid", "sqrtsoftplus", "softmax"]
 
 
