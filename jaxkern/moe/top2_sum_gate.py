@@ -18,7 +18,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config
 from jaxkern.moe import _select
@@ -31,23 +30,12 @@ from jaxkern.reference import moe as ref
 def _select_kernel(b: jax.Array, num_experts: int, num_topk: int, num_groups: int, num_topk_groups: int,
                    interpret=None) -> jax.Array:
   t, e = b.shape
-  grouped = num_groups != num_topk_groups
 
-  @functools.partial(
-      plgpu.kernel,
-      out_type=jax.ShapeDtypeStruct((t, num_topk), jnp.int32),
-      grid=(pl.cdiv(t, _select.BLOCK_ROWS),),
-      grid_names=("i",),
-      scratch_types=_select.scratch(e),
-      interpret=interpret,
-  )
-  def kernel(b_g, o_g, smem, bars):
-    row0 = _select.block_start(t)
-    keys = _select.load_rows(b_g, smem, bars, row0, e).map(_select.order_key)
-    if grouped:
+  def body(row0, b_g, o_g, smem, bars):
+    keys = _select.load_keys(b_g, smem, bars, row0, e)
+    if num_groups != num_topk_groups:
       size = num_experts // num_groups
       ranks = _select.group_ranks(_select.group_scores(keys, num_groups, size, 2))
-
       for g, rank in enumerate(ranks):
         lo, hi = g * size, (g + 1) * size
         cap = jnp.where(rank >= num_topk_groups, _select.TAKEN, jnp.iinfo(jnp.int32).max)
@@ -57,7 +45,8 @@ def _select_kernel(b: jax.Array, num_experts: int, num_topk: int, num_groups: in
       _, idx, keys = _select.pick_best(keys, num_experts)
       o_g[pl.ds(row0, _select.BLOCK_ROWS), k] = idx
 
-  return kernel(b)
+  out_type = jax.ShapeDtypeStruct((t, num_topk), jnp.int32)
+  return _select.row_block_kernel(body, t, out_type, _select.scratch(e), interpret)(b)
 
 
 @functools.partial(jax.jit, static_argnames=("num_topk", "num_topk_groups", "num_groups", "num_shared",
