@@ -75,7 +75,9 @@ def gate_scores(logits: jax.Array, scoring_func: str) -> jax.Array:
     return _ieee.div(jnp.ones_like(logits), 1.0 + jnp.exp(-logits))
   if scoring_func == "sqrtsoftplus":
     return _ieee.sqrt(softplus(logits))
-  z = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
+  # The barriers keep exp out of reduction fusions, where XLA:CPU evaluates it differently.
+  m = lax.optimization_barrier(jnp.max(logits, axis=1, keepdims=True))
+  z = lax.optimization_barrier(jnp.exp(logits - m))
   return _ieee.div(z, softmax_denominator(z)[:, None])
 
 

@@ -36,8 +36,10 @@ def _check(got, want):
     assert_bitwise_equal(a, b)
 
 
-# (num_groups, num_topk_groups, E, S, K) from the upstream grid, E scaled down where large.
-CONFIGS = [(0, 0, 72, 1, 6), (0, 0, 36, 2, 6), (8, 8, 64, 2, 8), (8, 4, 64, 2, 8), (4, 2, 40, 0, 4)]
+# (num_groups, num_topk_groups, E, S, K) from the upstream grid, E scaled down where large; 144 has
+# two 128-column blocks in the softmax sum (the second one partial), 40 / 4 groups pads each group.
+CONFIGS = [(0, 0, 72, 1, 6), (0, 0, 36, 2, 6), (8, 8, 64, 2, 8), (8, 4, 64, 2, 8), (4, 2, 40, 0, 4),
+           (0, 0, 144, 0, 6)]
 
 
 @pytest.mark.parametrize("cfg, func", [(c, FUNCS[i % 3]) for i, c in enumerate(CONFIGS)], ids=str)
@@ -107,7 +109,6 @@ def test_all_ties_pick_the_lowest_experts():
   np.testing.assert_array_equal(np.asarray(idx)[:64, :k], np.tile(np.arange(k), (64, 1)))
 
 
-@pytest.mark.skip(reason="did not finish within 150 s on the shared 2-core CPU (interpret mode); to investigate")
 @settings(max_examples=3, deadline=None)
 @given(tricky_rows((64, 16)), st.sampled_from(FUNCS), st.just(True))
 def test_tricky_values(x, func, grouped):
@@ -169,7 +170,7 @@ def test_bad_input(kw, match):
 def test_lowers_for_h100(e, g, ntg, k):
   f = functools.partial(_gate, k=k, g=g, ntg=ntg, implementation="pallas")
   args = (jax.ShapeDtypeStruct((8192, e), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.float32))
-  assert "mosaic_gpu" in lower_for_h100(f, *args).as_text()
+  assert "xla.gpu.triton" in lower_for_h100(f, *args).as_text()
 
 
 @pytest.mark.gpu
