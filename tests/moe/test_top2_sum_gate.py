@@ -166,10 +166,21 @@ def test_bad_input(kw, match):
     _gate(**kw)
 
 
-@pytest.mark.parametrize("e, g, ntg, k", [(256, 8, 4, 8), (256, 8, 8, 8), (72, 0, 0, 6), (384, 0, 0, 8)])
-def test_lowers_for_h100(e, g, ntg, k):
-  f = functools.partial(_gate, k=k, g=g, ntg=ntg, implementation="pallas")
-  args = (jax.ShapeDtypeStruct((8192, e), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.float32))
+@pytest.mark.parametrize("e, g, ntg, k, func, options", [
+    (256, 8, 4, 8, "sigmoid", "mask"),  # DeepSeek-V3
+    (256, 8, 8, 8, "softmax", "mask fix"),
+    (72, 0, 0, 6, "sqrtsoftplus", "map"),
+    (384, 0, 0, 8, "softmax", "map"),
+])
+def test_lowers_for_h100(e, g, ntg, k, func, options):
+  t, s = 8192, 2 if "map" in options else 0
+  arrays = dict(mask=jax.ShapeDtypeStruct((t,), jnp.bool_) if "mask" in options else None)
+  if "fix" in options:
+    arrays.update(fix=jax.ShapeDtypeStruct((t,), jnp.bool_), unmapped=jax.ShapeDtypeStruct((t, k), jnp.int32))
+  if "map" in options:
+    arrays.update(pmap=jax.ShapeDtypeStruct((e + s, 33), jnp.int32), count=jax.ShapeDtypeStruct((e + s,), jnp.int32))
+  f = lambda logits, bias, a: _gate(logits, bias, k=k, g=g, ntg=ntg, s=s, func=func, implementation="pallas", **a)
+  args = (jax.ShapeDtypeStruct((t, e), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.float32), arrays)
   assert "xla.gpu.triton" in lower_for_h100(f, *args).as_text()
 
 
