@@ -1,5 +1,9 @@
 """In-kernel building blocks of the gating ops: row blocks, order keys, stable top-k, group ranking.
 
+Every gating kernel is a grid of CTAs (one warpgroup each) over blocks of 64 token rows
+(:func:`row_block_kernel`); a block is TMA-copied into SMEM in column chunks and held in
+registers as a :class:`Row`.
+
 Mosaic GPU has no sort/top_k/argmax, so selection is built from row max/min
 reductions over arrays in the WGMMA register layout (64 rows x a multiple of 8
 columns per warpgroup). Scores are compared through int32 *order keys*: the
@@ -12,6 +16,7 @@ so a row of ``-inf`` still yields distinct indices (spec §9.9).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +54,19 @@ def block_start(num_rows: int) -> jax.Array:
   return jnp.minimum(lax.axis_index("i") * BLOCK_ROWS, num_rows - BLOCK_ROWS)
 
 
+def row_block_kernel(body, num_rows: int, out_type, scratch_types: dict, interpret=None):
+  """A Mosaic GPU kernel with one CTA per block of 64 rows: ``body(row0, *refs, **scratch)``.
+
+  ``refs`` are the GMEM inputs then outputs, ``row0`` is :func:`block_start`.
+  """
+
+  def kernel(*refs, **scratch):
+    body(block_start(num_rows), *refs, **scratch)
+
+  return plgpu.kernel(kernel, out_type=out_type, grid=(pl.cdiv(num_rows, BLOCK_ROWS),), grid_names=("i",),
+                      scratch_types=scratch_types, interpret=interpret)
+
+
 def order_key(v: jax.Array) -> jax.Array:
   """float32 -> int32 with the same order; NaN -> key(-inf), -0.0 -> key(+0.0)."""
   v = jnp.where(v != v, -jnp.inf, v)
@@ -82,39 +100,53 @@ class Row:
     return Row([f(v, c) for v, c in zip(self.vals, self.cols)], self.cols, self.spans)
 
   def max(self) -> jax.Array:
-    return _reduce(jnp.maximum, [jnp.max(v, axis=1) for v in self.vals])
+    return self.reduce(jnp.maximum, jnp.max)
 
   def min(self) -> jax.Array:
-    return _reduce(jnp.minimum, [jnp.min(v, axis=1) for v in self.vals])
+    return self.reduce(jnp.minimum, jnp.min)
+
+  def reduce(self, combine, reduce_cols) -> jax.Array:
+    """Row reduction: chunks of equal width are combined elementwise first, so that only one
+    cross-lane reduction runs per width (``combine`` must be associative and exact)."""
+    by_width = {}
+    for v in self.vals:
+      by_width[v.shape[1]] = v if v.shape[1] not in by_width else combine(by_width[v.shape[1]], v)
+    return functools.reduce(combine, [reduce_cols(v, axis=1) for v in by_width.values()])
 
 
-def _reduce(f, xs):
-  out = xs[0]
-  for x in xs[1:]:
-    out = f(out, x)
-  return out
+def load_rows(x_g, smem, bars, row0, e: int, each=None) -> Row:
+  """TMA-loads rows ``[row0, row0 + 64)`` of ``x_g`` (``(T, e)``) and returns them in registers.
 
-
-def load_rows(x_g, smem, bars, row0, e: int) -> Row:
-  """TMA-loads rows ``[row0, row0 + 64)`` of ``x_g`` (``(T, e)``) and returns them in registers."""
+  ``smem`` and ``bars`` come from :func:`scratch`. With ``each``, the returned chunks are
+  ``each(chunk)``, applied as soon as a chunk arrives (overlapping the copies of the later chunks).
+  """
   spans = chunks(e)
-  for (c0, w), s, bar in zip(spans, smem, bars):
-    plgpu.copy_gmem_to_smem(x_g.at[pl.ds(row0, BLOCK_ROWS), pl.ds(c0, w)], s, bar)
-  vals, cols = [], []
-  for (c0, w), s, bar in zip(spans, smem, bars):
+  for i, ((c0, w), bar) in enumerate(zip(spans, bars)):
+    plgpu.copy_gmem_to_smem(x_g.at[pl.ds(row0, BLOCK_ROWS), pl.ds(c0, w)], smem[i], bar)
+  vals = []
+  for i, bar in enumerate(bars):
     plgpu.barrier_wait(bar)
-    vals.append(plgpu.load(s, layout=_LAYOUT))
-    cols.append(c0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, w), 1, layout=_LAYOUT))
-  return Row(vals, cols, spans)
+    v = plgpu.load(smem[i], layout=_LAYOUT)
+    vals.append(v if each is None else each(v))
+  return Row(vals, _col_numbers(spans), spans)
+
+
+def _col_numbers(spans) -> list:
+  return [c0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, w), 1, layout=_LAYOUT) for c0, w in spans]
 
 
 def scratch(e: int, dtype=jnp.float32) -> dict:
-  """The SMEM buffers and barriers :func:`load_rows` needs for a row of ``e`` values."""
-  n = len(chunks(e))
+  """The SMEM buffers (one per chunk) and barriers :func:`load_rows` needs for a row of ``e`` values."""
+  spans = chunks(e)
   return dict(
-      smem=[plgpu.SMEM((BLOCK_ROWS, w), dtype) for _, w in chunks(e)],
-      bars=[plgpu.Barrier(num_arrivals=1) for _ in range(n)],
+      smem=[plgpu.SMEM((BLOCK_ROWS, w), dtype) for _, w in spans],
+      bars=[plgpu.Barrier(num_arrivals=1) for _ in spans],
   )
+
+
+def load_keys(x_g, smem, bars, row0, e: int) -> Row:
+  """Order keys of the block of scores at ``row0``."""
+  return load_rows(x_g, smem, bars, row0, e, order_key)
 
 
 def pick_best(keys: Row, big: int) -> tuple[jax.Array, jax.Array, Row]:

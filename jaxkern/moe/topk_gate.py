@@ -18,7 +18,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config
 from jaxkern.moe import _select
@@ -36,22 +35,14 @@ def pad_rows_and_cols(x: jax.Array, fill) -> jax.Array:
 def _topk_gate_kernel(scores: jax.Array, num_topk: int, num_experts: int, interpret=None) -> jax.Array:
   t, e = scores.shape
 
-  @functools.partial(
-      plgpu.kernel,
-      out_type=jax.ShapeDtypeStruct((t, num_topk), jnp.int32),
-      grid=(pl.cdiv(t, _select.BLOCK_ROWS),),
-      grid_names=("i",),
-      scratch_types=_select.scratch(e),
-      interpret=interpret,
-  )
-  def kernel(x_g, o_g, smem, bars):
-    row0 = _select.block_start(t)
-    keys = _select.load_rows(x_g, smem, bars, row0, e).map(_select.order_key)
+  def body(row0, x_g, o_g, smem, bars):
+    keys = _select.load_keys(x_g, smem, bars, row0, e)
     for k in range(num_topk):
       _, idx, keys = _select.pick_best(keys, num_experts)
       o_g[pl.ds(row0, _select.BLOCK_ROWS), k] = idx
 
-  return kernel(scores)
+  out_type = jax.ShapeDtypeStruct((t, num_topk), jnp.int32)
+  return _select.row_block_kernel(body, t, out_type, _select.scratch(e), interpret)(scores)
 
 
 def topk_gate(scores: jax.Array, num_topk: int, *, implementation: str | None = None) -> jax.Array:

@@ -15,7 +15,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config
 from jaxkern.moe import _select
@@ -29,17 +28,8 @@ def _kernel(x: jax.Array, num_groups: int, group_size: int, num_topk_sum: int, n
             interpret=None):
   t, e = x.shape
 
-  @functools.partial(
-      plgpu.kernel,
-      out_type=jax.ShapeDtypeStruct((t, num_topk_groups), jnp.int32),
-      grid=(pl.cdiv(t, _select.BLOCK_ROWS),),
-      grid_names=("i",),
-      scratch_types=_select.scratch(e),
-      interpret=interpret,
-  )
-  def kernel(x_g, o_g, smem, bars):
-    row0 = _select.block_start(t)
-    keys = _select.load_rows(x_g, smem, bars, row0, e).map(_select.order_key)
+  def body(row0, x_g, o_g, smem, bars):
+    keys = _select.load_keys(x_g, smem, bars, row0, e)
     ranks = _select.group_ranks(_select.group_scores(keys, num_groups, group_size, num_topk_sum))
     for r in range(num_topk_groups):
       out = jnp.zeros_like(ranks[0])
@@ -47,7 +37,8 @@ def _kernel(x: jax.Array, num_groups: int, group_size: int, num_topk_sum: int, n
         out = jnp.where(rank == r, g, out)
       o_g[pl.ds(row0, _select.BLOCK_ROWS), r] = out
 
-  return kernel(x)
+  out_type = jax.ShapeDtypeStruct((t, num_topk_groups), jnp.int32)
+  return _select.row_block_kernel(body, t, out_type, _select.scratch(e), interpret)(x)
 
 
 def topk_sum_and_topk_group_idx(scores: jax.Array, num_topk_sum: int, num_topk_groups: int, *,

@@ -6,6 +6,8 @@ Index outputs are int32 (spec §9.1). Scores are ranked with NaN treated as ``-i
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -73,7 +75,9 @@ def gate_scores(logits: jax.Array, scoring_func: str) -> jax.Array:
     return _ieee.div(jnp.ones_like(logits), 1.0 + jnp.exp(-logits))
   if scoring_func == "sqrtsoftplus":
     return _ieee.sqrt(softplus(logits))
-  z = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
+  # The barriers keep exp out of reduction fusions, where XLA:CPU evaluates it differently.
+  m = lax.optimization_barrier(jnp.max(logits, axis=1, keepdims=True))
+  z = lax.optimization_barrier(jnp.exp(logits - m))
   return _ieee.div(z, softmax_denominator(z)[:, None])
 
 
@@ -134,10 +138,14 @@ def finish_gate(idx, weights, *, num_experts, num_shared, ep_rank, num_ep_ranks,
   return idx, weights
 
 
+@functools.partial(jax.jit, static_argnames=("num_topk", "num_topk_groups", "num_groups", "use_shared_as_routed",
+                                             "num_shared_experts", "num_ep_ranks", "num_tp_ranks", "scoring_func"))
 def top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
                   routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask=None,
                   fix_routing_mask=None, to_physical_map=None, logical_count=None, unmapped_topk_idx=None):
   """The DeepSeek router (spec §4.3); arguments as :func:`jaxkern.moe.top2_sum_gate` (validated there).
+
+  Jitted as one XLA computation (``routed_scaling_factor``, ``ep_rank`` and ``tp_rank`` are traced).
 
   Returns ``(topk_idx, topk_weights)``, plus the new ``unmapped_topk_idx`` when one is passed.
   """

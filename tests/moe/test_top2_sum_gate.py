@@ -12,11 +12,6 @@ from jaxkern.reference import moe as ref
 from jaxkern.testing import assert_bitwise_equal, lower_for_h100
 from tests.moe.gating import tricky_rows
 
-# On CPU these tests intermittently hang (both xdist workers idle inside an eager op that follows
-# the interpret-mode kernel, e.g. test_ep_tp_masking), which would stall CI; they run on a GPU only
-# until that is diagnosed.
-pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="interpret-mode hang on CPU, see module note")
-
 FUNCS = ["sigmoid", "sqrtsoftplus", "softmax"]
 
 
@@ -41,8 +36,10 @@ def _check(got, want):
     assert_bitwise_equal(a, b)
 
 
-# (num_groups, num_topk_groups, E, S, K) from the upstream grid, E scaled down where large.
-CONFIGS = [(0, 0, 72, 1, 6), (0, 0, 36, 2, 6), (8, 8, 64, 2, 8), (8, 4, 64, 2, 8), (4, 2, 40, 0, 4)]
+# (num_groups, num_topk_groups, E, S, K) from the upstream grid, E scaled down where large; 144 has
+# two 128-column blocks in the softmax sum (the second one partial), 40 / 4 groups pads each group.
+CONFIGS = [(0, 0, 72, 1, 6), (0, 0, 36, 2, 6), (8, 8, 64, 2, 8), (8, 4, 64, 2, 8), (4, 2, 40, 0, 4),
+           (0, 0, 144, 0, 6)]
 
 
 @pytest.mark.parametrize("cfg, func", [(c, FUNCS[i % 3]) for i, c in enumerate(CONFIGS)], ids=str)
@@ -112,7 +109,6 @@ def test_all_ties_pick_the_lowest_experts():
   np.testing.assert_array_equal(np.asarray(idx)[:64, :k], np.tile(np.arange(k), (64, 1)))
 
 
-@pytest.mark.skip(reason="did not finish within 150 s on the shared 2-core CPU (interpret mode); to investigate")
 @settings(max_examples=3, deadline=None)
 @given(tricky_rows((64, 16)), st.sampled_from(FUNCS), st.just(True))
 def test_tricky_values(x, func, grouped):
@@ -170,11 +166,22 @@ def test_bad_input(kw, match):
     _gate(**kw)
 
 
-@pytest.mark.parametrize("e, g, ntg, k", [(256, 8, 4, 8), (256, 8, 8, 8), (72, 0, 0, 6), (384, 0, 0, 8)])
-def test_lowers_for_h100(e, g, ntg, k):
-  f = functools.partial(_gate, k=k, g=g, ntg=ntg, implementation="pallas")
-  args = (jax.ShapeDtypeStruct((8192, e), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.float32))
-  assert "mosaic_gpu" in lower_for_h100(f, *args).as_text()
+@pytest.mark.parametrize("e, g, ntg, k, func, options", [
+    (256, 8, 4, 8, "sigmoid", "mask"),  # DeepSeek-V3
+    (256, 8, 8, 8, "softmax", "mask fix"),
+    (72, 0, 0, 6, "sqrtsoftplus", "map"),
+    (384, 0, 0, 8, "softmax", "map"),
+])
+def test_lowers_for_h100(e, g, ntg, k, func, options):
+  t, s = 8192, 2 if "map" in options else 0
+  arrays = dict(mask=jax.ShapeDtypeStruct((t,), jnp.bool_) if "mask" in options else None)
+  if "fix" in options:
+    arrays.update(fix=jax.ShapeDtypeStruct((t,), jnp.bool_), unmapped=jax.ShapeDtypeStruct((t, k), jnp.int32))
+  if "map" in options:
+    arrays.update(pmap=jax.ShapeDtypeStruct((e + s, 33), jnp.int32), count=jax.ShapeDtypeStruct((e + s,), jnp.int32))
+  f = lambda logits, bias, a: _gate(logits, bias, k=k, g=g, ntg=ntg, s=s, func=func, implementation="pallas", **a)
+  args = (jax.ShapeDtypeStruct((t, e), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.float32), arrays)
+  assert "xla.gpu.triton" in lower_for_h100(f, *args).as_text()
 
 
 @pytest.mark.gpu
