@@ -5,12 +5,33 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks
 from jaxkern.reference import moe_routing as ref
 
 INDEX_DTYPES = (jnp.int32, jnp.int64)
 TMA_MAX_BOX = 256  # elements per dimension of one TMA copy
+
+
+def thread_rows(x, rows_per_cta: int):
+  """Tiling of a ``(T, K)`` array for kernels where each thread owns whole rows: returns ``(x padded to
+  at least 128 rows (tiny inputs only), rows per CTA, grid size, one-value-per-thread layout)``."""
+  t = x.shape[0]
+  tp = max(t, 128)
+  if tp != t:
+    x = jnp.pad(x, ((0, tp - t), (0, 0)))
+  rt = min(rows_per_cta, tp // 128 * 128)
+  return x, rt, pl.cdiv(tp, rt), plgpu.Layout.WG_STRIDED((rt,), vec_size=1)
+
+
+def load_thread_rows(x_g, rt: int, layout):
+  """In a :func:`thread_rows` kernel: this CTA's rows (the last CTA shifted back to end at the last
+  row) and the list of their ``K`` columns, one strided load each."""
+  rows = pl.ds(jnp.minimum(lax.axis_index("i") * rt, x_g.shape[0] - rt), rt)
+  return rows, [plgpu.load(x_g.at[rows, j], layout=layout, optimized=False) for j in range(x_g.shape[1])]
 
 
 def check_index(name: str, x, ndim: int, dtypes=INDEX_DTYPES) -> None:

@@ -25,11 +25,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config
+from jaxkern.moe import _routing
 from jaxkern.quant.common import exact_div
 from jaxkern.reference import moe_routing as ref
 
@@ -45,22 +44,18 @@ _SEED = 1e-20
 @functools.partial(jax.jit, static_argnames=("rows_per_cta", "interpret"))
 def _kernel(w, *, rows_per_cta=ROWS_PER_CTA, interpret=None):
   t, k = w.shape
-  tp = max(t, 128)
-  if tp != t:  # fewer tokens than one warpgroup: pad (tiny inputs only)
-    w = jnp.pad(w, ((0, tp - t), (0, 0)))
-  rt = min(rows_per_cta, tp // 128 * 128)
-  layout = plgpu.Layout.WG_STRIDED((rt,), vec_size=1)
+  w, rt, grid, layout = _routing.thread_rows(w, rows_per_cta)
+  tp = w.shape[0]
 
   @functools.partial(
       plgpu.kernel,
       out_type=(jax.ShapeDtypeStruct((tp,), jnp.float32), jax.ShapeDtypeStruct((tp, k), jnp.float32)),
-      grid=(pl.cdiv(tp, rt),),
+      grid=(grid,),
       grid_names=("i",),
       interpret=interpret,
   )
   def kernel(w_g, d_g, o_g):
-    rows = pl.ds(jnp.minimum(lax.axis_index("i") * rt, tp - rt), rt)
-    cols = [plgpu.load(w_g.at[rows, j], layout=layout, optimized=False) for j in range(k)]
+    rows, cols = _routing.load_thread_rows(w_g, rt, layout)
     d = plgpu.layout_cast(jnp.full((rt,), _SEED, jnp.float32), layout)
     for c in cols:
       d = d + c

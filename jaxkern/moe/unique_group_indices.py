@@ -16,8 +16,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _config
@@ -34,17 +32,12 @@ KERNEL_TOPK = (2, 8)
 @functools.partial(jax.jit, static_argnames=("rows_per_cta", "interpret"))
 def _kernel(g, *, rows_per_cta=ROWS_PER_CTA, interpret=None):
   t, k = g.shape
-  tp = max(t, 128)
-  if tp != t:  # fewer rows than one warpgroup: pad (tiny inputs only)
-    g = jnp.pad(g, ((0, tp - t), (0, 0)))
-  rt = min(rows_per_cta, tp // 128 * 128)
-  layout = plgpu.Layout.WG_STRIDED((rt,), vec_size=1)
+  g, rt, grid, layout = _routing.thread_rows(g, rows_per_cta)
 
-  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((tp, k), jnp.int32), grid=(pl.cdiv(tp, rt),),
+  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct(g.shape, jnp.int32), grid=(grid,),
                      grid_names=("i",), interpret=interpret)
   def kernel(g_g, o_g):
-    rows = pl.ds(jnp.minimum(lax.axis_index("i") * rt, tp - rt), rt)
-    cols = [plgpu.load(g_g.at[rows, j], layout=layout, optimized=False) for j in range(k)]
+    rows, cols = _routing.load_thread_rows(g_g, rt, layout)
     for j, c in enumerate(cols):
       if j:
         dup = functools.reduce(jnp.logical_or, [c == e for e in cols[:j]])
