@@ -3,21 +3,25 @@
 Mosaic GPU kernel that reads the input straight from GMEM into registers and writes the e4m3 data
 straight back (no SMEM, no TMA, so any row count works without padding). The wrapper views the
 ``(M, K)`` input as rows that each hold whole groups: ``(M·K/npc, npc)`` when ``npc`` divides ``K``
-(one group per view row, so the view-row order of the sf is layout A), ``(M, K)`` for one scale per
-row, and ``(M, K)`` split into column segments, one per group, when the last group is partial. Each
-CTA loads a block of view rows in :func:`jaxkern._layouts.row_layout` (16-byte vectors along the
-row, coalesced), reduces each group's ``|x|`` along the row (vector, warp-shuffle and cross-warp
-reductions), computes the scale factors, quantises and stores. The last CTA's block is shifted back
-to end at the last row (its overlap with the previous block is written twice with equal values).
+and the sf is row-major (one group per view row, so the view-row order of the sf is layout A),
+``(M, K)`` for one scale per row, and ``(M, K)`` split into column segments, one per group, when the
+last group is partial or the sf is column-major (then a second grid axis gives each CTA a chunk of
+4 groups, one packed UE8M0 word per row). Each CTA loads a block of view rows in
+:func:`jaxkern._layouts.row_layout` (16-byte vectors along the row, coalesced), reduces each group's
+``|x|`` along the row (vector, warp-shuffle and cross-warp reductions), computes the scale factors,
+quantises and stores. The last CTA's block is shifted back to end at the last row (its overlap with
+the previous block is written twice with equal values).
 
 Exact numerics (quant.md §3.3/§4.8): ``sf = a / 448``, ``sf_inv = 448 / a`` and ``1 / sf`` are
 correctly rounded with :func:`jaxkern.quant.common.exact_div` (the GPU's ``/`` is approximate; the
 divisor 448 is loaded from memory so that XLA cannot fold it in interpret mode), checked against
 numpy by a ``gpu`` test. The e4m3 conversion saturates on the GPU (``cvt.rn.satfinite``); the
 explicit clip to ±448 is only needed with a precomputed sf. The kernel writes the scale factors as
-float32 ``(segments, view rows)`` (the wrapper reshapes them to layout A, or XLA reformats them),
-or, when every view row is a row (one scale per row, or a partial last group), directly in the
-column-major layout B or packed UE8M0 layout C, padding rows zeroed by the last CTA.
+float32 ``(segments, view rows)`` (the wrapper reshapes them to layout A), or, when every view row
+is a row (one scale per row, or column segments), directly in the column-major layout B or packed
+UE8M0 layout C, padding rows zeroed by the last row of CTAs; XLA reformats them only for inputs of
+fewer rows than one layout block. The format's largest value reaches the kernel as a one-element
+host constant (an XLA splat would cost a broadcast kernel).
 
 FP4 e2m1 (same kernel, quant.md §4.4): Hopper has no FP4 conversion, so the rounding (nearest even,
 saturating at ±6, sign kept) and the packing (column ``2j`` in the low nibble) are integer bit
@@ -45,6 +49,11 @@ from jaxkern.reference import quant as ref
 
 # Groups per CTA when groups dividing K run as column segments (one packed UE8M0 word).
 SEG_CHUNK = 4
+# Lanes sharing a row when each group is a column segment of a row (the CTA's rows then span several
+# groups, so fewer rows per CTA keep enough CTAs). H200, 8001x7168 npc 128 layout C (chunks of 4):
+# 4 lanes 53.1 / 81.5 µs (bf16 / float32), 8 lanes 42.2 / 69.0, 16 lanes 48.9 / 71.0; e2m1 float32
+# 4001x576 npc 128 (5 segments per row): 15.0, 11.0, 10.1 µs.
+SEGMENT_LANES = 8
 
 
 def _fp4_pairs(x):
@@ -195,13 +204,14 @@ def _kernel(x, sf_in, *, npc, fmt, round_sf, col_major, packed, write_data, comp
   m, k = x.shape
   r, w, segs = common.row_plan(m, k, npc)
   kb = ref.cdiv(k, npc)
-  lanes = 32 if npc >= k else common.GROUP_LANES  # one scale per row: whole warps per row
+  # One scale per row: whole warps per row; groups as view rows: GROUP_LANES; column segments: SEGMENT_LANES.
+  lanes = 32 if npc >= k else SEGMENT_LANES if r == m else common.GROUP_LANES
   seg_chunk = None
   if col_major and sf_in is None and r != m:  # groups dividing K: column segments of the rows
     csegs = tuple((j * npc, npc) for j in range(kb))
-    xv, vsegs, unit = _view(x, csegs, fmt, lanes)
+    xv, vsegs, unit = _view(x, csegs, fmt, SEGMENT_LANES)
     if unit <= m:
-      r, segs, seg_chunk = m, vsegs, SEG_CHUNK
+      r, segs, seg_chunk, lanes = m, vsegs, SEG_CHUNK, SEGMENT_LANES
   if seg_chunk is None:
     xv, segs, unit = _view(x.reshape(r, w), segs, fmt, lanes)
   rp = max(r, unit)
