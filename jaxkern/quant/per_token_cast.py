@@ -3,21 +3,25 @@
 Mosaic GPU kernel that reads the input straight from GMEM into registers and writes the e4m3 data
 straight back (no SMEM, no TMA, so any row count works without padding). The wrapper views the
 ``(M, K)`` input as rows that each hold whole groups: ``(M·K/npc, npc)`` when ``npc`` divides ``K``
-(one group per view row, so the view-row order of the sf is layout A), ``(M, K)`` for one scale per
-row, and ``(M, K)`` split into column segments, one per group, when the last group is partial. Each
-CTA loads a block of view rows in :func:`jaxkern._layouts.row_layout` (16-byte vectors along the
-row, coalesced), reduces each group's ``|x|`` along the row (vector, warp-shuffle and cross-warp
-reductions), computes the scale factors, quantises and stores. The last CTA's block is shifted back
-to end at the last row (its overlap with the previous block is written twice with equal values).
+and the sf is row-major (one group per view row, so the view-row order of the sf is layout A),
+``(M, K)`` for one scale per row, and ``(M, K)`` split into column segments, one per group, when the
+last group is partial or the sf is column-major (then a second grid axis gives each CTA a chunk of
+4 groups, one packed UE8M0 word per row). Each CTA loads a block of view rows in
+:func:`jaxkern._layouts.row_layout` (16-byte vectors along the row, coalesced), reduces each group's
+``|x|`` along the row (vector, warp-shuffle and cross-warp reductions), computes the scale factors,
+quantises and stores. The last CTA's block is shifted back to end at the last row (its overlap with
+the previous block is written twice with equal values).
 
 Exact numerics (quant.md §3.3/§4.8): ``sf = a / 448``, ``sf_inv = 448 / a`` and ``1 / sf`` are
 correctly rounded with :func:`jaxkern.quant.common.exact_div` (the GPU's ``/`` is approximate; the
 divisor 448 is loaded from memory so that XLA cannot fold it in interpret mode), checked against
 numpy by a ``gpu`` test. The e4m3 conversion saturates on the GPU (``cvt.rn.satfinite``); the
 explicit clip to ±448 is only needed with a precomputed sf. The kernel writes the scale factors as
-float32 ``(segments, view rows)`` (the wrapper reshapes them to layout A, or XLA reformats them),
-or, when every view row is a row (one scale per row, or a partial last group), directly in the
-column-major layout B or packed UE8M0 layout C, padding rows zeroed by the last CTA.
+float32 ``(segments, view rows)`` (the wrapper reshapes them to layout A), or, when every view row
+is a row (one scale per row, or column segments), directly in the column-major layout B or packed
+UE8M0 layout C, padding rows zeroed by the last row of CTAs; XLA reformats them only for inputs of
+fewer rows than one layout block. The format's largest value reaches the kernel as a one-element
+host constant (an XLA splat would cost a broadcast kernel).
 
 FP4 e2m1 (same kernel, quant.md §4.4): Hopper has no FP4 conversion, so the rounding (nearest even,
 saturating at ±6, sign kept) and the packing (column ``2j`` in the low nibble) are integer bit
@@ -34,6 +38,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -41,6 +46,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxkern import _checks, _config
 from jaxkern.quant import common
 from jaxkern.reference import quant as ref
+
+# Groups per CTA when groups dividing K run as column segments (one packed UE8M0 word).
+SEG_CHUNK = 4
+# Lanes sharing a row when each group is a column segment of a row (the CTA's rows then span several
+# groups, so fewer rows per CTA keep enough CTAs). H200, 8001x7168 npc 128 layout C (chunks of 4):
+# 4 lanes 53.1 / 81.5 µs (bf16 / float32), 8 lanes 42.2 / 69.0, 16 lanes 48.9 / 71.0; e2m1 float32
+# 4001x576 npc 128 (5 segments per row): 15.0, 11.0, 10.1 µs.
+SEGMENT_LANES = 8
 
 
 def _fp4_pairs(x):
@@ -67,38 +80,44 @@ def _load_pairs(x_g, rows, c, sw, layout):
 
 
 def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, interpret, sf_layout="rows",
-               thread_bytes=common.THREAD_BYTES):
+               seg_chunk=None, thread_bytes=common.THREAD_BYTES):
   """Per-row-group cast of ``x`` (``R`` at least one layout block of rows).
 
   ``x``: ``(R, W)`` for e4m3; for e2m1 the pair view of :func:`_fp4_pairs` (``W/2`` pairs, ``segs``
   in pairs). ``segs``: static ``(column, width)`` groups of each row; ``lanes``: at most this many
-  lanes share a row (:func:`jaxkern._layouts.row_layout`). ``sf_in``: precomputed float32 sf
-  ``(len(segs), R)`` or None. ``sf_layout``: ``"rows"`` writes the sf as float32 ``(len(segs), R)``;
-  with one view row per row, ``"B"`` / ``"C"`` write layout B ``(len(segs), Mp)`` float32 / layout C
-  ``(ceil(len(segs)/4), Mp)`` int32 packed UE8M0 directly (``Mp = align(R, 4)``; the last CTA zeroes
-  the padding rows with scalar stores). Returns ``(out | None, sf | None)``: ``out`` ``(R, W)`` e4m3
-  or ``(R, W/2)`` int8 (packed e2m1, column ``2j`` in the low nibble).
+  lanes share a row (:func:`jaxkern._layouts.row_layout`). ``seg_chunk``: None (each CTA takes all
+  segments of its rows) or, for equal-width segments ``(j·sw, sw)``, the segments per CTA (a multiple
+  of 4 for layout C): a second grid axis runs over the chunks, the last one may be shorter.
+  ``sf_in``: precomputed float32 sf ``(len(segs), R)`` or None. ``sf_layout``: ``"rows"`` writes the
+  sf as float32 ``(len(segs), R)``; with one view row per row, ``"B"`` / ``"C"`` write layout B
+  ``(len(segs), Mp)`` float32 / layout C ``(ceil(len(segs)/4), Mp)`` int32 packed UE8M0 directly
+  (``Mp = align(R, 4)``; the last row of CTAs zeroes the padding rows with scalar stores). Returns
+  ``(out | None, sf | None)``: ``out`` ``(R, W)`` e4m3 or ``(R, W/2)`` int8 (packed e2m1, column ``2j``
+  in the low nibble).
   """
   r, w = x.shape[:2]
   fp4 = fmt == "e2m1"
   itemsize = x.dtype.itemsize * (2 if x.ndim == 3 else 1)  # input bytes per view element
-  if fp4:
-    layouts = [_pair_layout(x, sw, lanes) for _, sw in segs]
-  else:
-    layouts = [common.row_layout(sw, itemsize, lanes) for _, sw in segs]
-  unit = max(u for _, u in layouts)
-  rt = common.tile_rows(r, w, itemsize, unit, thread_bytes)
+  nseg = len(segs)
+  chunk = seg_chunk or nseg
+  num_chunks = ref.cdiv(nseg, chunk)
+
+  def seg_layout(sw):
+    return _pair_layout(x, sw, lanes) if fp4 else common.row_layout(sw, itemsize, lanes)
+
+  unit = max(seg_layout(sw)[1] for _, sw in segs)
+  rt = common.tile_rows(r, w if seg_chunk is None else chunk * segs[0][1], itemsize, unit, thread_bytes)
   out_type = []
   if write_data:
     out_type.append(jax.ShapeDtypeStruct((r, w), jnp.int8 if fp4 else jnp.float8_e4m3fn))
   mp = ref.cdiv(r, 4) * 4
-  sf_type = {"rows": ((len(segs), r), jnp.float32), "B": ((len(segs), mp), jnp.float32),
-             "C": ((ref.cdiv(len(segs), 4), mp), jnp.int32)}[sf_layout]
+  sf_type = {"rows": ((nseg, r), jnp.float32), "B": ((nseg, mp), jnp.float32),
+             "C": ((ref.cdiv(nseg, 4), mp), jnp.int32)}[sf_layout]
   if compute_sf:
     out_type.append(jax.ShapeDtypeStruct(*sf_type))
   num_ctas = pl.cdiv(r, rt)
 
-  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(num_ctas,), grid_names=("i",),
+  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(num_ctas, num_chunks), grid_names=("i", "g"),
                      interpret=interpret)
   def kernel(*refs):
     x_g, c_g, *rest = refs
@@ -106,43 +125,72 @@ def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, 
     o_g = rest.pop(0) if write_data else None
     sf_g = rest.pop(0) if compute_sf else None
     rows = pl.ds(jnp.minimum(lax.axis_index("i") * rt, r - rt), rt)
-    if fp4:
-      vals = [_load_pairs(x_g, rows, c, sw, lay) for (c, sw), (lay, _) in zip(segs, layouts)]
-    else:
-      vals = [(plgpu.load(x_g.at[rows, pl.ds(c, sw)], layout=lay, optimized=False).astype(jnp.float32),)
-              for (c, sw), (lay, _) in zip(segs, layouts)]
-    for s, ((c, sw), (lay, _), v) in enumerate(zip(segs, layouts, vals)):
-      vec = lay.reduce(1)
-      if sf_in is not None:
-        inv = common.exact_div(1.0, plgpu.load(sfin_g.at[s, rows], layout=vec, optimized=False))
-      else:
-        maxv = plgpu.load(c_g, layout=vec, optimized=False)
-        amax = jnp.max(functools.reduce(jnp.maximum, [jnp.abs(h) for h in v]), axis=1)
-        sf, inv = ref.scale_factors(amax, maxv, fmt, round_sf, div=common.exact_div)
-        if compute_sf and sf_layout != "C":
-          sf_g[s, rows] = sf
-        elif compute_sf:  # UE8M0 byte of segment s into byte s % 4 of word s // 4
-          byte = ((lax.bitcast_convert_type(sf, jnp.int32) >> 23) & 0xFF) << (8 * (s % 4))
-          word = byte if s % 4 == 0 else word | byte
-          if s % 4 == 3 or s == len(segs) - 1:
-            sf_g[s // 4, rows] = word
-      if write_data:
-        q = [h * inv[:, None] for h in v]
-        if fp4:
-          out = (ref.encode_e2m1(q[0]) | (ref.encode_e2m1(q[1]) << 4)).astype(jnp.int8)
-        else:
-          out = ref.encode_e4m3(q[0]) if sf_in is not None else q[0].astype(jnp.float8_e4m3fn)
-        o_g[rows, pl.ds(c, sw)] = out
-    if compute_sf and sf_layout != "rows" and mp > r:
-      @pl.when(lax.axis_index("i") == num_ctas - 1)
-      def _():
-        for j in range(r, mp):
-          for t in range(sf_type[0][0]):
-            sf_g[t, j] = jnp.zeros((), sf_type[1])
 
-  consts = jnp.full((rt,), ref.MAX_VALUE[fmt], jnp.float32)
+    def body(col0, seg0, local):
+      """Segments ``seg0 + t`` at columns ``col0 + c`` for the static ``(c, sw)`` of ``local``
+      (``seg0`` a multiple of 4 for layout C)."""
+      layouts = [seg_layout(sw)[0] for _, sw in local]
+      maxv = c_g[0] if sf_in is None else None
+      if fp4:
+        vals = [_load_pairs(x_g, rows, col0 + c, sw, lay) for (c, sw), lay in zip(local, layouts)]
+      else:
+        vals = [(plgpu.load(x_g.at[rows, pl.ds(col0 + c, sw)], layout=lay, optimized=False).astype(jnp.float32),)
+                for (c, sw), lay in zip(local, layouts)]
+      for t, ((c, sw), lay, v) in enumerate(zip(local, layouts, vals)):
+        vec = lay.reduce(1)
+        if sf_in is not None:
+          inv = common.exact_div(1.0, plgpu.load(sfin_g.at[seg0 + t, rows], layout=vec, optimized=False))
+        else:
+          amax = jnp.max(functools.reduce(jnp.maximum, [jnp.abs(h) for h in v]), axis=1)
+          sf, inv = ref.scale_factors(amax, maxv, fmt, round_sf, div=common.exact_div)
+          if compute_sf and sf_layout != "C":
+            sf_g[seg0 + t, rows] = sf
+          elif compute_sf:  # UE8M0 byte of segment seg0 + t into byte t % 4 of word (seg0 + t) // 4
+            byte = ((lax.bitcast_convert_type(sf, jnp.int32) >> 23) & 0xFF) << (8 * (t % 4))
+            word = byte if t % 4 == 0 else word | byte
+            if t % 4 == 3 or t == len(local) - 1:
+              sf_g[seg0 // 4 + t // 4, rows] = word
+        if write_data:
+          q = [h * inv[:, None] for h in v]
+          if fp4:
+            out = (ref.encode_e2m1(q[0]) | (ref.encode_e2m1(q[1]) << 4)).astype(jnp.int8)
+          else:
+            out = ref.encode_e4m3(q[0]) if sf_in is not None else q[0].astype(jnp.float8_e4m3fn)
+          o_g[rows, pl.ds(col0 + c, sw)] = out
+      if compute_sf and sf_layout != "rows" and mp > r:
+        @pl.when(lax.axis_index("i") == num_ctas - 1)
+        def _():
+          first, count = (seg0, len(local)) if sf_layout == "B" else (seg0 // 4, ref.cdiv(len(local), 4))
+          for j in range(r, mp):
+            for t in range(count):
+              sf_g[first + t, j] = jnp.zeros((), sf_type[1])
+
+    if seg_chunk is None:
+      body(0, 0, segs)
+    else:
+      sw = segs[0][1]
+      g = lax.axis_index("g")
+      full = tuple((t * sw, sw) for t in range(chunk))
+      tail = nseg - (num_chunks - 1) * chunk
+      if tail == chunk:
+        body(g * (chunk * sw), g * chunk, full)
+      else:
+        pl.when(g < num_chunks - 1)(lambda: body(g * (chunk * sw), g * chunk, full))
+        pl.when(g == num_chunks - 1)(lambda: body((num_chunks - 1) * chunk * sw, (num_chunks - 1) * chunk, full[:tail]))
+
+  # A one-element host constant (a splat vector would become an XLA broadcast kernel), loaded by
+  # the kernel so that the division by it is not folded in interpret mode.
+  consts = np.full((1,), ref.MAX_VALUE[fmt], np.float32)
   outs = list(kernel(*((x, consts) if sf_in is None else (x, consts, sf_in))))
   return (outs.pop(0) if write_data else None), (outs.pop(0) if compute_sf else None)
+
+
+def _view(x, segs, fmt, lanes):
+  """The kernel's view of ``x`` ``(R, W)`` and its segments (pairs for e2m1), and the layout block rows."""
+  if fmt == "e2m1":
+    xv, segs = _fp4_pairs(x), tuple((c // 2, sw // 2) for c, sw in segs)
+    return xv, segs, max(_pair_layout(xv, sw, lanes)[1] for _, sw in segs)
+  return x, segs, max(common.row_layout(sw, x.dtype.itemsize, lanes)[1] for _, sw in segs)
 
 
 @functools.partial(jax.jit, static_argnames=("npc", "fmt", "round_sf", "col_major", "packed", "write_data",
@@ -150,17 +198,22 @@ def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, 
 def _kernel(x, sf_in, *, npc, fmt, round_sf, col_major, packed, write_data, compute_sf, interpret):
   """``x`` ``(M, K)``, ``sf_in`` layout-A ``(M, Kb)`` or None -> ``(out (M, K) e4m3 or (M, K/2) int8 |
   None, sf in layout A / B / C | None)``. The kernel writes layouts B / C itself when each view row is
-  a row (whole-row groups or column segments); otherwise XLA reformats its layout-A sf."""
+  a row (whole-row groups, column segments, or groups dividing ``K`` as column segments in chunks of
+  :data:`SEG_CHUNK` per CTA when ``M`` is at least one layout block); otherwise XLA reformats its
+  layout-A sf."""
   m, k = x.shape
   r, w, segs = common.row_plan(m, k, npc)
   kb = ref.cdiv(k, npc)
-  xv = x.reshape(r, w)
-  lanes = 32 if npc >= k else common.GROUP_LANES  # one scale per row: whole warps per row
-  if fmt == "e2m1":
-    xv, segs = _fp4_pairs(xv), tuple((c // 2, sw // 2) for c, sw in segs)
-    unit = max(_pair_layout(xv, sw, lanes)[1] for _, sw in segs)
-  else:
-    unit = max(common.row_layout(sw, x.dtype.itemsize, lanes)[1] for _, sw in segs)
+  # One scale per row: whole warps per row; groups as view rows: GROUP_LANES; column segments: SEGMENT_LANES.
+  lanes = 32 if npc >= k else SEGMENT_LANES if r == m else common.GROUP_LANES
+  seg_chunk = None
+  if col_major and sf_in is None and r != m:  # groups dividing K: column segments of the rows
+    csegs = tuple((j * npc, npc) for j in range(kb))
+    xv, vsegs, unit = _view(x, csegs, fmt, SEGMENT_LANES)
+    if unit <= m:
+      r, segs, seg_chunk, lanes = m, vsegs, SEG_CHUNK, SEGMENT_LANES
+  if seg_chunk is None:
+    xv, segs, unit = _view(x.reshape(r, w), segs, fmt, lanes)
   rp = max(r, unit)
   if rp != r:  # fewer rows than one layout block: pad (tiny inputs only)
     xv = jnp.pad(xv, ((0, rp - r),) + ((0, 0),) * (xv.ndim - 1))
@@ -170,7 +223,7 @@ def _kernel(x, sf_in, *, npc, fmt, round_sf, col_major, packed, write_data, comp
   in_kernel = col_major and r == m and rp == r
   sf_layout = ("C" if packed else "B") if in_kernel else "rows"
   out, sf = row_kernel(xv, sf_in, segs=segs, lanes=lanes, fmt=fmt, round_sf=round_sf, write_data=write_data,
-                       compute_sf=compute_sf, interpret=interpret, sf_layout=sf_layout)
+                       compute_sf=compute_sf, interpret=interpret, sf_layout=sf_layout, seg_chunk=seg_chunk)
   if out is not None:
     out = out[:r].reshape(m, out.shape[1] * r // m)
   if sf is not None and not in_kernel:

@@ -62,6 +62,23 @@ def test_per_token_cast_e2m1_bit_exact(key, m, k, npc, dtype, flags):
   assert_bitwise_equal(quant.per_token_cast_with_sf_only(x, "e2m1", npc, None, *FLAGS[flags]), want_sf)
 
 
+@pytest.mark.parametrize("m, k, npc, dtype, fmt, flags", [
+    (37, 384, 128, jnp.bfloat16, "e4m3", "C"),  # 3 groups: one short chunk, 3 padding rows
+    (100, 576, 64, jnp.float32, "e4m3", "C"),  # 9 groups: chunks of 4, 4 and 1
+    (37, 576, 32, jnp.bfloat16, "e4m3", "B"),  # 18 groups, layout B
+    (100, 384, 32, jnp.float32, "e2m1", "C"),
+    (37, 384, 64, jnp.bfloat16, "e2m1", "B"),
+])
+def test_groups_dividing_k_sf_written_by_kernel(key, m, k, npc, dtype, fmt, flags):
+  """Groups dividing K with a column-major sf: the rows' groups are column segments, chunks of
+  them per CTA, and the kernel writes layout B / C (padding rows zeroed) itself."""
+  x = _input(key, m, k, dtype)
+  (out, sf), (want, want_sf) = _both(quant.per_token_cast, x, fmt, npc, None, *FLAGS[flags])
+  assert_bitwise_equal(out, want)
+  assert_bitwise_equal(sf, want_sf)
+  assert_bitwise_equal(quant.per_token_cast_with_sf_only(x, fmt, npc, None, *FLAGS[flags]), want_sf)
+
+
 def test_e2m1_precomputed_sf_bit_exact(key):
   x = _input(key, 65, 576, jnp.float32)
   _, sf = quant.per_token_cast(x, "e2m1", 128, implementation="reference")
@@ -161,6 +178,8 @@ def test_zero_tokens():
   assert out.shape == (0, 576) and sf.shape == (0, 5)
   assert quant.per_token_cast(x, "e4m3", 128, None, True, True, True)[1].shape == (2, 0)
   assert quant.per_token_cast(x, "e2m1", 32)[0].shape == (0, 288)
+  out, sf = quant.per_token_cast(x[:, :384], "e4m3", 64, None, True, True, True)
+  assert out.shape == (0, 384) and sf.shape == (2, 0) and sf.dtype == jnp.int32
 
 
 def test_jit_and_vmap(key):
@@ -212,6 +231,7 @@ E4M3_LOWERING = [
     (4001, 576, 32, jnp.float32, "C"), (4001, 576, 128, jnp.bfloat16, "A"), (8001, 7168, 128, jnp.bfloat16, "C"),
     (8001, 7168, 7168, jnp.bfloat16, "C"), (8001, 7168, 7168, jnp.float32, "A"), (4096, 576, 576, jnp.float32, "B"),
     (4096, 2048, 16, jnp.bfloat16, "A"), (4001, 576, 128, jnp.bfloat16, "C"), (8001, 576, 128, jnp.float32, "B"),
+    (4001, 7168, 64, jnp.float32, "B"), (8001, 7168, 32, jnp.bfloat16, "C"),
 ]
 E2M1_LOWERING = [
     (4001, 576, 32, jnp.float32, "C"), (8001, 7168, 128, jnp.bfloat16, "C"), (4001, 576, 576, jnp.bfloat16, "A"),
@@ -226,7 +246,10 @@ def test_lowers_for_h100(fmt, m, k, npc, dtype, flags):
   f = functools.partial(quant.per_token_cast, fmt=fmt, num_per_channels=npc, x_block_size=None,
                         use_tma_aligned_col_major_sf=FLAGS[flags][0], round_sf=FLAGS[flags][1],
                         use_packed_ue8m0=FLAGS[flags][2], implementation="pallas")
-  assert "mosaic_gpu" in lower_for_h100(f, s).as_text()
+  text = lower_for_h100(f, s).as_text()
+  assert "mosaic_gpu" in text
+  if FLAGS[flags][0]:  # column-major sf: written by the kernel, no XLA reformatting or broadcast
+    assert "stablehlo.transpose" not in text and "stablehlo.broadcast" not in text
   if fmt == "e4m3":
     g = functools.partial(quant.per_token_cast_with_sf_only, fmt=fmt, num_per_channels=npc, implementation="pallas")
     assert "mosaic_gpu" in lower_for_h100(g, s).as_text()
@@ -289,6 +312,32 @@ def test_small_spec_shapes_sf_written_by_kernel_gpu(key, m, npc, flags):
                         use_tma_aligned_col_major_sf=FLAGS[flags][0], round_sf=FLAGS[flags][1],
                         use_packed_ue8m0=FLAGS[flags][2])
   out, sf = jax.jit(f)(x)
+  want, want_sf = jax.jit(functools.partial(f, implementation="reference"))(jax.device_put(x, jax.devices("cpu")[0]))
+  assert_bitwise_equal(out, want)
+  assert_bitwise_equal(sf, want_sf)
+
+
+def _poisoned_call(f, x):
+  """``f(x)`` right after freeing all-ones buffers shaped like its outputs, so that on a GPU unwritten
+  output elements (sf padding rows included) are likely to hold garbage."""
+  for o in jax.tree.leaves(jax.eval_shape(f, x)):
+    jnp.full(o.shape, -1, jnp.int8 if o.dtype.itemsize == 1 else o.dtype).block_until_ready()
+  return f(x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, npc, dtype, fmt, flags", [
+    (37, 384, 128, jnp.bfloat16, "e4m3", "C"), (100, 576, 32, jnp.float32, "e4m3", "C"),
+    (4001, 7168, 64, jnp.float32, "e4m3", "B"), (8001, 7168, 128, jnp.bfloat16, "e4m3", "C"),
+    (100, 576, 64, jnp.bfloat16, "e2m1", "C"), (4001, 7168, 128, jnp.float32, "e2m1", "C"),
+])
+def test_groups_dividing_k_sf_written_by_kernel_gpu(key, m, k, npc, dtype, fmt, flags):
+  """Kernel-written layouts B / C on poisoned memory, against the reference run by XLA on the host CPU."""
+  x = _input(key, m, k, dtype)
+  f = functools.partial(quant.per_token_cast, fmt=fmt, num_per_channels=npc, x_block_size=None,
+                        use_tma_aligned_col_major_sf=FLAGS[flags][0], round_sf=FLAGS[flags][1],
+                        use_packed_ue8m0=FLAGS[flags][2])
+  out, sf = _poisoned_call(jax.jit(f), x)
   want, want_sf = jax.jit(functools.partial(f, implementation="reference"))(jax.device_put(x, jax.devices("cpu")[0]))
   assert_bitwise_equal(out, want)
   assert_bitwise_equal(sf, want_sf)
