@@ -76,7 +76,7 @@ def _batched_transpose_kernel(x: jax.Array, interpret=None, tiling=None) -> jax.
     src = x_g.at[bi, pl.ds(i * bm, bm), pl.ds(j * bn, bn)]
     dst = o_g.at[bi, pl.ds(j * bn, bn), pl.ds(i * bm, bm)]
     if direct:
-      x_s[...] = plgpu.load(src, (), layout=_layouts.row_layout(bn, x.dtype.itemsize)[0], optimized=False)
+      x_s[...] = plgpu.load(src, layout=_layouts.row_layout(bn, x.dtype.itemsize)[0], optimized=False)
     else:
       plgpu.copy_gmem_to_smem(src, x_s, bar)
       plgpu.barrier_wait(bar)
@@ -91,7 +91,7 @@ def _batched_transpose_kernel(x: jax.Array, interpret=None, tiling=None) -> jax.
         v = lax.bitcast_convert_type(v.astype(jnp.int8), x.dtype)
       o_s.T[...] = v
     if direct:
-      dst[...] = plgpu.load(o_s, (), layout=_layouts.row_layout(bm, x.dtype.itemsize)[0])
+      dst[...] = plgpu.load(o_s, layout=_layouts.row_layout(bm, x.dtype.itemsize)[0])
     else:
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_s, dst)
