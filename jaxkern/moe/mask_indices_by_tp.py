@@ -24,6 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxkern import _config
 from jaxkern.moe import _routing
 from jaxkern.reference import moe_routing as ref
+from jaxkern.reference.moe import mask_by_tp
 
 VEC = 4  # int32 entries per 16-byte vector
 ELEMS_PER_CTA = 128 * VEC  # one vector per thread
@@ -31,14 +32,6 @@ ELEMS_PER_CTA = 128 * VEC  # one vector per thread
 # (XLA does not vectorise rows of 9 int32); K = 2, 6, 8: 1.47-2.14 vs 1.47-2.08, a tie within
 # +-8%, so those keep the single XLA fusion of the reference.
 KERNEL_TOPK = (9,)
-
-
-def _mask(p, r: int, tp: int, tp_rank):
-  """§3.6 on int32 ``p`` (vector or scalar); truncating division is exact for the kept ``p >= 0``."""
-  q = lax.div(p, jnp.int32(r))
-  local = lax.div(q, jnp.int32(tp)) * r + (p - q * r)
-  keep = (p >= 0) & (lax.rem(q, jnp.int32(tp)) == tp_rank)
-  return jnp.where(keep, local, jnp.int32(-1))
 
 
 @functools.partial(jax.jit, static_argnames=("r", "tp", "elems_per_cta", "interpret"))
@@ -59,12 +52,12 @@ def _kernel(indices, tp_rank, *, r, tp, elems_per_cta=ELEMS_PER_CTA, interpret=N
     i = lax.axis_index("i")
     rank = rank_g[0]
     s = pl.ds(jnp.minimum(i * block, nvec - block), block)
-    o_g[s] = _mask(plgpu.load(x_g.at[s], layout=layout), r, tp, rank)
+    o_g[s] = mask_by_tp(plgpu.load(x_g.at[s], layout=layout), r, rank, tp)
     if nvec != npad:
       @pl.when(i == grid - 1)
       def _tail():
         for j in range(nvec, npad):
-          o_g[j] = _mask(x_g[j], r, tp, rank)
+          o_g[j] = mask_by_tp(x_g[j], r, rank, tp)
 
   out = kernel(flat, jnp.asarray(tp_rank, jnp.int32).reshape(1))
   return out[:n].reshape(indices.shape)

@@ -224,10 +224,7 @@ def _kernel(*refs, cfg: _Config):
     d = lax.rem(lax.rem(rows[:, None], count) * lax.rem(ref.HASH_MULTIPLIER, count) + lax.rem(ep_ref[0], count),
                 count)
     tile = plt.load(pmap_ref.at[safe, d], mask=tile_ok, other=0)
-  per_rank = (e + extra) // cfg.num_ep_ranks
-  q = lax.div(tile, per_rank)
-  local = lax.div(q, cfg.num_tp_ranks) * per_rank + lax.rem(tile, per_rank)
-  tile = jnp.where((tile >= 0) & (lax.rem(q, cfg.num_tp_ranks) == tp_ref[0]), local, -1)
+  tile = ref.mask_by_tp(tile, (e + extra) // cfg.num_ep_ranks, tp_ref[0], cfg.num_tp_ranks)
   wtile = jnp.zeros((br, w_ref.shape[1]), jnp.float32)
   for c, v in enumerate(weights):
     wtile = jnp.where(slot == c, v[:, None], wtile)

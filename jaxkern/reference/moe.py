@@ -105,10 +105,15 @@ def normalized_weights(u_sel: jax.Array, routed_scaling_factor) -> jax.Array:
 
 
 def mask_by_tp(p: jax.Array, experts_per_rank: int, tp_rank, num_tp_ranks: int) -> jax.Array:
-  """EP/TP masking and local renumbering of global ids (spec §3.6); negatives -> -1."""
-  q = p // experts_per_rank
-  local = (q // num_tp_ranks) * experts_per_rank + p % experts_per_rank
-  return jnp.where((p >= 0) & (q % num_tp_ranks == tp_rank), local, -1)
+  """EP/TP masking and local renumbering of int32 global ids (spec §3.6); negatives -> -1.
+
+  Truncating divisions (equal to floor division for the kept ``p >= 0``), so the Mosaic GPU and
+  Triton kernels run this same function.
+  """
+  r, tp = jnp.int32(experts_per_rank), jnp.int32(num_tp_ranks)
+  q = lax.div(p, r)
+  local = lax.div(q, tp) * r + lax.rem(p, r)
+  return jnp.where((p >= 0) & (lax.rem(q, tp) == tp_rank), local, jnp.int32(-1))
 
 
 def to_physical(idx: jax.Array, to_physical_map: jax.Array, logical_count: jax.Array, ep_rank) -> jax.Array:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkern.reference import ieee
+from jaxkern.reference import ieee, moe
 
 _E4M3_MAX = 448.0
 
@@ -150,12 +150,7 @@ def group_count(group_idx, num_groups: int):
 
 def mask_indices_by_tp(indices, n: int, num_ep_ranks: int, tp_rank, num_tp_ranks: int):
   """EP/TP masking and local renumbering (spec §3.6, §6.4); negatives become -1."""
-  r = n // num_ep_ranks
-  idx = indices.astype(jnp.int32)
-  q = idx // r
-  local = (q // num_tp_ranks) * r + idx % r
-  keep = (idx >= 0) & (q % num_tp_ranks == tp_rank)
-  return jnp.where(keep, local, -1).astype(indices.dtype)
+  return moe.mask_by_tp(indices.astype(jnp.int32), n // num_ep_ranks, tp_rank, num_tp_ranks).astype(indices.dtype)
 
 
 def unique_group_indices(group_indices, num_groups: int):
