@@ -103,7 +103,8 @@ def _benchmark(ops, out_path: pathlib.Path, iterations: int, shapes: str | None)
         row = dict(op=op.name, shape=case.label, device_us=round(t, 3), gbps=round(gbps, 1),
                    pct_copy=round(100 * gbps / copy_bw, 1), xla_us=round(t_ref, 3),
                    speedup=round(t_ref / t, 3), correct=ok, bytes=case.nbytes, copy_gbps=round(copy_bw, 1),
-                   gpu=device, date=date, jax=jax.__version__, iterations=iterations)
+                   gpu=device, date=date, jax=jax.__version__, iterations=iterations,
+                   time=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
         f.write(json.dumps(row) + "\n")
         f.flush()
         print(f"{op.name:20s} {case.label:26s} {t:9.2f} {gbps:7.0f} {row['pct_copy']:6.1f} "

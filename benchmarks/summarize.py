@@ -1,6 +1,8 @@
 """Writes ``benchmarks/RESULTS.md`` from the JSONL files in ``benchmarks/results/``.
 
-``python -m benchmarks.summarize [FILES...]``: the newest row of each (op, shape, gpu) wins. The text
+``python -m benchmarks.summarize [FILES...]``: the newest row of each (op, shape, gpu) wins, by its
+``time`` (UTC, written by the runner; rows measured before that field existed carry the time of the
+commit that added them) and then by file order. The text
 of ``benchmarks/NOTES.md`` (facts the rows cannot carry: which commit a row predates, measurements
 outside the runner) follows the introduction.
 """
@@ -20,12 +22,11 @@ NOTES = pathlib.Path(__file__).parent / "NOTES.md"
 
 
 def summarize(paths) -> str:
+  found = [json.loads(line) for path in sorted(paths)
+           for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
   rows = {}
-  for path in sorted(paths):
-    for line in pathlib.Path(path).read_text().splitlines():
-      if line.strip():
-        r = json.loads(line)
-        rows[(r["op"], r["shape"], r["gpu"])] = r
+  for r in sorted(found, key=lambda r: (r["date"], r.get("time", ""))):  # stable: file order breaks ties
+    rows[(r["op"], r["shape"], r["gpu"])] = r
   lines = ["# Benchmark results", "",
            "Device time measured with CUPTI (`jax.experimental.mosaic.gpu.profiler`), cold L2 (a 256 MiB",
            "flush before every call), median of the stated iterations. GB/s counts each input read and",
