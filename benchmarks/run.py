@@ -1,7 +1,7 @@
 """Benchmark runner: ``python -m benchmarks.run [--ops NAMES] [--shapes REGEX] [--out FILE] [--iterations N]``.
 
-On a GPU: compiles every (op, shape) ahead of time in ``--jobs`` threads, then for
-each checks the kernel against the reference and times the kernel and the XLA-compiled ``jnp`` reference with CUPTI
+On a GPU: lowers every (op, shape) in a background thread and compiles it in ``--jobs``
+threads (never while a timing runs), and for each, in order, checks the kernel against the reference and times the kernel and the XLA-compiled ``jnp`` reference with CUPTI
 (cold L2, median of ``--iterations``), and reports device µs, GB/s, % of the
 device-to-device copy bandwidth measured in the same run, and the speed-up over
 XLA. Rows go to a JSONL file under ``benchmarks/results/``; regenerate the summary
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime
 import functools
 import importlib
@@ -22,8 +23,10 @@ import json
 import os
 import pathlib
 import pkgutil
+import queue
 import re
 import sys
+import threading
 import time
 
 import jax
@@ -79,24 +82,64 @@ def _avals(case, key):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), case.make_args(key))
 
 
-def _compile_all(todo, jobs: int):
-  """Lowers (one thread: tracing holds the GIL) and compiles (``jobs`` threads) the flushed kernel and
-  reference executables of every case; yields ``(op, case, key, kernel, ref)`` in order."""
+class _Quiet:
+  """Keeps compiles (XLA may autotune on the GPU while compiling) and timings apart."""
+
+  def __init__(self):
+    self._cv = threading.Condition()
+    self._compiling = 0
+    self._timing = False
+
+  def compile(self, lowered):
+    with self._cv:
+      self._cv.wait_for(lambda: not self._timing)
+      self._compiling += 1
+    try:
+      return lowered.compile()
+    finally:
+      with self._cv:
+        self._compiling -= 1
+        self._cv.notify_all()
+
+  @contextlib.contextmanager
+  def timing(self):
+    with self._cv:
+      self._timing = True
+      self._cv.wait_for(lambda: not self._compiling)
+    try:
+      yield
+    finally:
+      with self._cv:
+        self._timing = False
+        self._cv.notify_all()
+
+
+def _compile_all(todo, jobs: int, quiet: _Quiet):
+  """Lowers the flushed kernel and reference executables of every case in a background thread
+  (tracing holds the GIL) and compiles them in ``jobs`` threads; yields ``(op, case, key, avals,
+  kernel, ref)`` in order as they become ready."""
   from jaxkern.testing.timing import flush_buffer, lower_timed
 
   flush_buffer()
-  t0 = time.perf_counter()
+  ready = queue.Queue(maxsize=4 * jobs)
   with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-    pending = []
-    for op, case, key in todo:
-      avals = _avals(case, key)
-      fns = (functools.partial(op.fn, **case.kwargs), functools.partial(op.reference, **case.kwargs))
-      pending.append((op, case, key, avals, [pool.submit(lower_timed(f, *avals).compile) for f in fns]))
-    for i, (op, case, key, avals, futures) in enumerate(pending):
-      kernel, ref = (f.result() for f in futures)
-      if i == 0 or i == len(pending) - 1:
-        print(f"[compiled {i + 1}/{len(pending)} after {time.perf_counter() - t0:.0f} s]", flush=True)
-      yield op, case, key, avals, kernel, ref
+
+    def produce():
+      try:
+        for op, case, key in todo:
+          avals = _avals(case, key)
+          fns = (functools.partial(op.fn, **case.kwargs), functools.partial(op.reference, **case.kwargs))
+          ready.put((op, case, key, avals, [pool.submit(quiet.compile, lower_timed(f, *avals)) for f in fns]))
+      except BaseException as e:  # surfaces in the consumer
+        ready.put(e)
+      ready.put(None)
+
+    threading.Thread(target=produce, daemon=True).start()
+    while (item := ready.get()) is not None:
+      if isinstance(item, BaseException):
+        raise item
+      op, case, key, avals, futures = item
+      yield op, case, key, avals, *(f.result() for f in futures)
 
 
 def _benchmark(ops, out_path: pathlib.Path, iterations: int, shapes: str | None, jobs: int) -> int:
@@ -113,7 +156,8 @@ def _benchmark(ops, out_path: pathlib.Path, iterations: int, shapes: str | None,
   failures = 0
   out_path.parent.mkdir(parents=True, exist_ok=True)
   with out_path.open("a") as f:
-    for op, case, key, avals, kernel, ref in _compile_all([(*t, k) for t, k in zip(todo, keys)], jobs):
+    quiet = _Quiet()
+    for op, case, key, avals, kernel, ref in _compile_all([(*t, k) for t, k in zip(todo, keys)], jobs, quiet):
       args = case.make_args(key)
       if jax.tree.map(lambda a: (a.shape, a.dtype), args) != jax.tree.map(lambda a: (a.shape, a.dtype), avals):
         raise RuntimeError(f"{op.name} {case.label}: make_args gave other shapes than it traced to")
@@ -126,8 +170,9 @@ def _benchmark(ops, out_path: pathlib.Path, iterations: int, shapes: str | None,
         print(f"{op.name} {case.label}: WRONG RESULT: {e}")
       fk = functools.partial(op.fn, **case.kwargs)
       fr = functools.partial(op.reference, **case.kwargs)
-      t = device_time_us(fk, *args, iterations=iterations, compiled=kernel)
-      t_ref = device_time_us(fr, *args, iterations=iterations, compiled=ref)
+      with quiet.timing():
+        t = device_time_us(fk, *args, iterations=iterations, compiled=kernel)
+        t_ref = device_time_us(fr, *args, iterations=iterations, compiled=ref)
       gbps = case.nbytes / t / 1e3
       row = dict(op=op.name, shape=case.label, device_us=round(t, 3), gbps=round(gbps, 1),
                  pct_copy=round(100 * gbps / copy_bw, 1), xla_us=round(t_ref, 3),
