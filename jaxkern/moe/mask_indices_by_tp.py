@@ -13,7 +13,9 @@ and ``K`` in ``XLA_TOPK`` run the ``jnp`` reference.
 H200 (CUPTI, cold L2, median of 30; two sessions), XLA reference in brackets: K = 9: 1.95-2.30 us
 (2.21-2.88; XLA does not vectorise rows of 9 int32). K = 2: 1.44-1.52 (1.47-1.60) and K = 8:
 1.87-2.14 (2.02-2.11), ties to within about +-8% that went the kernel's way more often than not.
-K = 6: 1.70-1.98 (1.73-1.98), 0.92-1.03x, so that K keeps the reference's XLA fusion. This is the
+K = 6: 1.70-1.98 (1.73-1.98), 0.92-1.03x, so that K keeps the reference's XLA fusion, as does K = 8
+from 2^18 entries on (the runner, E=4x64 T=34186: 2.11-2.16 us vs 1.98-2.05, while 176k-180k
+entries ran 1.92-1.95 vs 2.05). This is the
 floor of a one-pass streaming kernel at these sizes: 512, 1024 or 2048 entries per CTA
 (1.79-2.38 us) and a Pallas-Triton flat kernel (1.76-2.98) were not faster.
 """
@@ -36,6 +38,7 @@ from jaxkern.reference.moe import mask_by_tp
 VEC = 4  # int32 entries per 16-byte vector
 ELEMS_PER_CTA = 128 * VEC  # one vector per thread
 XLA_TOPK = (6,)  # K values that run the reference (see the module docstring)
+XLA_MIN_ENTRIES = {8: 1 << 18}  # K -> from this many entries on, the reference (module docstring)
 
 
 @functools.partial(jax.jit, static_argnames=("r", "tp", "elems_per_cta", "interpret"))
@@ -93,6 +96,6 @@ def mask_indices_by_tp(indices: jax.Array, n: int, num_ep_ranks: int, tp_rank, n
     raise ValueError(f"tp_rank must be in [0, {num_tp_ranks}), got {tp_rank}")
   impl = _config.get_implementation(implementation)
   if (impl == "reference" or indices.size == 0 or indices.dtype != jnp.int32
-      or indices.shape[1] in XLA_TOPK):
+      or indices.shape[1] in XLA_TOPK or indices.size >= XLA_MIN_ENTRIES.get(indices.shape[1], indices.size + 1)):
     return ref.mask_indices_by_tp(indices, n, num_ep_ranks, tp_rank, num_tp_ranks)
   return _kernel(indices, tp_rank, r=n // num_ep_ranks, tp=num_tp_ranks, interpret=_config.mosaic_interpret(impl))
