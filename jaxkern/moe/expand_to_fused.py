@@ -10,12 +10,22 @@ zeros would need the row size to fit a warpgroup register layout) and TMA-stores
 every row of its block with ``pos_to_expert[p] < 0``. The last token block starts at ``T - BT`` and skips the
 tokens already owned by the previous block, so ragged ``T`` needs no masking.
 
+``expand_to_fused_with_sf``: when a scale row is TMA-copyable (row-major output, ``Hs`` a multiple of
+4 words and at most 256) the same kernel moves it: each token's scale row is TMA-loaded into its
+own 128-byte aligned SMEM row and TMA-stored with every data row of the token (and a zero row for
+every padding row). On an H200 (E=9x8 K=6, H=7168, npc=32, ``Hs`` = 224 float32 words) this took
+94.4 µs against 120.1 µs for the kernel plus an XLA scatter of the scale rows, and 81.6 µs for the
+data alone. Otherwise (column-major output, ``Hs`` not a multiple of 4) the scale rows are moved
+by XLA next to the kernel (scatter, then transpose): per-word GMEM stores from the kernel (a
+warpgroup stores scalars with every thread, and a column-major word is 4 bytes, below the 16 bytes
+a TMA copy moves) measured 4-16x slower than the XLA scatter (521 µs at ``Hs`` = 56, 1926 µs at
+``Hs`` = 224 against 94 / 120 µs).
+
 Fused rows that no slot references and that ``pos_to_expert`` does not mark as padding
 (impossible for a mapping made by ``get_fused_mapping``) are left unwritten by the kernel;
 the reference writes zeros there. Traced positions are not range-checked: a slot pointing
 at row ``>= N`` is undefined in the kernel (an out-of-bounds TMA store, which the TMA unit
-should clip away; not verified) and dropped by the reference. ``expand_to_fused_with_sf`` moves the data rows with this kernel
-and the few scale words per row with an XLA gather.
+should clip away; not verified) and dropped by the reference.
 """
 
 from __future__ import annotations
@@ -35,59 +45,104 @@ from jaxkern.reference import moe_routing as ref
 _TOKEN_BLOCK_BYTES = 56 << 10  # SMEM for the token rows of one CTA (about 4 CTAs per SM)
 _MAX_TOKEN_BLOCK = 16
 _ROW_BLOCK = 32  # fused rows checked for padding per CTA
+_TMA_ALIGN = 128  # bytes; SMEM address alignment of a TMA copy
+
+
+def sf_in_kernel(hs: int, col_major: bool) -> bool:
+  """Whether :func:`_expand_kernel` can move ``hs``-word scale rows: row-major rows that one TMA
+  copy can move (16-byte multiple, at most 256 words)."""
+  return not col_major and hs % 4 == 0 and hs <= _routing.TMA_MAX_BOX
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def _expand_kernel(x, token_topk_to_pos, pos_to_expert, interpret=None):
+def _expand_kernel(x, x_sf, token_topk_to_pos, pos_to_expert, interpret=None):
+  """``out``, and ``(out, out_sf)`` with row-major ``out_sf`` if ``x_sf`` (int32 ``(T, Hs)``,
+  :func:`sf_in_kernel`) is given."""
   t, h = x.shape
   k = token_topk_to_pos.shape[1]
   n = pos_to_expert.shape[0]
   r, c = _routing.row_tiling(h, x.dtype.itemsize, "x")
   row_bytes = h * x.dtype.itemsize
   # A TMA copy needs a 128-byte aligned SMEM address: several rows per CTA only if each row keeps it.
-  bt = max(1, min(_MAX_TOKEN_BLOCK, t, _TOKEN_BLOCK_BYTES // row_bytes)) if row_bytes % 128 == 0 else 1
+  bt = max(1, min(_MAX_TOKEN_BLOCK, t, _TOKEN_BLOCK_BYTES // row_bytes)) if row_bytes % _TMA_ALIGN == 0 else 1
   gt, gn = pl.cdiv(t, bt), pl.cdiv(n, _ROW_BLOCK)
+  hs = 0 if x_sf is None else x_sf.shape[1]
+  out_type = [jax.ShapeDtypeStruct((n, r, c), x.dtype)]
+  scratch = dict(x_s=plgpu.SMEM((bt, r, c), x.dtype), bar=plgpu.Barrier(num_arrivals=1))
+  if hs:
+    # One scale row per 128-byte aligned SMEM row, each loaded by its own TMA copy.
+    out_type.append(jax.ShapeDtypeStruct((n, hs), jnp.int32))
+    scratch.update(sf_s=plgpu.SMEM((bt, -(-hs // 32) * 32), jnp.int32),
+                   sf_bar=plgpu.Barrier(num_arrivals=1, num_barriers=bt))
 
   @functools.partial(
       plgpu.kernel,
-      out_type=jax.ShapeDtypeStruct((n, r, c), x.dtype),
+      out_type=tuple(out_type),
       grid=(gt + gn,),
       grid_names=("i",),
-      scratch_types=dict(x_s=plgpu.SMEM((bt, r, c), x.dtype), bar=plgpu.Barrier(num_arrivals=1)),
+      scratch_types=scratch,
       interpret=interpret,
   )
-  def kernel(x_g, pos_g, expert_g, zero_g, o_g, x_s, bar):
+  def kernel(*refs, x_s, bar, sf_s=None, sf_bar=None):
+    if hs:
+      x_g, sf_g, pos_g, expert_g, zero_g, zero_sf_g, o_g, o_sf_g = refs
+    else:
+      x_g, pos_g, expert_g, zero_g, o_g = refs
     i = lax.axis_index("i")
+
+    def load_sf(row_of):  # scale row row_of(j) into SMEM row j
+      for j in range(bt):
+        plgpu.copy_gmem_to_smem(row_of(j), sf_s.at[j, pl.ds(0, hs)], sf_bar.at[j])
+
+    def wait_sf():
+      for j in range(bt):
+        plgpu.barrier_wait(sf_bar.at[j])
 
     @pl.when(i < gt)
     def _():
       t0 = jnp.minimum(i * bt, t - bt)
       plgpu.copy_gmem_to_smem(x_g.at[pl.ds(t0, bt)], x_s, bar)
+      if hs:
+        load_sf(lambda j: sf_g.at[t0 + j])
       positions = [pos_g[t0 + j // k, j % k] for j in range(bt * k)]  # independent loads, all in flight
       plgpu.barrier_wait(bar)
+      if hs:
+        wait_sf()
       for j, p in enumerate(positions):
         row = j // k
 
         @pl.when((p >= 0) & (t0 + row >= i * bt))
         def _():
           plgpu.copy_smem_to_gmem(x_s.at[row], o_g.at[p])
+          if hs:
+            plgpu.copy_smem_to_gmem(sf_s.at[row, pl.ds(0, hs)], o_sf_g.at[p])
 
     @pl.when(i >= gt)
     def _():
       p0 = (i - gt) * _ROW_BLOCK
       plgpu.copy_gmem_to_smem(zero_g, x_s.at[pl.ds(0, 1)], bar)
+      if hs:
+        load_sf(lambda j: zero_sf_g.at[0])
       experts = [expert_g[jnp.minimum(p0 + q, n - 1)] for q in range(_ROW_BLOCK)]
       plgpu.barrier_wait(bar)
+      if hs:
+        wait_sf()
       for q, e in enumerate(experts):
 
         @pl.when((p0 + q < n) & (e < 0))
         def _():
           plgpu.copy_smem_to_gmem(x_s.at[0], o_g.at[p0 + q])
+          if hs:
+            plgpu.copy_smem_to_gmem(sf_s.at[0, pl.ds(0, hs)], o_sf_g.at[p0 + q])
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   zero = jnp.zeros((1, r, c), x.dtype)
-  return kernel(x.reshape(t, r, c), token_topk_to_pos, pos_to_expert, zero).reshape(n, h)
+  if not hs:
+    return kernel(x.reshape(t, r, c), token_topk_to_pos, pos_to_expert, zero)[0].reshape(n, h)
+  out, out_sf = kernel(x.reshape(t, r, c), x_sf, token_topk_to_pos, pos_to_expert, zero,
+                       jnp.zeros((1, hs), jnp.int32))
+  return out.reshape(n, h), out_sf
 
 
 def _check(x, token_topk_to_pos, pos_to_expert, x_name="x") -> None:
@@ -121,7 +176,7 @@ def expand_to_fused(x: jax.Array, token_topk_to_pos: jax.Array, pos_to_expert: j
   impl = _config.get_implementation(implementation)
   if impl == "reference" or x.shape[0] == 0 or pos_to_expert.shape[0] == 0:
     return ref.expand_to_fused(x, token_topk_to_pos, pos_to_expert)
-  return _expand_kernel(x, token_topk_to_pos, pos_to_expert, interpret=_config.mosaic_interpret(impl))
+  return _expand_kernel(x, None, token_topk_to_pos, pos_to_expert, interpret=_config.mosaic_interpret(impl))
 
 
 def expand_to_fused_with_sf(x: tuple[jax.Array, jax.Array], num_per_channels: int,
@@ -156,5 +211,13 @@ def expand_to_fused_with_sf(x: tuple[jax.Array, jax.Array], num_per_channels: in
   _routing.check_shape("x_sf", x_sf, (x_data.shape[0], hs))
   if x_sf.dtype == jnp.int32 and not use_tma_aligned_col_major_sf:
     raise ValueError("x_sf holding packed UE8M0 (int32) requires use_tma_aligned_col_major_sf=True")
-  out = expand_to_fused(x_data, token_topk_to_pos, pos_to_expert, implementation=implementation)
-  return out, ref.expand_sf(x_sf, token_topk_to_pos, pos_to_expert, use_tma_aligned_col_major_sf)
+  impl = _config.get_implementation(implementation)
+  if impl == "reference" or x_data.shape[0] == 0 or pos_to_expert.shape[0] == 0:
+    return ref.expand_to_fused_with_sf(x, num_per_channels, token_topk_to_pos, pos_to_expert,
+                                       use_tma_aligned_col_major_sf)
+  if not sf_in_kernel(hs, use_tma_aligned_col_major_sf):
+    out = _expand_kernel(x_data, None, token_topk_to_pos, pos_to_expert, interpret=_config.mosaic_interpret(impl))
+    return out, ref.expand_sf(x_sf, token_topk_to_pos, pos_to_expert, use_tma_aligned_col_major_sf)
+  out, out_sf = _expand_kernel(x_data, lax.bitcast_convert_type(x_sf, jnp.int32), token_topk_to_pos, pos_to_expert,
+                               interpret=_config.mosaic_interpret(impl))
+  return out, lax.bitcast_convert_type(out_sf, x_sf.dtype)

@@ -8,7 +8,14 @@ vectors). The divisions by the static ``R`` and ``num_tp_ranks`` are divisions b
 starts at the last vector-aligned window (it recomputes entries of the previous one) and also
 maps the up to 3 entries past the last whole vector with scalar code, so ragged ``T*K`` needs
 no masking; fewer than one CTA's entries are padded. int64 indices (only with ``jax_enable_x64``)
-and ``K`` outside ``KERNEL_TOPK`` (where the kernel only tied with XLA) run the ``jnp`` reference.
+and ``K`` in ``XLA_TOPK`` run the ``jnp`` reference.
+
+H200 (CUPTI, cold L2, median of 30; two sessions), XLA reference in brackets: K = 9: 1.95-2.30 us
+(2.21-2.88; XLA does not vectorise rows of 9 int32). K = 2: 1.44-1.52 (1.47-1.60) and K = 8:
+1.87-2.14 (2.02-2.11), ties to within about +-8% that went the kernel's way more often than not.
+K = 6: 1.70-1.98 (1.73-1.98), 0.92-1.03x, so that K keeps the reference's XLA fusion. This is the
+floor of a one-pass streaming kernel at these sizes: 512, 1024 or 2048 entries per CTA
+(1.79-2.38 us) and a Pallas-Triton flat kernel (1.76-2.98) were not faster.
 """
 
 from __future__ import annotations
@@ -28,10 +35,7 @@ from jaxkern.reference.moe import mask_by_tp
 
 VEC = 4  # int32 entries per 16-byte vector
 ELEMS_PER_CTA = 128 * VEC  # one vector per thread
-# K values that run the kernel. H200 (CUPTI, cold L2, tp=2): K = 9: 1.98-2.30 us vs XLA 2.24-2.88
-# (XLA does not vectorise rows of 9 int32); K = 2, 6, 8: 1.47-2.14 vs 1.47-2.08, a tie within
-# +-8%, so those keep the single XLA fusion of the reference.
-KERNEL_TOPK = (9,)
+XLA_TOPK = (6,)  # K values that run the reference (see the module docstring)
 
 
 @functools.partial(jax.jit, static_argnames=("r", "tp", "elems_per_cta", "interpret"))
@@ -89,6 +93,6 @@ def mask_indices_by_tp(indices: jax.Array, n: int, num_ep_ranks: int, tp_rank, n
     raise ValueError(f"tp_rank must be in [0, {num_tp_ranks}), got {tp_rank}")
   impl = _config.get_implementation(implementation)
   if (impl == "reference" or indices.size == 0 or indices.dtype != jnp.int32
-      or indices.shape[1] not in KERNEL_TOPK):
+      or indices.shape[1] in XLA_TOPK):
     return ref.mask_indices_by_tp(indices, n, num_ep_ranks, tp_rank, num_tp_ranks)
   return _kernel(indices, tp_rank, r=n // num_ep_ranks, tp=num_tp_ranks, interpret=_config.mosaic_interpret(impl))

@@ -1,22 +1,30 @@
 """``normalize_weight``: divide each token's weights by their 1e-20-seeded sum (spec §6.1).
 
-Mosaic GPU kernel, one warpgroup per CTA and no shared memory: a CTA owns ``ROWS_PER_CTA``
-tokens, each thread whole tokens. Column ``k`` of the CTA's tokens is one strided GMEM load
-(a warp's loads of the ``K`` columns hit the same cache lines), the sum is accumulated column
-by column in registers (``((1e-20 + w0) + w1) + ...``, each addition rounded, as the spec
-asks) and each weight is divided with :func:`jaxkern.quant.common.exact_div` (an approximate
-float32 quotient corrected by FMA residuals; a zero weight keeps the plain quotient, a signed
-zero), so the kernel needs no float64 arithmetic (the reference divides in float64 and rounds
-with a midpoint test). The last CTA starts at
-``T - ROWS_PER_CTA`` (it recomputes rows of the previous one with identical results), so
-ragged ``T`` needs no masking; fewer than 128 tokens are padded.
+Mosaic GPU kernel, one warpgroup per CTA: a CTA owns ``ROWS_PER_CTA`` tokens, each thread one
+token. Rows of up to ``DIRECT_MAX_TOPK`` weights are read and written column by column straight
+from GMEM (one strided load per column); wider rows go through shared memory
+(:func:`jaxkern.moe._routing.load_staged_rows`): the CTA's ``(128, K)`` block moves with
+coalesced word loads and stores, and each thread reads and writes its row's columns in SMEM.
+The sum is accumulated column by column in registers (``((1e-20 + w0) + w1) + ...``, each
+addition rounded, as the spec asks). Division: one correctly rounded reciprocal ``y = 1 / d`` per
+row (:func:`jaxkern.quant.common.exact_div`), then per weight ``q = w·y`` and two FMA corrections
+``q + (w - q·d)·y`` (:func:`_row_div`); a zero weight keeps ``w·y``, a signed zero. No float64
+arithmetic (the reference divides in float64 and rounds with a midpoint test). The last CTA
+starts at ``T - 128`` (it recomputes rows of the previous one with identical results), so ragged
+``T`` needs no masking; fewer than 128 tokens are padded.
 
-Rows wider than ``MAX_KERNEL_TOPK`` run the ``jnp`` reference (XLA code with a float64
-division), which measured faster there.
+H200 (CUPTI, cold L2, spec grid, median of 30), XLA reference in brackets: K = 2 direct
+1.50-1.54 us (2.62-2.71); through SMEM 1.54-1.60. K = 6: 1.89-1.98 (3.38-3.71); K = 8: 2.08-2.27
+(3.76-3.90); K = 9: 2.14-2.46 (4.00-4.90). The previous kernel (strided loads and stores, one
+``exact_div`` per weight) took 2.37-2.53 us at K = 6 and 3.89-5.90 at K = 8-9, slower than XLA:
+with the reciprocal scheme alone 2.24-5.74, with SMEM staging alone 2.05-2.91. Rows wider than
+``MAX_KERNEL_TOPK`` (not in the spec; the kernel is unrolled over ``K``) run the reference.
 
-The correction is exact for normal, finite quotients (spec inputs: weights in [0, 1), where
-``|w| <= d``); a quotient outside the normal float32 range (only with cancelling negative
-weights or a weight below ``2^-126`` of its row sum) may differ from IEEE division by an ulp.
+The division is exact for normal, finite quotients and row sums (spec inputs: weights in [0, 1));
+checked bitwise on the H200 against the reference on 2^19 x 8 and 2^19 x 9 weights (uniform, spread
+over 2^-40..2^4, and signed normal). A quotient or residual outside the normal float32 range (only
+with cancelling negative weights or a weight below ``2^-126`` of its row sum) may differ from IEEE
+division by an ulp.
 """
 
 from __future__ import annotations
@@ -33,18 +41,30 @@ from jaxkern.quant.common import exact_div
 from jaxkern.reference import moe_routing as ref
 
 ROWS_PER_CTA = 128  # one token per thread
-# Widest K that runs the kernel. H200 (CUPTI, cold L2, spec grid): K = 2: 1.49-1.52 us vs XLA
-# 2.58-2.67; K = 6: 2.40-2.53 vs 3.39-3.71; but K = 8: 3.82-4.88 vs 3.81-3.94 and K = 9: 4.29-5.97
-# vs 4.03-4.94 (likely the K corrected divisions each thread runs back to back), so wider rows use
-# the reference.
-MAX_KERNEL_TOPK = 6
+DIRECT_MAX_TOPK = 2  # wider rows are staged through SMEM
+MAX_KERNEL_TOPK = 32
 _SEED = 1e-20
 
 
-@functools.partial(jax.jit, static_argnames=("rows_per_cta", "interpret"))
-def _kernel(w, *, rows_per_cta=ROWS_PER_CTA, interpret=None):
+def _row_div(c, d, y):
+  """Correctly rounded ``c / d`` from ``y = RN(1 / d)``: ``q = c·y``, then twice
+  ``q + (c - q·d)·y`` (two FMAs each; the residual ``c - q·d`` is exact). After the first
+  correction ``q`` is within an ulp of ``c / d``, so the second rounds correctly (Markstein's
+  theorem). Weights below ``2^-60`` are scaled by ``2^64`` (exactly) so that residuals stay normal."""
+  small = jnp.abs(c) < 2.0**-60
+  cs = c * jnp.where(small, jnp.float32(2.0**64), jnp.float32(1.0))
+  q = cs * y
+  for _ in range(2):
+    q = q + (cs - q * d) * y
+  q = q * jnp.where(small, jnp.float32(2.0**-64), jnp.float32(1.0))
+  return jnp.where(c == 0, c * y, q)  # a zero weight: a signed zero
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _kernel(w, *, interpret=None):
   t, k = w.shape
-  w, rt, grid, layout = _routing.thread_rows(w, rows_per_cta)
+  staged = k > DIRECT_MAX_TOPK
+  w, rt, grid, layout = _routing.thread_rows(w, ROWS_PER_CTA)
   tp = w.shape[0]
 
   @functools.partial(
@@ -52,16 +72,26 @@ def _kernel(w, *, rows_per_cta=ROWS_PER_CTA, interpret=None):
       out_type=(jax.ShapeDtypeStruct((tp,), jnp.float32), jax.ShapeDtypeStruct((tp, k), jnp.float32)),
       grid=(grid,),
       grid_names=("i",),
+      scratch_types=[plgpu.SMEM((rt, k), jnp.float32)] if staged else [],
+      compiler_params=_routing.LANE if staged else None,
       interpret=interpret,
   )
-  def kernel(w_g, d_g, o_g):
-    rows, cols = _routing.load_thread_rows(w_g, rt, layout)
+  def kernel(w_g, d_g, o_g, *scratch):
+    if staged:
+      rows, cols = _routing.load_staged_rows(w_g, scratch[0], rt, layout)
+    else:
+      rows, cols = _routing.load_thread_rows(w_g, rt, layout)
     d = plgpu.layout_cast(jnp.full((rt,), _SEED, jnp.float32), layout)
     for c in cols:
       d = d + c
     d_g[rows] = d
-    for j, c in enumerate(cols):
-      o_g[rows, j] = jnp.where(c == 0, c / d, exact_div(c, d))  # a zero weight: a signed zero
+    y = exact_div(1.0, d)
+    out = [_row_div(c, d, y) for c in cols]
+    if staged:
+      _routing.store_staged_rows(o_g, scratch[0], rows, out)
+    else:
+      for j, c in enumerate(out):
+        o_g[rows, j] = c
 
   d, out = kernel(w)
   return d[:t], out[:t]

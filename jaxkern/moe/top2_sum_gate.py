@@ -7,9 +7,11 @@ the fully fused Mosaic GPU kernel (branch ``h-gate``) took 65.9 us at the DeepSe
 (8192 x 256, sigmoid, 8 groups, top-4 groups, top-8) on an H200, and the Mosaic GPU
 selection kernel with XLA glue 81.8 us, against a 15 us target: about 4x too slow. Triton
 spreads a row over the lanes of a warp and lowers row reductions to warp shuffles: this kernel
-takes 20.4 us there (XLA reference: 220 us), bit-exact.
+takes 18.1 us there (XLA reference: 222 us), bit-exact.
 
-One program per block of ``BLOCK_ROWS`` token rows. The logits are read as
+One program of one warp per block of ``BLOCK_ELEMENTS`` logits (whole rows). With 256 experts
+per row and several warps, Triton's layout spreads a row over two warps, so every row reduction
+crosses warps through shared memory; one warp keeps each row in its lanes. The logits are read as
 ``(rows, groups, experts per group)`` (one group without grouping), padded to powers of two
 with masked loads. The kernel
 
@@ -22,7 +24,8 @@ with masked loads. The kernel
 3. with grouping, ranks the groups by the fp32 sum of their two best values and sets the
    experts of the dropped groups to ``-inf`` (as the reference does);
 4. picks ``K`` experts best first, lower index first on ties, on the flat ``(rows, experts)`` view;
-5. takes the given ids on fixed-routing rows, gathers the picked scores and forms the weights
+5. takes the given ids on fixed-routing rows, recomputes the picked experts' scores from their
+   logits (one gathered load per slot: same formula, same bits) and forms the weights
    ``u / s * rsf`` (``s`` summed sequentially from 1e-20);
 6. appends the shared slots, maps logical to physical ids (replica hash), applies the EP/TP
    masking and the token mask, and stores ``(rows, K+S)`` tiles.
@@ -46,11 +49,12 @@ from jaxkern import _checks, _config, _ieee
 from jaxkern.moe._select import TAKEN, order_key
 from jaxkern.reference import moe as ref
 
-# Logits per program (block rows = BLOCK_ELEMENTS / padded experts) and warps. H200, V3 shape, picks
-# on the flat view: (1024, 4) 20.4 us, (2048, 8) 21.3, (4096, 8) 24.1, (4096, 4) 29.3; with the picks
-# on the (rows, groups, experts) view every setting took 29.3 us.
-BLOCK_ELEMENTS = 1024
-NUM_WARPS = 4
+# Logits per program (block rows = BLOCK_ELEMENTS / padded experts) and warps. H200, V3 sigmoid
+# (one measurement each, +-1 us): (256, 1) 18.3 us, (512, 1) 17.4, (1024, 1) 22.2, (2048, 1) 51.0,
+# (1024, 4) 23.7; softmax (256, 1) 16.6, (512, 1) 19.0; T=36 rows: (256, 1) fastest. Picking by one
+# argmax reduction (value and index) was 3-8 us slower at every setting.
+BLOCK_ELEMENTS = 256
+NUM_WARPS = 1
 _LANES = 32  # upstream's softmax sums a row in 32 lane partials of 4 consecutive columns
 _KEY_NEG_INF = -0x7F800001  # order_key(-inf)
 
@@ -132,18 +136,21 @@ def _softmax_denominator(x_ref, row_ok, m, cfg: _Config):
   return p.reshape(br)
 
 
-def _scores(x, x_ref, row_ok, ok, cfg: _Config):
-  """Unbiased scores ``u`` and the ranking values."""
+def _unbiased(x, m, z, cfg: _Config):
+  """Elementwise scores ``u`` of logits ``x`` (``m``, ``z``: the softmax row max and denominator)."""
   if cfg.scoring_func == "sigmoid":
-    u = _div(jnp.ones_like(x), 1.0 + _exp(-x, cfg.interpret), cfg.interpret)
-    return u, u
+    return _div(jnp.ones_like(x), 1.0 + _exp(-x, cfg.interpret), cfg.interpret)
   if cfg.scoring_func == "sqrtsoftplus":
-    u = _sqrt(jnp.where(x > 20.0, x, jnp.log1p(_exp(x, cfg.interpret))), cfg.interpret)
-    return u, u
+    return _sqrt(jnp.where(x > 20.0, x, jnp.log1p(_exp(x, cfg.interpret))), cfg.interpret)
+  return _div(_exp(x - m, cfg.interpret), z, cfg.interpret)
+
+
+def _scores(x, x_ref, row_ok, ok, cfg: _Config):
+  """The ranking values (``u``, ``x`` for softmax) and the softmax row max and denominator."""
+  if cfg.scoring_func != "softmax":
+    return _unbiased(x, None, None, cfg), None, None
   m = _rmax(jnp.where(ok, x, -jnp.inf))
-  z = _exp(x - m[:, None, None], cfg.interpret)
-  u = _div(z, _softmax_denominator(x_ref, row_ok, m, cfg)[:, None, None], cfg.interpret)
-  return u, x
+  return x, m, _softmax_denominator(x_ref, row_ok, m, cfg)
 
 
 def _drop_groups(b, ok, cfg: _Config):
@@ -183,7 +190,7 @@ def _kernel(*refs, cfg: _Config):
 
   x = plt.load(x_ref, mask=row_ok[:, None, None] & ok, other=0.0)
   bias = plt.load(bias_ref, mask=ok[0], other=0.0)[None]
-  u, b = _scores(x, x2_ref, row_ok, ok, cfg)
+  b, m, z = _scores(x, x2_ref, row_ok, ok, cfg)
   b = b + bias
   keys = _drop_groups(b, ok, cfg) if cfg.num_groups != cfg.num_topk_groups else order_key(b)
   keys = jnp.where(ok, keys, TAKEN)
@@ -202,8 +209,11 @@ def _kernel(*refs, cfg: _Config):
     given = plt.load(unm_in_ref, mask=row_ok[:, None] & (slot < k), other=0)
     idx = [jnp.where(fixed, jnp.sum(jnp.where(slot == c, given, 0), axis=1), i) for c, i in enumerate(idx)]
 
-  u = u.reshape(br, gp * ep)
-  picked = [jnp.max(jnp.where(expert == i[:, None], u, -jnp.inf), axis=1) for i in idx]
+  picked = []  # u of each picked expert, -inf for an id outside [0, E)
+  for i in idx:
+    hit = (i >= 0) & (i < e)
+    xi = plt.load(x2_ref.at[jnp.arange(br), jnp.where(hit, i, 0)], mask=row_ok & hit, other=0.0)
+    picked.append(jnp.where(hit, _unbiased(xi, m, z, cfg), -jnp.inf))
   total = jnp.full((br,), 1e-20, jnp.float32)
   for v in picked:
     total = total + v

@@ -1,13 +1,20 @@
 """``unique_group_indices``: functional form of upstream's ``inplace_unique_group_indices`` (spec §6.5).
 
-Mosaic GPU kernel, one warpgroup per CTA and no shared memory: a CTA owns ``ROWS_PER_CTA``
-rows, each thread whole rows. Column ``k`` of the CTA's rows is one strided GMEM load (a
-warp's loads of the ``K`` columns hit the same cache lines); entry ``j`` becomes -1 when it is
-non-negative and equal to one of the entries before it (``K(K-1)/2`` register compares, no
-``num_groups``-sized table) and every column is stored back. The last CTA starts at
-``T - ROWS_PER_CTA`` (it recomputes rows of the previous one), so ragged ``T`` needs no
-masking; fewer than 128 rows are padded. int64 indices (only with ``jax_enable_x64``) and ``K``
-outside ``KERNEL_TOPK`` (where XLA measured faster) run the ``jnp`` reference.
+Mosaic GPU kernel, one warpgroup per CTA: a CTA owns ``ROWS_PER_CTA`` rows, each thread one row.
+Rows of up to ``DIRECT_MAX_TOPK`` entries are read and written column by column straight from
+GMEM (one strided load per column); wider rows go through shared memory
+(:func:`jaxkern.moe._routing.load_staged_rows`: coalesced word loads and stores of the CTA's
+``(128, K)`` block, each thread's columns read and written in SMEM). Entry ``j`` becomes -1 when
+it is non-negative and equal to one of the entries before it (``K(K-1)/2`` register compares, no
+``num_groups``-sized table). The last CTA starts at ``T - 128`` (it recomputes rows of the
+previous one), so ragged ``T`` needs no masking; fewer than 128 rows are padded.
+
+H200 (CUPTI, cold L2, groups = 8, median of 30), XLA reference in brackets: K = 2 direct
+1.41-1.47 us (2.59-2.82), through SMEM 1.49-1.54; K = 8 through SMEM 1.95-2.16 (4.50-4.69;
+direct 3.41-4.48); K = 9 1.98-2.27 (2.37-3.23; direct 3.90-5.41). K = 6: through SMEM 1.86-1.92
+against XLA's 1.79-2.02 (0.97-1.05x; a flat streaming Mosaic GPU kernel of the same bytes,
+``mask_indices_by_tp``, takes 1.82-1.89), so ``XLA_TOPK`` keeps the reference's single XLA
+fusion there. int64 indices (only with ``jax_enable_x64``) also run the reference.
 """
 
 from __future__ import annotations
@@ -23,26 +30,33 @@ from jaxkern.moe import _routing
 from jaxkern.reference import moe_routing as ref
 
 ROWS_PER_CTA = 128  # one row per thread
-# K values that run the kernel. H200 (CUPTI, cold L2, groups=8): K = 2: 1.44-1.47 us vs XLA
-# 2.50-2.85; K = 8: 3.42-4.50 vs 4.48-4.69; but K = 6: 1.98-2.14 vs 1.79-2.05 and K = 9: 3.81-5.41
-# vs 2.37-3.20, so those keep the single XLA fusion of the reference.
-KERNEL_TOPK = (2, 8)
+DIRECT_MAX_TOPK = 2  # wider rows are staged through SMEM
+XLA_TOPK = (6,)  # K values that run the reference (see the module docstring)
 
 
-@functools.partial(jax.jit, static_argnames=("rows_per_cta", "interpret"))
-def _kernel(g, *, rows_per_cta=ROWS_PER_CTA, interpret=None):
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _kernel(g, *, interpret=None):
   t, k = g.shape
-  g, rt, grid, layout = _routing.thread_rows(g, rows_per_cta)
+  staged = k > DIRECT_MAX_TOPK
+  g, rt, grid, layout = _routing.thread_rows(g, ROWS_PER_CTA)
 
   @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct(g.shape, jnp.int32), grid=(grid,),
-                     grid_names=("i",), interpret=interpret)
-  def kernel(g_g, o_g):
-    rows, cols = _routing.load_thread_rows(g_g, rt, layout)
-    for j, c in enumerate(cols):
-      if j:
-        dup = functools.reduce(jnp.logical_or, [c == e for e in cols[:j]])
-        c = jnp.where(dup & (c >= 0), jnp.int32(-1), c)
-      o_g[rows, j] = c
+                     grid_names=("i",), scratch_types=[plgpu.SMEM((rt, k), jnp.int32)] if staged else [],
+                     compiler_params=_routing.LANE if staged else None, interpret=interpret)
+  def kernel(g_g, o_g, *scratch):
+    if staged:
+      rows, cols = _routing.load_staged_rows(g_g, scratch[0], rt, layout)
+    else:
+      rows, cols = _routing.load_thread_rows(g_g, rt, layout)
+    out = [cols[0]]
+    for j, c in enumerate(cols[1:], 1):
+      dup = functools.reduce(jnp.logical_or, [c == e for e in cols[:j]])
+      out.append(jnp.where(dup & (c >= 0), jnp.int32(-1), c))
+    if staged:
+      _routing.store_staged_rows(o_g, scratch[0], rows, out)
+    else:
+      for j, c in enumerate(out):
+        o_g[rows, j] = c
 
   return kernel(g)[:t]
 
@@ -67,6 +81,6 @@ def unique_group_indices(group_indices: jax.Array, num_groups: int, *,
     raise ValueError(f"num_groups must be in [1, 128], got {num_groups}")
   impl = _config.get_implementation(implementation)
   if (impl == "reference" or group_indices.size == 0 or group_indices.dtype != jnp.int32
-      or group_indices.shape[1] not in KERNEL_TOPK):
+      or group_indices.shape[1] in XLA_TOPK):
     return ref.unique_group_indices(group_indices, num_groups)
   return _kernel(group_indices, interpret=_config.mosaic_interpret(impl))

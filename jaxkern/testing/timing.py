@@ -4,9 +4,14 @@ Every timed call runs after a 256 MiB streaming kernel that evicts the 50-60 MB
 L2; the flush is launched in the same executable, ordered before the op's inputs
 with an optimisation barrier, and its kernels (recognised by name: XLA may schedule
 kernels that need no input before it) are left out of the sum. GPU only.
+
+:func:`lower_timed` builds that computation ahead of time from shapes alone, so a
+caller can compile many of them in parallel threads and time them later.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,22 +26,46 @@ def _flush(buf):
   return ~buf
 
 
-def device_times_us(f, *args, iterations: int = 30, flush: bool = True) -> list[float]:
-  """Device time in µs of each of ``iterations`` calls of ``f(*args)`` (all kernels it launches)."""
+@functools.cache
+def _flush_buffer() -> tuple[jax.Array, tuple[str, ...]]:
+  """The flushed buffer and the names of the kernels the flush launches."""
+  buf = jnp.full((_FLUSH_WORDS,), 1, jnp.uint32)
+  _, kernels = profiler.measure(jax.jit(_flush), aggregate=False)(buf)
+  return buf, tuple(name for name, _ in kernels)
+
+
+def _with_flush(f):
+  def g(buf, *a):
+    fb, a = jax.lax.optimization_barrier((_flush(buf), a))
+    return fb, f(*a)
+  return g
+
+
+def lower_timed(f, *args, flush: bool = True) -> jax.stages.Lowered:
+  """The computation :func:`device_times_us` times for ``f(*args)``, lowered; ``args`` may be
+  ``jax.ShapeDtypeStruct`` pytrees. With ``flush`` it takes the flush buffer first and returns
+  ``(flushed buffer, f(*args))``. ``.compile()`` releases the GIL: compile many in threads."""
+  if not flush:
+    return jax.jit(f).lower(*args)
+  buf = jax.ShapeDtypeStruct((_FLUSH_WORDS,), jnp.uint32)
+  return jax.jit(_with_flush(f)).lower(buf, *args)
+
+
+def flush_buffer() -> jax.Array:
+  """The first argument of a flushed executable from :func:`lower_timed`."""
+  return _flush_buffer()[0]
+
+
+def device_times_us(f, *args, iterations: int = 30, flush: bool = True, compiled=None) -> list[float]:
+  """Device time in µs of each of ``iterations`` calls of ``f(*args)`` (all kernels it launches);
+  ``compiled``: ``lower_timed(f, *args, flush=flush).compile()``, made ahead of time."""
   out = jax.eval_shape(f, *args)
   out_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(out))
+  fn = compiled or lower_timed(f, *args, flush=flush).compile()
+  skip = []
   if flush:
-    buf = jnp.full((_FLUSH_WORDS,), 1, jnp.uint32)
-    _, flush_kernels = profiler.measure(jax.jit(_flush), aggregate=False)(buf)
-    skip = [name for name, _ in flush_kernels]
-
-    def g(buf, *a):
-      fb, a = jax.lax.optimization_barrier((_flush(buf), a))
-      return fb, f(*a)
-
-    fn, args, out_bytes = jax.jit(g), (buf, *args), out_bytes + 4 * _FLUSH_WORDS
-  else:
-    fn, skip = jax.jit(f), []
+    buf, skip = _flush_buffer()
+    args, out_bytes = (buf, *args), out_bytes + 4 * _FLUSH_WORDS
   chunk = int(max(1, min(iterations, _LIVE_BYTES // max(out_bytes, 1))))
   times: list[float] = []
   while len(times) < iterations:
@@ -49,7 +78,7 @@ def device_times_us(f, *args, iterations: int = 30, flush: bool = True) -> list[
   return times
 
 
-def _without(run, skip: list[str]) -> float:
+def _without(run, skip) -> float:
   """Sum of a run's kernel times (ms) less one kernel of each name in ``skip``."""
   skip = list(skip)
   total = 0.0
@@ -63,9 +92,9 @@ def _without(run, skip: list[str]) -> float:
   return total
 
 
-def device_time_us(f, *args, iterations: int = 30, flush: bool = True) -> float:
+def device_time_us(f, *args, iterations: int = 30, flush: bool = True, compiled=None) -> float:
   """Median device time in µs of ``f(*args)``; see :func:`device_times_us`."""
-  return float(np.median(device_times_us(f, *args, iterations=iterations, flush=flush)))
+  return float(np.median(device_times_us(f, *args, iterations=iterations, flush=flush, compiled=compiled)))
 
 
 def copy_bandwidth_gbps(nbytes: int = 1 << 30, iterations: int = 30) -> float:

@@ -47,7 +47,7 @@ def test_token_block_tail():
   t, k = 6, 2
   pos = jnp.asarray(np.random.default_rng(0).permutation(t * k).reshape(t, k).astype(np.int32))
   x = randn(jax.random.key(1), (t, 7168), jnp.bfloat16)
-  got = _expand_kernel(x, pos, jnp.zeros((t * k,), jnp.int32), interpret=jaxkern._config.mosaic_interpret("interpret"))
+  got = _expand_kernel(x, None, pos, jnp.zeros((t * k,), jnp.int32), interpret=jaxkern._config.mosaic_interpret("interpret"))
   assert_bitwise_equal(got, ref.expand_to_fused(x, pos, jnp.zeros((t * k,), jnp.int32)))
 
 
@@ -64,24 +64,56 @@ def test_jit_and_vmap(key):
   assert_bitwise_equal(f(x, m[3], m[0]), want)
 
 
-@pytest.mark.parametrize("sf_dtype, col_major, npc", [(jnp.float32, False, 128), (jnp.int32, True, 32),
-                                                      (jnp.float32, True, 32)])
-def test_with_sf(key, sf_dtype, col_major, npc):
-  k1, k2, k3 = jax.random.split(key, 3)
-  _, m = _mapping(k1, 2, 6, 9, 8)
-  t, h = m[3].shape[0], 576
-  blocks = -(-h // npc)
+def _sf_inputs(key, tokens, hidden, npc, sf_dtype):
+  blocks = -(-hidden // npc)
   hs = -(-blocks // 4) if sf_dtype == jnp.int32 else blocks
-  x = (randn(k2, (t, h), jnp.float8_e4m3fn), random_bits(k3, (t, hs), sf_dtype))
-  out, out_sf = moe.expand_to_fused_with_sf(x, npc, m[3], m[0], col_major)
-  n = m[0].shape[0]
-  assert out_sf.shape == ((hs, -(-n // 4) * 4) if col_major else (n, hs)) and out_sf.dtype == sf_dtype
-  want = ref.expand_to_fused_with_sf(x, npc, m[3], m[0], col_major)
+  k1, k2 = jax.random.split(key)
+  return random_bits(k1, (tokens, hidden), jnp.float8_e4m3fn), random_bits(k2, (tokens, hs), sf_dtype)
+
+
+def _check_with_sf(x, npc, pos, pte, col_major, out, out_sf):
+  n, hs = pte.shape[0], x[1].shape[1]
+  assert out_sf.shape == ((hs, -(-n // 4) * 4) if col_major else (n, hs)) and out_sf.dtype == x[1].dtype
+  want = ref.expand_to_fused_with_sf(x, npc, pos, pte, col_major)
   assert_bitwise_equal(out, want[0])
   assert_bitwise_equal(out_sf, want[1])
-  logical = out_sf[:, :n].T if col_major else out_sf
-  for t_, k_ in zip(*np.nonzero(np.asarray(m[3]) >= 0)):
-    assert_bitwise_equal(logical[int(m[3][t_, k_])], x[1][t_])
+  bits = np.asarray(jax.lax.bitcast_convert_type(out_sf, jnp.int32))
+  logical = bits[:, :n].T if col_major else bits
+  tokens, slots = np.nonzero(np.asarray(pos) >= 0)
+  np.testing.assert_array_equal(logical[np.asarray(pos)[tokens, slots]],
+                                np.asarray(jax.lax.bitcast_convert_type(x[1], jnp.int32))[tokens])
+  assert not logical[np.asarray(pte) < 0].any()  # padding rows are zero
+  assert not bits[:, n:].any()  # padding columns of the column-major buffer
+
+
+# Row-major scale rows of 20 words (moved by the kernel), of 5 words (not TMA-copyable: moved by XLA),
+# column-major packed int32 and float32 (XLA).
+@pytest.mark.parametrize("sf_dtype, col_major, npc, hidden", [
+    (jnp.float32, False, 128, 2560), (jnp.float32, False, 128, 576), (jnp.int32, True, 128, 2560),
+    (jnp.float32, True, 32, 576)])
+def test_with_sf(key, sf_dtype, col_major, npc, hidden):
+  k1, k2 = jax.random.split(key)
+  _, m = _mapping(k1, 2, 6, 9, 8)
+  x = _sf_inputs(k2, m[3].shape[0], hidden, npc, sf_dtype)  # NaN payloads and -0 must survive
+  _check_with_sf(x, npc, m[3], m[0], col_major, *moe.expand_to_fused_with_sf(x, npc, m[3], m[0], col_major))
+
+
+@pytest.mark.parametrize("col_major, sf_dtype, npc", [(False, jnp.float32, 32), (True, jnp.int32, 32)])
+def test_with_sf_ragged_padding_and_empty_rows(key, col_major, sf_dtype, npc):
+  """17 tokens, rows entirely -1, N = 61 (not a multiple of 4: padding columns), extra padding rows;
+  row-major scale rows of 32 words move in the kernel, like the data."""
+  idx = np.array(jax.random.randint(key, (17, 3), -1, 5), np.int32)
+  idx[[0, 7, 16]] = -1
+  m = moe.get_fused_mapping(jnp.asarray(idx), 5, 61, 4)
+  x = _sf_inputs(key, 17, 1024, npc, sf_dtype)
+  _check_with_sf(x, npc, m[3], m[0], col_major, *moe.expand_to_fused_with_sf(x, npc, m[3], m[0], col_major))
+
+
+def test_with_sf_zero_tokens():
+  x = (jnp.ones((0, 576), jnp.float8_e4m3fn), jnp.ones((0, 5), jnp.int32))
+  out, out_sf = moe.expand_to_fused_with_sf(x, 32, jnp.zeros((0, 2), jnp.int32), jnp.full((6,), -1), True)
+  assert_bitwise_equal(out, jnp.zeros((6, 576), jnp.float8_e4m3fn))
+  assert_bitwise_equal(out_sf, jnp.zeros((5, 8), jnp.int32))
 
 
 @pytest.mark.parametrize("args, match", [
@@ -124,6 +156,21 @@ def test_lowers_for_h100(hidden, dtype):
   assert "mosaic_gpu" in lower_for_h100(f, *args).as_text()
 
 
+@pytest.mark.parametrize("sf_dtype, col_major, npc", [(jnp.float32, False, 32), (jnp.float32, False, 128),
+                                                      (jnp.int32, True, 32), (jnp.float32, True, 128)])
+@pytest.mark.parametrize("hidden", [576, 7168])
+def test_with_sf_lowers_for_h100(hidden, sf_dtype, col_major, npc):
+  t, k, n = 4001, 6, 24064
+  blocks = -(-hidden // npc)
+  hs = -(-blocks // 4) if sf_dtype == jnp.int32 else blocks
+  f = functools.partial(moe.expand_to_fused_with_sf, num_per_channels=npc, use_tma_aligned_col_major_sf=col_major,
+                        implementation="pallas")
+  args = ((jax.ShapeDtypeStruct((t, hidden), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((t, hs), sf_dtype)),
+          jax.ShapeDtypeStruct((t, k), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32))
+  assert "mosaic_gpu" in lower_for_h100(lambda x, pos, pte: f(x, token_topk_to_pos=pos, pos_to_expert=pte),
+                                        *args).as_text()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden", [576, 2048, 7168])
 @pytest.mark.parametrize("num_topk, experts, ranks", [(2, 9, 8), (6, 9, 8), (9, 32, 8), (8, 4, 64)])
@@ -132,3 +179,18 @@ def test_spec_shapes_gpu(key, num_topk, experts, ranks, hidden):
   x = random_bits(key, (m[3].shape[0], hidden), jnp.bfloat16)
   jnp.full((m[0].shape[0], hidden), -1, jnp.int16).block_until_ready()  # poison the allocator
   assert_bitwise_equal(jax.jit(moe.expand_to_fused)(x, m[3], m[0]), ref.expand_to_fused(x, m[3], m[0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sf_dtype, col_major, npc", [(jnp.float32, False, 32), (jnp.float32, False, 128),
+                                                      (jnp.int32, True, 32)])
+@pytest.mark.parametrize("hidden", [2560, 7168])
+@pytest.mark.parametrize("num_topk, experts, ranks", [(6, 9, 8)])
+def test_with_sf_spec_shapes_gpu(key, num_topk, experts, ranks, hidden, sf_dtype, col_major, npc):
+  _, m = _mapping(key, 4001, num_topk, experts, ranks, alignment=16)
+  x = _sf_inputs(key, m[3].shape[0], hidden, npc, sf_dtype)
+  n = m[0].shape[0]
+  jnp.full((n, hidden + 4 * x[1].shape[1] + 16), -1, jnp.int8).block_until_ready()  # poison the allocator
+  f = jax.jit(functools.partial(moe.expand_to_fused_with_sf, num_per_channels=npc,
+                                use_tma_aligned_col_major_sf=col_major))
+  _check_with_sf(x, npc, m[3], m[0], col_major, *f(x, token_topk_to_pos=m[3], pos_to_expert=m[0]))

@@ -7,7 +7,7 @@ import pytest
 
 import jaxkern
 from jaxkern import moe
-from jaxkern.moe.normalize_weight import MAX_KERNEL_TOPK, _kernel
+from jaxkern.moe.normalize_weight import _kernel
 from jaxkern.reference import moe_routing as ref
 from jaxkern.testing import assert_bitwise_equal, lower_for_h100, moe_topk_idx
 
@@ -35,8 +35,8 @@ def test_bit_exact(key, num_topk, experts, ranks):
 
 @pytest.mark.parametrize("t, num_topk", [(5, 6), (130, 9), (257, 2)])
 def test_kernel_signed_weights(key, t, num_topk):
-  """Negative weights and ragged T (padded, overlapping last CTA) against the reference, for any K
-  (the op runs the kernel only up to ``MAX_KERNEL_TOPK``)."""
+  """Negative weights and ragged T (padded, overlapping last CTA) against the reference, rows read
+  straight from GMEM (K = 2) and staged through SMEM (K = 6, 9)."""
   w = jax.random.normal(key, (t, num_topk), jnp.float32) + 0.5
   d, nw = _kernel(w, interpret=jaxkern._config.mosaic_interpret(jaxkern.get_implementation()))
   want_d, want = ref.normalize_weight(w)
@@ -44,8 +44,9 @@ def test_kernel_signed_weights(key, t, num_topk):
   assert_bitwise_equal(nw, want)
 
 
-def test_lowers_for_h100():
-  spec = jax.ShapeDtypeStruct((18506, MAX_KERNEL_TOPK), jnp.float32)
+@pytest.mark.parametrize("num_topk", [2, 9])
+def test_lowers_for_h100(num_topk):
+  spec = jax.ShapeDtypeStruct((18506, num_topk), jnp.float32)
   assert "mosaic_gpu" in lower_for_h100(lambda w: moe.normalize_weight(w, implementation="pallas"), spec).as_text()
 
 

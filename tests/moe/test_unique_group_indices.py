@@ -42,16 +42,17 @@ def test_random_rows(g):
   assert_bitwise_equal(moe.unique_group_indices(jnp.asarray(g), 8), _expected(g))
 
 
-@pytest.mark.parametrize("shape", [(5, 3), (130, 9), (257, 6)])
+@pytest.mark.parametrize("shape", [(5, 3), (130, 9), (257, 6), (257, 2)])
 def test_kernel_any_topk(key, shape):
-  """The kernel for K the op leaves to XLA, ragged T, repeated values and negatives."""
+  """The kernel (also for K the op leaves to XLA), ragged T, repeated values and negatives."""
   g = np.asarray(jax.random.randint(key, shape, -3, 6), np.int32)
   got = _kernel(jnp.asarray(g), interpret=jaxkern._config.mosaic_interpret(jaxkern.get_implementation()))
   assert_bitwise_equal(got, _expected(g))
 
 
-def test_lowers_for_h100():
-  spec = jax.ShapeDtypeStruct((22062, 8), jnp.int32)
+@pytest.mark.parametrize("num_topk", [2, 8])
+def test_lowers_for_h100(num_topk):
+  spec = jax.ShapeDtypeStruct((22062, num_topk), jnp.int32)
   f = lambda g: moe.unique_group_indices(g, 8, implementation="pallas")
   assert "mosaic_gpu" in lower_for_h100(f, spec).as_text()
 

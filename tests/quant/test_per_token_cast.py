@@ -248,7 +248,9 @@ def test_lowers_for_h100(fmt, m, k, npc, dtype, flags):
                         use_packed_ue8m0=FLAGS[flags][2], implementation="pallas")
   text = lower_for_h100(f, s).as_text()
   assert "mosaic_gpu" in text
-  if FLAGS[flags][0]:  # column-major sf: written by the kernel, no XLA reformatting or broadcast
+  # Column-major sf: written by the kernel, no XLA reformatting or broadcast (e2m1 groups under 128
+  # run as view rows and XLA reformats their sf: faster on the H200).
+  if FLAGS[flags][0] and (fmt == "e4m3" or npc >= 128):
     assert "stablehlo.transpose" not in text and "stablehlo.broadcast" not in text
   if fmt == "e4m3":
     g = functools.partial(quant.per_token_cast_with_sf_only, fmt=fmt, num_per_channels=npc, implementation="pallas")
