@@ -2,13 +2,15 @@
 
 Static arguments cannot travel through ``make_args``, so each group width is its own benchmark op
 (``npc=K`` derives the width from the input). Byte counts are the logical sizes (input, data, sf).
-Registered: the e4m3 and e2m1 grids of per_token_cast (flags T, T, T), per_block_cast (e4m3; e2m1
-from bf16), the per-channel casts, per_token_cast_back of e4m3 and e2m1 data (layout-A and packed
-layout-C input), cast_back with (128, 128) blocks, unpack_from_e2m1fn_x2, per_block_cast_lossless
-(e2m1 (1, 32) -> e4m3 (128, 128), packed sf) and per_channel_cast_fused (plain 4096 tokens and the
-K=6 MoE gathers, bf16 or QuantTensor input). Not registered: float32 -> e2m1 per-block casts,
-QuantTensor inputs of the other casts and cast_back with (128, 1) blocks (they run the jnp
-reference).
+Registered: the e4m3 and e2m1 grids of per_token_cast (flags T, T, T), its QuantTensor inputs
+(``per_token_cast_quant_input``: e4m3 / e2m1 data with (128, 128) / (32, 32) blocks re-cast to e4m3 /
+e2m1 with npc 32 / 128, flags T, T, T; one op, the static arguments travel as case kwargs),
+per_block_cast (e4m3 and e2m1 from float32 and bf16), the per-channel casts, per_token_cast_back of
+e4m3 and e2m1 data (layout-A and packed layout-C input), cast_back with (128, 128) and (128, 1) blocks,
+unpack_from_e2m1fn_x2, per_block_cast_lossless (e2m1 (1, 32) -> e4m3 (128, 128), packed sf) and
+per_channel_cast_fused (plain 4096 tokens and the K=6 MoE gathers, bf16 or QuantTensor input). The
+inputs whose ops fall back to the jnp reference (fewer rows than one register layout block, cast_back
+of e2m1 data with (bm, 1) blocks) are outside these grids.
 """
 
 import itertools
@@ -63,6 +65,30 @@ for _fmt, _prefix in (("e4m3", "per_token_cast_"), ("e2m1", "per_token_cast_e2m1
         _grid(_cast_case, _w, ("fp32", "bf16"), _fmt),
         lambda _w=_w, _fmt=_fmt: [_cast_case(100, 576, "bf16", _w, _fmt)]))
 
+def _quant_input_case(m, k, in_fmt, x_block, npc, fmt):
+  """A QuantTensor made by the reference cast of a bf16 ``randn`` with packed UE8M0 sf (flags T, T, T),
+  re-cast with the same flags; bytes: data, sf (one byte per block), out, out sf (one byte per group)."""
+  mb, kb = -(-m // x_block[0]), -(-k // x_block[1])
+  nbytes = m * k // (2 if in_fmt == "e2m1" else 1) + mb * kb + m * k // (2 if fmt == "e2m1" else 1) + m * (-(-k // npc))
+
+  def make(key):
+    return ref.cast(randn(key, (m, k), jnp.bfloat16), in_fmt, x_block, round_sf=True,
+                    use_tma_aligned_col_major_sf=True, use_packed_ue8m0=True)
+
+  label = f"M={m} K={k} {in_fmt} {x_block[0]}x{x_block[1]} -> {fmt} npc{npc}"
+  return Case(label, make, nbytes, dict(x_block_size=x_block, npc=npc, fmt=fmt))
+
+
+register(BenchOp(
+    "per_token_cast_quant_input",
+    lambda q, sf, x_block_size, npc, fmt: quant.per_token_cast((q, sf), fmt, npc, x_block_size, True, True, True),
+    lambda q, sf, x_block_size, npc, fmt: ref.cast((q, sf), fmt, (1, npc), x_block_size=x_block_size, round_sf=True,
+                                                   use_tma_aligned_col_major_sf=True, use_packed_ue8m0=True),
+    lambda: [_quant_input_case(m, k, i, b, n, f) for i, b, n, f, m, k in itertools.product(
+        ("e4m3", "e2m1"), ((128, 128), (32, 32)), (32, 128), ("e4m3", "e2m1"), num_tokens(), hidden_sizes(64))],
+    lambda: [_quant_input_case(130, 576, "e2m1", (32, 32), 128, "e4m3")]))
+
+
 def _logical_k(q):
   return q.shape[-1] * (2 if q.dtype == jnp.int8 else 1)
 
@@ -94,23 +120,24 @@ for _out in ("bf16", "fp32"):
       lambda _out=_out: [_unpack_case(72, 576, _out)]))
 
 
-def _block_back_case(m, k, out_name, round_sf):
-  nbytes = m * k * jnp.dtype(_DTYPES[out_name]).itemsize + m * k + (-(-m // 128)) * (-(-k // 128)) * 4
+def _block_back_case(m, k, out_name, round_sf, block):
+  nbytes = m * k * jnp.dtype(_DTYPES[out_name]).itemsize + m * k + (-(-m // block[0])) * (-(-k // block[1])) * 4
 
   def make(key):
-    return ref.cast(randn(key, (m, k), jnp.float32), "e4m3", (128, 128), round_sf=round_sf)
+    return ref.cast(randn(key, (m, k), jnp.float32), "e4m3", block, round_sf=round_sf)
 
   return Case(f"M={m} K={k} {out_name}{' round' if round_sf else ''}", make, nbytes)
 
 
-for _out in ("bf16", "fp32"):
+for _out, _block in itertools.product(("bf16", "fp32"), ((128, 128), (128, 1))):
   register(BenchOp(
-      f"cast_back_128x128_{_out}",
-      lambda q, sf, _out=_out: quant.cast_back((q, sf), _out, (128, 128)),
-      lambda q, sf, _out=_out: ref.cast_back((q, sf), _out, (128, 128)),
-      lambda _out=_out: [_block_back_case(m, k, _out, r)
-                         for r, m, k in itertools.product((False, True), num_tokens(), hidden_sizes(64))],
-      lambda _out=_out: [_block_back_case(72, 576, _out, True)]))
+      f"cast_back_{_block[0]}x{_block[1]}_{_out}",
+      lambda q, sf, _out=_out, _block=_block: quant.cast_back((q, sf), _out, _block),
+      lambda q, sf, _out=_out, _block=_block: ref.cast_back((q, sf), _out, _block),
+      lambda _out=_out, _block=_block: [
+          _block_back_case(m, k, _out, r, _block)
+          for r, m, k in itertools.product((False, True), num_tokens(), hidden_sizes(64))],
+      lambda _out=_out, _block=_block: [_block_back_case(72, 576, _out, True, _block)]))
 
 
 def _block_case(m, k, dtype_name, block, fmt="e4m3"):
@@ -121,7 +148,8 @@ def _block_case(m, k, dtype_name, block, fmt="e4m3"):
 
 
 for (_fmt, _prefix, _dts), _bm, _bk in itertools.product(
-    (("e4m3", "per_block_cast_", ("fp32", "bf16")), ("e2m1", "per_block_cast_e2m1_", ("bf16",))), (32, 128), (32, 128)):
+    (("e4m3", "per_block_cast_", ("fp32", "bf16")), ("e2m1", "per_block_cast_e2m1_", ("fp32", "bf16"))), (32, 128),
+    (32, 128)):
   register(BenchOp(
       f"{_prefix}{_bm}x{_bk}",
       lambda x, _b=(_bm, _bk), _fmt=_fmt: quant.per_block_cast(x, _fmt, _b, True, True, True),
@@ -209,4 +237,4 @@ register(BenchOp(
              for k in hidden_sizes(128)],
     lambda: [_fused_case(0, 0, 256, True)]))
 
-del _fmt, _prefix, _dts, _name, _w, _out, _packed, _bm, _bk, _npt
+del _fmt, _prefix, _dts, _name, _w, _out, _packed, _bm, _bk, _npt, _block

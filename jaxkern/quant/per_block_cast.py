@@ -12,8 +12,9 @@ in :mod:`jaxkern.quant.per_token_cast`.
 
 e2m1 from bf16 reads each pair of columns as one int32 word (a free bitcast of the input; the data
 TMA boxes are half as wide) and packs the two nibbles per output byte as in
-:mod:`jaxkern.quant.per_token_cast`. float32 -> e2m1 (the pair split would need strided SMEM
-loads, which do not lower) runs the ``jnp`` reference (:mod:`jaxkern.reference.quant`).
+:mod:`jaxkern.quant.per_token_cast`, with the short encoder :func:`jaxkern.quant.common.encode_e2m1`.
+float32 -> e2m1 has its own kernel (:func:`_fp4_from_f32_kernel`) that reads the even and odd
+columns straight from GMEM (strided SMEM loads do not lower) and stores through SMEM and TMA.
 
 ``per_block_cast_lossless`` computes the exponents per block in XLA (small: one value per input
 block) and moves the data through the packed-e2m1 row kernel of :mod:`jaxkern.quant.cast_back`
@@ -42,6 +43,14 @@ BLOCK_SIDES = (32, 128)
 def _blocks_per_cta(block_size) -> int:
   bm, bk = block_size
   return (256 if bm == 32 else 128) // bk
+
+
+def _untiled(width, array_width):
+  """SMEM transforms of a ``(·, width)`` TMA buffer of an array ``array_width`` wide: a one-row tiling
+  keeps the buffer row-major and stops the transform inference from choosing an (8, ·) tiling, which
+  would make TMA require a row count that is a multiple of 8; the tile width must divide the array's
+  width too (K/2 is only a multiple of 32)."""
+  return (plgpu.TilingTransform((1, math.gcd(64, width, array_width))),)
 
 
 def _load_halves(x_s, layout, fp4):
@@ -80,17 +89,11 @@ def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, inte
   if compute_sf:
     out_type.append(jax.ShapeDtypeStruct((mb, kt * nb), jnp.float32))
 
-  # A one-row tiling keeps the buffers row-major and stops the transform inference from choosing
-  # an (8, ·) tiling, which would make TMA require a row count that is a multiple of 8.
-  # The tile width must divide the array's width too (K/2 is only a multiple of 32).
-  def untiled(width, array_width):
-    return (plgpu.TilingTransform((1, math.gcd(64, width, array_width))),)
-
-  scratch = dict(x_s=plgpu.SMEM((nb, bm, obk), x.dtype, transforms=untiled(obk, x.shape[1])),
+  scratch = dict(x_s=plgpu.SMEM((nb, bm, obk), x.dtype, transforms=_untiled(obk, x.shape[1])),
                  bar=plgpu.Barrier(num_arrivals=1, num_barriers=nb))
   if write_data:
     scratch["o_s"] = plgpu.SMEM((nb, bm, obk), jnp.int8 if fp4 else jnp.float8_e4m3fn,
-                                 transforms=untiled(obk, k // 2 if fp4 else k))
+                                 transforms=_untiled(obk, k // 2 if fp4 else k))
 
   @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(mb, kt), grid_names=("i", "j"),
                      scratch_types=scratch, interpret=interpret)
@@ -121,7 +124,7 @@ def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, inte
         for c in chunks:
           q = [h * inv[:, None] for h in _load_halves(x_s.at[s, c], layout, fp4)]
           if fp4:
-            o_s.at[s, c][...] = (ref.encode_e2m1(q[0]) | (ref.encode_e2m1(q[1]) << 4)).astype(jnp.int8)
+            o_s.at[s, c][...] = (common.encode_e2m1(q[0]) | (common.encode_e2m1(q[1]) << 4)).astype(jnp.int8)
           else:
             o_s.at[s, c][...] = ref.encode_e4m3(q[0]) if sf_in is not None else q[0].astype(jnp.float8_e4m3fn)
     if write_data:
@@ -138,14 +141,114 @@ def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, inte
   return out, (outs.pop(0)[:, :kb] if compute_sf else None)
 
 
+CHUNK_ROWS = 32  # rows per register chunk of the float32 -> e2m1 kernel
+KEPT_VALUES = 8192  # float32 -> e2m1: a CTA's values (nb blocks) stay in registers up to this many
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "round_sf", "write_data", "compute_sf", "interpret"))
+def _fp4_from_f32_kernel(x, sf_in, *, block_size, round_sf, write_data, compute_sf, interpret):
+  """float32 ``x`` ``(M, K)`` -> e2m1: as :func:`_kernel`, but the input is read straight from GMEM.
+
+  The pair view ``(M, K/2, 2)`` gives the even and odd columns as two strided loads (strided SMEM
+  loads do not lower, and a TMA box cannot be narrower than 16 bytes). A CTA owns one block row and
+  ``nb`` blocks (``bm·nb·bk ≤`` :data:`KEPT_VALUES`, kept in registers; a 128x128 block is read twice,
+  once for its amax and once to quantise it) in chunks of :data:`CHUNK_ROWS` rows; a chunk past the
+  last row is moved back to end there, its rows of the block above are masked out of the amax and land
+  in the spare leading rows of the SMEM output buffer, which is TMA-stored clipped at the array edge.
+  The last CTA column holds the remaining blocks (the last one possibly narrower).
+  """
+  m, k = x.shape
+  bm, bk = block_size
+  nb = max(1, KEPT_VALUES // (bm * bk))
+  keep = bm * nb * bk <= KEPT_VALUES
+  rc = min(CHUNK_ROWS, bm)
+  mb, kb, kt = ref.cdiv(m, bm), ref.cdiv(k, bk), ref.cdiv(k, nb * bk)
+  mp = max(m, rc)
+  xv = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x  # fewer rows than one chunk (tiny inputs only)
+  xv = xv.reshape(mp, k // 2, 2)
+  p = bk // 2  # block width in pairs (= output bytes)
+  tail = kb - (kt - 1) * nb  # blocks of the last CTA column
+  last_w = (k - (kb - 1) * bk) // 2
+  out_type = []
+  if write_data:
+    out_type.append(jax.ShapeDtypeStruct((mp, k // 2), jnp.int8))
+  if compute_sf:
+    out_type.append(jax.ShapeDtypeStruct((mb, kt * nb), jnp.float32))
+  scratch = {}
+  if write_data:  # rc spare leading rows per block for the rows of a moved-back chunk that lie above the block
+    scratch["o_s"] = plgpu.SMEM((nb, rc + bm, p), jnp.int8, transforms=_untiled(p, k // 2))
+    if last_w != p:  # the narrower last block has its own (contiguous) buffer
+      scratch["o_t"] = plgpu.SMEM((rc + bm, last_w), jnp.int8, transforms=_untiled(last_w, k // 2))
+
+  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(mb, kt), grid_names=("i", "j"),
+                     scratch_types=scratch, interpret=interpret)
+  def kernel(*refs, o_s=None, o_t=None):
+    x_g, c_g, *rest = refs
+    sfin_g = rest.pop(0) if sf_in is not None else None
+    o_g = rest.pop(0) if write_data else None
+    sf_g = rest.pop(0) if compute_sf else None
+    i, j = lax.axis_index("i"), lax.axis_index("j")
+    starts = [jnp.minimum(i * bm + c * rc, mp - rc) for c in range(bm // rc)]
+
+    def body(widths):
+      """Blocks ``j·nb + s`` of widths ``widths[s]`` (pairs)."""
+      lays = [common.row_layout(w, 16)[0] for w in widths]  # one float32 per thread and row segment
+      bufs = [o_s.at[s] if w == p else o_t for s, w in enumerate(widths)] if write_data else None
+
+      def load(s, c):
+        cols = pl.ds((j * nb + s) * p, widths[s])
+        return [plgpu.load(x_g.at[pl.ds(starts[c], rc), cols, h], layout=lays[s], optimized=False) for h in (0, 1)]
+
+      vals = {(s, c): load(s, c) for s in range(len(widths)) for c in range(bm // rc)} if keep else None
+      for s, lay in enumerate(lays):
+        get = (lambda c: vals[s, c]) if keep else (lambda c: load(s, c))
+        # The block's scalars as vectors in the rows' layout (splats without a layout leave the layout
+        # inference too many choices: it exceeded Python's recursion limit for 8 blocks per CTA).
+        splat = lambda v, lay=lay: plgpu.layout_cast(jnp.broadcast_to(v, (rc,)), lay.reduce(1))
+        if sf_in is not None:
+          inv = common.exact_div(1.0, splat(sfin_g[i, j * nb + s]))
+        else:
+          rows = [plgpu.broadcasted_iota(jnp.int32, (rc,), 0, layout=lay.reduce(1)) + st for st in starts]
+          a = functools.reduce(jnp.maximum, [
+              jnp.max(jnp.where(r >= i * bm, jnp.max(jnp.maximum(jnp.abs(e), jnp.abs(o)), axis=1), 0.0), axis=0)
+              for r, (e, o) in zip(rows, map(get, range(bm // rc)))])
+          sf, inv = ref.scale_factors(splat(a), splat(c_g[0]), "e2m1", round_sf, div=common.exact_div)
+          if compute_sf:
+            sf_g[i, j * nb + s] = jnp.max(sf, axis=0)
+        if write_data:
+          for c in range(bm // rc):
+            e, o = get(c)
+            byte = common.encode_e2m1(e * inv[:, None]) | (common.encode_e2m1(o * inv[:, None]) << 4)
+            bufs[s].at[pl.ds(starts[c] - i * bm + rc, rc)][...] = byte.astype(jnp.int8)
+      if write_data:
+        plgpu.commit_smem()
+        for s, w in enumerate(widths):
+          plgpu.copy_smem_to_gmem(bufs[s].at[pl.ds(rc, bm)], o_g.at[pl.ds(i * bm, bm), pl.ds((j * nb + s) * p, w)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    last = (p,) * (tail - 1) + (last_w,)
+    if kt == 1:
+      body(last)
+    else:
+      pl.when(j < kt - 1)(lambda: body((p,) * nb))
+      pl.when(j == kt - 1)(lambda: body(last))
+
+  consts = jnp.full((1,), ref.FP4_MAX, jnp.float32)
+  if sf_in is not None:
+    sf_in = jnp.pad(sf_in, ((0, 0), (0, kt * nb - kb)), constant_values=1.0)
+  outs = list(kernel(*((xv, consts) if sf_in is None else (xv, consts, sf_in))))
+  out = outs.pop(0)[:m] if write_data else None
+  return out, (outs.pop(0)[:, :kb] if compute_sf else None)
+
+
 def _run_kernel(x, fmt, block_size, impl, *, sf_in=None, round_sf=False, write_data=True, compute_sf=True):
-  return _kernel(x, sf_in, fmt=fmt, block_size=block_size, round_sf=round_sf, write_data=write_data, compute_sf=compute_sf,
-                 interpret=_config.mosaic_interpret(impl))
+  f = _fp4_from_f32_kernel if fmt == "e2m1" and x.dtype == jnp.float32 else functools.partial(_kernel, fmt=fmt)
+  return f(x, sf_in, block_size=block_size, round_sf=round_sf, write_data=write_data, compute_sf=compute_sf,
+           interpret=_config.mosaic_interpret(impl))
 
 
-def _use_kernel(impl, x, fmt) -> bool:
-  """The kernel covers e4m3 and bf16 -> e2m1 (float32 -> e2m1 runs the reference)."""
-  return impl != "reference" and x.shape[0] > 0 and (fmt == "e4m3" or x.dtype == jnp.bfloat16)
+def _use_kernel(impl, x) -> bool:
+  return impl != "reference" and x.shape[0] > 0
 
 
 def _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0):
@@ -169,7 +272,7 @@ def per_block_cast(x, fmt: str, block_size, use_tma_aligned_col_major_sf: bool =
   """
   _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
   impl = _config.get_implementation(implementation)
-  if not _use_kernel(impl, x, fmt):
+  if not _use_kernel(impl, x):
     return ref.cast(x, fmt, tuple(block_size), round_sf=round_sf,
                     use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0)
   out, sf = _run_kernel(x, fmt, tuple(block_size), impl, round_sf=round_sf)
@@ -182,7 +285,7 @@ def per_block_cast_with_sf_only(x, fmt: str, block_size, use_tma_aligned_col_maj
   """The ``out_sf`` of :func:`per_block_cast`, without writing the data."""
   _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
   impl = _config.get_implementation(implementation)
-  if not _use_kernel(impl, x, fmt):
+  if not _use_kernel(impl, x):
     return ref.cast(x, fmt, tuple(block_size), round_sf=round_sf, use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
                     use_packed_ue8m0=use_packed_ue8m0)[1]
   _, sf = _run_kernel(x, fmt, tuple(block_size), impl, round_sf=round_sf, write_data=False)
@@ -199,7 +302,7 @@ def per_block_cast_with_precomputed_sf(x, fmt: str, block_size, sf, use_tma_alig
   m, k = x.shape
   common.check_sf("sf", sf, (ref.cdiv(m, block_size[0]), ref.cdiv(k, block_size[1])), jnp.float32)
   impl = _config.get_implementation(implementation)
-  if not _use_kernel(impl, x, fmt):
+  if not _use_kernel(impl, x):
     return ref.cast(x, fmt, tuple(block_size), sf=sf)
   out, _ = _run_kernel(x, fmt, tuple(block_size), impl, sf_in=sf, compute_sf=False)
   return out

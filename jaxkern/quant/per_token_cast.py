@@ -24,17 +24,23 @@ fewer rows than one layout block. The format's largest value reaches the kernel 
 host constant (an XLA splat would cost a broadcast kernel).
 
 FP4 e2m1 (same kernel, quant.md §4.4): Hopper has no FP4 conversion, so the rounding (nearest even,
-saturating at ±6, sign kept) and the packing (column ``2j`` in the low nibble) are integer bit
-operations, bit-exact with :func:`jaxkern.reference.quant.encode_e2m1`. Each pair of columns is
-read together: a bf16 pair as one int32 word (a free bitcast of the input; ``word << 16`` and
+saturating at ±6, sign kept) and the packing (column ``2j`` in the low nibble) are bit operations
+(:func:`jaxkern.quant.common.encode_e2m1`), bit-exact with :func:`jaxkern.reference.quant.encode_e2m1`.
+Each pair of columns is read together: a bf16 pair as one int32 word (a free bitcast of the input; ``word << 16`` and
 ``word & 0xFFFF0000`` are the float32 patterns), float32 as even / odd strided loads.
 
-QuantTensor inputs run the ``jnp`` reference for now.
+QuantTensor inputs (e4m3 or packed e2m1 data with their sf in layout A / B / C) run through the same
+kernel (:func:`_quant_kernel`): the data are decoded in registers (e4m3 bytes by conversion, e2m1
+nibbles with integer operations) and multiplied by the input sf read in the kernel, as the rows of
+column segments (one per output group, an input block per part of a group). Inputs the plan does not
+cover (groups straddling input blocks, fewer rows than one register layout block, blocks of 2..unit-1
+rows, more than 16 groups with a partial last one) run the ``jnp`` reference.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +51,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config
 from jaxkern.quant import common
+from jaxkern.quant.cast_back import _sf_decode, _sf_raw
 from jaxkern.reference import quant as ref
 
 # Groups per CTA when groups dividing K run as column segments (one packed UE8M0 word).
@@ -79,8 +86,35 @@ def _load_pairs(x_g, rows, c, sw, layout):
   return tuple(plgpu.load(x_g.at[rows, pl.ds(c, sw), h], layout=layout, optimized=False) for h in (0, 1))
 
 
+class QuantIn(NamedTuple):
+  """A QuantTensor input of :func:`row_kernel`: ``kind`` of the data view (``"e4m3"`` bytes, ``"e4m3x2"``
+  int16 words of two e4m3 bytes, ``"e2m1"`` packed bytes), the caller's ``sf`` array read in the kernel
+  as ``mode`` (see :func:`jaxkern.quant.cast_back._sf_raw`), its blocks ``bm`` rows × ``bk`` view
+  columns, ``num_blocks`` block rows, and the ``itemsize`` that sizes the register vectors
+  (:func:`jaxkern._layouts.row_layout`)."""
+
+  kind: str
+  sf: jax.Array
+  mode: str
+  bm: int
+  bk: int
+  num_blocks: int
+  itemsize: int
+
+
+def _parts(c, sw, bk):
+  """Static ``(column, width)`` parts of the segment ``(c, sw)`` (``c`` a multiple of ``bk`` or of ``sw``)
+  that lie in one input block of ``bk`` columns each."""
+  return ((c, sw),) if bk >= sw else tuple((c + o, min(bk, sw - o)) for o in range(0, sw, bk))
+
+
+def _decode_e4m3(b):
+  """e4m3 bytes (int32 0..255) -> float32."""
+  return lax.bitcast_convert_type(b.astype(jnp.int8), jnp.float8_e4m3fn).astype(jnp.float32)
+
+
 def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, interpret, sf_layout="rows",
-               seg_chunk=None, thread_bytes=common.THREAD_BYTES):
+               seg_chunk=None, thread_bytes=common.THREAD_BYTES, quant_in=None):
   """Per-row-group cast of ``x`` (``R`` at least one layout block of rows).
 
   ``x``: ``(R, W)`` for e4m3; for e2m1 the pair view of :func:`_fp4_pairs` (``W/2`` pairs, ``segs``
@@ -94,22 +128,39 @@ def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, 
   (``Mp = align(R, 4)``; the last row of CTAs zeroes the padding rows with scalar stores). Returns
   ``(out | None, sf | None)``: ``out`` ``(R, W)`` e4m3 or ``(R, W/2)`` int8 (packed e2m1, column ``2j``
   in the low nibble).
+
+  ``quant_in``: a :class:`QuantIn` whose data ``x`` (``(R, W)``, one view row per row) is decoded in
+  registers and multiplied by its block's sf: the amax uses ``RN(d·s)`` (as ``RN(max|d|·s)``), the data
+  ``RN(d·RN(s·sf_inv))`` (quant.md §4.3). ``e4m3x2`` and ``e2m1`` views are pair views (``segs`` in
+  pairs); an e4m3 output from a pair view is int16 words of two e4m3 bytes. A group wider than an input
+  block runs as parts of ``bk`` view columns. Blocks taller than one row need tiles of at most ``bm``
+  rows (two scalar sf loads and a select per part, as in :mod:`jaxkern.quant.cast_back`).
   """
   r, w = x.shape[:2]
   fp4 = fmt == "e2m1"
+  qk = quant_in.kind if quant_in is not None else None
+  pairs = fp4 or qk == "e2m1"  # view columns are pairs of elements
   itemsize = x.dtype.itemsize * (2 if x.ndim == 3 else 1)  # input bytes per view element
   nseg = len(segs)
   chunk = seg_chunk or nseg
   num_chunks = ref.cdiv(nseg, chunk)
 
   def seg_layout(sw):
+    if qk is not None:
+      return common.row_layout(sw, quant_in.itemsize, lanes)
     return _pair_layout(x, sw, lanes) if fp4 else common.row_layout(sw, itemsize, lanes)
 
-  unit = max(seg_layout(sw)[1] for _, sw in segs)
+  def parts(c, sw):
+    return ((c, sw),) if qk is None else _parts(c, sw, quant_in.bk)
+
+  unit = max(seg_layout(pw)[1] for c, sw in segs for _, pw in parts(c, sw))
   rt = common.tile_rows(r, w if seg_chunk is None else chunk * segs[0][1], itemsize, unit, thread_bytes)
+  if quant_in is not None and quant_in.bm > 1:
+    rt = min(rt, quant_in.bm // unit * unit)
   out_type = []
   if write_data:
-    out_type.append(jax.ShapeDtypeStruct((r, w), jnp.int8 if fp4 else jnp.float8_e4m3fn))
+    out_dtype = jnp.int8 if fp4 else jnp.int16 if pairs else jnp.float8_e4m3fn
+    out_type.append(jax.ShapeDtypeStruct((r, w), out_dtype))
   mp = ref.cdiv(r, 4) * 4
   sf_type = {"rows": ((nseg, r), jnp.float32), "B": ((nseg, mp), jnp.float32),
              "C": ((ref.cdiv(nseg, 4), mp), jnp.int32)}[sf_layout]
@@ -122,26 +173,56 @@ def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, 
   def kernel(*refs):
     x_g, c_g, *rest = refs
     sfin_g = rest.pop(0) if sf_in is not None else None
+    qsf_g = rest.pop(0) if quant_in is not None else None
     o_g = rest.pop(0) if write_data else None
     sf_g = rest.pop(0) if compute_sf else None
-    rows = pl.ds(jnp.minimum(lax.axis_index("i") * rt, r - rt), rt)
+    start = jnp.minimum(lax.axis_index("i") * rt, r - rt)
+    rows = pl.ds(start, rt)
+
+    def load(col, sw, lay):
+      """Float32 values of view columns ``[col, col + sw)``: one array, or the even and odd columns."""
+      if qk is None and fp4:
+        return _load_pairs(x_g, rows, col, sw, lay)
+      v = plgpu.load(x_g.at[rows, pl.ds(col, sw)], layout=lay, optimized=False)
+      if qk in (None, "e4m3"):
+        return (v.astype(jnp.float32),)
+      b = v.astype(jnp.int32)
+      if qk == "e2m1":
+        return ref.decode_e2m1(b & 0xF), ref.decode_e2m1((b >> 4) & 0xF)
+      return _decode_e4m3(b & 0xFF), _decode_e4m3((b >> 8) & 0xFF)
+
+    def in_scale(col, vec):
+      """The input sf of view column ``col`` for the tile's rows (a vector in layout ``vec``)."""
+      blk = col // quant_in.bk
+      if quant_in.bm == 1:
+        raw = _sf_raw(qsf_g, quant_in.mode, blk, rows, vec)
+      else:
+        b0 = start // quant_in.bm
+        s0 = _sf_raw(qsf_g, quant_in.mode, blk, b0)
+        s1 = _sf_raw(qsf_g, quant_in.mode, blk, jnp.minimum(b0 + 1, quant_in.num_blocks - 1))
+        row = plgpu.broadcasted_iota(jnp.int32, (rt,), 0, layout=vec) + start
+        raw = jnp.where(row < (b0 + 1) * quant_in.bm, s0, s1)
+      return _sf_decode(raw, quant_in.mode, blk)
 
     def body(col0, seg0, local):
       """Segments ``seg0 + t`` at columns ``col0 + c`` for the static ``(c, sw)`` of ``local``
       (``seg0`` a multiple of 4 for layout C)."""
-      layouts = [seg_layout(sw)[0] for _, sw in local]
       maxv = c_g[0] if sf_in is None else None
-      if fp4:
-        vals = [_load_pairs(x_g, rows, col0 + c, sw, lay) for (c, sw), lay in zip(local, layouts)]
-      else:
-        vals = [(plgpu.load(x_g.at[rows, pl.ds(col0 + c, sw)], layout=lay, optimized=False).astype(jnp.float32),)
-                for (c, sw), lay in zip(local, layouts)]
-      for t, ((c, sw), lay, v) in enumerate(zip(local, layouts, vals)):
-        vec = lay.reduce(1)
+      segments = []  # per segment: its parts as (columns, layout, values, input sf or None)
+      for c, sw in local:
+        ps = []
+        for pc, pw in parts(c, sw):
+          lay = seg_layout(pw)[0]
+          ps.append((pl.ds(col0 + pc, pw), lay, load(col0 + pc, pw, lay),
+                     in_scale(col0 + pc, lay.reduce(1)) if qk is not None else None))
+        segments.append(ps)
+      for t, ps in enumerate(segments):
+        vec = ps[0][1].reduce(1)
         if sf_in is not None:
           inv = common.exact_div(1.0, plgpu.load(sfin_g.at[seg0 + t, rows], layout=vec, optimized=False))
         else:
-          amax = jnp.max(functools.reduce(jnp.maximum, [jnp.abs(h) for h in v]), axis=1)
+          maxes = [jnp.max(functools.reduce(jnp.maximum, [jnp.abs(h) for h in v]), axis=1) for _, _, v, _ in ps]
+          amax = functools.reduce(jnp.maximum, [a if s is None else a * s for a, (_, _, _, s) in zip(maxes, ps)])
           sf, inv = ref.scale_factors(amax, maxv, fmt, round_sf, div=common.exact_div)
           if compute_sf and sf_layout != "C":
             sf_g[seg0 + t, rows] = sf
@@ -150,13 +231,17 @@ def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, 
             word = byte if t % 4 == 0 else word | byte
             if t % 4 == 3 or t == len(local) - 1:
               sf_g[seg0 // 4 + t // 4, rows] = word
-        if write_data:
-          q = [h * inv[:, None] for h in v]
+        for cols, _, v, s in ps if write_data else ():
+          scale = inv if s is None else s * inv
+          q = [h * scale[:, None] for h in v]
           if fp4:
-            out = (ref.encode_e2m1(q[0]) | (ref.encode_e2m1(q[1]) << 4)).astype(jnp.int8)
+            out = (common.encode_e2m1(q[0]) | (common.encode_e2m1(q[1]) << 4)).astype(jnp.int8)
+          elif pairs:  # e4m3 pairs as int16 words
+            lo, hi = (lax.bitcast_convert_type(ref.encode_e4m3(h), jnp.int8).astype(jnp.int32) & 0xFF for h in q)
+            out = (lo | (hi << 8)).astype(jnp.int16)
           else:
-            out = ref.encode_e4m3(q[0]) if sf_in is not None else q[0].astype(jnp.float8_e4m3fn)
-          o_g[rows, pl.ds(col0 + c, sw)] = out
+            out = ref.encode_e4m3(q[0]) if sf_in is not None or qk else q[0].astype(jnp.float8_e4m3fn)
+          o_g[rows, cols] = out
       if compute_sf and sf_layout != "rows" and mp > r:
         @pl.when(lax.axis_index("i") == num_ctas - 1)
         def _():
@@ -181,7 +266,7 @@ def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, 
   # A one-element host constant (a splat vector would become an XLA broadcast kernel), loaded by
   # the kernel so that the division by it is not folded in interpret mode.
   consts = np.full((1,), ref.MAX_VALUE[fmt], np.float32)
-  outs = list(kernel(*((x, consts) if sf_in is None else (x, consts, sf_in))))
+  outs = list(kernel(x, consts, *(a for a in (sf_in, quant_in and quant_in.sf) if a is not None)))
   return (outs.pop(0) if write_data else None), (outs.pop(0) if compute_sf else None)
 
 
@@ -233,6 +318,57 @@ def _kernel(x, sf_in, *, npc, fmt, round_sf, col_major, packed, write_data, comp
     sf = sf[:, :r]
     sf = ref.format_sf(sf.reshape(m, kb) if len(segs) == 1 else sf.T, col_major, packed)
   return out, sf
+
+
+_QUANT_ITEMSIZE = {"e4m3": 1, "e4m3x2": 2, "e2m1": 2}  # row_layout itemsize: up to 16 decoded values per vector
+_QUANT_THREAD_BYTES = {"e4m3": 64, "e4m3x2": 64, "e2m1": 32}  # 64 values per thread
+
+
+def _quant_plan(q, x_block_size, npc, fmt):
+  """How the kernel runs a QuantTensor input: ``(kind, view width divisor, segments, seg_chunk,
+  itemsize)``, or None (the reference runs): groups must not straddle input blocks, a partial last
+  group allows at most :data:`jaxkern.quant.common.MAX_SEGMENTS` groups, and blocks taller than one
+  row must be at least one register layout block of rows (narrower vectors are tried for that),
+  which the input must have too."""
+  m = q.shape[0]
+  fp4_in = q.dtype != jnp.float8_e4m3fn
+  k = q.shape[1] * (2 if fp4_in else 1)
+  ep = 2 if fp4_in or fmt == "e2m1" else 1  # elements per view column
+  kind = "e2m1" if fp4_in else "e4m3x2" if ep == 2 else "e4m3"
+  bm, bk = x_block_size
+  kb = ref.cdiv(k, npc)
+  if k % ep or bk % ep or max(bk, npc) % min(bk, npc) or (k % npc and kb > common.MAX_SEGMENTS):
+    return None
+  segs = tuple((j * npc // ep, min(npc, k - j * npc) // ep) for j in range(kb))
+  for itemsize in (_QUANT_ITEMSIZE[kind], 4, 8, 16):
+    unit = max(common.row_layout(pw, itemsize, SEGMENT_LANES)[1] for c, sw in segs for _, pw in _parts(c, sw, bk // ep))
+    if bm == 1 or unit <= bm:
+      break
+  if m < unit or 1 < bm < unit:
+    return None
+  return kind, ep, segs, SEG_CHUNK if k % npc == 0 else None, itemsize
+
+
+@functools.partial(jax.jit, static_argnames=("x_block_size", "x_col_major", "npc", "fmt", "round_sf", "col_major",
+                                             "packed", "interpret"))
+def _quant_kernel(q, sf, *, x_block_size, x_col_major, npc, fmt, round_sf, col_major, packed, interpret):
+  """QuantTensor ``(q, sf)`` -> ``(out, out_sf)`` of :func:`per_token_cast`: rows with one column
+  segment per output group (chunks of :data:`SEG_CHUNK` groups per CTA when they divide ``K``); e4m3
+  data as bytes, or as int16 words of two bytes for an e2m1 output; packed e2m1 as bytes (pairs)."""
+  kind, ep, segs, seg_chunk, itemsize = _quant_plan(q, x_block_size, npc, fmt)
+  m = q.shape[0]
+  k = q.shape[1] * (2 if kind == "e2m1" else 1)
+  qv = lax.bitcast_convert_type(q.reshape(m, k // 2, 2), jnp.int16) if kind == "e4m3x2" else q
+  mode = "packed" if sf.dtype == jnp.int32 else "rows" if x_col_major else "cols"
+  bm, bk = x_block_size
+  quant_in = QuantIn(kind, sf, mode, bm, bk // ep, ref.cdiv(m, bm), itemsize)
+  sf_layout = ("C" if packed else "B") if col_major else "rows"
+  out, out_sf = row_kernel(qv, None, segs=segs, lanes=SEGMENT_LANES, fmt=fmt, round_sf=round_sf, write_data=True,
+                           compute_sf=True, interpret=interpret, sf_layout=sf_layout, seg_chunk=seg_chunk,
+                           thread_bytes=_QUANT_THREAD_BYTES[kind], quant_in=quant_in)
+  if out.dtype == jnp.int16:  # e4m3 pairs
+    out = lax.bitcast_convert_type(out, jnp.float8_e4m3fn).reshape(m, k)
+  return out, (out_sf if col_major else out_sf.T)
 
 
 def _check_plain(x, fmt, npc, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0):
@@ -293,6 +429,10 @@ def per_token_cast(x, fmt: str, num_per_channels: int, x_block_size=None, use_tm
       raise ValueError("x_block_size must be None for a plain input")
     _check_plain(x, fmt, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
   impl = _config.get_implementation(implementation)
+  if quant_input and impl != "reference" and x[0].shape[0] and _quant_plan(x[0], x_block_size, num_per_channels, fmt):
+    return _quant_kernel(*x, x_block_size=tuple(x_block_size), x_col_major=x_use_tma_aligned_col_major_sf,
+                         npc=num_per_channels, fmt=fmt, round_sf=round_sf, col_major=use_tma_aligned_col_major_sf,
+                         packed=use_packed_ue8m0, interpret=_config.mosaic_interpret(impl))
   if quant_input or not _use_kernel(impl, x, num_per_channels):
     return ref.cast(x, fmt, (1, num_per_channels), x_block_size=x_block_size, round_sf=round_sf,
                     use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0,

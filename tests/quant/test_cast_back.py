@@ -36,6 +36,11 @@ def _quantised(key, m, k, block, flags, fmt="e4m3"):
     (7, 576, (64, 576), "B", "bf16"),
     (33, 192, (1, 64), "C", "bf16"),  # several groups per view row, column-major sf: XLA decode
     (65, 576, (2, 128), "A", "fp32"),  # block rows shorter than a layout block: XLA decode
+    # per-channel blocks: column-vector sf, row chunks moved back across a block row edge
+    (100, 576, (128, 1), "A", "fp32"),
+    (300, 192, (128, 1), "B", "bf16"),  # strided layout-B sf loads, 3 block rows
+    (5, 128, (128, 1), "C", "fp32"),  # fewer rows than a chunk; packed sf decoded by XLA
+    (130, 320, (32, 1), "A", "bf16"),
 ])
 def test_cast_back_bit_exact(key, m, k, block, flags, fmt):
   _, q = _quantised(key, m, k, block, flags)
@@ -135,7 +140,8 @@ def test_lowers_for_h100(m, k, block, fmt, qfmt):
 
 @pytest.mark.parametrize("m, k, block, flags", [
     (4001, 576, (1, 128), "C"), (4001, 576, (1, 128), "B"), (8001, 576, (128, 128), "A"), (1, 576, (1, 576), "C"),
-    (130, 320, (32, 128), "C"), (8001, 576, (128, 128), "B"),
+    (130, 320, (32, 128), "C"), (8001, 576, (128, 128), "B"), (4001, 576, (128, 1), "A"), (8001, 7168, (128, 1), "B"),
+    (4001, 2048, (128, 1), "C"),
 ])
 def test_lowers_for_h100_sf_layouts(m, k, block, flags):
   col, _, packed = FLAGS[flags]
@@ -149,7 +155,7 @@ def test_lowers_for_h100_sf_layouts(m, k, block, flags):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "fp32"])
-@pytest.mark.parametrize("block", [(1, 128), (1, 7168), (128, 128)])
+@pytest.mark.parametrize("block", [(1, 128), (1, 7168), (128, 128), (128, 1)])
 def test_spec_shapes_gpu(key, block, fmt):
   x = jax.random.normal(key, (8001, 7168)) * 100
   q = ref.cast(x, "e4m3", block)
@@ -161,7 +167,7 @@ def test_spec_shapes_gpu(key, block, fmt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [4001, 8001])
 @pytest.mark.parametrize("block, flags", [((1, 128), "A"), ((1, 128), "C"), ((1, 576), "C"), ((128, 128), "A"),
-                                          ((128, 128), "B")])
+                                          ((128, 128), "B"), ((128, 1), "A"), ((128, 1), "C")])
 def test_small_spec_shapes_in_kernel_sf_gpu(key, m, block, flags):
   """K=576: the sf read inside the kernel (strided, packed, per block row), against numpy."""
   x, q = _quantised(key, m, 576, block, flags)

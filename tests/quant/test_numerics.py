@@ -1,11 +1,14 @@
 """The shared encoders against independent oracles (ml_dtypes, the spec's tables)."""
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax import lax
 
 from jaxkern import quant
+from jaxkern.quant import common
 from jaxkern.reference import quant as ref
 from jaxkern.testing import assert_bitwise_equal
 
@@ -42,6 +45,21 @@ def test_e2m1_matches_ml_dtypes():
   got = np.asarray(ref.encode_e2m1(jnp.asarray(x)))
   want = x.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
   np.testing.assert_array_equal(got, want)
+
+
+def test_kernel_e2m1_encoder_matches_reference():
+  """The kernels' short encoder against the reference recipe (both signs): every float32 within
+  2^16 ulp of each rounding boundary and of 6, a strided sweep of [2^-3, 6.5) and of all finite
+  values, the tie and saturation cases, ±inf. (Measured once: every float32 in [2^-3, 6.5) agrees.)"""
+  f = jax.jit(lambda u: (ref.encode_e2m1(lax.bitcast_convert_type(u, jnp.float32)),
+                         common.encode_e2m1(lax.bitcast_convert_type(u, jnp.float32))))
+  edges = np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]).view(np.int32).astype(np.int64)
+  u = np.concatenate([np.arange(-(1 << 16), 1 << 16) + e for e in edges] + [
+      np.arange(0x3E000000, 0x40D00000, 61), np.arange(0, 0x7F800001, 4093),
+      np.float32([v for v, _ in E2M1_CASES]).view(np.int32)]).astype(np.uint32).view(np.int32)
+  for sign in (0, -2**31):
+    want, got = f(jnp.asarray(u | np.int32(sign)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_unpack_order_and_values():

@@ -29,6 +29,13 @@ def _input(key, m, k, dtype):
     (45, 320, (32, 32), jnp.bfloat16, "A-round", "e2m1"),
     (33, 192, (32, 128), jnp.bfloat16, "B", "e2m1"),
     (136, 128, (128, 32), jnp.bfloat16, "A", "e2m1"),
+    # float32 -> e2m1 (strided GMEM loads): partial row / column blocks, a chunk moved back across
+    # a block edge (45 = 32 + 13 rows), fewer rows than one chunk, 128x128 read twice
+    (100, 576, (128, 128), jnp.float32, "C", "e2m1"),
+    (45, 320, (32, 32), jnp.float32, "A-round", "e2m1"),
+    (33, 192, (32, 128), jnp.float32, "B", "e2m1"),
+    (136, 128, (128, 32), jnp.float32, "A", "e2m1"),
+    (5, 64, (32, 32), jnp.float32, "A", "e2m1"),
 ])
 def test_per_block_cast_bit_exact(key, m, k, block, dtype, flags, fmt):
   x = _input(key, m, k, dtype)
@@ -39,9 +46,10 @@ def test_per_block_cast_bit_exact(key, m, k, block, dtype, flags, fmt):
   assert_bitwise_equal(quant.per_block_cast_with_sf_only(x, fmt, block, *FLAGS[flags]), want_sf)
 
 
-@pytest.mark.parametrize("block, fmt", [((128, 128), "e4m3"), ((32, 32), "e4m3"), ((32, 32), "e2m1")])
-def test_precomputed_sf_bit_exact(key, block, fmt):
-  x = _input(key, 100, 320, jnp.bfloat16)
+@pytest.mark.parametrize("block, fmt, dtype", [((128, 128), "e4m3", jnp.bfloat16), ((32, 32), "e4m3", jnp.bfloat16),
+                                               ((32, 32), "e2m1", jnp.bfloat16), ((128, 32), "e2m1", jnp.float32)])
+def test_precomputed_sf_bit_exact(key, block, fmt, dtype):
+  x = _input(key, 100, 320, dtype)
   _, sf = quant.per_block_cast(x, fmt, block, implementation="reference")
   sf = sf * 0.3
   got = quant.per_block_cast_with_precomputed_sf(x, fmt, block, sf)
@@ -109,8 +117,9 @@ def test_zero_tokens():
   out, sf = quant.per_block_cast(x, "e4m3", (128, 128))
   assert out.shape == (0, 128) and sf.shape == (0, 1)
   assert quant.per_block_cast(x, "e4m3", (32, 32), True, True, True)[1].shape == (1, 0)
-  out, sf = quant.per_block_cast(x.astype(jnp.bfloat16), "e2m1", (32, 32))
-  assert out.shape == (0, 64) and out.dtype == jnp.int8 and sf.shape == (0, 4)
+  for dtype in (jnp.bfloat16, jnp.float32):
+    out, sf = quant.per_block_cast(x.astype(dtype), "e2m1", (32, 32))
+    assert out.shape == (0, 64) and out.dtype == jnp.int8 and sf.shape == (0, 4)
   out, sf = quant.per_block_cast_lossless((jnp.zeros((0, 64), jnp.int8), jnp.zeros((0, 4), jnp.float32)), "e4m3",
                                           (1, 32), (32, 32))
   assert out.shape == (0, 128) and out.dtype == jnp.float8_e4m3fn and sf.shape == (0, 4)
@@ -138,7 +147,8 @@ def test_lossless_bad_inputs():
     quant.per_block_cast_lossless(q4, "e4m3", (1, 16), (1, 64))
 
 
-@pytest.mark.parametrize("dtype, fmt", [(jnp.bfloat16, "e4m3"), (jnp.float32, "e4m3"), (jnp.bfloat16, "e2m1")],
+@pytest.mark.parametrize("dtype, fmt", [(jnp.bfloat16, "e4m3"), (jnp.float32, "e4m3"), (jnp.bfloat16, "e2m1"),
+                                        (jnp.float32, "e2m1")],
                          ids=lambda v: v if isinstance(v, str) else jnp.dtype(v).name)
 @pytest.mark.parametrize("m, k, block", [
     (4001, 576, (128, 128)), (8001, 7168, (32, 32)), (4001, 576, (32, 128)), (4001, 7168, (128, 32)),
@@ -172,12 +182,25 @@ def test_spec_shapes_gpu(key, block):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block", [(128, 128), (32, 32)])
-def test_spec_shapes_e2m1_gpu(key, block):
-  """bf16 -> e2m1 kernel vs the reference on the GPU."""
-  x = randn(key, (4001, 7168), jnp.bfloat16)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda v: jnp.dtype(v).name)
+@pytest.mark.parametrize("block", [(128, 128), (32, 32), (32, 128), (128, 32)])
+def test_spec_shapes_e2m1_gpu(key, block, dtype):
+  """e2m1 kernels vs the reference on the GPU (4001 rows: partial last block row; K = 576 below)."""
+  x = randn(key, (4001, 7168), dtype)
   got = jax.jit(functools.partial(quant.per_block_cast, fmt="e2m1", block_size=block, use_tma_aligned_col_major_sf=True,
                                   round_sf=True, use_packed_ue8m0=True))(x)
   want = ref.cast(x, "e2m1", block, round_sf=True, use_tma_aligned_col_major_sf=True, use_packed_ue8m0=True)
   assert_bitwise_equal(got[0], want[0])
   assert_bitwise_equal(got[1], want[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [(128, 128), (32, 32)])
+def test_e2m1_f32_ragged_gpu(key, block):
+  """float32 -> e2m1 with a partial last block column (K = 576) and a one-row last block row."""
+  x = _input(key, 8001, 576, jnp.float32)
+  for flags in ("A", "C"):
+    got = jax.jit(lambda x: quant.per_block_cast(x, "e2m1", block, *FLAGS[flags]))(x)
+    want = quant.per_block_cast(x, "e2m1", block, *FLAGS[flags], implementation="reference")
+    assert_bitwise_equal(got[0], want[0])
+    assert_bitwise_equal(got[1], want[1])
