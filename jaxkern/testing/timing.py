@@ -59,13 +59,12 @@ def flush_buffer() -> jax.Array:
 def device_times_us(f, *args, iterations: int = 30, flush: bool = True, compiled=None) -> list[float]:
   """Device time in µs of each of ``iterations`` calls of ``f(*args)`` (all kernels it launches);
   ``compiled``: ``lower_timed(f, *args, flush=flush).compile()``, made ahead of time."""
-  out = jax.eval_shape(f, *args)
-  out_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(out))
   fn = compiled or lower_timed(f, *args, flush=flush).compile()
+  out_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(fn.out_info))  # flush buffer included
   skip = []
   if flush:
     buf, skip = _flush_buffer()
-    args, out_bytes = (buf, *args), out_bytes + 4 * _FLUSH_WORDS
+    args = (buf, *args)
   chunk = int(max(1, min(iterations, _LIVE_BYTES // max(out_bytes, 1))))
   times: list[float] = []
   while len(times) < iterations:

@@ -19,24 +19,20 @@ def _input(key, m, k, dtype):
   return x.astype(dtype)
 
 
+# e2m1 from bf16 (pairs as int32 words) and float32 (strided GMEM loads): partial row / column
+# blocks, a chunk moved back across a block edge (45 = 32 + 13 rows), 128x128 read twice; float32
+# also with fewer rows than one chunk.
+E2M1_CASES = [(100, 576, (128, 128), "C"), (45, 320, (32, 32), "A-round"), (33, 192, (32, 128), "B"),
+              (136, 128, (128, 32), "A")]
+
+
 @pytest.mark.parametrize("m, k, block, dtype, flags, fmt", [
     (100, 576, (128, 128), jnp.bfloat16, "A-round", "e4m3"),  # ragged rows: partial row and column blocks
     (72, 320, (32, 32), jnp.float32, "C", "e4m3"),
     (40, 256, (32, 128), jnp.bfloat16, "B", "e4m3"),
     (136, 192, (128, 32), jnp.float32, "A", "e4m3"),
-    # e2m1 (bf16 pairs as int32 words)
-    (100, 576, (128, 128), jnp.bfloat16, "C", "e2m1"),
-    (45, 320, (32, 32), jnp.bfloat16, "A-round", "e2m1"),
-    (33, 192, (32, 128), jnp.bfloat16, "B", "e2m1"),
-    (136, 128, (128, 32), jnp.bfloat16, "A", "e2m1"),
-    # float32 -> e2m1 (strided GMEM loads): partial row / column blocks, a chunk moved back across
-    # a block edge (45 = 32 + 13 rows), fewer rows than one chunk, 128x128 read twice
-    (100, 576, (128, 128), jnp.float32, "C", "e2m1"),
-    (45, 320, (32, 32), jnp.float32, "A-round", "e2m1"),
-    (33, 192, (32, 128), jnp.float32, "B", "e2m1"),
-    (136, 128, (128, 32), jnp.float32, "A", "e2m1"),
-    (5, 64, (32, 32), jnp.float32, "A", "e2m1"),
-])
+] + [(m, k, block, dtype, flags, "e2m1") for dtype in (jnp.bfloat16, jnp.float32) for m, k, block, flags in E2M1_CASES]
+  + [(5, 64, (32, 32), jnp.float32, "A", "e2m1")])
 def test_per_block_cast_bit_exact(key, m, k, block, dtype, flags, fmt):
   x = _input(key, m, k, dtype)
   out, sf = quant.per_block_cast(x, fmt, block, *FLAGS[flags])
