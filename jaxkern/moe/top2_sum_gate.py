@@ -9,8 +9,9 @@ selection kernel with XLA glue 81.8 us, against a 15 us target: about 4x too slo
 spreads a row over the lanes of a warp and lowers row reductions to warp shuffles: this kernel
 takes 18.1 us there (XLA reference: 222 us), bit-exact.
 
-One program of one warp per block of ``BLOCK_ELEMENTS`` logits (whole rows). With 256 experts
-per row and several warps, Triton's layout spreads a row over two warps, so every row reduction
+One program of one warp per block of ``BLOCK_ELEMENTS`` logits, whole rows: one row per program
+from 32 experts on (the small-token shapes are latency-bound). With 256 experts per row and
+several warps, Triton's layout spreads a row over two warps, so every row reduction
 crosses warps through shared memory; one warp keeps each row in its lanes. The logits are read as
 ``(rows, groups, experts per group)`` (one group without grouping), padded to powers of two
 with masked loads. The kernel
@@ -51,9 +52,11 @@ from jaxkern.reference import moe as ref
 
 # Logits per program (block rows = BLOCK_ELEMENTS / padded experts) and warps. H200, V3 sigmoid
 # (one measurement each, +-1 us): (256, 1) 18.3 us, (512, 1) 17.4, (1024, 1) 22.2, (2048, 1) 51.0,
-# (1024, 4) 23.7; softmax (256, 1) 16.6, (512, 1) 19.0; T=36 rows: (256, 1) fastest. Picking by one
+# (1024, 4) 23.7; softmax (256, 1) 16.6, (512, 1) 19.0. T=36 rows are latency-bound: one row per
+# program is fastest (E=32 sigmoid / sqrtsoftplus / softmax 2.62 / 2.99 / 2.78 us at 32 logits,
+# 7.39 / 10.94 / 10.66 at 256; E=72 3.98 / 4.22 / 4.18 vs 4.58 / 5.50 / 5.04). Picking by one
 # argmax reduction (value and index) was 3-8 us slower at every setting.
-BLOCK_ELEMENTS = 256
+BLOCK_ELEMENTS = 32
 NUM_WARPS = 1
 _LANES = 32  # upstream's softmax sums a row in 32 lane partials of 4 consecutive columns
 _KEY_NEG_INF = -0x7F800001  # order_key(-inf)
