@@ -1,7 +1,8 @@
 """Benchmark runner: ``python -m benchmarks.run [--ops NAMES] [--shapes REGEX] [--out FILE] [--iterations N]``.
 
 On a GPU: lowers every (op, shape) in a background thread and compiles it in ``--jobs``
-threads (never while a timing runs), and for each, in order, checks the kernel against the reference and times the kernel and the XLA-compiled ``jnp`` reference with CUPTI
+threads (never while a timing runs; ``--workers N`` splits the shapes over N processes that
+lower in parallel), and for each, in order, checks the kernel against the reference and times the kernel and the XLA-compiled ``jnp`` reference with CUPTI
 (cold L2, median of ``--iterations``), and reports device µs, GB/s, % of the
 device-to-device copy bandwidth measured in the same run, and the speed-up over
 XLA. Rows go to a JSONL file under ``benchmarks/results/``; regenerate the summary
@@ -20,6 +21,7 @@ import datetime
 import functools
 import importlib
 import json
+import multiprocessing
 import os
 import pathlib
 import pkgutil
@@ -28,6 +30,7 @@ import re
 import sys
 import threading
 import time
+import types
 
 import jax
 
@@ -83,34 +86,37 @@ def _avals(case, key):
 
 
 class _Quiet:
-  """Keeps compiles (XLA may autotune on the GPU while compiling) and timings apart."""
+  """Keeps compiles (XLA may autotune on the GPU while compiling) and timings apart: a timing
+  waits for running compiles and holds new ones back. Threads of one process share the default
+  state; worker processes share ``multiprocessing`` primitives (``cv``, ``compiling``, ``timing``)."""
 
-  def __init__(self):
-    self._cv = threading.Condition()
-    self._compiling = 0
-    self._timing = False
+  def __init__(self, cv=None, compiling=None, timing=None):
+    self._cv = cv or threading.Condition()
+    self._compiling = compiling or types.SimpleNamespace(value=0)
+    self._timing = timing or types.SimpleNamespace(value=False)
 
   def compile(self, lowered):
     with self._cv:
-      self._cv.wait_for(lambda: not self._timing)
-      self._compiling += 1
+      self._cv.wait_for(lambda: not self._timing.value)
+      self._compiling.value += 1
     try:
       return lowered.compile()
     finally:
       with self._cv:
-        self._compiling -= 1
+        self._compiling.value -= 1
         self._cv.notify_all()
 
   @contextlib.contextmanager
   def timing(self):
     with self._cv:
-      self._timing = True
-      self._cv.wait_for(lambda: not self._compiling)
+      self._cv.wait_for(lambda: not self._timing.value)
+      self._timing.value = True
+      self._cv.wait_for(lambda: not self._compiling.value)
     try:
       yield
     finally:
       with self._cv:
-        self._timing = False
+        self._timing.value = False
         self._cv.notify_all()
 
 
@@ -120,7 +126,8 @@ def _compile_all(todo, jobs: int, quiet: _Quiet):
   kernel, ref)`` in order as they become ready."""
   from jaxkern.testing.timing import flush_buffer, lower_timed
 
-  flush_buffer()
+  with quiet.timing():  # measures the flush's kernels on the GPU
+    flush_buffer()
   ready = queue.Queue(maxsize=4 * jobs)
   with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
 
@@ -142,48 +149,108 @@ def _compile_all(todo, jobs: int, quiet: _Quiet):
       yield op, case, key, avals, *(f.result() for f in futures)
 
 
-def _benchmark(ops, out_path: pathlib.Path, iterations: int, shapes: str | None, jobs: int) -> int:
-  from jaxkern.testing.timing import copy_bandwidth_gbps, device_time_us, flush_buffer
+def _measure(op, case, key, avals, kernel, ref, iterations: int, quiet: _Quiet, env: dict) -> dict:
+  """Checks and times one compiled case (all its GPU work inside ``quiet.timing()``); returns its JSONL row."""
+  from jaxkern.testing.timing import device_time_us, flush_buffer
 
-  device = jax.devices()[0].device_kind
-  date = datetime.date.today().isoformat()
-  copy_bw = copy_bandwidth_gbps()
-  print(f"{device}, jax {jax.__version__}, {date}; device-to-device copy: {copy_bw:.0f} GB/s")
-  header = f"{'op':20s} {'shape':26s} {'µs':>9s} {'GB/s':>7s} {'%copy':>6s} {'xla µs':>9s} {'speed-up':>8s}"
-  print(header)
-  todo = [(op, case) for op in ops for case in op.cases() if not shapes or re.search(shapes, case.label)]
-  keys = jax.random.split(jax.random.key(0), max(len(todo), 1))
+  with quiet.timing():
+    args = case.make_args(key)
+    if jax.tree.map(lambda a: (a.shape, a.dtype), args) != jax.tree.map(lambda a: (a.shape, a.dtype), avals):
+      raise RuntimeError(f"{op.name} {case.label}: make_args gave other shapes than it traced to")
+    try:
+      op.check(kernel(flush_buffer(), *args)[1], ref(flush_buffer(), *args)[1])
+      ok, error = True, ""
+    except AssertionError as e:
+      ok, error = False, str(e)
+    t = device_time_us(functools.partial(op.fn, **case.kwargs), *args, iterations=iterations, compiled=kernel)
+    t_ref = device_time_us(functools.partial(op.reference, **case.kwargs), *args, iterations=iterations,
+                           compiled=ref)
+  gbps = case.nbytes / t / 1e3
+  row = dict(op=op.name, shape=case.label, device_us=round(t, 3), gbps=round(gbps, 1),
+             pct_copy=round(100 * gbps / env["copy_gbps"], 1), xla_us=round(t_ref, 3),
+             speedup=round(t_ref / t, 3), correct=ok, bytes=case.nbytes, copy_gbps=round(env["copy_gbps"], 1),
+             gpu=env["gpu"], date=env["date"], jax=jax.__version__, iterations=iterations,
+             time=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+  return row if ok else dict(row, error=error)
+
+
+def _cases(todo_items):
+  """``(op, case, key)`` of ``(op name, shape label, index)`` items; the key depends on the index only."""
+  from_label, keys = {}, None
+  for name, label, i, n in todo_items:
+    if name not in from_label:
+      from_label[name] = {c.label: c for c in REGISTRY[name].cases()}
+    keys = jax.random.split(jax.random.key(0), n) if keys is None else keys
+    yield REGISTRY[name], from_label[name][label], keys[i]
+
+
+def _rows(todo_items, iterations: int, jobs: int, quiet: _Quiet, env: dict):
+  with quiet.timing():  # the keys are made on the GPU
+    todo = list(_cases(todo_items))
+  for op, case, key, avals, kernel, ref in _compile_all(todo, jobs, quiet):
+    yield _measure(op, case, key, avals, kernel, ref, iterations, quiet, env)
+
+
+def _worker(todo_items, iterations, jobs, shared, env, rows):
+  """A worker process: lowers and compiles its share of the cases; times them one at a time."""
+  try:
+    for row in _rows(todo_items, iterations, jobs, _Quiet(*shared), env):
+      rows.put(row)
+  except BaseException as e:  # reported by the parent
+    rows.put(RuntimeError(f"worker failed: {type(e).__name__}: {e}"))
+  rows.put(None)
+
+
+def _parallel_rows(todo_items, iterations: int, jobs: int, workers: int, env: dict):
+  """Rows from ``workers`` processes (round-robin shares), as they arrive. Tracing holds a process's
+  GIL: processes lower in parallel, and share one :class:`_Quiet` so no timing overlaps a compile
+  or another timing."""
+  ctx = multiprocessing.get_context("spawn")
+  shared = (ctx.Condition(), ctx.Value("i", 0, lock=False), ctx.Value("b", False, lock=False))
+  rows = ctx.Queue()
+  procs = [ctx.Process(target=_worker, args=(todo_items[w::workers], iterations, jobs, shared, env, rows))
+           for w in range(workers)]
+  for p in procs:
+    p.start()
+  running = workers
+  while running:
+    row = rows.get()
+    if row is None:
+      running -= 1
+    elif isinstance(row, BaseException):
+      for p in procs:
+        p.terminate()
+      raise row
+    else:
+      yield row
+  for p in procs:
+    p.join()
+
+
+def _benchmark(ops, out_path: pathlib.Path, iterations: int, shapes: str | None, jobs: int, workers: int) -> int:
+  from jaxkern.testing.timing import copy_bandwidth_gbps
+
+  env = dict(gpu=jax.devices()[0].device_kind, date=datetime.date.today().isoformat(),
+             copy_gbps=copy_bandwidth_gbps())
+  print(f"{env['gpu']}, jax {jax.__version__}, {env['date']}; device-to-device copy: {env['copy_gbps']:.0f} GB/s")
+  print(f"{'op':20s} {'shape':26s} {'µs':>9s} {'GB/s':>7s} {'%copy':>6s} {'xla µs':>9s} {'speed-up':>8s}")
+  todo = [(op.name, case.label) for op in ops for case in op.cases() if not shapes or re.search(shapes, case.label)]
+  items = [(name, label, i, len(todo)) for i, (name, label) in enumerate(todo)]
+  if workers > 1:
+    rows = _parallel_rows(items, iterations, max(1, jobs // workers), workers, env)
+  else:
+    rows = _rows(items, iterations, jobs, _Quiet(), env)
   failures = 0
   out_path.parent.mkdir(parents=True, exist_ok=True)
   with out_path.open("a") as f:
-    quiet = _Quiet()
-    for op, case, key, avals, kernel, ref in _compile_all([(*t, k) for t, k in zip(todo, keys)], jobs, quiet):
-      args = case.make_args(key)
-      if jax.tree.map(lambda a: (a.shape, a.dtype), args) != jax.tree.map(lambda a: (a.shape, a.dtype), avals):
-        raise RuntimeError(f"{op.name} {case.label}: make_args gave other shapes than it traced to")
-      try:
-        op.check(kernel(flush_buffer(), *args)[1], ref(flush_buffer(), *args)[1])
-        ok = True
-      except AssertionError as e:
-        ok = False
+    for row in rows:
+      if not row["correct"]:
         failures += 1
-        print(f"{op.name} {case.label}: WRONG RESULT: {e}")
-      fk = functools.partial(op.fn, **case.kwargs)
-      fr = functools.partial(op.reference, **case.kwargs)
-      with quiet.timing():
-        t = device_time_us(fk, *args, iterations=iterations, compiled=kernel)
-        t_ref = device_time_us(fr, *args, iterations=iterations, compiled=ref)
-      gbps = case.nbytes / t / 1e3
-      row = dict(op=op.name, shape=case.label, device_us=round(t, 3), gbps=round(gbps, 1),
-                 pct_copy=round(100 * gbps / copy_bw, 1), xla_us=round(t_ref, 3),
-                 speedup=round(t_ref / t, 3), correct=ok, bytes=case.nbytes, copy_gbps=round(copy_bw, 1),
-                 gpu=device, date=date, jax=jax.__version__, iterations=iterations,
-                 time=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+        print(f"{row['op']} {row['shape']}: WRONG RESULT: {row.pop('error')}")
       f.write(json.dumps(row) + "\n")
       f.flush()
-      print(f"{op.name:20s} {case.label:26s} {t:9.2f} {gbps:7.0f} {row['pct_copy']:6.1f} "
-            f"{t_ref:9.2f} {row['speedup']:8.2f}{'' if ok else '  WRONG'}", flush=True)
-      del args
+      print(f"{row['op']:20s} {row['shape']:26s} {row['device_us']:9.2f} {row['gbps']:7.0f} {row['pct_copy']:6.1f} "
+            f"{row['xla_us']:9.2f} {row['speedup']:8.2f}{'' if row['correct'] else '  WRONG'}", flush=True)
   print(f"wrote {out_path}")
   return failures
 
@@ -195,13 +262,17 @@ def main(argv=None) -> int:
   parser.add_argument("--out", type=pathlib.Path, help="JSONL output (default: benchmarks/results/<date>_<gpu>.jsonl)")
   parser.add_argument("--iterations", type=int, default=30, help="timed calls per measurement (median)")
   parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="threads compiling ahead of the timing")
+  parser.add_argument("--workers", type=int, default=1,
+                      help="processes that lower and compile in parallel (tracing is GIL-bound); timings never overlap")
   args = parser.parse_args(argv)
+  if args.workers > 1:  # every process allocates on demand, or the first one takes most of the GPU memory
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   ops = _select(args.ops)
   if jax.default_backend() != "gpu":
     return 1 if _correctness_pass(ops) else 0
   slug = jax.devices()[0].device_kind.replace(" ", "-")
   out = args.out or RESULTS / f"{datetime.date.today().isoformat()}_{slug}.jsonl"
-  return 1 if _benchmark(ops, out, args.iterations, args.shapes, args.jobs) else 0
+  return 1 if _benchmark(ops, out, args.iterations, args.shapes, args.jobs, args.workers) else 0
 
 
 if __name__ == "__main__":
