@@ -265,8 +265,9 @@ def main(argv=None) -> int:
   parser.add_argument("--workers", type=int, default=1,
                       help="processes that lower and compile in parallel (tracing is GIL-bound); timings never overlap")
   args = parser.parse_args(argv)
-  if args.workers > 1:  # every process allocates on demand, or the first one takes most of the GPU memory
+  if args.workers > 1:  # processes allocate on demand and free what a timing used (else 12 run out of memory)
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
   ops = _select(args.ops)
   if jax.default_backend() != "gpu":
     return 1 if _correctness_pass(ops) else 0
