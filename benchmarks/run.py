@@ -264,7 +264,7 @@ def main(argv=None) -> int:
   parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="threads compiling ahead of the timing")
   parser.add_argument("--workers", type=int, default=1,
                       help="processes that lower and compile in parallel (tracing is GIL-bound); timings never "
-                           "overlap; at most 6 (a timing may hold 16 GiB of outputs)")
+                           "overlap; at most 6")
   args = parser.parse_args(argv)
   if not 1 <= args.workers <= 6:
     parser.error("--workers must be in [1, 6]")

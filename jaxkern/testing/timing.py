@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
 _FLUSH_WORDS = 64 << 20  # 256 MiB of uint32
-_LIVE_BYTES = 16 << 30  # outputs kept alive by one profiler.measure call
+_LIVE_BYTES = 16 << 30  # outputs kept alive by one profiler.measure call (at most a quarter of the pool)
 
 
 def _flush(buf):
@@ -65,7 +65,8 @@ def device_times_us(f, *args, iterations: int = 30, flush: bool = True, compiled
   if flush:
     buf, skip = _flush_buffer()
     args = (buf, *args)
-  chunk = int(max(1, min(iterations, _LIVE_BYTES // max(out_bytes, 1))))
+  live = min(_LIVE_BYTES, (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 4 * _LIVE_BYTES) // 4)
+  chunk = int(max(1, min(iterations, live // max(out_bytes, 1))))
   times: list[float] = []
   while len(times) < iterations:
     n = min(chunk, iterations - len(times))
