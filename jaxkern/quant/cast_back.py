@@ -9,9 +9,12 @@ into registers in :func:`jaxkern._layouts.row_layout`, multiplied by the row's s
 straight back; no padding for any row count. The kernel reads the caller's sf itself where a tile's
 sf is a row slice of it: layout A with one group per view row (contiguous) or with column segments (a
 strided column load), layout B rows, packed UE8M0 words (decoded in registers), and for blocks taller
-than one row (when a tile fits in ``bm`` rows) two scalar loads per segment and a select. Only a
-column-major sf with several groups per view row, or blocks shorter than a layout block, is first
-decoded by XLA. e4m3 data with per-channel blocks ``(bm, 1)`` (``bm % 16 == 0``, e.g. ``(128, 1)``)
+than one row (when a tile fits in ``bm`` rows) two scalar loads per segment and a select. e4m3 data
+whose blocks (at least 64 wide) divide ``K`` several times keep their rows where the blocks are
+taller than one row or the sf is packed / column-major: a CTA takes a tile of :data:`TILE_COLS`
+columns (a second grid axis), one segment per block, so that the sf is read in the kernel too.
+Otherwise a column-major sf with several groups per view row, or blocks shorter than a layout block,
+is first decoded by XLA. e4m3 data with per-channel blocks ``(bm, 1)`` (``bm % 16 == 0``, e.g. ``(128, 1)``)
 have their own kernel (:func:`_channel_kernel`: column-vector sf, row chunks; an sf in layout B or
 C is turned into layout A by XLA first). Other block widths, and packed e2m1 data with ``(bm, 1)`` blocks, run the
 ``jnp`` reference.
@@ -54,6 +57,23 @@ def _sf_decode(v, mode, s):
   return lax.bitcast_convert_type((lax.shift_right_logical(v, 8 * (s % 4)) & 0xFF) << 23, jnp.float32)
 
 
+# Columns per CTA (at most) of the column-tiled view (e4m3 blocks narrower than K with a block sf, a
+# packed or a column-major sf). H200, e4m3 -> float32 (128, 128) blocks, µs for 256 / 512 / 1024
+# columns: 8001x7168 76.1 / 75.7 / 76.0, 4001x2048 10.4 / 10.5 / 10.4 (the row view with the sf
+# expanded by XLA first: 78.3 and 13.0, XLA 75.4 and 12.9).
+TILE_COLS = 512
+
+
+def _tile_itemsize(out_dtype, fp4, bm):
+  """The itemsize that sizes the row tiles (:func:`jaxkern.quant.common.tile_rows`). e4m3 -> float32
+  with one sf per row (``bm == 1``) takes 4: 32 values per thread; H200 8001x7168 npc 128 76.5 ->
+  75.4 µs, packed sf 76.4 -> 75.4, 4001x2048 11.6 -> 10.9 and 11.1 -> 10.5; (128, 128) blocks stay
+  at 2 (64 values per thread: 4001x2048 10.5 against 11.1)."""
+  if fp4:
+    return 2 * jnp.dtype(out_dtype).itemsize
+  return 4 if out_dtype == jnp.float32 and bm == 1 else 2
+
+
 def _out_layout(width, out_dtype, fp4):
   """Register layout of a segment: e4m3 bytes -> ``out_dtype``; packed e2m1 bytes -> one int32 word
   (two bf16), one int16 word (two e4m3) or a strided float32 pair half per byte."""
@@ -62,18 +82,21 @@ def _out_layout(width, out_dtype, fp4):
   return common.row_layout(width, 16 if out_dtype == jnp.float32 else 4)
 
 
-def _row_kernel(q, sf, *, segs, out_dtype, sf_mode, bm, num_blocks, interpret):
+def _row_kernel(q, sf, *, segs, out_dtype, sf_mode, bm, num_blocks, interpret, col_tiles=1):
   """``q`` ``(R, W)`` e4m3 -> ``(R, W)`` ``out_dtype``, or packed e2m1 ``(R, W)`` int8 / uint8 (``segs``
   in bytes) -> int32 ``(R, W)`` (bf16 pairs, column ``2j`` in the low half), int16 ``(R, W)`` (e4m3
   pairs, saturating) or float32 ``(R, W, 2)``. The sf (see :func:`_sf_raw`) is read in the kernel: one value per view row and
   segment for ``bm == 1``, else one per block row of ``bm`` view rows (``num_blocks`` of them); a
   tile has at most ``bm`` rows, so it spans at most two block rows: two scalar loads and a select.
-  ``sf_mode`` None: no scaling (plain decoding)."""
+  ``sf_mode`` None: no scaling (plain decoding). ``col_tiles``: the columns split into that many
+  CTA tiles of ``W / col_tiles`` columns, ``segs`` being those of the first tile (tile ``j`` takes
+  segments ``j·len(segs)...`` of the sf)."""
   r, w = q.shape
+  tw = w // col_tiles
   fp4 = q.dtype != jnp.float8_e4m3fn
   layouts = [_out_layout(sw, out_dtype, fp4) for _, sw in segs]
   unit = max(u for _, u in layouts)
-  rt = common.tile_rows(r, w, 2 * jnp.dtype(out_dtype).itemsize if fp4 else 2, unit)
+  rt = common.tile_rows(r, tw, _tile_itemsize(out_dtype, fp4, bm), unit)
   if bm > 1:
     rt = min(rt, bm // unit * unit)
   if not fp4:
@@ -83,15 +106,19 @@ def _row_kernel(q, sf, *, segs, out_dtype, sf_mode, bm, num_blocks, interpret):
                 jnp.dtype(jnp.float8_e4m3fn): jax.ShapeDtypeStruct((r, w), jnp.int16),
                 jnp.dtype(jnp.float32): jax.ShapeDtypeStruct((r, w, 2), jnp.float32)}[jnp.dtype(out_dtype)]
 
-  @functools.partial(plgpu.kernel, out_type=out_type, grid=(pl.cdiv(r, rt),), grid_names=("i",),
-                     interpret=interpret)
+  grid, names = ((pl.cdiv(r, rt),), ("i",)) if col_tiles == 1 else ((pl.cdiv(r, rt), col_tiles), ("i", "j"))
+
+  @functools.partial(plgpu.kernel, out_type=out_type, grid=grid, grid_names=names, interpret=interpret)
   def kernel(q_g, *refs):
     sf_g, o_g = refs if sf_mode is not None else (None, *refs)
     start = jnp.minimum(lax.axis_index("i") * rt, r - rt)
     rows = pl.ds(start, rt)
+    c0, g0 = (0, 0) if col_tiles == 1 else (lax.axis_index("j") * tw, lax.axis_index("j") * len(segs))
+    segs_j = [(c0 + c, sw) for c, sw in segs]
     vals = [plgpu.load(q_g.at[rows, pl.ds(c, sw)], layout=lay, optimized=False) for (c, sw), (lay, _) in
-            zip(segs, layouts)]
-    for s, ((c, sw), (lay, _), v) in enumerate(zip(segs, layouts, vals)):
+            zip(segs_j, layouts)]
+    for s, ((c, sw), (lay, _), v) in enumerate(zip(segs_j, layouts, vals)):
+      s = g0 + s
       if fp4:
         b = v.astype(jnp.int32)
         halves = [ref.decode_e2m1(b & 0xF), ref.decode_e2m1((b >> 4) & 0xF)]
@@ -186,9 +213,16 @@ def _kernel(q, sf, *, block_size, out_dtype, col_major, interpret):
   m, k = q.shape[0], q.shape[1] * (2 if fp4 else 1)
   bm, bk = block_size
   mb, kb = ref.cdiv(m, bm), ref.cdiv(k, bk)
+  div = 2 if fp4 else 1
   r, w, segs = common.row_plan(m, k, min(bk, k))
-  if fp4:
-    w, segs = w // 2, tuple((c // 2, sw // 2) for c, sw in segs)
+  segs = tuple((c // div, sw // div) for c, sw in segs)
+  tiles = 1
+  if not fp4 and k % bk == 0 and k > bk >= 64 and (bm > 1 or col_major or sf.dtype == jnp.int32):
+    tw = max(c for c in range(bk, max(bk, TILE_COLS) + 1, bk) if k % c == 0)
+    tsegs = tuple((c, bk) for c in range(0, tw, bk))
+    if bm == 1 or bm >= max(_out_layout(sw, out_dtype, fp4)[1] for _, sw in tsegs):
+      r, w, segs, tiles = m, k, tsegs, k // tw
+  w //= div
   unit = max(_out_layout(sw, out_dtype, fp4)[1] for _, sw in segs)
   rp = max(r, unit)
   # Read the caller's sf in the kernel where a tile's sf is a (strided) row slice of it; otherwise
@@ -209,7 +243,7 @@ def _kernel(q, sf, *, block_size, out_dtype, col_major, interpret):
     pad[axis] = (0, max(0, rp - sf.shape[axis]))
     sf = jnp.pad(sf, pad)
   out = _row_kernel(_pad_rows(q.reshape(r, w), unit), sf, segs=segs, out_dtype=out_dtype, sf_mode=mode, bm=bm,
-                    num_blocks=mb, interpret=interpret)
+                    num_blocks=mb, interpret=interpret, col_tiles=tiles)
   return out[:r].reshape(m, k)
 
 

@@ -34,8 +34,12 @@ def _quantised(key, m, k, block, flags, fmt="e4m3"):
     (65, 576, (32, 128), "A", "bf16"),  # block rows: scalar sf loads + select
     (130, 320, (128, 128), "C", "fp32"),
     (7, 576, (64, 576), "B", "bf16"),
-    (33, 192, (1, 64), "C", "bf16"),  # several groups per view row, column-major sf: XLA decode
+    (33, 192, (1, 64), "C", "bf16"),  # one column tile of three blocks, packed sf read in the kernel
+    (40, 192, (1, 32), "C", "fp32"),  # several groups per view row, column-major sf: XLA decode
     (65, 576, (2, 128), "A", "fp32"),  # block rows shorter than a layout block: XLA decode
+    # column tiles of several blocks (a second grid axis)
+    (130, 1536, (128, 128), "B", "fp32"),
+    (65, 1280, (1, 128), "C", "bf16"),  # packed sf words of one tile start mid-word
     # per-channel blocks: column-vector sf, row chunks moved back across a block row edge
     (100, 576, (128, 1), "A", "fp32"),
     (300, 192, (128, 1), "B", "bf16"),  # strided layout-B sf loads, 3 block rows
