@@ -15,11 +15,26 @@ tokens already owned by the previous block, so ragged ``T`` needs no masking.
 own 128-byte aligned SMEM row and TMA-stored with every data row of the token (and a zero row for
 every padding row). On an H200 (E=9x8 K=6, H=7168, npc=32, ``Hs`` = 224 float32 words) this took
 94.4 µs against 120.1 µs for the kernel plus an XLA scatter of the scale rows, and 81.6 µs for the
-data alone. Otherwise (column-major output, ``Hs`` not a multiple of 4) the scale rows are moved
-by XLA next to the kernel (scatter, then transpose): per-word GMEM stores from the kernel (a
-warpgroup stores scalars with every thread, and a column-major word is 4 bytes, below the 16 bytes
-a TMA copy moves) measured 4-16x slower than the XLA scatter (521 µs at ``Hs`` = 56, 1926 µs at
-``Hs`` = 224 against 94 / 120 µs).
+data alone. Row-major rows that are not TMA-copyable (``Hs`` not a multiple of 4) stay an XLA
+scatter next to the kernel.
+
+Column-major ``out_sf`` (``use_tma_aligned_col_major_sf``) is written per fused row, not per token:
+a token's scale words land ``align(N, 4)`` words apart, and per-word GMEM stores from the expand
+kernel (a warpgroup stores scalars with every thread; a word is below the 16 bytes of a TMA copy)
+measured 4-16x slower than an XLA scatter (521 µs at ``Hs`` = 56, 1926 µs at ``Hs`` = 224 against
+94 / 120 µs). :func:`_col_major_sf` instead inverts ``token_topk_to_pos`` into the source token of
+every fused row (an XLA scatter of ``T*K`` words), then a Pallas-Triton kernel gathers, per block of
+fused rows, a tile of whole scale rows and stores it transposed (coalesced on both sides). H200,
+E=9x8 K=6 (T = 18506, N = 25136), whole op, this path against the expand kernel + XLA scatter and
+transpose of the scale rows (data alone 81.4-81.6 / 17.9 / 30.2 µs): int32 ``Hs`` = 56 (H = 7168,
+npc = 32) 90.7 vs 106.2 µs; ``Hs`` = 14 (H = 7168, npc = 128) 88.7 vs 91.1; ``Hs`` = 5 (H = 576,
+npc = 32) 24.3 vs 24.7, (H = 2560, npc = 128) 37.0 vs 37.2; float32 ``Hs`` = 224 98.3 vs 177.7 µs,
+all with 8192-word tiles. The scale part alone, same mapping: ``Hs`` = 5 / 14 took 5.3 / 5.9 µs with
+4096-word tiles (used since; 512 / 256 rows per program), 6.2 / 6.7 with 8192-word tiles, 7.1 / 9.9
+for the XLA scatter and 5.2 / 6.9 for an XLA gather from the inverse map (2.7 µs of every
+inverse-map variant is the scatter building that map). ``Hs`` = 56 with 4096-word tiles (64 rows
+instead of 128) was not measured. At ``Hs`` <= 2 (H = 576, npc = 128) the XLA scatter is kept: 4.1
+against 5.0 µs.
 
 Fused rows that no slot references and that ``pos_to_expert`` does not mark as padding
 (impossible for a mapping made by ``get_fused_mapping``) are left unwritten by the kernel;
@@ -37,6 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as plt
 
 from jaxkern import _checks, _config
 from jaxkern.moe import _routing
@@ -46,6 +62,10 @@ _TOKEN_BLOCK_BYTES = 56 << 10  # SMEM for the token rows of one CTA (about 4 CTA
 _MAX_TOKEN_BLOCK = 16
 _ROW_BLOCK = 32  # fused rows checked for padding per CTA
 _TMA_ALIGN = 128  # bytes; SMEM address alignment of a TMA copy
+_SF_TILE_WORDS = 4096  # scale words per program of _col_major_sf (see the module docstring)
+_SF_MAX_ROWS = 1024  # fused rows per program of _col_major_sf
+_SF_WARPS = 4
+_SF_XLA_MAX_WORDS = 2  # column-major scale rows this short stay an XLA scatter (faster there)
 
 
 def sf_in_kernel(hs: int, col_major: bool) -> bool:
@@ -145,6 +165,44 @@ def _expand_kernel(x, x_sf, token_topk_to_pos, pos_to_expert, interpret=None):
   return out.reshape(n, h), out_sf
 
 
+def _source_tokens(token_topk_to_pos, rows: int):
+  """``(rows,)`` int32: the token each fused row copies, ``-1`` for rows no slot references."""
+  t, k = token_topk_to_pos.shape
+  pos = token_topk_to_pos.reshape(-1)
+  return jnp.full((rows,), -1, jnp.int32).at[jnp.where(pos >= 0, pos, rows)].set(
+      jnp.arange(t * k, dtype=jnp.int32) // k, mode="drop")
+
+
+def _col_major_sf_kernel(src_ref, x_ref, o_ref, *, block_rows: int, width: int):
+  hs, rows = o_ref.shape
+  p = pl.program_id(0) * block_rows + jnp.arange(block_rows)
+  src = plt.load(src_ref.at[jnp.minimum(p, rows - 1)], mask=p < rows, other=-1)
+  j = jnp.arange(width)
+  # Gathered (block_rows, width) tile of whole scale rows, stored transposed: coalesced on both sides.
+  tile = plt.load(x_ref.at[jnp.maximum(src, 0)[:, None], jnp.minimum(j, hs - 1)[None, :]],
+                  mask=(src >= 0)[:, None] & (j < hs)[None, :], other=0)
+  # Masked-off lanes keep out-of-range indices: the interpreter drops those, clipped ones would collide.
+  plt.store(o_ref.at[j[:, None], p[None, :]], tile.T, mask=(j < hs)[:, None] & (p < rows)[None, :])
+
+
+def _col_major_sf(x_sf, token_topk_to_pos, n: int, interpret: bool = False):
+  """The ``(Hs, align(n, 4))`` int32 column-major scale buffer of :func:`expand_to_fused_with_sf` for
+  int32 ``x_sf`` ``(T, Hs)``: column ``p`` holds the scale row of the token copied into fused row
+  ``p``, zeros elsewhere (padding rows and columns). Pallas-Triton kernel, one program per block
+  of fused rows, after an XLA scatter of the source token of every fused row."""
+  hs = x_sf.shape[1]
+  rows = -(-n // 4) * 4
+  src = _source_tokens(token_topk_to_pos, rows)
+  width = pl.next_power_of_2(hs)
+  block_rows = max(32, min(_SF_MAX_ROWS, _SF_TILE_WORDS // width))
+  whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)
+  return pl.pallas_call(
+      functools.partial(_col_major_sf_kernel, block_rows=block_rows, width=width),
+      out_shape=jax.ShapeDtypeStruct((hs, rows), jnp.int32), grid=(pl.cdiv(rows, block_rows),),
+      in_specs=[whole(src), whole(x_sf)], out_specs=whole(jax.ShapeDtypeStruct((hs, rows), jnp.int32)),
+      compiler_params=plt.CompilerParams(num_warps=_SF_WARPS, num_stages=1), interpret=interpret)(src, x_sf)
+
+
 def _check(x, token_topk_to_pos, pos_to_expert, x_name="x") -> None:
   _checks.check_rank(x_name, x, 2)
   _routing.check_index("token_topk_to_pos", token_topk_to_pos, 2, (jnp.int32,))
@@ -217,6 +275,10 @@ def expand_to_fused_with_sf(x: tuple[jax.Array, jax.Array], num_per_channels: in
                                        use_tma_aligned_col_major_sf)
   if not sf_in_kernel(hs, use_tma_aligned_col_major_sf):
     out = _expand_kernel(x_data, None, token_topk_to_pos, pos_to_expert, interpret=_config.mosaic_interpret(impl))
+    if use_tma_aligned_col_major_sf and hs > _SF_XLA_MAX_WORDS:
+      out_sf = _col_major_sf(lax.bitcast_convert_type(x_sf, jnp.int32), token_topk_to_pos, pos_to_expert.shape[0],
+                             interpret=impl == "interpret")
+      return out, lax.bitcast_convert_type(out_sf, x_sf.dtype)
     return out, ref.expand_sf(x_sf, token_topk_to_pos, pos_to_expert, use_tma_aligned_col_major_sf)
   out, out_sf = _expand_kernel(x_data, lax.bitcast_convert_type(x_sf, jnp.int32), token_topk_to_pos, pos_to_expert,
                                interpret=_config.mosaic_interpret(impl))

@@ -87,10 +87,10 @@ def _check_with_sf(x, npc, pos, pte, col_major, out, out_sf):
 
 
 # Row-major scale rows of 20 words (moved by the kernel), of 5 words (not TMA-copyable: moved by XLA),
-# column-major packed int32 and float32 (XLA).
+# column-major packed int32 and float32 (column-major kernel), column-major rows of 2 words (XLA).
 @pytest.mark.parametrize("sf_dtype, col_major, npc, hidden", [
     (jnp.float32, False, 128, 2560), (jnp.float32, False, 128, 576), (jnp.int32, True, 128, 2560),
-    (jnp.float32, True, 32, 576)])
+    (jnp.float32, True, 32, 576), (jnp.int32, True, 128, 576)])
 def test_with_sf(key, sf_dtype, col_major, npc, hidden):
   k1, k2 = jax.random.split(key)
   _, m = _mapping(k1, 2, 6, 9, 8)
@@ -183,7 +183,8 @@ def test_spec_shapes_gpu(key, num_topk, experts, ranks, hidden):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sf_dtype, col_major, npc", [(jnp.float32, False, 32), (jnp.float32, False, 128),
-                                                      (jnp.int32, True, 32)])
+                                                      (jnp.int32, True, 32), (jnp.int32, True, 128),
+                                                      (jnp.float32, True, 32)])
 @pytest.mark.parametrize("hidden", [2560, 7168])
 @pytest.mark.parametrize("num_topk, experts, ranks", [(6, 9, 8)])
 def test_with_sf_spec_shapes_gpu(key, num_topk, experts, ranks, hidden, sf_dtype, col_major, npc):
