@@ -17,7 +17,7 @@ lanes along the columns, the rest of the lanes and the warps down the rows; conf
    (a lane shuffle on the int16-widened bytes, as in :mod:`jaxkern.transpose`) into SMEM and
    TMA-stored as ``(K, M)``, so the data crosses DRAM once.
 
-H200 (CUPTI, cold L2): bf16 ``8064x7168`` 44.8 µs (3.9 TB/s, 2.9x XLA), ``4096x576`` 5.6 µs (1.8x); the
+H200 (runner, cold L2): bf16 ``8064x7168`` 45.3 µs (90% of copy, 2.4x XLA), ``4096x576`` 5.6 µs (1.9x); the
 previous kernel (WGMMA-layout reductions, 255 registers avoided by the same one-column-per-thread
 step) took 72.1 / 10.8 µs. Walking 2 or 4 column tiles per CTA through a TMA pipeline, 64- or
 256-column tiles and the column-major grid order measured equal or slower. With a ``pos_to_token``
