@@ -201,3 +201,24 @@ def test_spec_shapes_e2m1_gpu(key, block, flags):
   b = q[0]
   for dtype in (jnp.float32, jnp.bfloat16):
     assert_bitwise_equal(jax.jit(lambda b: quant.unpack_from_e2m1fn_x2(b, dtype))(b), ref.unpack_from_e2m1fn_x2(b, dtype))
+
+
+@pytest.mark.parametrize("m, k, block", [(100, 256, (1, 128)), (300, 384, (128, 128)), (130, 128, (256, 128))])
+def test_tma_store_kernel_bit_exact(key, monkeypatch, m, k, block):
+  """The TMA-store kernel of large e4m3 -> float32 casts (threshold lowered): ragged last tile, two
+  block rows per tile."""
+  cast_back = __import__("sys").modules["jaxkern.quant.cast_back"]
+  monkeypatch.setattr(cast_back, "TMA_MIN_ELEMENTS", 0)
+  _, q = _quantised(key, m, k, block, "A")
+  assert cast_back._use_tma_store(q[0], q[1], block, jnp.float32, False)
+  assert_bitwise_equal(quant.cast_back(q, "fp32", block), quant.cast_back(q, "fp32", block, implementation="reference"))
+
+
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)])
+def test_tma_store_kernel_lowers_for_h100(block):
+  f = lambda q, s: quant.cast_back((q, s), "fp32", block, implementation="pallas")
+  args = (jax.ShapeDtypeStruct((8001, 7168), jnp.float8_e4m3fn),
+          jax.ShapeDtypeStruct((-(-8001 // block[0]), 56), jnp.float32))
+  cast_back = __import__("sys").modules["jaxkern.quant.cast_back"]
+  assert cast_back._use_tma_store(*args, block, jnp.float32, False)
+  assert "mosaic_gpu" in lower_for_h100(f, *args).as_text()
