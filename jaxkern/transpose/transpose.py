@@ -14,6 +14,13 @@ Mid-sized 2-D 16-bit transposes move the tile between GMEM and SMEM with plain
 16-byte vector loads and stores instead of TMA: on an H200 that was 1-4.5% faster
 there (and about the speed of XLA's transpose), while TMA stays faster for large
 arrays and for other dtypes.
+
+Large 2-D 8-bit transposes (:func:`_byte_pairs_kernel`) skip the widening: the array is
+viewed as 16-bit words, each holding two neighbouring bytes of a row, and the two row
+parities as separate planes, so that a 2x2 block of bytes is two words, one per plane.
+Swapping bytes between the planes (shifts and masks) transposes every 2x2 block, and a
+16-bit transpose of each plane moves the blocks: 3-6% faster than the widening kernel on
+an H200 from 8 MB up (8064x7168: 30.1 against 31.1 µs), slower below.
 """
 
 from __future__ import annotations
@@ -100,6 +107,67 @@ def _batched_transpose_kernel(x: jax.Array, interpret=None, tiling=None) -> jax.
   return kernel(x)
 
 
+_PAIRS_BYTES = 8_000_000  # 2-D 8-bit inputs from this size on take the byte-pair kernel
+_PAIRS_ROWS = 64  # word rows (two input rows each) per CTA of the byte-pair kernel
+
+
+def _pairs_cols(nbytes: int) -> int:
+  """Word columns (two input columns each) per CTA of the byte-pair kernel; H200, µs for 64 / 128:
+  4032x2048 6.32 / 6.46, 8064x2048 10.05 / 9.92, 8064x7168 30.48 / 30.14."""
+  return 128 if nbytes >= 2 * _PAIRS_BYTES else 64
+
+
+def _use_pairs(x) -> bool:
+  m, n = x.shape
+  return x.dtype.itemsize == 1 and x.size >= _PAIRS_BYTES and m >= 2 * _PAIRS_ROWS and n >= 2 * _pairs_cols(x.size)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _byte_pairs_kernel(x: jax.Array, interpret=None) -> jax.Array:
+  """8-bit ``(M, N) -> (N, M)`` through 2x2 byte blocks (see the module docstring).
+
+  ``w`` int16 ``(M/2, 2, N/2)``: ``w[r, k, c]`` holds bytes ``x[2r+k, 2c]`` (low) and ``x[2r+k, 2c+1]``.
+  For planes ``w0 = w[:, 0]``, ``w1 = w[:, 1]``, the output words ``y[c, k', r]`` (bytes ``x[2r, 2c+k']``
+  and ``x[2r+1, 2c+k']``) are ``t0 = lo(w0) | lo(w1) << 8`` and ``t1 = hi(w0) | hi(w1) << 8``
+  transposed. A CTA takes ``bw x cw`` words of each plane (two TMA copies), loads them in the WGMMA
+  layout, combines them, re-lays the results out to WGMMA_TRANSPOSED and stores them through
+  transposed views of an SMEM buffer, written back with two TMA copies. The last row / column tile
+  is moved back to end at the edge (it rewrites some words with the same values).
+  """
+  m, n = x.shape
+  mw, nw = m // 2, n // 2
+  bw, cw = _PAIRS_ROWS, _pairs_cols(x.size)
+  w = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint8).reshape(m, nw, 2), jnp.int16)
+
+  @functools.partial(
+      plgpu.kernel,
+      out_type=jax.ShapeDtypeStruct((nw, 2, mw), jnp.int16),
+      grid=(pl.cdiv(nw, cw), pl.cdiv(mw, bw)),
+      grid_names=("j", "i"),
+      scratch_types=dict(x_s=plgpu.SMEM((2, bw, cw), jnp.int16), o_s=plgpu.SMEM((2, cw, bw), jnp.int16),
+                         bar=plgpu.Barrier(num_arrivals=2)),
+      interpret=interpret,
+  )
+  def kernel(w_g, o_g, x_s, o_s, bar):
+    rows = pl.ds(jnp.minimum(lax.axis_index("i") * bw, mw - bw), bw)
+    cols = pl.ds(jnp.minimum(lax.axis_index("j") * cw, nw - cw), cw)
+    for k in range(2):
+      plgpu.copy_gmem_to_smem(w_g.at[rows, k, cols], x_s.at[k], bar)
+    plgpu.barrier_wait(bar)
+    w0, w1 = (plgpu.load(x_s.at[k], layout=plgpu.Layout.WGMMA) for k in range(2))
+    t0 = (w0 & 0xFF) | lax.shift_left(w1, jnp.int16(8))
+    t1 = lax.shift_right_logical(w0, jnp.int16(8)) | (w1 & jnp.int16(-256))
+    for k, t in enumerate((t0, t1)):
+      o_s.at[k].T[...] = plgpu.layout_cast(t, plgpu.Layout.WGMMA_TRANSPOSED)
+    plgpu.commit_smem()
+    for k in range(2):
+      plgpu.copy_smem_to_gmem(o_s.at[k], o_g.at[cols, k, rows])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  y = kernel(w.reshape(mw, 2, nw)).reshape(n, mw)
+  return lax.bitcast_convert_type(lax.bitcast_convert_type(y, jnp.uint8).reshape(n, m), x.dtype)
+
+
 def _check(name: str, x, ndim: int) -> None:
   _checks.check_rank(name, x, ndim)
   if x.dtype.itemsize not in (1, 2, 4):
@@ -129,4 +197,7 @@ def batched_transpose(x: jax.Array, *, implementation: str | None = None) -> jax
 def transpose(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
   """2-D transpose ``(M, N) -> (N, M)``, bit-exact; same constraints as :func:`batched_transpose`."""
   _check("x", x, 2)
+  impl = _config.get_implementation(implementation)
+  if impl != "reference" and _use_pairs(x):
+    return _byte_pairs_kernel(x, interpret=_config.mosaic_interpret(impl))
   return batched_transpose(x[None], implementation=implementation)[0]

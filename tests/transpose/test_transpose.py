@@ -121,3 +121,24 @@ def test_transpose_spec_shapes_gpu(key, m, n, dtype):
 def test_batched_transpose_spec_shapes_gpu(key, b, n, dtype):
   x = randn(key, (b, 4032, n), dtype)
   assert_bitwise_equal(_poisoned_call(jax.jit(batched_transpose), x), reference.transpose.batched_transpose(x))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape, cols", [((256, 384), 64), ((192, 320), 64), ((384, 576), 128)])
+def test_byte_pairs_kernel_bit_exact(key, monkeypatch, dtype, shape, cols):
+  """The 2x2-byte-block kernel of large 8-bit 2-D transposes (size threshold lowered): row and column
+  tiles moved back at the edges (192 rows = 1.5 tiles, 320 / 576 columns)."""
+  module = __import__("sys").modules["jaxkern.transpose.transpose"]
+  monkeypatch.setattr(module, "_PAIRS_BYTES", 0)
+  monkeypatch.setattr(module, "_pairs_cols", lambda nbytes: cols)
+  x = random_bits(key, shape, dtype)
+  assert module._use_pairs(x)
+  assert_bitwise_equal(_poisoned_call(transpose, x), np.asarray(x).T)
+
+
+@pytest.mark.parametrize("shape", [(4032, 2048), (8064, 7168)])
+def test_byte_pairs_kernel_lowers_for_h100(shape):
+  module = __import__("sys").modules["jaxkern.transpose.transpose"]
+  x = jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn)
+  assert module._use_pairs(x)
+  assert "mosaic_gpu" in lower_for_h100(functools.partial(transpose, implementation="pallas"), x).as_text()
