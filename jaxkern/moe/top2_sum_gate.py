@@ -46,7 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxkern import _checks, _config, _ieee
+from jaxkern import _checks, _config, _triton
 from jaxkern.moe._select import TAKEN, order_key
 from jaxkern.reference import moe as ref
 
@@ -84,23 +84,6 @@ class _Config(NamedTuple):
 
 def _pow2(n: int) -> int:
   return pl.next_power_of_2(n)
-
-
-def _asm(op: str, *args):
-  args = jnp.broadcast_arrays(*args)
-  regs = ", ".join(f"${i}" for i in range(len(args) + 1))
-  out = jax.ShapeDtypeStruct(args[0].shape, jnp.float32)
-  return plt.elementwise_inline_asm(f"{op} {regs};", args=args, constraints="=r" + ",r" * len(args), pack=1,
-                                    result_shape_dtypes=[out])[0]
-
-
-def _div(a, b, interpret):
-  """Correctly rounded ``a / b`` (``a >= 0``, ``b > 0``)."""
-  return _ieee.div(a, b) if interpret else _asm("div.rn.f32", a, b)
-
-
-def _sqrt(x, interpret):
-  return _ieee.sqrt(x) if interpret else _asm("sqrt.rn.f32", x)
 
 
 def _fence(x, interpret):
@@ -142,10 +125,10 @@ def _softmax_denominator(x_ref, row_ok, m, cfg: _Config):
 def _unbiased(x, m, z, cfg: _Config):
   """Elementwise scores ``u`` of logits ``x`` (``m``, ``z``: the softmax row max and denominator)."""
   if cfg.scoring_func == "sigmoid":
-    return _div(jnp.ones_like(x), 1.0 + _exp(-x, cfg.interpret), cfg.interpret)
+    return _triton.div(jnp.ones_like(x), 1.0 + _exp(-x, cfg.interpret), cfg.interpret)
   if cfg.scoring_func == "sqrtsoftplus":
-    return _sqrt(jnp.where(x > 20.0, x, jnp.log1p(_exp(x, cfg.interpret))), cfg.interpret)
-  return _div(_exp(x - m, cfg.interpret), z, cfg.interpret)
+    return _triton.sqrt(jnp.where(x > 20.0, x, jnp.log1p(_exp(x, cfg.interpret))), cfg.interpret)
+  return _triton.div(_exp(x - m, cfg.interpret), z, cfg.interpret)
 
 
 def _scores(x, x_ref, row_ok, ok, cfg: _Config):
@@ -225,7 +208,7 @@ def _kernel(*refs, cfg: _Config):
   total = jnp.full((br,), 1e-20, jnp.float32)
   for c in range(k):  # upstream's sequential order; each term is taken out of its slot by an exact masked sum
     total = total + jnp.sum(jnp.where(slot == c, picked, 0.0), axis=1)
-  wtile = jnp.where(slot < k, _div(picked, total[:, None], cfg.interpret) * rsf_ref[0], 1.0)
+  wtile = jnp.where(slot < k, _triton.div(picked, total[:, None], cfg.interpret) * rsf_ref[0], 1.0)
   tile = jnp.where(slot < k, utile, e + slot - k)
   extra = 0
   if cfg.num_extra >= 0:

@@ -36,8 +36,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as plt
 
-from jaxkern import _checks, _config
+from jaxkern import _checks, _config, _triton
 from jaxkern.quant import common
 from jaxkern.quant.common import BM
 from jaxkern.reference import quant as ref
@@ -140,6 +141,48 @@ def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, interpret=None
   return kernel(*inputs)
 
 
+_GATHER_WARPS = 8  # warps per program of the gather kernel
+
+
+def _gather_kernel_body(pos_ref, x_ref, *refs, rows: int, bk: int, round_sf: bool, interpret: bool):
+  sf_in_ref, o_ref, sf_ref = refs if len(refs) == 3 else (None, *refs)
+  mo, m = pos_ref.shape[0], x_ref.shape[0]
+  i, j = pl.program_id(0), pl.program_id(1)
+  r = i * rows + jnp.arange(rows)
+  src = plt.load(pos_ref.at[jnp.minimum(r, mo - 1)], mask=r < mo, other=-1)
+  ok = (src >= 0) & (src < m)
+  src = jnp.where(ok, src, 0)
+  c = j * bk + jnp.arange(bk)
+  v = plt.load(x_ref.at[src[:, None], c[None, :]]).astype(jnp.float32)  # padding rows read row 0
+  if sf_in_ref is not None:  # RN(q * sf_in): one input scale per row and 128 columns
+    v = v * plt.load(sf_in_ref.at[src, j * bk // 128])[:, None]
+  v = jnp.where(ok[:, None], v, 0.0)
+  sf, inv = ref.scale_factors(jnp.max(jnp.abs(v), axis=0), ref.FP8_MAX, "e4m3", round_sf,
+                              div=functools.partial(_triton.div, interpret=interpret))
+  sf_ref[i, pl.ds(j * bk, bk)] = sf
+  plt.store(o_ref.at[r[:, None], c[None, :]], ref.encode_e4m3(v * inv[None, :]), mask=(r < mo)[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("round_sf", "interpret"))
+def _gather_kernel(x, sf_in, pos_to_token, *, round_sf, interpret):
+  """Per-channel cast of the rows ``x[pos_to_token]`` (zero rows where negative or ``>= M``):
+  ``(out (Mo, K) e4m3, sf (ceil(Mo/128), K) float32)``.
+
+  Pallas-Triton: a program gathers a (128, 128) tile (64 columns where 128 does not divide ``K``)
+  of whole row segments with per-row addresses, keeps it in registers for the column maxima and the
+  cast, so every gathered byte crosses DRAM once. Mosaic GPU has no per-row register gather."""
+  mo, k = pos_to_token.shape[0], x.shape[1]
+  rows, bk = 128, 128 if k % 128 == 0 else 64
+  whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * len(a.shape))
+  inputs = [pos_to_token, x] + ([sf_in] if sf_in is not None else [])
+  out_shape = (jax.ShapeDtypeStruct((mo, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((pl.cdiv(mo, rows), k), jnp.float32))
+  return pl.pallas_call(
+      functools.partial(_gather_kernel_body, rows=rows, bk=bk, round_sf=round_sf, interpret=interpret),
+      out_shape=out_shape, grid=(pl.cdiv(mo, rows), k // bk), in_specs=[whole(a) for a in inputs],
+      out_specs=[whole(o) for o in out_shape],
+      compiler_params=plt.CompilerParams(num_warps=_GATHER_WARPS, num_stages=1), interpret=interpret)(*inputs)
+
+
 def per_channel_cast_fused(x, fmt: str, num_per_tokens: int, round_sf: bool = False, num_per_channels=None,
                            pos_to_token=None, *, implementation: str | None = None):
   """Per-channel (128-row) e4m3 cast with an optional row gather and dequantisation of the input.
@@ -181,9 +224,11 @@ def per_channel_cast_fused(x, fmt: str, num_per_tokens: int, round_sf: bool = Fa
     _checks.check_dtype("pos_to_token", pos_to_token, (jnp.int32,))
     _checks.check_multiple("pos_to_token", pos_to_token, 0, 16)
   impl = _config.get_implementation(implementation)
-  if impl == "reference" or rows == 0 or pos_to_token is not None:
+  if impl == "reference" or rows == 0 or (pos_to_token is not None and pos_to_token.shape[0] == 0):
     return ref.per_channel_cast_fused(x, num_per_tokens, round_sf, pos_to_token)
   data, sf = x if isinstance(x, tuple) else (x, None)
+  if pos_to_token is not None:
+    return _gather_kernel(data, sf, pos_to_token, round_sf=round_sf, interpret=impl == "interpret")
   return _kernel(data, sf, npt=num_per_tokens, round_sf=round_sf, interpret=_config.mosaic_interpret(impl))
 
 

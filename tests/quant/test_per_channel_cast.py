@@ -75,6 +75,27 @@ def test_fused_gather_plain_input(key, dtype, round_sf):
   assert_bitwise_equal(sf, s)
 
 
+def test_fused_gather_ragged_columns_and_padding_block(key):
+  """K = 576 (64-column programs), a block of padding rows only (sf at the clamp), Mo = 208."""
+  x = randn(key, (50, 576), jnp.bfloat16)
+  pos = jnp.asarray(np.concatenate([np.full(128, -1), np.random.default_rng(3).integers(-1, 50, 80)]), jnp.int32)
+  out, sf = quant.per_channel_cast_fused(x, "e4m3", 128, False, None, pos)
+  q, s = _oracle(_gathered(np.asarray(x, np.float32), pos)[0], 128)
+  assert_bitwise_equal(out, q)
+  assert_bitwise_equal(sf, s)
+
+
+def test_fused_gather_lowers_for_h100():
+  from jaxkern.testing import lower_for_h100
+
+  pos = jax.ShapeDtypeStruct((48128,), jnp.int32)
+  f = lambda x, p: quant.per_channel_cast_fused(x, "e4m3", 128, True, None, p, implementation="pallas")
+  assert "triton" in lower_for_h100(f, jax.ShapeDtypeStruct((8001, 576), jnp.bfloat16), pos).as_text()
+  qt = (jax.ShapeDtypeStruct((8001, 7168), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((8001, 56), jnp.float32))
+  g = lambda x, p: quant.per_channel_cast_fused(x, "e4m3", 128, False, 128, p, implementation="pallas")
+  assert "triton" in lower_for_h100(g, qt, pos).as_text()
+
+
 def test_fused_quant_tensor_without_gather(key):
   q_in, sf_in = quant.per_token_cast(randn(key, (128, 384), jnp.float32), "e4m3", 128, implementation="reference")
   out, sf = quant.per_channel_cast_fused((q_in, sf_in), "e4m3", 128, True, 128)
