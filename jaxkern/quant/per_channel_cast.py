@@ -20,10 +20,15 @@ lanes along the columns, the rest of the lanes and the warps down the rows; conf
 H200 (runner, cold L2): bf16 ``8064x7168`` 45.3 µs (90% of copy, 2.4x XLA), ``4096x576`` 5.6 µs (1.9x); the
 previous kernel (WGMMA-layout reductions, 255 registers avoided by the same one-column-per-thread
 step) took 72.1 / 10.8 µs. Walking 2 or 4 column tiles per CTA through a TMA pipeline, 64- or
-256-column tiles and the column-major grid order measured equal or slower. With a ``pos_to_token``
-gather ``per_channel_cast_fused`` runs the XLA reference, measured faster on an H200 (MoE gathers of
-25-29k rows) than the previous kernel fed by an XLA gather (0.77-0.85x) or by one-row TMA copies
-inside the kernel (0.66x). Divisions as in :mod:`jaxkern.quant.per_token_cast`.
+256-column tiles and the column-major grid order measured equal or slower.
+
+With a ``pos_to_token`` gather ``per_channel_cast_fused`` runs a Pallas-Triton kernel instead
+(:func:`_gather_kernel`): Mosaic GPU has no per-row register gather, and feeding the kernel above
+from an XLA gather (0.77-0.85x XLA) or one-row TMA copies (0.66x) was slower than the XLA reference.
+Each program gathers 128 rows x 64 columns with per-row addresses, 4 warps (best of 1/2/4 warps x
+32/64/128 columns on an H200). H200 (runner, 24 MoE gathers of 25-29k rows, bf16 and QuantTensor
+inputs): 1.89-2.00x XLA, e.g. ``E=32x8 H=7168`` 221 µs (XLA 441). Divisions as in
+:mod:`jaxkern.quant.per_token_cast`.
 """
 
 from __future__ import annotations
@@ -141,7 +146,8 @@ def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, interpret=None
   return kernel(*inputs)
 
 
-_GATHER_WARPS = 8  # warps per program of the gather kernel
+_GATHER_WARPS = 4  # warps per program of the gather kernel
+_GATHER_COLS = 64  # columns per program of the gather kernel
 
 
 def _gather_kernel_body(pos_ref, x_ref, *refs, rows: int, bk: int, round_sf: bool, interpret: bool):
@@ -172,7 +178,7 @@ def _gather_kernel(x, sf_in, pos_to_token, *, round_sf, interpret):
   of whole row segments with per-row addresses, keeps it in registers for the column maxima and the
   cast, so every gathered byte crosses DRAM once. Mosaic GPU has no per-row register gather."""
   mo, k = pos_to_token.shape[0], x.shape[1]
-  rows, bk = 128, 128 if k % 128 == 0 else 64
+  rows, bk = 128, _GATHER_COLS
   whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * len(a.shape))
   inputs = [pos_to_token, x] + ([sf_in] if sf_in is not None else [])
   out_shape = (jax.ShapeDtypeStruct((mo, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((pl.cdiv(mo, rows), k), jnp.float32))
