@@ -10,17 +10,16 @@ transposes instead load the tile through a transposed view of the input SMEM
 buffer straight into the WGMMA layout (1.5% faster on an H200 at N = 576, where
 the kernel is latency-bound; equal or slower elsewhere).
 
-Mid-sized 2-D 16-bit transposes move the tile between GMEM and SMEM with plain
-16-byte vector loads and stores instead of TMA: on an H200 that was 1-4.5% faster
-there (and about the speed of XLA's transpose), while TMA stays faster for large
-arrays and for other dtypes.
-
-Large 2-D 8-bit transposes (:func:`_byte_pairs_kernel`) skip the widening: the array is
-viewed as 16-bit words, each holding two neighbouring bytes of a row, and the two row
-parities as separate planes, so that a 2x2 block of bytes is two words, one per plane.
-Swapping bytes between the planes (shifts and masks) transposes every 2x2 block, and a
-16-bit transpose of each plane moves the blocks: 3-6% faster than the widening kernel on
-an H200 from 8 MB up (8064x7168: 30.1 against 31.1 µs), slower below.
+Large 2-D transposes of 8-bit data (from 8 MB) and of mid-sized 16-bit data (12-64 MiB) take a
+persistent kernel instead (:func:`_ring_kernel`): one CTA per SM walks its tiles with a ring of 5
+TMA loads in flight and double-buffered TMA stores. 8-bit data skips the widening there: the array
+is viewed as 16-bit words, each holding two neighbouring bytes of a row, and the two row parities as
+separate planes, so that a 2x2 block of bytes is two words, one per plane. Swapping bytes between
+the planes (shifts and masks) transposes every 2x2 block, and a 16-bit transpose of each plane
+moves the blocks. H200, µs (one CTA per tile / ring): e4m3 8064x7168 30.2 / 29.9 (90.3% of copy),
+8064x4096 18.0 / 16.9, 4032x7168 16.8 / 15.6, 8064x2048 10.1 / 9.2; bf16 4032x2048 9.6 / 9.3,
+4032x4096 17.3 / 16.9, 8064x2048 17.4 / 17.1. Larger 16-bit arrays (8064x7168: 58.4 / 59.3) and
+small ones (576 columns) run faster one CTA per tile.
 """
 
 from __future__ import annotations
@@ -33,60 +32,51 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkern import _checks, _config, _layouts
+from jaxkern import _checks, _config
 from jaxkern.reference import transpose as ref
 
 ALIGNMENT = 64  # both transposed dimensions must be multiples of this
 _LARGE_BYTES = 32 << 20  # input size above which the tiling favours bandwidth over latency
-_DIRECT_BYTES = (12 << 20, 64 << 20)  # 2-D 16-bit inputs in this range skip TMA
 
 
-def _tiling(b: int, m: int, n: int, itemsize: int) -> tuple[int, int, str, bool]:
-  """Tile ``(BM, BN)``, grid order and whether to skip TMA, chosen from measurements on an H200.
+def _tiling(b: int, m: int, n: int, itemsize: int) -> tuple[int, int, str]:
+  """Tile ``(BM, BN)`` and grid order, chosen from measurements on an H200.
 
   Tiles are 128 wide where the dimension allows it (at most 32 KiB per tile), except
   for small 16/32-bit arrays, which are latency-bound and run fastest with the most
   CTAs (64x64). Large arrays walk the output's rows first, which keeps DRAM pages open.
   """
-  nbytes = b * m * n * itemsize
-  if b == 1 and itemsize == 2 and _DIRECT_BYTES[0] < nbytes <= _DIRECT_BYTES[1]:
-    return 64, 64, "bji", True
-  small = nbytes <= _LARGE_BYTES
+  small = b * m * n * itemsize <= _LARGE_BYTES
   if small and itemsize > 1:
-    return 64, 64, "bij", False
+    return 64, 64, "bij"
   bm = 128 if m % 128 == 0 else 64
   bn = 128 if n % 128 == 0 and itemsize <= 2 else 64
-  return bm, bn, "bij" if small else "bji", False
+  return bm, bn, "bij" if small else "bji"
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
 def _batched_transpose_kernel(x: jax.Array, interpret=None, tiling=None) -> jax.Array:
   b, m, n = x.shape
-  bm, bn, order, direct = tiling or _tiling(b, m, n, x.dtype.itemsize)
+  bm, bn, order = tiling or _tiling(b, m, n, x.dtype.itemsize)
   widen = x.dtype.itemsize == 1
-  load_t = b == 1 and x.dtype.itemsize == 2 and (bm, bn) == (64, 64) and not direct
+  load_t = b == 1 and x.dtype.itemsize == 2 and (bm, bn) == (64, 64)
   sizes = {"b": b, "i": m // bm, "j": n // bn}
-  scratch = dict(x_s=plgpu.SMEM((bm, bn), x.dtype), o_s=plgpu.SMEM((bn, bm), x.dtype))
-  if not direct:
-    scratch["bar"] = plgpu.Barrier(num_arrivals=1)
 
   @functools.partial(
       plgpu.kernel,
       out_type=jax.ShapeDtypeStruct((b, n, m), x.dtype),
       grid=tuple(sizes[a] for a in order),
       grid_names=tuple(order),
-      scratch_types=scratch,
+      scratch_types=dict(x_s=plgpu.SMEM((bm, bn), x.dtype), o_s=plgpu.SMEM((bn, bm), x.dtype),
+                         bar=plgpu.Barrier(num_arrivals=1)),
       interpret=interpret,
   )
-  def kernel(x_g, o_g, x_s, o_s, bar=None):
+  def kernel(x_g, o_g, x_s, o_s, bar):
     bi, i, j = lax.axis_index("b"), lax.axis_index("i"), lax.axis_index("j")
     src = x_g.at[bi, pl.ds(i * bm, bm), pl.ds(j * bn, bn)]
     dst = o_g.at[bi, pl.ds(j * bn, bn), pl.ds(i * bm, bm)]
-    if direct:
-      x_s[...] = plgpu.load(src, layout=_layouts.row_layout(bn, x.dtype.itemsize)[0], optimized=False)
-    else:
-      plgpu.copy_gmem_to_smem(src, x_s, bar)
-      plgpu.barrier_wait(bar)
+    plgpu.copy_gmem_to_smem(src, x_s, bar)
+    plgpu.barrier_wait(bar)
     if load_t:
       o_s[...] = plgpu.load(x_s.T, layout=plgpu.Layout.WGMMA)
     else:
@@ -97,75 +87,113 @@ def _batched_transpose_kernel(x: jax.Array, interpret=None, tiling=None) -> jax.
       if widen:
         v = lax.bitcast_convert_type(v.astype(jnp.int8), x.dtype)
       o_s.T[...] = v
-    if direct:
-      dst[...] = plgpu.load(o_s, layout=_layouts.row_layout(bm, x.dtype.itemsize)[0])
-    else:
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_s, dst)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_s, dst)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return kernel(x)
 
 
-_PAIRS_BYTES = 8_000_000  # 2-D 8-bit inputs from this size on take the byte-pair kernel
-_PAIRS_ROWS = 64  # word rows (two input rows each) per CTA of the byte-pair kernel
+_RING_BYTES = {1: (8_000_000, None), 2: (12 << 20, 64 << 20)}  # 2-D sizes (bytes) taking the ring kernel
+_RING_TILE = {1: (64, 128), 2: (128, 128)}  # words per tile (per plane for 8-bit data): 32 KB
+_RING_STAGES = 5  # input tiles in flight per CTA; with 2 output buffers 224 KB of SMEM
 
 
-def _pairs_cols(nbytes: int) -> int:
-  """Word columns (two input columns each) per CTA of the byte-pair kernel; H200, µs for 64 / 128:
-  4032x2048 6.32 / 6.46, 8064x2048 10.05 / 9.92, 8064x7168 30.48 / 30.14."""
-  return 128 if nbytes >= 2 * _PAIRS_BYTES else 64
+def _num_ctas() -> int:
+  """CTAs of the persistent ring kernel: one per SM (132 on an H100 / H200 SXM)."""
+  dev = jax.devices()[0]
+  return getattr(dev, "core_count", 132) if dev.platform == "gpu" else 132
 
 
-def _use_pairs(x) -> bool:
-  m, n = x.shape
-  return x.dtype.itemsize == 1 and x.size >= _PAIRS_BYTES and m >= 2 * _PAIRS_ROWS and n >= 2 * _pairs_cols(x.size)
+def _use_ring(x) -> bool:
+  if x.dtype.itemsize not in _RING_TILE:
+    return False
+  (m, n), (lo, hi), (bw, cw) = x.shape, _RING_BYTES[x.dtype.itemsize], _RING_TILE[x.dtype.itemsize]
+  nbytes, pair = x.size * x.dtype.itemsize, 2 if x.dtype.itemsize == 1 else 1
+  return lo <= nbytes and (hi is None or nbytes <= hi) and m >= pair * bw and n >= pair * cw
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def _byte_pairs_kernel(x: jax.Array, interpret=None) -> jax.Array:
-  """8-bit ``(M, N) -> (N, M)`` through 2x2 byte blocks (see the module docstring).
+def _ring_kernel(x: jax.Array, interpret=None) -> jax.Array:
+  """Persistent 2-D ``(M, N) -> (N, M)`` for 8- and 16-bit data (see the module docstring).
 
-  ``w`` int16 ``(M/2, 2, N/2)``: ``w[r, k, c]`` holds bytes ``x[2r+k, 2c]`` (low) and ``x[2r+k, 2c+1]``.
-  For planes ``w0 = w[:, 0]``, ``w1 = w[:, 1]``, the output words ``y[c, k', r]`` (bytes ``x[2r, 2c+k']``
-  and ``x[2r+1, 2c+k']``) are ``t0 = lo(w0) | lo(w1) << 8`` and ``t1 = hi(w0) | hi(w1) << 8``
-  transposed. A CTA takes ``bw x cw`` words of each plane (two TMA copies), loads them in the WGMMA
-  layout, combines them, re-lays the results out to WGMMA_TRANSPOSED and stores them through
-  transposed views of an SMEM buffer, written back with two TMA copies. The last row / column tile
-  is moved back to end at the edge (it rewrites some words with the same values).
+  The kernel transposes ``P`` planes of 16-bit words, ``w`` ``(R, P, C) -> (C, P, R)``. 16-bit data is
+  one plane, ``x`` itself. 8-bit data is seen as 2x2 byte blocks: ``w`` int16 ``(M/2, 2, N/2)``,
+  ``w[r, k, c]`` holding bytes ``x[2r+k, 2c]`` (low) and ``x[2r+k, 2c+1]``; from planes ``w0 = w[:, 0]``,
+  ``w1 = w[:, 1]`` the output words ``y[c, k', r]`` (bytes ``x[2r, 2c+k']`` and ``x[2r+1, 2c+k']``) are
+  ``t0 = lo(w0) | lo(w1) << 8`` and ``t1 = hi(w0) | hi(w1) << 8`` transposed.
+
+  A tile is ``bw x cw`` words of each plane (one TMA copy per plane), loaded in the WGMMA layout,
+  re-laid out to WGMMA_TRANSPOSED and stored through transposed views of an SMEM buffer, written back
+  with one TMA copy per plane. The last row / column tile is moved back to end at the edge (it
+  rewrites some words with the same values). CTA ``c`` takes tiles ``c, c + C, ...`` (column tiles
+  fastest), with ``_RING_STAGES - 1`` tile loads ahead of the one it transposes and the previous
+  tile's stores in flight.
   """
   m, n = x.shape
-  mw, nw = m // 2, n // 2
-  bw, cw = _PAIRS_ROWS, _pairs_cols(x.size)
-  w = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint8).reshape(m, nw, 2), jnp.int16)
+  if pairs := x.dtype.itemsize == 1:
+    w = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint8).reshape(m, n // 2, 2), jnp.int16)
+    w = w.reshape(m // 2, 2, n // 2)
+  else:
+    w = x.reshape(m, 1, n)
+  r, planes, c = w.shape
+  (bw, cw), stages = _RING_TILE[x.dtype.itemsize], _RING_STAGES
+  gj = pl.cdiv(c, cw)
+  tiles = pl.cdiv(r, bw) * gj
+  ctas = min(tiles, _num_ctas())
 
   @functools.partial(
       plgpu.kernel,
-      out_type=jax.ShapeDtypeStruct((nw, 2, mw), jnp.int16),
-      grid=(pl.cdiv(nw, cw), pl.cdiv(mw, bw)),
-      grid_names=("j", "i"),
-      scratch_types=dict(x_s=plgpu.SMEM((2, bw, cw), jnp.int16), o_s=plgpu.SMEM((2, cw, bw), jnp.int16),
-                         bar=plgpu.Barrier(num_arrivals=2)),
+      out_type=jax.ShapeDtypeStruct((c, planes, r), w.dtype),
+      grid=(ctas,),
+      grid_names=("c",),
+      scratch_types=dict(x_s=plgpu.SMEM((stages, planes, bw, cw), w.dtype),
+                         o_s=plgpu.SMEM((2, planes, cw, bw), w.dtype),
+                         bar=plgpu.Barrier(num_arrivals=planes, num_barriers=stages)),
       interpret=interpret,
   )
   def kernel(w_g, o_g, x_s, o_s, bar):
-    rows = pl.ds(jnp.minimum(lax.axis_index("i") * bw, mw - bw), bw)
-    cols = pl.ds(jnp.minimum(lax.axis_index("j") * cw, nw - cw), cw)
-    for k in range(2):
-      plgpu.copy_gmem_to_smem(w_g.at[rows, k, cols], x_s.at[k], bar)
-    plgpu.barrier_wait(bar)
-    w0, w1 = (plgpu.load(x_s.at[k], layout=plgpu.Layout.WGMMA) for k in range(2))
-    t0 = (w0 & 0xFF) | lax.shift_left(w1, jnp.int16(8))
-    t1 = lax.shift_right_logical(w0, jnp.int16(8)) | (w1 & jnp.int16(-256))
-    for k, t in enumerate((t0, t1)):
-      o_s.at[k].T[...] = plgpu.layout_cast(t, plgpu.Layout.WGMMA_TRANSPOSED)
-    plgpu.commit_smem()
-    for k in range(2):
-      plgpu.copy_smem_to_gmem(o_s.at[k], o_g.at[cols, k, rows])
+    cta = lax.axis_index("c")
+    count = (tiles - cta + ctas - 1) // ctas  # tiles of this CTA
+
+    def window(t):
+      tile = cta + t * ctas
+      i, j = tile // gj, tile % gj
+      return pl.ds(jnp.minimum(i * bw, r - bw), bw), pl.ds(jnp.minimum(j * cw, c - cw), cw)
+
+    def fetch(t):
+      @pl.when(t < count)
+      def _():
+        rows, cols = window(t)
+        for k in range(planes):
+          plgpu.copy_gmem_to_smem(w_g.at[rows, k, cols], x_s.at[t % stages, k], bar.at[t % stages])
+
+    for t in range(stages - 1):
+      fetch(t)
+
+    @pl.loop(0, count)
+    def _(t):
+      fetch(t + stages - 1)
+      plgpu.barrier_wait(bar.at[t % stages])
+      v = [plgpu.load(x_s.at[t % stages, k], layout=plgpu.Layout.WGMMA) for k in range(planes)]
+      if pairs:
+        v = [(v[0] & 0xFF) | lax.shift_left(v[1], jnp.int16(8)),
+             lax.shift_right_logical(v[0], jnp.int16(8)) | (v[1] & jnp.int16(-256))]
+      plgpu.wait_smem_to_gmem(planes, wait_read_only=True)  # the stores of tile t - 2 have read o_s[t % 2]
+      for k, vk in enumerate(v):
+        o_s.at[t % 2, k].T[...] = plgpu.layout_cast(vk, plgpu.Layout.WGMMA_TRANSPOSED)
+      plgpu.commit_smem()
+      rows, cols = window(t)
+      for k in range(planes):
+        plgpu.copy_smem_to_gmem(o_s.at[t % 2, k], o_g.at[cols, k, rows])
+
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  y = kernel(w.reshape(mw, 2, nw)).reshape(n, mw)
-  return lax.bitcast_convert_type(lax.bitcast_convert_type(y, jnp.uint8).reshape(n, m), x.dtype)
+  y = kernel(w)
+  if not pairs:
+    return y.reshape(n, m)
+  y = lax.bitcast_convert_type(y.reshape(n, m // 2), jnp.uint8).reshape(n, m)
+  return lax.bitcast_convert_type(y, x.dtype)
 
 
 def _check(name: str, x, ndim: int) -> None:
@@ -198,6 +226,6 @@ def transpose(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
   """2-D transpose ``(M, N) -> (N, M)``, bit-exact; same constraints as :func:`batched_transpose`."""
   _check("x", x, 2)
   impl = _config.get_implementation(implementation)
-  if impl != "reference" and _use_pairs(x):
-    return _byte_pairs_kernel(x, interpret=_config.mosaic_interpret(impl))
+  if impl != "reference" and _use_ring(x):
+    return _ring_kernel(x, interpret=_config.mosaic_interpret(impl))
   return batched_transpose(x[None], implementation=implementation)[0]

@@ -34,11 +34,10 @@ def test_batched_transpose_bit_exact(key, dtype):
   assert_bitwise_equal(batched_transpose(x), np.swapaxes(np.asarray(x), 1, 2))
 
 
-@pytest.mark.parametrize("tiling", [(128, 128, "bji", False), (128, 64, "bji", False), (64, 128, "bij", False),
-                                    (64, 64, "bji", True)])
+@pytest.mark.parametrize("tiling", [(128, 128, "bji"), (128, 64, "bji"), (64, 128, "bij")])
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
 def test_every_tiling_bit_exact(key, dtype, tiling):
-  """The large-array and TMA-free tilings, forced on a small array so the interpreter can run them."""
+  """The large-array tilings, forced on a small array so the interpreter can run them."""
   from jaxkern.transpose.transpose import _batched_transpose_kernel
 
   x = random_bits(key, (2, 256, 128), dtype)
@@ -123,22 +122,31 @@ def test_batched_transpose_spec_shapes_gpu(key, b, n, dtype):
   assert_bitwise_equal(_poisoned_call(jax.jit(batched_transpose), x), reference.transpose.batched_transpose(x))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape, cols", [((256, 384), 64), ((192, 320), 64), ((384, 576), 128)])
-def test_byte_pairs_kernel_bit_exact(key, monkeypatch, dtype, shape, cols):
-  """The 2x2-byte-block kernel of large 8-bit 2-D transposes (size threshold lowered): row and column
-  tiles moved back at the edges (192 rows = 1.5 tiles, 320 / 576 columns)."""
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape, tile, ctas", [((256, 384), (64, 64), 5), ((192, 320), (64, 64), 4),
+                                               ((384, 576), (64, 128), 1)])
+def test_ring_kernel_bit_exact(key, monkeypatch, dtype, shape, tile, ctas):
+  """The persistent kernel of large 8-bit and mid-sized 16-bit 2-D transposes (size thresholds
+  lowered, tiles in words): row and column tiles moved back at the edges (192 rows = 1.5 8-bit
+  tiles, 320 / 576 columns), tiles not shared evenly by the CTAs, fewer tiles than pipeline stages
+  and one CTA going round the 5-stage ring (9 or more tiles)."""
   module = __import__("sys").modules["jaxkern.transpose.transpose"]
-  monkeypatch.setattr(module, "_PAIRS_BYTES", 0)
-  monkeypatch.setattr(module, "_pairs_cols", lambda nbytes: cols)
+  itemsize = jnp.dtype(dtype).itemsize
+  monkeypatch.setattr(module, "_RING_BYTES", {itemsize: (0, None)})
+  monkeypatch.setattr(module, "_RING_TILE", {itemsize: tile})
+  monkeypatch.setattr(module, "_num_ctas", lambda: ctas)
   x = random_bits(key, shape, dtype)
-  assert module._use_pairs(x)
+  assert module._use_ring(x)
   assert_bitwise_equal(_poisoned_call(transpose, x), np.asarray(x).T)
 
 
-@pytest.mark.parametrize("shape", [(4032, 2048), (8064, 7168)])
-def test_byte_pairs_kernel_lowers_for_h100(shape):
+@pytest.mark.parametrize("dtype, shape, ring", [(jnp.float8_e4m3fn, (4032, 2048), True),
+                                                (jnp.float8_e4m3fn, (8064, 7168), True),
+                                                (jnp.bfloat16, (4032, 2048), True), (jnp.bfloat16, (8064, 4096), True),
+                                                (jnp.bfloat16, (8064, 7168), False), (jnp.bfloat16, (4032, 576), False)],
+                         ids=str)
+def test_ring_kernel_choice_and_lowering_for_h100(dtype, shape, ring):
   module = __import__("sys").modules["jaxkern.transpose.transpose"]
-  x = jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn)
-  assert module._use_pairs(x)
+  x = jax.ShapeDtypeStruct(shape, dtype)
+  assert module._use_ring(x) == ring
   assert "mosaic_gpu" in lower_for_h100(functools.partial(transpose, implementation="pallas"), x).as_text()
