@@ -69,3 +69,10 @@ def get_implementation(name: str | None = None) -> str:
 def mosaic_interpret(name: str) -> plgpu.InterpretGPUParams | None:
   """The ``interpret=`` argument of a Mosaic GPU kernel for a resolved implementation."""
   return plgpu.InterpretGPUParams() if name == "interpret" else None
+
+
+def num_sms() -> int:
+  """SMs of the GPU that persistent kernels size their grid for (132 on an H100 / H200 SXM, the
+  value used when tracing elsewhere, e.g. when lowering for an H100 on a CPU machine)."""
+  dev = jax.devices()[0]
+  return getattr(dev, "core_count", 132) if dev.platform == "gpu" else 132

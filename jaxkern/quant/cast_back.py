@@ -20,9 +20,9 @@ layout B or C is turned into layout A by XLA first). Other block widths, and pac
 ``(bm, 1)`` blocks, run the ``jnp`` reference.
 
 Large e4m3 -> float32 casts (at least :data:`TMA_MIN_ELEMENTS`) with blocks ``(1, 128)`` or
-``(bm >= 128, 128)`` and a layout-A sf write through SMEM with TMA stores instead
-(:func:`_tma_store_kernel`): at 90% of the copy bandwidth, where XLA's fusion also runs, that is
-1-3% faster on an H200 than storing from registers.
+``(bm >= 128, 128)`` and a layout-A sf take a persistent kernel instead (:func:`_tma_store_kernel`):
+64-row tiles loaded by a ring of TMA copies and stored through SMEM with TMA. On an H200 that runs
+at 91-97% of the copy bandwidth, 1-8% faster than one CTA per tile and than XLA's fusion.
 
 Packed e2m1: each byte decodes with integer operations (:func:`jaxkern.reference.quant.decode_e2m1`)
 into columns ``2j`` (low nibble) and ``2j + 1``; a bf16 output pair is written as one int32 word (a
@@ -207,43 +207,81 @@ def _channel_kernel(q, sf, *, bm, out_dtype, interpret):
 
 
 # e4m3 -> float32 with (1, 128) or (bm >= 128, 128) blocks and a layout-A sf, from this many output
-# elements on: :func:`_tma_store_kernel` (H200, µs against the register-store kernel / XLA: (128, 128)
-# 8001x4096 41.7 / 43.0 / 43.0, 4001x7168 37.0 / 37.4 / 37.2; (1, 128) 8001x7168 74.1 / 75.2 / 75.6;
-# below it the register-store kernel wins: 4001x2048 (128, 128) 11.1 / 10.4 / 12.6).
+# elements on: :func:`_tma_store_kernel` (H200, µs, one CTA per tile storing through SMEM / from
+# registers / XLA: (128, 128) 8001x4096 41.7 / 43.0 / 43.0, (1, 128) 8001x7168 74.1 / 75.2 / 75.6;
+# below it storing from registers won: 4001x2048 (128, 128) 11.1 / 10.4 / 12.6).
 TMA_MIN_ELEMENTS = 1 << 24
+_RING_ROWS = 64  # rows per tile (of one 128-column block) of the ring kernel
+# (CTAs per SM, tiles in flight per CTA): one sf value per row is a strided GMEM load per tile, which
+# a second CTA on the SM hides. H200, µs against one CTA per 128 (or 32) row tile: (128, 128)
+# 8001x7168 72.8-73.7 / 73.9-74.1, 8001x4096 40.6-40.9 / 41.7-41.9, 4001x7168 34.9-35.2 / 37.2-37.4,
+# 8001x2560 24.6-24.7 / 26.5-26.7; (1, 128) 8001x7168 74.0-74.5 / 74.2-74.4, 8001x2560 26.0-26.1 /
+# 27.0; 32-row tiles and one CTA of 128-row tiles were slower.
+_RING_CONFIG = {True: (2, 6), False: (1, 12)}  # keyed by bm == 1
 
 
 @functools.partial(jax.jit, static_argnames=("bm", "interpret"))
 def _tma_store_kernel(q, sf, *, bm, interpret):
-  """e4m3 ``q`` ``(M, K)`` (``K % 128 == 0``) with a layout-A float32 sf ``(ceil(M/bm), K/128)``
-  (blocks ``(bm, 128)``, ``bm == 1`` or ``bm >= 128``) -> float32 ``(M, K)``.
+  """e4m3 ``q`` ``(M, K)`` (``K % 128 == 0``, ``M >= 64``) with a layout-A float32 sf
+  ``(ceil(M/bm), K/128)`` (blocks ``(bm, 128)``, ``bm == 1`` or ``bm >= 128``) -> float32 ``(M, K)``.
 
-  A CTA owns ``rt`` rows (32 for ``bm == 1``, else 128: at most two block rows, two scalar sf loads and
-  a select) of one 128-column block: loaded straight from GMEM in :func:`jaxkern._layouts.row_layout`,
-  scaled, stored to SMEM and written with one TMA copy. The last CTA's rows are moved back to end
-  at row ``M`` (``M >= rt``)."""
+  Persistent: a tile is 64 rows of one 128-column block (row tiles moved back to end at row ``M``);
+  CTA ``c`` takes tiles ``c, c + C, ...`` (column blocks fastest) with a ring of TMA loads in flight
+  (:data:`_RING_CONFIG`), loads each tile from SMEM in :func:`jaxkern._layouts.row_layout`, scales
+  it (``bm >= 128``: at most two block rows, two scalar sf loads and a select) and stores it through
+  one of two SMEM buffers with a TMA copy."""
   m, k = q.shape
-  rt = 32 if bm == 1 else 128
+  rt, gj = _RING_ROWS, k // 128
+  per_sm, stages = _RING_CONFIG[bm == 1]
+  tiles = pl.cdiv(m, rt) * gj
+  ctas = min(tiles, per_sm * _config.num_sms())
   lay, _ = common.row_layout(128, 4)
   nblk = ref.cdiv(m, bm)
 
-  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((m, k), jnp.float32), grid=(pl.cdiv(m, rt), k // 128),
-                     grid_names=("i", "j"), scratch_types=dict(o_s=plgpu.SMEM((rt, 128), jnp.float32)),
-                     interpret=interpret)
-  def kernel(q_g, sf_g, o_g, o_s):
-    j = lax.axis_index("j")
-    start = jnp.minimum(lax.axis_index("i") * rt, m - rt)
-    rows, cols = pl.ds(start, rt), pl.ds(j * 128, 128)
-    v = plgpu.load(q_g.at[rows, cols], layout=lay, optimized=False).astype(jnp.float32)
-    if bm == 1:
-      scale = plgpu.load(sf_g.at[rows, j], layout=lay.reduce(1), optimized=False)
-    else:
-      b0 = start // bm
-      row = plgpu.broadcasted_iota(jnp.int32, (rt,), 0, layout=lay.reduce(1)) + start
-      scale = jnp.where(row < (b0 + 1) * bm, sf_g[b0, j], sf_g[jnp.minimum(b0 + 1, nblk - 1), j])
-    o_s[...] = v * scale[:, None]
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_s, o_g.at[rows, cols])
+  @functools.partial(
+      plgpu.kernel,
+      out_type=jax.ShapeDtypeStruct((m, k), jnp.float32),
+      grid=(ctas,),
+      grid_names=("c",),
+      scratch_types=dict(q_s=plgpu.SMEM((stages, rt, 128), q.dtype), o_s=plgpu.SMEM((2, rt, 128), jnp.float32),
+                         bar=plgpu.Barrier(num_arrivals=1, num_barriers=stages)),
+      interpret=interpret,
+  )
+  def kernel(q_g, sf_g, o_g, q_s, o_s, bar):
+    cta = lax.axis_index("c")
+    count = (tiles - cta + ctas - 1) // ctas  # tiles of this CTA
+
+    def window(t):
+      tile = cta + t * ctas
+      return jnp.minimum(tile // gj * rt, m - rt), tile % gj
+
+    def fetch(t):
+      @pl.when(t < count)
+      def _():
+        start, j = window(t)
+        plgpu.copy_gmem_to_smem(q_g.at[pl.ds(start, rt), pl.ds(j * 128, 128)], q_s.at[t % stages], bar.at[t % stages])
+
+    for t in range(stages - 1):
+      fetch(t)
+
+    @pl.loop(0, count)
+    def _(t):
+      fetch(t + stages - 1)
+      start, j = window(t)
+      rows = pl.ds(start, rt)
+      if bm == 1:
+        scale = plgpu.load(sf_g.at[rows, j], layout=lay.reduce(1), optimized=False)
+      else:
+        b0 = start // bm
+        row = plgpu.broadcasted_iota(jnp.int32, (rt,), 0, layout=lay.reduce(1)) + start
+        scale = jnp.where(row < (b0 + 1) * bm, sf_g[b0, j], sf_g[jnp.minimum(b0 + 1, nblk - 1), j])
+      plgpu.barrier_wait(bar.at[t % stages])
+      v = plgpu.load(q_s.at[t % stages], layout=lay, optimized=False).astype(jnp.float32)
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store of tile t - 2 has read o_s[t % 2]
+      o_s.at[t % 2][...] = v * scale[:, None]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_s.at[t % 2], o_g.at[rows, pl.ds(j * 128, 128)])
+
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return kernel(q, sf)
@@ -253,7 +291,7 @@ def _use_tma_store(q, sf, block_size, out_dtype, col_major) -> bool:
   bm, bk = block_size
   return (q.dtype == jnp.float8_e4m3fn and out_dtype == jnp.float32 and bk == 128 and q.shape[1] % 128 == 0
           and (bm == 1 or bm >= 128) and sf.dtype == jnp.float32 and not col_major
-          and q.shape[0] >= (32 if bm == 1 else 128) and q.size >= TMA_MIN_ELEMENTS)
+          and q.shape[0] >= _RING_ROWS and q.size >= TMA_MIN_ELEMENTS)
 
 
 def _pad_rows(qv, unit):

@@ -99,12 +99,6 @@ _RING_TILE = {1: (64, 128), 2: (128, 128)}  # words per tile (per plane for 8-bi
 _RING_STAGES = 5  # input tiles in flight per CTA; with 2 output buffers 224 KB of SMEM
 
 
-def _num_ctas() -> int:
-  """CTAs of the persistent ring kernel: one per SM (132 on an H100 / H200 SXM)."""
-  dev = jax.devices()[0]
-  return getattr(dev, "core_count", 132) if dev.platform == "gpu" else 132
-
-
 def _use_ring(x) -> bool:
   if x.dtype.itemsize not in _RING_TILE:
     return False
@@ -140,7 +134,7 @@ def _ring_kernel(x: jax.Array, interpret=None) -> jax.Array:
   (bw, cw), stages = _RING_TILE[x.dtype.itemsize], _RING_STAGES
   gj = pl.cdiv(c, cw)
   tiles = pl.cdiv(r, bw) * gj
-  ctas = min(tiles, _num_ctas())
+  ctas = min(tiles, _config.num_sms())
 
   @functools.partial(
       plgpu.kernel,

@@ -134,7 +134,7 @@ def test_ring_kernel_bit_exact(key, monkeypatch, dtype, shape, tile, ctas):
   itemsize = jnp.dtype(dtype).itemsize
   monkeypatch.setattr(module, "_RING_BYTES", {itemsize: (0, None)})
   monkeypatch.setattr(module, "_RING_TILE", {itemsize: tile})
-  monkeypatch.setattr(module, "_num_ctas", lambda: ctas)
+  monkeypatch.setattr(jaxkern._config, "num_sms", lambda: ctas)
   x = random_bits(key, shape, dtype)
   assert module._use_ring(x)
   assert_bitwise_equal(_poisoned_call(transpose, x), np.asarray(x).T)
