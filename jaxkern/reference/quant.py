@@ -213,7 +213,8 @@ def cast(x, fmt: str, block_size, *, x_block_size=None, sf=None, round_sf: bool 
   amax = jnp.max(jnp.abs(_blocked(x_val, bm, bk)), axis=(1, 3))
   out_sf, inv = scale_factors(amax, MAX_VALUE[fmt], fmt, round_sf)
   inv = _expand(inv, bm, bk, m, k)
-  # Scales first for a QuantTensor input (the kernels' order, quant.md §4.3).
+  # Scales first for a QuantTensor input (the kernels' order, quant.md §4.3). As upstream's kernel, an
+  # all-zero group whose sfv_in · sf_inv overflows gives 0 · inf = NaN, encoded by its sign (CUDA: +).
   q = v * inv if sfv_in is None else v * (sfv_in * inv)
   return _encode(q, fmt), format_sf(out_sf, use_tma_aligned_col_major_sf, use_packed_ue8m0)
 

@@ -76,12 +76,15 @@ def test_lowers_for_h100(m, k, in_fmt, x_block, npc, fmt):
     ("e2m1", (128, 128), 32, "e2m1"),
 ])
 def test_spec_shapes_gpu(key, m, k, in_fmt, x_block, npc, fmt):
-  """The GPU kernel against the reference run by XLA on the host CPU, layout C and layout A outputs."""
+  """The GPU kernel against the reference run by XLA on the GPU, layout C and layout A outputs.
+
+  Same backend on purpose: rows spread over 2^±8 leave all-zero e2m1 groups inside input blocks with
+  sf >= 4, where ``sfv_in · sf_inv`` overflows (e2m1 output: sf_inv = 2^126) and ``0 · inf`` is NaN,
+  encoded by its sign (+6, as upstream's kernel writes); x86 makes that NaN negative (-6)."""
   q, _ = _quant_input(key, m, k, in_fmt, x_block, "C")
-  cpu = jax.devices("cpu")[0]
   for flags in ("C", "A-round"):
     f = lambda d, s, **kw: quant.per_token_cast((d, s), fmt, npc, x_block, *FLAGS[flags], **kw)
     got = jax.jit(f)(*q)
-    want = jax.jit(functools.partial(f, implementation="reference"))(*jax.device_put(q, cpu))
+    want = jax.jit(functools.partial(f, implementation="reference"))(*q)
     for a, b in zip(got, want):
       assert_bitwise_equal(a, b)
