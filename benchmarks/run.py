@@ -77,12 +77,14 @@ def _correctness_pass(ops) -> int:
   return failures
 
 
-def _avals(case, key):
+def _avals(case, key, quiet):
   """Shapes of ``case.make_args(key)``, without building the arrays where the generator allows."""
   try:
     return jax.eval_shape(case.make_args, key)
   except Exception:  # generators that need concrete values (host-side numpy)
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), case.make_args(key))
+    with quiet.timing():  # they build the arrays on the GPU: not while a timing runs
+      args = case.make_args(key)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
 
 
 class _Quiet:
@@ -134,7 +136,7 @@ def _compile_all(todo, jobs: int, quiet: _Quiet):
     def produce():
       try:
         for op, case, key in todo:
-          avals = _avals(case, key)
+          avals = _avals(case, key, quiet)
           fns = (functools.partial(op.fn, **case.kwargs), functools.partial(op.reference, **case.kwargs))
           ready.put((op, case, key, avals, [pool.submit(quiet.compile, lower_timed(f, *avals)) for f in fns]))
       except BaseException as e:  # surfaces in the consumer

@@ -22,7 +22,8 @@ layout B or C is turned into layout A by XLA first). Other block widths, and pac
 Large e4m3 -> float32 casts (at least :data:`TMA_MIN_ELEMENTS`) with blocks ``(1, 128)`` or
 ``(bm >= 128, 128)`` and a layout-A sf take a persistent kernel instead (:func:`_tma_store_kernel`):
 64-row tiles loaded by a ring of TMA copies and stored through SMEM with TMA. On an H200 that runs
-at 91-97% of the copy bandwidth, 1-8% faster than one CTA per tile and than XLA's fusion.
+at 87-97% of the copy bandwidth, 2-8% faster than the register-store kernel and 1.02-1.20x XLA's
+fusion, except at 8001x7168 with (128, 128) blocks, where both run at 93-96% of copy (0.998-1.05x).
 
 Packed e2m1: each byte decodes with integer operations (:func:`jaxkern.reference.quant.decode_e2m1`)
 into columns ``2j`` (low nibble) and ``2j + 1``; a bf16 output pair is written as one int32 word (a
@@ -207,17 +208,19 @@ def _channel_kernel(q, sf, *, bm, out_dtype, interpret):
 
 
 # e4m3 -> float32 with (1, 128) or (bm >= 128, 128) blocks and a layout-A sf, from this many output
-# elements on: :func:`_tma_store_kernel` (H200, µs, one CTA per tile storing through SMEM / from
-# registers / XLA: (128, 128) 8001x4096 41.7 / 43.0 / 43.0, (1, 128) 8001x7168 74.1 / 75.2 / 75.6;
-# below it storing from registers won: 4001x2048 (128, 128) 11.1 / 10.4 / 12.6).
-TMA_MIN_ELEMENTS = 1 << 24
+# elements on: :func:`_tma_store_kernel`. H200, µs, persistent kernel / register-store kernel / XLA:
+# (1, 128) 4001x2560 13.3 / 13.7 / 14.1, 4001x4096 20.7 / 21.8 / 21.8, 8001x2048 20.7 / 21.8 / 21.7,
+# 8001x7168 72.8 / 74.6 / 74.4; (128, 128) 4001x2560 13.4 / 13.9 / 14.6, 8001x2048 20.1 / 21.0 / 23.1;
+# below it the register-store kernel wins: (1, 128) 4001x2048 (8.2M elements) 11.2 / 10.7 / 11.6.
+TMA_MIN_ELEMENTS = 1 << 23
 _RING_ROWS = 64  # rows per tile (of one 128-column block) of the ring kernel
-# (CTAs per SM, tiles in flight per CTA): one sf value per row is a strided GMEM load per tile, which
-# a second CTA on the SM hides. H200, µs against one CTA per 128 (or 32) row tile: (128, 128)
-# 8001x7168 72.8-73.7 / 73.9-74.1, 8001x4096 40.6-40.9 / 41.7-41.9, 4001x7168 34.9-35.2 / 37.2-37.4,
-# 8001x2560 24.6-24.7 / 26.5-26.7; (1, 128) 8001x7168 74.0-74.5 / 74.2-74.4, 8001x2560 26.0-26.1 /
-# 27.0; 32-row tiles and one CTA of 128-row tiles were slower.
-_RING_CONFIG = {True: (2, 6), False: (1, 12)}  # keyed by bm == 1
+# (CTAs per SM, tiles in flight per CTA). With one sf per row (bm == 1) each tile needs a strided
+# GMEM load of 64 sf values: it is issued one tile ahead (a loop carry), and a second CTA per SM
+# hides the rest. H200, µs against one CTA per 128 (or 32) row tile: (128, 128) 8001x7168
+# 72.8-73.7 / 73.9-74.1, 8001x4096 40.6-40.9 / 41.7-41.9, 4001x7168 34.9-35.2 / 37.2-37.4, 8001x2560
+# 24.6-24.7 / 26.5-26.7; (1, 128) 8001x7168 72.75-72.80 / 74.2-74.4, 8001x2560 25.62-25.63 / 27.0;
+# 32-row tiles, one CTA of 128-row tiles and one CTA per SM for (1, 128) were slower.
+_RING_CONFIG = {True: (2, 4), False: (1, 12)}  # keyed by bm == 1
 
 
 @functools.partial(jax.jit, static_argnames=("bm", "interpret"))
@@ -228,8 +231,8 @@ def _tma_store_kernel(q, sf, *, bm, interpret):
   Persistent: a tile is 64 rows of one 128-column block (row tiles moved back to end at row ``M``);
   CTA ``c`` takes tiles ``c, c + C, ...`` (column blocks fastest) with a ring of TMA loads in flight
   (:data:`_RING_CONFIG`), loads each tile from SMEM in :func:`jaxkern._layouts.row_layout`, scales
-  it (``bm >= 128``: at most two block rows, two scalar sf loads and a select) and stores it through
-  one of two SMEM buffers with a TMA copy."""
+  it (``bm >= 128``: at most two block rows, two scalar sf loads and a select; ``bm == 1``: the row
+  sf, loaded one tile ahead) and stores it through one of two SMEM buffers with a TMA copy."""
   m, k = q.shape
   rt, gj = _RING_ROWS, k // 128
   per_sm, stages = _RING_CONFIG[bm == 1]
@@ -264,13 +267,16 @@ def _tma_store_kernel(q, sf, *, bm, interpret):
     for t in range(stages - 1):
       fetch(t)
 
-    @pl.loop(0, count)
-    def _(t):
+    def sf_rows(t):  # bm == 1: the sf of tile t's rows (a strided GMEM load)
+      start, j = window(jnp.minimum(t, count - 1))
+      return plgpu.load(sf_g.at[pl.ds(start, rt), j], layout=lay.reduce(1), optimized=False)
+
+    def body(t, carry):
       fetch(t + stages - 1)
       start, j = window(t)
       rows = pl.ds(start, rt)
       if bm == 1:
-        scale = plgpu.load(sf_g.at[rows, j], layout=lay.reduce(1), optimized=False)
+        scale, carry = carry, sf_rows(t + 1)  # the next tile's sf loads while this tile is scaled
       else:
         b0 = start // bm
         row = plgpu.broadcasted_iota(jnp.int32, (rt,), 0, layout=lay.reduce(1)) + start
@@ -281,7 +287,9 @@ def _tma_store_kernel(q, sf, *, bm, interpret):
       o_s.at[t % 2][...] = v * scale[:, None]
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_s.at[t % 2], o_g.at[rows, pl.ds(j * 128, 128)])
+      return carry
 
+    lax.fori_loop(0, count, body, sf_rows(0) if bm == 1 else jnp.int32(0))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return kernel(q, sf)
