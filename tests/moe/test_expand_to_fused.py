@@ -1,9 +1,11 @@
 import functools
 
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 from jaxkern import moe
 from jaxkern.reference import moe_routing as ref
@@ -83,7 +85,8 @@ def _check_with_sf(x, npc, pos, pte, col_major, out, out_sf):
   np.testing.assert_array_equal(logical[np.asarray(pos)[tokens, slots]],
                                 np.asarray(jax.lax.bitcast_convert_type(x[1], jnp.int32))[tokens])
   assert not logical[np.asarray(pte) < 0].any()  # padding rows are zero
-  assert not bits[:, n:].any()  # padding columns of the column-major buffer
+  if col_major:
+    assert not bits[:, n:].any()  # padding columns of the column-major buffer
 
 
 # Row-major scale rows of 20 words (moved by the kernel), of 5 words (not TMA-copyable: moved by XLA),
@@ -114,6 +117,24 @@ def test_with_sf_zero_tokens():
   out, out_sf = moe.expand_to_fused_with_sf(x, 32, jnp.zeros((0, 2), jnp.int32), jnp.full((6,), -1), True)
   assert_bitwise_equal(out, jnp.zeros((6, 576), jnp.float8_e4m3fn))
   assert_bitwise_equal(out_sf, jnp.zeros((5, 8), jnp.int32))
+
+
+@hypothesis.settings(max_examples=6, deadline=None)
+@hypothesis.given(seed=st.integers(0, 2**30), tokens=st.integers(1, 6), num_topk=st.integers(1, 9),
+                  extra_experts=st.integers(0, 12), alignment=st.sampled_from([1, 4, 16]), col_major=st.booleans())
+def test_random_routings(seed, tokens, num_topk, extra_experts, alignment, col_major):
+  """Hypothesis routings (distinct experts per row, any entry -1) through get_fused_mapping, then
+  expand_to_fused and expand_to_fused_with_sf (row-major float32 / column-major packed scales)."""
+  rng = np.random.default_rng(seed)
+  experts = num_topk + extra_experts
+  idx = np.stack([rng.permutation(experts)[:num_topk] for _ in range(tokens)]).astype(np.int32)
+  idx[rng.random(idx.shape) < 0.3] = -1
+  m = moe.get_fused_mapping(jnp.asarray(idx), experts, 0, alignment)
+  key = jax.random.key(seed)
+  x = random_bits(key, (tokens, 64), jnp.bfloat16)
+  assert_bitwise_equal(moe.expand_to_fused(x, m[3], m[0]), ref.expand_to_fused(x, m[3], m[0]))
+  xq = _sf_inputs(key, tokens, 256, 32, jnp.int32 if col_major else jnp.float32)
+  _check_with_sf(xq, 32, m[3], m[0], col_major, *moe.expand_to_fused_with_sf(xq, 32, m[3], m[0], col_major))
 
 
 @pytest.mark.parametrize("args, match", [

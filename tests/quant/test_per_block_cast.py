@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxkern import quant
 from jaxkern.reference import quant as ref
@@ -50,6 +52,24 @@ def test_precomputed_sf_bit_exact(key, block, fmt, dtype):
   sf = sf * 0.3
   got = quant.per_block_cast_with_precomputed_sf(x, fmt, block, sf)
   assert_bitwise_equal(got, quant.per_block_cast_with_precomputed_sf(x, fmt, block, sf, implementation="reference"))
+
+
+@settings(max_examples=6, deadline=None)
+@given(m=st.integers(1, 150), kc=st.integers(1, 5), block=st.sampled_from([(32, 32), (32, 128), (128, 32), (128, 128)]),
+       fmt=st.sampled_from(["e4m3", "e2m1"]), flags=st.sampled_from(sorted(FLAGS)),
+       dtype=st.sampled_from([jnp.bfloat16, jnp.float32]))
+def test_hypothesis_shapes_and_cast_back(m, kc, block, fmt, flags, dtype):
+  """Random row counts and widths (multiples of 64), any block, format and sf layout: the cast and
+  the cast back, each against its reference."""
+  x = _input(jax.random.key(m * 11 + kc), m, 64 * kc, dtype)
+  q = quant.per_block_cast(x, fmt, block, *FLAGS[flags])
+  want = quant.per_block_cast(x, fmt, block, *FLAGS[flags], implementation="reference")
+  assert_bitwise_equal(q[0], want[0])
+  assert_bitwise_equal(q[1], want[1])
+  col = FLAGS[flags][0]
+  for out in ("bf16", "fp32"):
+    assert_bitwise_equal(quant.cast_back(q, out, block, x_use_tma_aligned_col_major_sf=col),
+                         quant.cast_back(q, out, block, x_use_tma_aligned_col_major_sf=col, implementation="reference"))
 
 
 @pytest.mark.parametrize("fmt, tol", [("e4m3", 1e-3), ("e2m1", 2e-2)])
