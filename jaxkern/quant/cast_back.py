@@ -289,7 +289,7 @@ def _tma_store_kernel(q, sf, *, bm, interpret):
       plgpu.copy_smem_to_gmem(o_s.at[t % 2], o_g.at[rows, pl.ds(j * 128, 128)])
       return carry
 
-    lax.fori_loop(0, count, body, sf_rows(0) if bm == 1 else jnp.int32(0))
+    lax.fori_loop(0, count, body, sf_rows(0) if bm == 1 else None)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return kernel(q, sf)
