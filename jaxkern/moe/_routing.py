@@ -39,8 +39,9 @@ def load_thread_rows(x_g, rt: int, layout):
 
 def load_staged_rows(x_g, x_s, rt: int, layout):
   """:func:`load_thread_rows` through shared memory, for kernels compiled with ``LANE``: the CTA's
-  ``(rt, K)`` block is copied into the SMEM scratch ``x_s`` with coalesced word loads (consecutive
-  threads, consecutive words), then each thread reads its row's ``K`` columns from ``x_s``.
+  ``(rt, K)`` block is copied into the SMEM scratch ``x_s`` with coalesced loads (consecutive
+  threads, consecutive 4-, 8- or 16-byte vectors), then each thread reads its row's ``K`` columns
+  from ``x_s``.
   ``rt`` must be 128 (one row per thread): a lane-semantics store into a strided SMEM column
   reads the old value with vectors of ``rt / 128`` words, which need unit stride.
 
@@ -63,7 +64,9 @@ def store_staged_rows(o_g, x_s, rows, cols) -> None:
 
 
 def _block_layout(x_s):
-  return plgpu.Layout.WG_STRIDED(tuple(x_s.shape), vec_size=1)
+  """Consecutive threads, consecutive vectors of the ``(128, K)`` block: 16 or 8 bytes where K allows."""
+  k = x_s.shape[1]
+  return plgpu.Layout.WG_STRIDED(tuple(x_s.shape), vec_size=4 if k % 4 == 0 else 2 if k % 2 == 0 else 1)
 
 
 def check_index(name: str, x, ndim: int, dtypes=INDEX_DTYPES) -> None:

@@ -1,23 +1,24 @@
 """``mask_indices_by_tp``: EP/TP masking and local renumbering of expert ids (spec §3.6, §6.4).
 
 Mosaic GPU kernel on the flat ``T*K`` int32 entries, one warpgroup per CTA and no shared
-memory: a CTA maps ``ELEMS_PER_CTA`` consecutive entries, read and written straight between
-GMEM and registers in 16-byte vectors (a strided layout: consecutive threads, consecutive
-vectors). The divisions by the static ``R`` and ``num_tp_ranks`` are divisions by constants;
-``tp_rank`` is a scalar read from GMEM, so a traced rank does not recompile. The last CTA
-starts at the last vector-aligned window (it recomputes entries of the previous one) and also
-maps the up to 3 entries past the last whole vector with scalar code, so ragged ``T*K`` needs
-no masking; fewer than one CTA's entries are padded. int64 indices (only with ``jax_enable_x64``)
-and ``K`` in ``XLA_TOPK`` run the ``jnp`` reference.
+memory: a CTA maps 128 vectors of consecutive entries, read and written straight between GMEM
+and registers (a strided layout: consecutive threads, consecutive vectors). The divisions by the
+static ``R`` and ``num_tp_ranks`` are divisions by constants. A Python-int ``tp_rank`` is baked
+into the kernel (one compilation per rank, 8-byte vectors); a traced one is a scalar read from
+GMEM (16-byte vectors), which costs about 0.1 us at these sizes. The last CTA starts at the last
+vector-aligned window (it recomputes entries of the previous one) and also maps the entries past
+the last whole vector with scalar code, so ragged ``T*K`` needs no masking; fewer than one CTA's
+entries are padded. int64 indices (only with ``jax_enable_x64``), ``K`` in ``XLA_TOPK`` with a
+traced rank and ``K = 8`` from 2^18 entries on run the ``jnp`` reference.
 
-H200 (CUPTI, cold L2, median of 30; two sessions), XLA reference in brackets: K = 9: 1.95-2.30 us
-(2.21-2.88; XLA does not vectorise rows of 9 int32). K = 2: 1.44-1.52 (1.47-1.60) and K = 8:
-1.87-2.14 (2.02-2.11), ties to within about +-8% that went the kernel's way more often than not.
-K = 6: 1.70-1.98 (1.73-1.98), 0.92-1.03x, so that K keeps the reference's XLA fusion, as does K = 8
-from 2^18 entries on (the runner, E=4x64 T=34186: 2.11-2.16 us vs 1.98-2.05, while 176k-180k
-entries ran 1.92-1.95 vs 2.05). This is the
-floor of a one-pass streaming kernel at these sizes: 512, 1024 or 2048 entries per CTA
-(1.79-2.38 us) and a Pallas-Triton flat kernel (1.76-2.98) were not faster.
+H200 (CUPTI, cold L2, median of 30), XLA reference in brackets. Static rank (session 10): K = 2
+1.41-1.49 us (1.44-1.52), K = 6 1.66-1.79 (1.70-1.92; XLA's own ``~x`` of the same array takes
+1.66-1.73, the floor of one pass over these bytes), K = 8 1.78-1.92 (2.02-2.05), K = 9 1.86-2.27
+(2.18-2.87; XLA does not vectorise rows of 9 int32). Traced rank: K = 2 1.44-1.52 (1.47-1.60), K = 8
+1.87-2.14 (2.02-2.11), K = 9 1.95-2.30 (2.21-2.88), K = 6 1.82-1.90 against 1.70-1.98, so a traced
+rank leaves K = 6 to XLA. K = 8 from 2^18 entries (E=4x64 T=34186) ran 2.08-2.16 against
+1.95-2.08 with either rank. 512 to 2048 entries per CTA with a traced rank, 128 or 256 entries per
+CTA with a static one, and a Pallas-Triton flat kernel (1.76-2.98) were not faster.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -35,39 +37,43 @@ from jaxkern.moe import _routing
 from jaxkern.reference import moe_routing as ref
 from jaxkern.reference.moe import mask_by_tp
 
-VEC = 4  # int32 entries per 16-byte vector
-ELEMS_PER_CTA = 128 * VEC  # one vector per thread
-XLA_TOPK = (6,)  # K values that run the reference (see the module docstring)
+VEC = 4  # int32 entries per thread (one 16-byte vector) with a traced rank
+STATIC_VEC = 2  # with a static rank
+# GMEM -> registers -> GMEM only: Pallas's automatic warpgroup barriers around the stores guard nothing.
+_NO_AUTO_BARRIERS = plgpu.CompilerParams(unsafe_no_auto_barriers=True)
+XLA_TOPK = (6,)  # K values that run the reference with a traced rank (see the module docstring)
 XLA_MIN_ENTRIES = {8: 1 << 18}  # K -> from this many entries on, the reference (module docstring)
 
 
-@functools.partial(jax.jit, static_argnames=("r", "tp", "elems_per_cta", "interpret"))
-def _kernel(indices, tp_rank, *, r, tp, elems_per_cta=ELEMS_PER_CTA, interpret=None):
+@functools.partial(jax.jit, static_argnames=("r", "tp", "rank", "vec", "interpret"))
+def _kernel(indices, rank_g=None, *, r, tp, rank=None, vec=VEC, interpret=None):
+  """``rank``: the static TP rank, or None to read it from the int32 scalar ``rank_g``."""
   n = indices.size
   flat = indices.reshape(n)
-  block = min(elems_per_cta, max(n // (128 * VEC), 1) * 128 * VEC)
+  block = 128 * vec
   npad = max(n, block)
   if npad != n:  # fewer entries than one CTA maps: pad (tiny inputs only)
     flat = jnp.pad(flat, (0, npad - n))
-  nvec = npad // VEC * VEC
+  nvec = npad // vec * vec
   grid = pl.cdiv(nvec, block)
-  layout = plgpu.Layout.WG_STRIDED((block,), vec_size=VEC)
+  layout = plgpu.Layout.WG_STRIDED((block,), vec_size=vec)
 
   @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((npad,), jnp.int32), grid=(grid,),
-                     grid_names=("i",), interpret=interpret)
-  def kernel(x_g, rank_g, o_g):
+                     grid_names=("i",), compiler_params=_NO_AUTO_BARRIERS, interpret=interpret)
+  def kernel(x_g, *refs):
+    o_g = refs[-1]
     i = lax.axis_index("i")
-    rank = rank_g[0]
+    k = rank if rank is not None else refs[0][0]
     s = pl.ds(jnp.minimum(i * block, nvec - block), block)
-    o_g[s] = mask_by_tp(plgpu.load(x_g.at[s], layout=layout), r, rank, tp)
+    o_g[s] = mask_by_tp(plgpu.load(x_g.at[s], layout=layout), r, k, tp)
     if nvec != npad:
       @pl.when(i == grid - 1)
       def _tail():
         for j in range(nvec, npad):
-          o_g[j] = mask_by_tp(x_g[j], r, rank, tp)
+          o_g[j] = mask_by_tp(x_g[j], r, k, tp)
 
-  out = kernel(flat, jnp.asarray(tp_rank, jnp.int32).reshape(1))
-  return out[:n].reshape(indices.shape)
+  args = (flat,) if rank is not None else (flat, jnp.asarray(rank_g, jnp.int32).reshape(1))
+  return kernel(*args)[:n].reshape(indices.shape)
 
 
 def mask_indices_by_tp(indices: jax.Array, n: int, num_ep_ranks: int, tp_rank, num_tp_ranks: int, *,
@@ -92,10 +98,15 @@ def mask_indices_by_tp(indices: jax.Array, n: int, num_ep_ranks: int, tp_rank, n
     raise ValueError(f"num_ep_ranks must be in [1, n], got num_ep_ranks={num_ep_ranks}, n={n}")
   if num_tp_ranks < 1:
     raise ValueError(f"num_tp_ranks must be positive, got {num_tp_ranks}")
-  if isinstance(tp_rank, int) and not 0 <= tp_rank < num_tp_ranks:
+  static = isinstance(tp_rank, (int, np.integer))
+  if static and not 0 <= tp_rank < num_tp_ranks:
     raise ValueError(f"tp_rank must be in [0, {num_tp_ranks}), got {tp_rank}")
   impl = _config.get_implementation(implementation)
-  if (impl == "reference" or indices.size == 0 or indices.dtype != jnp.int32
-      or indices.shape[1] in XLA_TOPK or indices.size >= XLA_MIN_ENTRIES.get(indices.shape[1], indices.size + 1)):
+  k = indices.shape[1]
+  if (impl == "reference" or indices.size == 0 or indices.dtype != jnp.int32 or not static and k in XLA_TOPK
+      or indices.size >= XLA_MIN_ENTRIES.get(k, indices.size + 1)):
     return ref.mask_indices_by_tp(indices, n, num_ep_ranks, tp_rank, num_tp_ranks)
-  return _kernel(indices, tp_rank, r=n // num_ep_ranks, tp=num_tp_ranks, interpret=_config.mosaic_interpret(impl))
+  r, interpret = n // num_ep_ranks, _config.mosaic_interpret(impl)
+  if static:
+    return _kernel(indices, r=r, tp=num_tp_ranks, rank=int(tp_rank), vec=STATIC_VEC, interpret=interpret)
+  return _kernel(indices, tp_rank, r=r, tp=num_tp_ranks, interpret=interpret)

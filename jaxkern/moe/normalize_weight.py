@@ -4,7 +4,7 @@ Mosaic GPU kernel, one warpgroup per CTA: a CTA owns ``ROWS_PER_CTA`` tokens, ea
 token. Rows of up to ``DIRECT_MAX_TOPK`` weights are read and written column by column straight
 from GMEM (one strided load per column); wider rows go through shared memory
 (:func:`jaxkern.moe._routing.load_staged_rows`): the CTA's ``(128, K)`` block moves with
-coalesced word loads and stores, and each thread reads and writes its row's columns in SMEM.
+coalesced vector loads and stores, and each thread reads and writes its row's columns in SMEM.
 The sum is accumulated column by column in registers (``((1e-20 + w0) + w1) + ...``, each
 addition rounded, as the spec asks). Division: one correctly rounded reciprocal ``y = 1 / d`` per
 row (:func:`jaxkern.quant.common.exact_div`), then per weight ``q = w·y`` and two FMA corrections

@@ -3,7 +3,7 @@
 Mosaic GPU kernel, one warpgroup per CTA: a CTA owns ``ROWS_PER_CTA`` rows, each thread one row.
 Rows of up to ``DIRECT_MAX_TOPK`` entries are read and written column by column straight from
 GMEM (one strided load per column); wider rows go through shared memory
-(:func:`jaxkern.moe._routing.load_staged_rows`: coalesced word loads and stores of the CTA's
+(:func:`jaxkern.moe._routing.load_staged_rows`: coalesced vector loads and stores of the CTA's
 ``(128, K)`` block, each thread's columns read and written in SMEM). Entry ``j`` becomes -1 when
 it is non-negative and equal to one of the entries before it (``K(K-1)/2`` register compares, no
 ``num_groups``-sized table). The last CTA starts at ``T - 128`` (it recomputes rows of the
@@ -11,10 +11,11 @@ previous one), so ragged ``T`` needs no masking; fewer than 128 rows are padded.
 
 H200 (CUPTI, cold L2, groups = 8, median of 30), XLA reference in brackets: K = 2 direct
 1.41-1.47 us (2.59-2.82), through SMEM 1.49-1.54; K = 8 through SMEM 1.95-2.16 (4.50-4.69;
-direct 3.41-4.48); K = 9 1.98-2.27 (2.37-3.23; direct 3.90-5.41). K = 6: through SMEM 1.86-1.92
-against XLA's 1.79-2.02 (0.97-1.05x; a flat streaming Mosaic GPU kernel of the same bytes,
-``mask_indices_by_tp``, takes 1.82-1.89), so ``XLA_TOPK`` keeps the reference's single XLA
-fusion there. int64 indices (only with ``jax_enable_x64``) also run the reference.
+direct 3.41-4.48); K = 9 1.98-2.27 (2.37-3.23; direct 3.90-5.41). K = 6 (the block in 8-byte
+vectors since session 10): 1.76-1.82 against XLA's 1.73-1.76 below 2^17 entries (T = 18506, 19444;
+XLA's own ``~x`` of the same array takes 1.66, the floor of one pass over these bytes), so
+``XLA_TOPK`` keeps the reference's single XLA fusion there, and 1.82-1.86 against 1.98 at T = 26991
+(162k entries), where the kernel runs. int64 indices (only with ``jax_enable_x64``) also run the reference.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from jaxkern.reference import moe_routing as ref
 
 ROWS_PER_CTA = 128  # one row per thread
 DIRECT_MAX_TOPK = 2  # wider rows are staged through SMEM
-XLA_TOPK = (6,)  # K values that run the reference (see the module docstring)
+XLA_TOPK = {6: 1 << 17}  # K -> below this many entries, the reference (see the module docstring)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -81,6 +82,6 @@ def unique_group_indices(group_indices: jax.Array, num_groups: int, *,
     raise ValueError(f"num_groups must be in [1, 128], got {num_groups}")
   impl = _config.get_implementation(implementation)
   if (impl == "reference" or group_indices.size == 0 or group_indices.dtype != jnp.int32
-      or group_indices.shape[1] in XLA_TOPK):
+      or group_indices.size < XLA_TOPK.get(group_indices.shape[1], 0)):
     return ref.unique_group_indices(group_indices, num_groups)
   return _kernel(group_indices, interpret=_config.mosaic_interpret(impl))

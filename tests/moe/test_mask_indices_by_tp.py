@@ -5,7 +5,7 @@ import pytest
 
 import jaxkern
 from jaxkern import moe
-from jaxkern.moe.mask_indices_by_tp import _kernel
+from jaxkern.moe.mask_indices_by_tp import STATIC_VEC, _kernel
 from jaxkern.reference import moe_routing as ref
 from jaxkern.testing import assert_bitwise_equal, lower_for_h100, moe_topk_idx
 
@@ -19,24 +19,37 @@ def _expected(idx, n, ep, tp_rank, tp):
   return out
 
 
+@pytest.mark.parametrize("static_rank", [False, True])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 @pytest.mark.parametrize("experts, ranks", [(9, 8), (32, 8), (4, 64), (72, 1)])
-def test_bit_exact(key, experts, ranks, tp):
-  """Ids spread over all EP ranks (upstream's test only sees rank 0)."""
+def test_bit_exact(key, experts, ranks, tp, static_rank):
+  """Ids spread over all EP ranks (upstream's test only sees rank 0); a traced and a static tp_rank."""
   n = experts * ranks
   idx = np.asarray(jax.random.randint(key, (37, 9), -1, n), np.int32)
-  f = jax.jit(moe.mask_indices_by_tp, static_argnums=(1, 2, 4))
+  f = jax.jit(moe.mask_indices_by_tp, static_argnums=(1, 2, 3, 4) if static_rank else (1, 2, 4))
   for tp_rank in range(tp):
-    assert_bitwise_equal(f(jnp.asarray(idx), n, ranks, jnp.int32(tp_rank), tp), _expected(idx, n, ranks, tp_rank, tp))
+    rank = tp_rank if static_rank else jnp.int32(tp_rank)
+    assert_bitwise_equal(f(jnp.asarray(idx), n, ranks, rank, tp), _expected(idx, n, ranks, tp_rank, tp))
 
 
-@pytest.mark.parametrize("shape", [(1, 3), (130, 9), (257, 2)])
-def test_ragged_sizes(key, shape):
-  """The kernel (for any K) on sizes below one CTA (padded) and with 1-3 entries past the last whole
-  vector (scalar tail)."""
+@pytest.mark.parametrize("shape", [(1, 3), (130, 9), (257, 2), (43, 3)])
+@pytest.mark.parametrize("static_rank", [False, True])
+def test_ragged_sizes(key, shape, static_rank):
+  """The kernel (for any K, also K = 6) on sizes below one CTA (padded) and with entries past the last
+  whole vector (scalar tail), with the rank read from GMEM (4-entry vectors) or static (2-entry)."""
   idx = np.asarray(jax.random.randint(key, shape, -2, 72), np.int32)
-  got = _kernel(jnp.asarray(idx), 3, r=9, tp=4, interpret=jaxkern._config.mosaic_interpret(jaxkern.get_implementation()))
+  interpret = jaxkern._config.mosaic_interpret(jaxkern.get_implementation())
+  if static_rank:
+    got = _kernel(jnp.asarray(idx), r=9, tp=4, rank=3, vec=STATIC_VEC, interpret=interpret)
+  else:
+    got = _kernel(jnp.asarray(idx), 3, r=9, tp=4, interpret=interpret)
   assert_bitwise_equal(got, _expected(idx, 72, 8, 3, 4))
+
+
+def test_static_rank_takes_the_kernel_for_every_topk():
+  """A Python-int rank runs the kernel even for the K that a traced rank leaves to XLA."""
+  f = lambda x: moe.mask_indices_by_tp(x, 72, 8, 1, 2, implementation="pallas")
+  assert "mosaic_gpu" in lower_for_h100(f, jax.ShapeDtypeStruct((18506, 6), jnp.int32)).as_text()
 
 
 def test_lowers_for_h100():
@@ -54,9 +67,13 @@ def test_spec_shapes_gpu(key, num_topk, experts, ranks, tp):
   idx = jax.random.randint(key, (t, num_topk), -1, n)
   f = jax.jit(moe.mask_indices_by_tp, static_argnums=(1, 2, 4))
   jax.block_until_ready(f(idx, n, ranks, 1, tp))
+  g = jax.jit(moe.mask_indices_by_tp, static_argnums=(1, 2, 3, 4))
   for rank in range(tp):
+    want = ref.mask_indices_by_tp(idx, n, ranks, rank, tp)
     jnp.full(idx.shape, -7, jnp.int32).block_until_ready()  # poison the allocator
-    assert_bitwise_equal(f(idx, n, ranks, jnp.int32(rank), tp), ref.mask_indices_by_tp(idx, n, ranks, rank, tp))
+    assert_bitwise_equal(f(idx, n, ranks, jnp.int32(rank), tp), want)
+    jnp.full(idx.shape, -7, jnp.int32).block_until_ready()
+    assert_bitwise_equal(g(idx, n, ranks, rank, tp), want)
 
 
 def test_negatives_and_empty():

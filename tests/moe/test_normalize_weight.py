@@ -33,10 +33,10 @@ def test_bit_exact(key, num_topk, experts, ranks):
   assert_bitwise_equal(nw, wn / want_d[:, None])
 
 
-@pytest.mark.parametrize("t, num_topk", [(5, 6), (130, 9), (257, 2)])
+@pytest.mark.parametrize("t, num_topk", [(5, 6), (130, 9), (257, 2), (131, 8)])
 def test_kernel_signed_weights(key, t, num_topk):
   """Negative weights and ragged T (padded, overlapping last CTA) against the reference, rows read
-  straight from GMEM (K = 2) and staged through SMEM (K = 6, 9)."""
+  straight from GMEM (K = 2) and staged through SMEM (K = 6, 8, 9: 8-, 16- and 4-byte vectors)."""
   w = jax.random.normal(key, (t, num_topk), jnp.float32) + 0.5
   d, nw = _kernel(w, interpret=jaxkern._config.mosaic_interpret(jaxkern.get_implementation()))
   want_d, want = ref.normalize_weight(w)
@@ -44,7 +44,7 @@ def test_kernel_signed_weights(key, t, num_topk):
   assert_bitwise_equal(nw, want)
 
 
-@pytest.mark.parametrize("num_topk", [2, 9])
+@pytest.mark.parametrize("num_topk", [2, 6, 8, 9])
 def test_lowers_for_h100(num_topk):
   spec = jax.ShapeDtypeStruct((18506, num_topk), jnp.float32)
   assert "mosaic_gpu" in lower_for_h100(lambda w: moe.normalize_weight(w, implementation="pallas"), spec).as_text()

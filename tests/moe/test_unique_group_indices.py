@@ -42,24 +42,31 @@ def test_random_rows(g):
   assert_bitwise_equal(moe.unique_group_indices(jnp.asarray(g), 8), _expected(g))
 
 
-@pytest.mark.parametrize("shape", [(5, 3), (130, 9), (257, 6), (257, 2)])
+@pytest.mark.parametrize("shape", [(5, 3), (130, 9), (257, 6), (257, 2), (131, 8)])
 def test_kernel_any_topk(key, shape):
-  """The kernel (also for K the op leaves to XLA), ragged T, repeated values and negatives."""
+  """The kernel (also for K the op leaves to XLA), ragged T, repeated values and negatives; the staged
+  block moves in 4-, 8- and 16-byte vectors (K = 3 and 9, 6, 8)."""
   g = np.asarray(jax.random.randint(key, shape, -3, 6), np.int32)
   got = _kernel(jnp.asarray(g), interpret=jaxkern._config.mosaic_interpret(jaxkern.get_implementation()))
   assert_bitwise_equal(got, _expected(g))
 
 
-@pytest.mark.parametrize("num_topk", [2, 8])
+@pytest.mark.parametrize("num_topk", [2, 6, 8, 9])
 def test_lowers_for_h100(num_topk):
+  """The kernel itself, also for the K that the op leaves to XLA."""
   spec = jax.ShapeDtypeStruct((22062, num_topk), jnp.int32)
+  assert "mosaic_gpu" in lower_for_h100(lambda g: _kernel(g), spec).as_text()
+
+
+@pytest.mark.parametrize("t, kernel", [(21845, False), (21846, True)])
+def test_topk6_takes_the_kernel_from_2_17_entries(t, kernel):
   f = lambda g: moe.unique_group_indices(g, 8, implementation="pallas")
-  assert "mosaic_gpu" in lower_for_h100(f, spec).as_text()
+  assert ("mosaic_gpu" in lower_for_h100(f, jax.ShapeDtypeStruct((t, 6), jnp.int32)).as_text()) == kernel
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_groups", [8, 72])
-@pytest.mark.parametrize("num_topk, experts, ranks", [(2, 9, 8), (6, 9, 8), (9, 32, 8), (9, 4, 64)])
+@pytest.mark.parametrize("num_topk, experts, ranks", [(2, 9, 8), (6, 9, 8), (6, 4, 64), (9, 32, 8), (9, 4, 64)])
 def test_spec_shapes_gpu(key, num_topk, experts, ranks, num_groups):
   if (experts * ranks) % num_groups:
     pytest.skip("total experts not a multiple of num_groups")
