@@ -1,4 +1,4 @@
-"""Register layouts shared by the Mosaic GPU kernels."""
+"""Register layouts and compiler parameters shared by the Mosaic GPU kernels."""
 
 from __future__ import annotations
 
@@ -6,6 +6,12 @@ import math
 
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+# For kernels whose threads never write SMEM that another thread then reads without a commit_smem()
+# (which syncs the warpgroup) in between: Pallas's automatic warpgroup barriers around every SMEM /
+# GMEM store and TMA issue guard nothing there.
+NO_AUTO_BARRIERS = plgpu.CompilerParams(unsafe_no_auto_barriers=True)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:

@@ -33,14 +33,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _config
+from jaxkern._layouts import NO_AUTO_BARRIERS
 from jaxkern.moe import _routing
 from jaxkern.reference import moe_routing as ref
 from jaxkern.reference.moe import mask_by_tp
 
 VEC = 4  # int32 entries per thread (one 16-byte vector) with a traced rank
 STATIC_VEC = 2  # with a static rank
-# GMEM -> registers -> GMEM only: Pallas's automatic warpgroup barriers around the stores guard nothing.
-_NO_AUTO_BARRIERS = plgpu.CompilerParams(unsafe_no_auto_barriers=True)
 XLA_TOPK = (6,)  # K values that run the reference with a traced rank (see the module docstring)
 XLA_MIN_ENTRIES = {8: 1 << 18}  # K -> from this many entries on, the reference (module docstring)
 
@@ -59,18 +58,18 @@ def _kernel(indices, rank_g=None, *, r, tp, rank=None, vec=VEC, interpret=None):
   layout = plgpu.Layout.WG_STRIDED((block,), vec_size=vec)
 
   @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((npad,), jnp.int32), grid=(grid,),
-                     grid_names=("i",), compiler_params=_NO_AUTO_BARRIERS, interpret=interpret)
+                     grid_names=("i",), compiler_params=NO_AUTO_BARRIERS, interpret=interpret)
   def kernel(x_g, *refs):
     o_g = refs[-1]
     i = lax.axis_index("i")
-    k = rank if rank is not None else refs[0][0]
+    rank_v = rank if rank is not None else refs[0][0]
     s = pl.ds(jnp.minimum(i * block, nvec - block), block)
-    o_g[s] = mask_by_tp(plgpu.load(x_g.at[s], layout=layout), r, k, tp)
+    o_g[s] = mask_by_tp(plgpu.load(x_g.at[s], layout=layout), r, rank_v, tp)
     if nvec != npad:
       @pl.when(i == grid - 1)
       def _tail():
         for j in range(nvec, npad):
-          o_g[j] = mask_by_tp(x_g[j], r, k, tp)
+          o_g[j] = mask_by_tp(x_g[j], r, rank_v, tp)
 
   args = (flat,) if rank is not None else (flat, jnp.asarray(rank_g, jnp.int32).reshape(1))
   return kernel(*args)[:n].reshape(indices.shape)

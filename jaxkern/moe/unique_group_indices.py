@@ -14,7 +14,7 @@ H200 (CUPTI, cold L2, groups = 8, median of 30), XLA reference in brackets: K = 
 direct 3.41-4.48); K = 9 1.98-2.27 (2.37-3.23; direct 3.90-5.41). K = 6 (the block in 8-byte
 vectors since session 10): 1.76-1.82 against XLA's 1.73-1.76 below 2^17 entries (T = 18506, 19444;
 XLA's own ``~x`` of the same array takes 1.66, the floor of one pass over these bytes), so
-``XLA_TOPK`` keeps the reference's single XLA fusion there, and 1.82-1.86 against 1.98 at T = 26991
+``XLA_BELOW_ENTRIES`` keeps the reference's single XLA fusion there, and 1.82-1.86 against 1.98 at T = 26991
 (162k entries), where the kernel runs. int64 indices (only with ``jax_enable_x64``) also run the reference.
 """
 
@@ -32,7 +32,7 @@ from jaxkern.reference import moe_routing as ref
 
 ROWS_PER_CTA = 128  # one row per thread
 DIRECT_MAX_TOPK = 2  # wider rows are staged through SMEM
-XLA_TOPK = {6: 1 << 17}  # K -> below this many entries, the reference (see the module docstring)
+XLA_BELOW_ENTRIES = {6: 1 << 17}  # K -> below this many entries, the reference (module docstring)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -82,6 +82,6 @@ def unique_group_indices(group_indices: jax.Array, num_groups: int, *,
     raise ValueError(f"num_groups must be in [1, 128], got {num_groups}")
   impl = _config.get_implementation(implementation)
   if (impl == "reference" or group_indices.size == 0 or group_indices.dtype != jnp.int32
-      or group_indices.size < XLA_TOPK.get(group_indices.shape[1], 0)):
+      or group_indices.size < XLA_BELOW_ENTRIES.get(group_indices.shape[1], 0)):
     return ref.unique_group_indices(group_indices, num_groups)
   return _kernel(group_indices, interpret=_config.mosaic_interpret(impl))
