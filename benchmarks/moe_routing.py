@@ -21,7 +21,7 @@ import numpy as np
 
 from benchmarks.registry import BenchOp, Case, register
 from jaxkern import moe
-from jaxkern.reference import moe_routing as ref
+from jaxkern.reference import moe as ref
 from jaxkern.testing import hidden_sizes, moe_topk_idx, randn
 
 MOE_PARAMS = [(e, r, k) for (e, r), k in itertools.product(((9, 8), (32, 8), (4, 64)), (2, 6, 8, 9))]

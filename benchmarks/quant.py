@@ -203,13 +203,13 @@ def _gather_rows(experts, ranks):
   NumPy; ``experts == 0``: 4096 plain tokens, no mapping."""
   if not experts:
     return 4096, None
-  from jaxkern.reference import moe_routing
+  from jaxkern.reference import moe as moe_ref
   from jaxkern.testing import moe_topk_idx
 
   idx = moe_topk_idx(jax.random.key(0), 4001, 6, experts, ranks)
   counts = [int((idx == e).sum()) for e in range(experts)]
   n = sum(-(-c // 128) * 128 for c in counts)
-  return idx.shape[0], np.asarray(moe_routing.get_fused_mapping(jnp.asarray(idx), experts, n, 128)[1])
+  return idx.shape[0], np.asarray(moe_ref.get_fused_mapping(jnp.asarray(idx), experts, n, 128)[1])
 
 
 def _fused_case(experts, ranks, k, quant_input):

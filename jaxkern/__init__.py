@@ -1,17 +1,24 @@
 """jaxkern: Pallas GPU kernels for MoE / FP8 training and inference on NVIDIA Hopper."""
 
-from jaxkern import moe, quant, reference, transpose
+from jaxkern import moe, quant, reference, transpose, types
 from jaxkern._config import IMPLEMENTATIONS, get_implementation, set_implementation, use_implementation
+from jaxkern._dispatch import Decision, KernelUnavailableError, explain
+from jaxkern.types import QuantTensor
 
 __version__ = "0.1.0"
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "Decision",
+    "KernelUnavailableError",
+    "QuantTensor",
+    "explain",
     "get_implementation",
     "moe",
     "quant",
     "reference",
     "set_implementation",
     "transpose",
+    "types",
     "use_implementation",
 ]

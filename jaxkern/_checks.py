@@ -23,3 +23,16 @@ def check_multiple(name: str, x, axis: int, multiple: int) -> None:
   if x.shape[axis] % multiple:
     raise ValueError(
         f"{name}.shape[{axis}] must be a multiple of {multiple}, got shape {tuple(x.shape)}")
+
+
+def as_array(name: str, x):
+  """``x`` as an array: arrays (and tracers) pass, a (nested) list is converted with ``jnp.asarray``,
+  anything else raises."""
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return x
+  if isinstance(x, list):
+    try:
+      return jnp.asarray(x)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"{name}: cannot convert the list to an array ({e})") from None
+  raise ValueError(f"{name} must be an array, got {type(x).__name__}")

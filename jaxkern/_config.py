@@ -1,35 +1,39 @@
-"""The implementation switch shared by every jaxkern op.
+"""The implementation setting shared by every jaxkern op.
 
-Three implementations exist for each op:
+Each op can run one of these implementations (how an op chooses: :mod:`jaxkern._dispatch`):
 
 * ``"pallas"``: the compiled Pallas kernel (needs an NVIDIA Hopper GPU);
 * ``"interpret"``: the same kernel run by Pallas' interpreter (any backend, slow);
-* ``"reference"``: the plain ``jnp`` reference from :mod:`jaxkern.reference`.
+* ``"xla"``: the op's XLA path: XLA code that ``"auto"`` takes where it measured faster than the kernel;
+* ``"reference"``: the plain ``jnp`` reference from :mod:`jaxkern.reference`;
+* ``"auto"`` (the default): on a GPU the faster of kernel and XLA path as measured for these
+  arguments, elsewhere the reference.
 
-``"auto"`` (the default) picks ``"pallas"`` when JAX's default backend is a GPU and
-``"reference"`` otherwise. The choice is made at trace time: a function already
-compiled by ``jax.jit`` keeps the implementation it was traced with.
+Precedence: the ``implementation=`` keyword of an op, then the innermost :func:`use_implementation`
+context, then :func:`set_implementation`, then the ``JAXKERN_IMPLEMENTATION`` environment variable,
+then ``"auto"``.
 
-Precedence: the ``implementation=`` keyword of an op, then the innermost
-:func:`use_implementation` context, then :func:`set_implementation`, then the
-``JAXKERN_IMPLEMENTATION`` environment variable, then ``"auto"``.
+The choice is made when an op is traced. The setting lives in a JAX user context
+(``jax.make_user_context``), which is part of ``jax.jit``'s cache key: after a change made with
+:func:`use_implementation` or :func:`set_implementation`, calling a jitted function again (or a new
+``jax.jit`` of the same function) traces it anew with the new implementation. The environment
+variable is read when jaxkern is imported and by ``set_implementation(None)``; changing it at any
+other time has no effect.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Iterator
 
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-IMPLEMENTATIONS = ("auto", "pallas", "interpret", "reference")
+IMPLEMENTATIONS = ("auto", "pallas", "interpret", "xla", "reference")
 ENV_VAR = "JAXKERN_IMPLEMENTATION"
 
-_global: str | None = None
-_local = threading.local()
+_setting = jax.make_user_context(default_value=None)  # in jax.jit's cache key
 
 
 def _validate(name: str) -> str:
@@ -39,36 +43,29 @@ def _validate(name: str) -> str:
 
 
 def set_implementation(name: str | None) -> None:
-  """Sets the process-wide implementation (``None`` restores the default)."""
-  global _global
-  _global = None if name is None else _validate(name)
+  """Sets the process-wide implementation; ``None`` restores the default (the environment variable
+  ``JAXKERN_IMPLEMENTATION``, read now, or ``"auto"``)."""
+  if name is None:
+    name = os.environ.get(ENV_VAR) or "auto"
+  _setting.set_global(_validate(name))
 
 
 @contextlib.contextmanager
 def use_implementation(name: str) -> Iterator[None]:
-  """Context manager selecting the implementation of ops traced inside it."""
-  stack = _local.__dict__.setdefault("stack", [])
-  stack.append(_validate(name))
-  try:
+  """Context manager selecting the implementation of the ops traced inside it (this thread)."""
+  with _setting(_validate(name)):
     yield
-  finally:
-    stack.pop()
 
 
 def get_implementation(name: str | None = None) -> str:
-  """Resolves ``name`` (or the active setting) to ``pallas``, ``interpret`` or ``reference``."""
-  if name is None:
-    stack = _local.__dict__.get("stack")
-    name = stack[-1] if stack else _global or os.environ.get(ENV_VAR, "auto")
-  name = _validate(name)
-  if name == "auto":
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
-  return name
+  """The implementation an op called with ``implementation=name`` asks for: ``name`` itself, or
+  the active setting (see the module docstring). ``"auto"`` is returned unresolved."""
+  return _validate(name if name is not None else _setting.value or "auto")
 
 
-def mosaic_interpret(name: str) -> plgpu.InterpretGPUParams | None:
-  """The ``interpret=`` argument of a Mosaic GPU kernel for a resolved implementation."""
-  return plgpu.InterpretGPUParams() if name == "interpret" else None
+def mosaic_interpret(interpret: bool) -> plgpu.InterpretGPUParams | None:
+  """The ``interpret=`` argument of a Mosaic GPU kernel."""
+  return plgpu.InterpretGPUParams() if interpret else None
 
 
 def num_sms() -> int:
@@ -76,3 +73,6 @@ def num_sms() -> int:
   value used when tracing elsewhere, e.g. when lowering for an H100 on a CPU machine)."""
   dev = jax.devices()[0]
   return getattr(dev, "core_count", 132) if dev.platform == "gpu" else 132
+
+
+set_implementation(None)

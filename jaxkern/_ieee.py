@@ -1,15 +1,22 @@
-"""Correctly rounded float32 division and square root from integer arithmetic.
+"""Correctly rounded float32 arithmetic for the kernels and their XLA paths: the one home of these helpers.
 
-XLA's float32 ``/`` and ``sqrt`` are not correctly rounded on GPU, and XLA rewrites a
-division by a broadcast or constant divisor into a reciprocal multiply on every
-backend (spec moe_transpose.md §8). These helpers take the backend's approximate
-result ``q`` and correct it: ``q`` is moved to a neighbour while the exact value lies
-beyond the midpoint between them. The midpoint test compares ``a`` with
-``midpoint * b`` (or ``x`` with ``midpoint ** 2``) exactly, using 12-bit limb products
-in int32, so the result is IEEE round-to-nearest-even on every backend. Two
-correction rounds fix any seed within two ulps. Operands: ``a >= 0``, ``b > 0``,
-``x >= 0`` (the gating ops' domain); ``b = inf`` gives 0. Subnormal operands and results
-are outside the exact domain: XLA flushes them to zero on CPU and GPU.
+XLA's float32 ``/`` and ``sqrt`` are not correctly rounded on GPU, XLA rewrites a division by a
+broadcast or constant divisor into a reciprocal multiply on every backend (spec moe_transpose.md §8),
+and a kernel's ``/`` is approximate on the GPU. Three families, one per place the arithmetic runs:
+
+* XLA code and interpret mode (:func:`div`, :func:`sqrt`): the backend's approximate result ``q`` is
+  moved to a neighbour while the exact value lies beyond the midpoint between them. The midpoint test
+  compares ``a`` with ``midpoint * b`` (or ``x`` with ``midpoint ** 2``) exactly, using 12-bit limb
+  products in int32, so the result is IEEE round-to-nearest-even on every backend. Two correction
+  rounds fix any seed within two ulps. Operands: ``a >= 0``, ``b > 0``, ``x >= 0`` (the gating ops'
+  domain); ``b = inf`` gives 0. Subnormal operands and results are outside the exact domain: XLA
+  flushes them to zero on CPU and GPU.
+* Mosaic GPU kernels (:func:`exact_div`, :func:`refine_quotient`, :func:`div_by_reciprocal`):
+  candidates around a first quotient scored by an FMA residual.
+* Pallas-Triton kernels (:func:`triton_div`, :func:`triton_sqrt`): the PTX ``div.rn`` / ``sqrt.rn``
+  instructions through inline assembly; in interpret mode (no PTX) :func:`div` / :func:`sqrt`.
+
+The ``jnp`` references do not use this module: :mod:`jaxkern.reference.ieee` divides on its own.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas import triton as plt
+
 
 def _split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Non-negative finite float32 -> (significand, exponent) with ``x = sig * 2**exp``."""
@@ -95,3 +104,77 @@ def sqrt(x: jax.Array) -> jax.Array:
     return _compare(sx, ex - 2 * em, hi, lo_)
 
   return jnp.where(x == 0, 0.0, _round(q, above))
+
+
+def exact_div(a, b):
+  """Correctly rounded float32 ``a / b`` (round to nearest even) inside a Mosaic GPU kernel.
+
+  ``a / b`` in a kernel is an approximate division on the GPU (bitwise IEEE on ~71% of inputs,
+  measured on the H200) and may become a reciprocal multiply in interpret mode. Starting from that
+  first quotient ``q0``, the candidates ``q0 ± k`` ulp (``k ≤ 2``, stepped through the bit pattern,
+  sign-aware) are scored by the residual ``q·b − a``, written as a multiply-add that Mosaic GPU and
+  XLA on CPU contract into one FMA (measured): for a near-correct ``q`` the FMA residual is exact, so
+  the candidate with the smallest ``|q·b − a|`` is the correctly rounded quotient; an exact tie goes
+  to the even significand.
+
+  Assumptions: finite, nonzero operands; ``q0`` within 2 ulp of the true quotient; a normal float32
+  quotient (no overflow or underflow); the FMA contraction; ``|a| < 2^-60`` only with ``|a / b| < 2^64``
+  (then the residuals are scored on ``a·2^64``, so that flushing subnormals cannot create false ties:
+  e.g. the e2m1 clamp minimum ``6·2^-126 / 6``). The scale-factor divisions
+  (``a / 448``, ``448 / a`` with ``a`` at least the amax clamp, ``1 / sf``) satisfy them.
+  ``a`` may be a Python float; ``b`` must not be a constant in interpret mode, where XLA folds
+  ``(a·(1/c))·c`` into ``a`` (the kernels load the divisor 448 from memory).
+  """
+  return refine_quotient(a / b, a, b)
+
+
+def refine_quotient(q0, a, b):
+  """The correctly rounded ``a / b`` from a float32 quotient ``q0`` within 2 ulp of it (see
+  :func:`exact_div`)."""
+  # For a tiny |a| the residuals are subnormal and may be flushed to zero (XLA on CPU does), which
+  # would make wrong candidates tie with the right one: score them on a and q scaled by 2^64 (exact).
+  s = 1.0 if isinstance(a, float) else jnp.where(jnp.abs(a) < 2.0**-60, jnp.float32(2.0**64), jnp.float32(1.0))
+  a_s = a * s
+  u = lax.bitcast_convert_type(q0, jnp.int32)
+  sign = u & jnp.int32(-2**31)
+  mag = u & 0x7FFFFFFF
+  best, best_r = q0, jnp.abs((q0 * s) * b - a_s)
+  for k in (-1, 1, -2, 2):
+    qk = lax.bitcast_convert_type(sign | (mag + k), jnp.float32)
+    rk = jnp.abs((qk * s) * b - a_s)
+    take = (rk < best_r) | ((rk == best_r) & (((mag + k) & 1) == 0))
+    best, best_r = jnp.where(take, qk, best), jnp.where(take, rk, best_r)
+  return best
+
+
+def div_by_reciprocal(c, d, y):
+  """Correctly rounded ``c / d`` from ``y = RN(1 / d)``: ``q = c·y``, then twice
+  ``q + (c - q·d)·y`` (two FMAs each; the residual ``c - q·d`` is exact). After the first
+  correction ``q`` is within an ulp of ``c / d``, so the second rounds correctly (Markstein's
+  theorem). Weights below ``2^-60`` are scaled by ``2^64`` (exactly) so that residuals stay normal."""
+  small = jnp.abs(c) < 2.0**-60
+  cs = c * jnp.where(small, jnp.float32(2.0**64), jnp.float32(1.0))
+  q = cs * y
+  for _ in range(2):
+    q = q + (cs - q * d) * y
+  q = q * jnp.where(small, jnp.float32(2.0**-64), jnp.float32(1.0))
+  return jnp.where(c == 0, c * y, q)  # a zero weight: a signed zero
+
+
+def _asm(op: str, *args):
+  """One float32 PTX instruction ``op`` applied elementwise to ``args`` (broadcast)."""
+  args = jnp.broadcast_arrays(*args)
+  regs = ", ".join(f"${i}" for i in range(len(args) + 1))
+  out = jax.ShapeDtypeStruct(args[0].shape, jnp.float32)
+  return plt.elementwise_inline_asm(f"{op} {regs};", args=args, constraints="=r" + ",r" * len(args), pack=1,
+                                    result_shape_dtypes=[out])[0]
+
+
+def triton_div(a, b, interpret: bool):
+  """Correctly rounded ``a / b`` (``a >= 0``, ``b > 0``)."""
+  return div(a, b) if interpret else _asm("div.rn.f32", a, b)
+
+
+def triton_sqrt(x, interpret: bool):
+  """Correctly rounded ``sqrt(x)`` (``x >= 0``)."""
+  return sqrt(x) if interpret else _asm("sqrt.rn.f32", x)

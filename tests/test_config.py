@@ -1,7 +1,9 @@
 import jax
+import jax.numpy as jnp
 import pytest
 
 import jaxkern
+from jaxkern import transpose
 
 
 def test_precedence(monkeypatch):
@@ -12,12 +14,12 @@ def test_precedence(monkeypatch):
     assert jaxkern.get_implementation() == "reference"
     jaxkern.set_implementation("interpret")
     assert jaxkern.get_implementation() == "interpret"
-    with jaxkern.use_implementation("reference"):
-      assert jaxkern.get_implementation() == "reference"
+    with jaxkern.use_implementation("xla"):
+      assert jaxkern.get_implementation() == "xla"
       assert jaxkern.get_implementation("interpret") == "interpret"
     monkeypatch.setenv("JAXKERN_IMPLEMENTATION", "auto")
     jaxkern.set_implementation(None)
-    assert jaxkern.get_implementation() == ("pallas" if jax.default_backend() == "gpu" else "reference")
+    assert jaxkern.get_implementation() == "auto"
   finally:
     jaxkern.set_implementation(before)
 
@@ -28,3 +30,64 @@ def test_unknown_name():
   with pytest.raises(ValueError, match="implementation must be one of"):
     with jaxkern.use_implementation("gpu"):
       pass
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    transpose.transpose(jnp.zeros((64, 64)), implementation="cuda")
+
+
+def _paths(fn, *args):
+  return [d.path for d in jaxkern.explain(fn, *args)]
+
+
+def test_explain_reports_each_op_and_sees_through_jit_caches():
+  x = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
+  f = jax.jit(lambda v: transpose.transpose(transpose.transpose(v)))
+  with jaxkern.use_implementation("interpret"):
+    ds = jaxkern.explain(f, x)
+    assert [(d.op, d.path) for d in ds] == [("transpose", "interpret")] * 2
+    assert _paths(f, x) == ["interpret", "interpret"]  # traced again, not served from jit's cache
+  with jaxkern.use_implementation("reference"):
+    assert _paths(f, x) == ["reference", "reference"]
+  assert _paths(lambda v: transpose.transpose(v, implementation="xla"), x) == ["xla"]
+  empty = jax.ShapeDtypeStruct((0, 64), jnp.float32)
+  assert _paths(lambda v: transpose.transpose(v, implementation="pallas"), empty) == ["xla"]
+
+
+def test_auto_off_gpu_runs_the_reference():
+  if jax.default_backend() == "gpu":
+    pytest.skip("CPU semantics")
+  (d,) = jaxkern.explain(lambda v: transpose.transpose(v, implementation="auto"), jnp.zeros((64, 64)))
+  assert d.path == "reference" and "off a GPU" in d.reason
+
+
+def test_a_change_of_implementation_retraces_jitted_functions():
+  """The setting is part of jax.jit's cache key: the same jitted function, and a new jit of the same
+  Python function, trace again after a change."""
+  traces = []
+
+  def g(v):
+    traces.append(jaxkern.get_implementation())
+    return transpose.transpose(v)
+
+  f = jax.jit(g)
+  x = jnp.arange(64 * 64, dtype=jnp.int32).reshape(64, 64)
+  before = jaxkern.get_implementation()
+  with jaxkern.use_implementation("xla"):
+    f(x)
+    f(x)
+    jax.jit(g)(x)
+  jaxkern.set_implementation("reference")
+  try:
+    f(x)
+    jax.jit(g)(x)
+    with jaxkern.use_implementation("xla"):
+      jax.jit(g)(x)  # the trace made under "xla" serves again
+  finally:
+    jaxkern.set_implementation(before)
+  assert traces == ["xla", "reference"]
+
+
+def test_explicit_kernel_request_raises_when_the_kernel_cannot_run():
+  x = jnp.zeros((64, 64), jnp.bool_)
+  with pytest.raises(jaxkern.KernelUnavailableError, match="transpose: implementation='interpret' cannot run"):
+    transpose.transpose(x, implementation="interpret")
+  assert transpose.transpose(x, implementation="xla").dtype == jnp.bool_

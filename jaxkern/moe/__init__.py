@@ -1,16 +1,16 @@
 """MoE gating and routing (see ../shared/spec/moe_transpose.md)."""
 
-from jaxkern.moe.aux_fi import aux_fi
-from jaxkern.moe.expand_to_fused import expand_to_fused, expand_to_fused_with_sf
-from jaxkern.moe.get_fused_mapping import get_fused_mapping
-from jaxkern.moe.group_count import group_count
-from jaxkern.moe.mask_indices_by_tp import mask_indices_by_tp
-from jaxkern.moe.normalize_weight import normalize_weight
-from jaxkern.moe.reduce_fused import reduce_fused
-from jaxkern.moe.top2_sum_gate import top2_sum_gate
-from jaxkern.moe.topk_gate import topk_gate
-from jaxkern.moe.topk_sum_and_topk_group_idx import topk_sum_and_topk_group_idx
-from jaxkern.moe.unique_group_indices import unique_group_indices
+from jaxkern.moe._aux_fi import aux_fi
+from jaxkern.moe._expand_to_fused import expand_to_fused, expand_to_fused_with_sf
+from jaxkern.moe._get_fused_mapping import get_fused_mapping
+from jaxkern.moe._group_count import group_count
+from jaxkern.moe._mask_indices_by_tp import mask_indices_by_tp
+from jaxkern.moe._normalize_weight import normalize_weight
+from jaxkern.moe._reduce_fused import reduce_fused
+from jaxkern.moe._top2_sum_gate import top2_sum_gate
+from jaxkern.moe._topk_gate import topk_gate
+from jaxkern.moe._topk_sum_and_topk_group_idx import topk_sum_and_topk_group_idx
+from jaxkern.moe._unique_group_indices import unique_group_indices
 
 __all__ = [
     "aux_fi",

@@ -10,7 +10,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks
-from jaxkern.reference import moe_routing as ref
+from jaxkern.reference import moe as ref
 
 INDEX_DTYPES = (jnp.int32, jnp.int64)
 TMA_MAX_BOX = 256  # elements per dimension of one TMA copy

@@ -3,16 +3,16 @@
 A QuantTensor is a plain tuple ``(data, sf)``. Scale-factor layouts: see :mod:`jaxkern.reference.quant`.
 """
 
-from jaxkern.quant.cast_back import cast_back, per_token_cast_back, unpack_from_e2m1fn_x2
-from jaxkern.quant.common import sf_logical, sf_to_float
-from jaxkern.quant.per_block_cast import (
+from jaxkern.quant._cast_back import cast_back, per_token_cast_back, unpack_from_e2m1fn_x2
+from jaxkern.reference.quant import sf_logical, sf_to_float
+from jaxkern.quant._per_block_cast import (
     per_block_cast,
     per_block_cast_lossless,
     per_block_cast_with_precomputed_sf,
     per_block_cast_with_sf_only,
 )
-from jaxkern.quant.per_channel_cast import per_channel_cast, per_channel_cast_and_transpose, per_channel_cast_fused
-from jaxkern.quant.per_token_cast import (
+from jaxkern.quant._per_channel_cast import per_channel_cast, per_channel_cast_and_transpose, per_channel_cast_fused
+from jaxkern.quant._per_token_cast import (
     per_token_cast,
     per_token_cast_with_precomputed_sf,
     per_token_cast_with_sf_only,

@@ -1,8 +1,9 @@
-"""Correctly rounded float32 division for the ``jnp`` references, on every backend.
+"""Correctly rounded float32 division and square root for the ``jnp`` references, on every backend.
 
-XLA's float32 ``/`` is approximate on GPU, and XLA rewrites a division by a constant or a
-broadcast divisor into a reciprocal multiply on every backend, so the references divide in
-float64 and round with a midpoint test.
+XLA's float32 ``/`` and ``sqrt`` are approximate on GPU, and XLA rewrites a division by a constant or
+a broadcast divisor into a reciprocal multiply on every backend, so the references compute in
+float64 and round to float32 with an exact midpoint test. Independent of the kernels' helpers
+(:mod:`jaxkern._ieee`), which this module serves as the oracle for.
 """
 
 from __future__ import annotations
@@ -19,6 +20,20 @@ def div(a, b):
     return round_quotient(a / b, a, b)
 
 
+def sqrt(x):
+  """IEEE ``sqrt(x)`` in float32 for float32 ``x >= 0`` (round to nearest even)."""
+  with jax.enable_x64(True):
+    x = jnp.asarray(x, jnp.float32).astype(jnp.float64)
+    r = jnp.sqrt(x)
+    r32 = r.astype(jnp.float32)
+    up = r >= r32.astype(jnp.float64)
+    other = _neighbour(r32, up)
+    mid = (r32.astype(jnp.float64) + other.astype(jnp.float64)) / 2
+    rem = x - mid * mid  # exact: mid has at most 25 significant bits
+    beyond = jnp.where(up, rem > 0, rem < 0)
+    return _pick(r32, other, beyond, rem == 0, mid)
+
+
 def round_quotient(q, a, b):
   """float32 ``RN(a / b)`` from a float64 quotient ``q`` of widened float32 ``a``, ``b``.
 
@@ -29,10 +44,22 @@ def round_quotient(q, a, b):
   """
   q32 = q.astype(jnp.float32)
   up = q >= q32.astype(jnp.float64)
-  other = jnp.nextafter(q32, jnp.where(up, jnp.float32(jnp.inf), jnp.float32(-jnp.inf)))
+  other = _neighbour(q32, up)
   mid = (q32.astype(jnp.float64) + other.astype(jnp.float64)) / 2
   rem = a - mid * b
   beyond = jnp.where(up, rem * b > 0, rem * b < 0)
-  odd = (lax.bitcast_convert_type(q32, jnp.int32) & 1) == 1
-  take_other = (beyond | ((rem == 0) & odd)) & jnp.isfinite(mid) & (q32 != other)
-  return jnp.where(take_other, other, q32)
+  return _pick(q32, other, beyond, rem == 0, mid)
+
+
+def _neighbour(v, up):
+  """The float32 next to ``v`` towards +inf (``up``) or -inf, by stepping the bit pattern."""
+  bits = lax.bitcast_convert_type(v, jnp.int32)
+  away = up == (bits >= 0)  # moving away from zero increments the magnitude
+  stepped = jnp.where(v == 0, jnp.where(up, 1, -2**31 + 1), bits + jnp.where(away, 1, -1))
+  return lax.bitcast_convert_type(stepped.astype(jnp.int32), jnp.float32)
+
+
+def _pick(v, other, beyond, tie, mid):
+  odd = (lax.bitcast_convert_type(v, jnp.int32) & 1) == 1
+  take_other = (beyond | (tie & odd)) & jnp.isfinite(mid) & jnp.isfinite(v) & (v != other)
+  return jnp.where(take_other, other, v)

@@ -4,7 +4,7 @@ The numeric helpers (scale factors, e4m3 / e2m1 encoding and decoding, the sf la
 are also used inside the Pallas kernels, so kernel and reference round identically.
 Every division is correctly rounded (quant.md §4.8): :func:`jaxkern.reference.ieee.div` (float64 plus a midpoint
 correction, because XLA's float32 division is approximate on GPU and turns division by a constant
-into a reciprocal multiply), ``jaxkern.quant.common.exact_div`` inside the kernels.
+into a reciprocal multiply), ``jaxkern._ieee.exact_div`` inside the kernels.
 
 Scale-factor layouts (quant.md §3.1/3.2), for a logical sf matrix ``S`` of shape ``(Mb, Kb)``:
 
@@ -48,7 +48,7 @@ def scale_factors(amax, max_value, fmt: str, round_sf: bool, div=ieee.div):
   """``(sf, sf_inv)`` from a group's absolute maximum (quant.md §3.3).
 
   ``max_value`` is the format's largest value (a float or an array shaped like ``amax``). ``div`` is
-  the correctly rounded division: :func:`jaxkern.reference.ieee.div`, ``jaxkern.quant.common.exact_div`` inside
+  the correctly rounded division: :func:`jaxkern.reference.ieee.div`, ``jaxkern._ieee.exact_div`` inside
   the kernels. With ``round_sf`` the sf is the power of two ``2^ceil(log2(a / max_value))`` and
   ``sf_inv`` its exact inverse.
   """

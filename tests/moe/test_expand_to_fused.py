@@ -8,7 +8,7 @@ import pytest
 from hypothesis import strategies as st
 
 from jaxkern import moe
-from jaxkern.reference import moe_routing as ref
+from jaxkern.reference import moe as ref
 from jaxkern.testing import assert_bitwise_equal, lower_for_h100, moe_topk_idx, randn, random_bits
 
 
@@ -43,13 +43,13 @@ def test_ragged_tokens_padding_and_empty_rows(key):
 
 def test_token_block_tail():
   """T not a multiple of the token block of a wide row (block 4 at H = 7168 bf16)."""
-  from jaxkern.moe.expand_to_fused import _expand_kernel
+  from jaxkern.moe._expand_to_fused import _expand_kernel
   import jaxkern
 
   t, k = 6, 2
   pos = jnp.asarray(np.random.default_rng(0).permutation(t * k).reshape(t, k).astype(np.int32))
   x = randn(jax.random.key(1), (t, 7168), jnp.bfloat16)
-  got = _expand_kernel(x, None, pos, jnp.zeros((t * k,), jnp.int32), interpret=jaxkern._config.mosaic_interpret("interpret"))
+  got = _expand_kernel(x, None, pos, jnp.zeros((t * k,), jnp.int32), interpret=jaxkern._config.mosaic_interpret(True))
   assert_bitwise_equal(got, ref.expand_to_fused(x, pos, jnp.zeros((t * k,), jnp.int32)))
 
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import strategies as st
 
 from jaxkern import moe
-from jaxkern.reference import moe_routing as ref
+from jaxkern.reference import moe as ref
 from jaxkern.testing import align, assert_bitwise_equal, moe_topk_idx
 
 # (local experts, EP ranks): the spec's 72/256/288/384 experts split over ranks, scaled for CPU.

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import strategies as st
 
 from jaxkern import moe
-from jaxkern.reference import moe_routing as ref
+from jaxkern.reference import moe as ref
 from jaxkern.testing import assert_bitwise_equal, lower_for_h100, moe_topk_idx, randn
 
 

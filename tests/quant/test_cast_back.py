@@ -7,7 +7,8 @@ import pytest
 
 import jaxkern
 from jaxkern import quant
-from jaxkern.quant import common
+from jaxkern.quant import _cast_back as cast_back_module
+from jaxkern.quant import _validate as validate
 from jaxkern.reference import quant as ref
 from jaxkern.testing import assert_bitwise_equal, assert_diff_below, lower_for_h100, randn
 
@@ -151,7 +152,7 @@ def test_lowers_for_h100(m, k, block, fmt, qfmt):
 def test_lowers_for_h100_sf_layouts(m, k, block, flags):
   col, _, packed = FLAGS[flags]
   mb, kb = -(-m // block[0]), -(-k // block[1])
-  sf = jax.ShapeDtypeStruct(common.sf_shape(mb, kb, col_major=col, packed=packed),
+  sf = jax.ShapeDtypeStruct(validate.sf_shape(mb, kb, col_major=col, packed=packed),
                             jnp.int32 if packed else jnp.float32)
   f = lambda q, s: quant.cast_back((q, s), "bf16", block, x_use_tma_aligned_col_major_sf=col,
                                    implementation="pallas")
@@ -212,11 +213,10 @@ def test_tma_store_kernel_bit_exact(key, monkeypatch, m, k, block, sms):
   """The persistent kernel of large e4m3 -> float32 casts (threshold lowered, ``sms`` SMs): ragged
   last tile, two block rows per tile, fewer tiles than ring stages, CTAs going round the ring (11
   and 15 tiles), tiles not shared evenly."""
-  cast_back = __import__("sys").modules["jaxkern.quant.cast_back"]
-  monkeypatch.setattr(cast_back, "TMA_MIN_ELEMENTS", 0)
+  monkeypatch.setattr(cast_back_module, "TMA_MIN_ELEMENTS", 0)
   monkeypatch.setattr(jaxkern._config, "num_sms", lambda: sms)
   _, q = _quantised(key, m, k, block, "A")
-  assert cast_back._use_tma_store(q[0], q[1], block, jnp.float32, False)
+  assert cast_back_module._use_tma_store(q[0], q[1], block, jnp.float32, False)
   got = quant.cast_back(q, "fp32", block)  # the interpreter fills unwritten outputs with NaN
   assert_bitwise_equal(got, quant.cast_back(q, "fp32", block, implementation="reference"))
 
@@ -226,6 +226,5 @@ def test_tma_store_kernel_lowers_for_h100(block):
   f = lambda q, s: quant.cast_back((q, s), "fp32", block, implementation="pallas")
   args = (jax.ShapeDtypeStruct((8001, 7168), jnp.float8_e4m3fn),
           jax.ShapeDtypeStruct((-(-8001 // block[0]), 56), jnp.float32))
-  cast_back = __import__("sys").modules["jaxkern.quant.cast_back"]
-  assert cast_back._use_tma_store(*args, block, jnp.float32, False)
+  assert cast_back_module._use_tma_store(*args, block, jnp.float32, False)
   assert "mosaic_gpu" in lower_for_h100(f, *args).as_text()

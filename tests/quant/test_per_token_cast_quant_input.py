@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxkern import quant
-from jaxkern.quant.per_token_cast import _quant_plan
+from jaxkern.quant._per_token_cast import _quant_plan
 from jaxkern.reference import quant as ref
 from jaxkern.testing import assert_bitwise_equal, lower_for_h100
 

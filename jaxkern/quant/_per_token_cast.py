@@ -13,7 +13,7 @@ quantises and stores. The last CTA's block is shifted back to end at the last ro
 the previous block is written twice with equal values).
 
 Exact numerics (quant.md §3.3/§4.8): ``sf = a / 448``, ``sf_inv = 448 / a`` and ``1 / sf`` are
-correctly rounded with :func:`jaxkern.quant.common.exact_div` (the GPU's ``/`` is approximate; the
+correctly rounded with :func:`jaxkern._ieee.exact_div` (the GPU's ``/`` is approximate; the
 divisor 448 is loaded from memory so that XLA cannot fold it in interpret mode), checked against
 numpy by a ``gpu`` test. The e4m3 conversion saturates on the GPU (``cvt.rn.satfinite``); the
 explicit clip to ±448 is only needed with a precomputed sf. The kernel writes the scale factors as
@@ -25,7 +25,7 @@ host constant (an XLA splat would cost a broadcast kernel).
 
 FP4 e2m1 (same kernel, quant.md §4.4): Hopper has no FP4 conversion, so the rounding (nearest even,
 saturating at ±6, sign kept) and the packing (column ``2j`` in the low nibble) are bit operations
-(:func:`jaxkern.quant.common.encode_e2m1`), bit-exact with :func:`jaxkern.reference.quant.encode_e2m1`.
+(:func:`jaxkern.quant._encode.encode_e2m1`), bit-exact with :func:`jaxkern.reference.quant.encode_e2m1`.
 Each pair of columns is read together: a bf16 pair as one int32 word (a free bitcast of the input; ``word << 16`` and
 ``word & 0xFFFF0000`` are the float32 patterns), float32 as even / odd strided loads.
 
@@ -49,9 +49,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkern import _checks, _config
-from jaxkern.quant import common
-from jaxkern.quant.cast_back import _sf_decode, _sf_raw
+from jaxkern import _checks, _config, _ieee
+from jaxkern._layouts import row_layout
+from jaxkern.quant import _tiling as tiling
+from jaxkern.quant import _validate as validate
+from jaxkern.quant._encode import encode_e2m1
+from jaxkern.quant._cast_back import _sf_decode, _sf_raw
 from jaxkern.reference import quant as ref
 
 # Groups per CTA when groups dividing K run as column segments (one packed UE8M0 word).
@@ -74,7 +77,7 @@ def _fp4_pairs(x):
 def _pair_layout(x, width, lanes):
   """Register layout of one half of the e2m1 pair view (16-byte int32 vectors for bf16 words,
   single elements for the strided float32 halves)."""
-  return common.row_layout(width, 4 if x.ndim == 2 else 16, lanes)
+  return row_layout(width, 4 if x.ndim == 2 else 16, lanes)
 
 
 def _load_pairs(x_g, rows, c, sw, layout):
@@ -114,7 +117,7 @@ def _decode_e4m3(b):
 
 
 def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, interpret, sf_layout="rows",
-               seg_chunk=None, thread_bytes=common.THREAD_BYTES, quant_in=None):
+               seg_chunk=None, thread_bytes=tiling.THREAD_BYTES, quant_in=None):
   """Per-row-group cast of ``x`` (``R`` at least one layout block of rows).
 
   ``x``: ``(R, W)`` for e4m3; for e2m1 the pair view of :func:`_fp4_pairs` (``W/2`` pairs, ``segs``
@@ -134,7 +137,7 @@ def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, 
   ``RN(d·RN(s·sf_inv))`` (quant.md §4.3). ``e4m3x2`` and ``e2m1`` views are pair views (``segs`` in
   pairs); an e4m3 output from a pair view is int16 words of two e4m3 bytes. A group wider than an input
   block runs as parts of ``bk`` view columns. Blocks taller than one row need tiles of at most ``bm``
-  rows (two scalar sf loads and a select per part, as in :mod:`jaxkern.quant.cast_back`).
+  rows (two scalar sf loads and a select per part, as in :mod:`jaxkern.quant._cast_back`).
   """
   r, w = x.shape[:2]
   fp4 = fmt == "e2m1"
@@ -147,14 +150,14 @@ def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, 
 
   def seg_layout(sw):
     if qk is not None:
-      return common.row_layout(sw, quant_in.itemsize, lanes)
-    return _pair_layout(x, sw, lanes) if fp4 else common.row_layout(sw, itemsize, lanes)
+      return row_layout(sw, quant_in.itemsize, lanes)
+    return _pair_layout(x, sw, lanes) if fp4 else row_layout(sw, itemsize, lanes)
 
   def parts(c, sw):
     return ((c, sw),) if qk is None else _parts(c, sw, quant_in.bk)
 
   unit = max(seg_layout(pw)[1] for c, sw in segs for _, pw in parts(c, sw))
-  rt = common.tile_rows(r, w if seg_chunk is None else chunk * segs[0][1], itemsize, unit, thread_bytes)
+  rt = tiling.tile_rows(r, w if seg_chunk is None else chunk * segs[0][1], itemsize, unit, thread_bytes)
   if quant_in is not None and quant_in.bm > 1:
     rt = min(rt, quant_in.bm // unit * unit)
   out_type = []
@@ -219,11 +222,11 @@ def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, 
       for t, ps in enumerate(segments):
         vec = ps[0][1].reduce(1)
         if sf_in is not None:
-          inv = common.exact_div(1.0, plgpu.load(sfin_g.at[seg0 + t, rows], layout=vec, optimized=False))
+          inv = _ieee.exact_div(1.0, plgpu.load(sfin_g.at[seg0 + t, rows], layout=vec, optimized=False))
         else:
           maxes = [jnp.max(functools.reduce(jnp.maximum, [jnp.abs(h) for h in v]), axis=1) for _, _, v, _ in ps]
           amax = functools.reduce(jnp.maximum, [a if s is None else a * s for a, (_, _, _, s) in zip(maxes, ps)])
-          sf, inv = ref.scale_factors(amax, maxv, fmt, round_sf, div=common.exact_div)
+          sf, inv = ref.scale_factors(amax, maxv, fmt, round_sf, div=_ieee.exact_div)
           if compute_sf and sf_layout != "C":
             sf_g[seg0 + t, rows] = sf
           elif compute_sf:  # UE8M0 byte of segment seg0 + t into byte t % 4 of word (seg0 + t) // 4
@@ -235,7 +238,7 @@ def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, 
           scale = inv if s is None else s * inv
           q = [h * scale[:, None] for h in v]
           if fp4:
-            out = (common.encode_e2m1(q[0]) | (common.encode_e2m1(q[1]) << 4)).astype(jnp.int8)
+            out = (encode_e2m1(q[0]) | (encode_e2m1(q[1]) << 4)).astype(jnp.int8)
           elif pairs:  # e4m3 pairs as int16 words
             lo, hi = (lax.bitcast_convert_type(ref.encode_e4m3(h), jnp.int8).astype(jnp.int32) & 0xFF for h in q)
             out = (lo | (hi << 8)).astype(jnp.int16)
@@ -275,7 +278,7 @@ def _view(x, segs, fmt, lanes):
   if fmt == "e2m1":
     xv, segs = _fp4_pairs(x), tuple((c // 2, sw // 2) for c, sw in segs)
     return xv, segs, max(_pair_layout(xv, sw, lanes)[1] for _, sw in segs)
-  return x, segs, max(common.row_layout(sw, x.dtype.itemsize, lanes)[1] for _, sw in segs)
+  return x, segs, max(row_layout(sw, x.dtype.itemsize, lanes)[1] for _, sw in segs)
 
 
 @functools.partial(jax.jit, static_argnames=("npc", "fmt", "round_sf", "col_major", "packed", "write_data",
@@ -287,10 +290,10 @@ def _kernel(x, sf_in, *, npc, fmt, round_sf, col_major, packed, write_data, comp
   :data:`SEG_CHUNK` per CTA when ``M`` is at least one layout block); otherwise XLA reformats its
   layout-A sf."""
   m, k = x.shape
-  r, w, segs = common.row_plan(m, k, npc)
+  r, w, segs = tiling.row_plan(m, k, npc)
   kb = ref.cdiv(k, npc)
   # One scale per row: whole warps per row; groups as view rows: GROUP_LANES; column segments: SEGMENT_LANES.
-  lanes = 32 if npc >= k else SEGMENT_LANES if r == m else common.GROUP_LANES
+  lanes = 32 if npc >= k else SEGMENT_LANES if r == m else tiling.GROUP_LANES
   seg_chunk = None
   # Groups dividing K: column segments of the rows, except e2m1 groups narrower than 128 (H200, bf16,
   # packed layout C, as view rows + XLA sf reformat vs as segments: npc 64 4001x7168 87.2 vs 97.3 µs,
@@ -327,7 +330,7 @@ _QUANT_THREAD_BYTES = {"e4m3": 64, "e4m3x2": 64, "e2m1": 32}  # 64 values per th
 def _quant_plan(q, x_block_size, npc, fmt):
   """How the kernel runs a QuantTensor input: ``(kind, view width divisor, segments, seg_chunk,
   itemsize)``, or None (the reference runs): groups must not straddle input blocks, a partial last
-  group allows at most :data:`jaxkern.quant.common.MAX_SEGMENTS` groups, and blocks taller than one
+  group allows at most :data:`jaxkern.quant._tiling.MAX_SEGMENTS` groups, and blocks taller than one
   row must be at least one register layout block of rows (narrower vectors are tried for that),
   which the input must have too."""
   m = q.shape[0]
@@ -337,11 +340,11 @@ def _quant_plan(q, x_block_size, npc, fmt):
   kind = "e2m1" if fp4_in else "e4m3x2" if ep == 2 else "e4m3"
   bm, bk = x_block_size
   kb = ref.cdiv(k, npc)
-  if k % ep or bk % ep or max(bk, npc) % min(bk, npc) or (k % npc and kb > common.MAX_SEGMENTS):
+  if k % ep or bk % ep or max(bk, npc) % min(bk, npc) or (k % npc and kb > tiling.MAX_SEGMENTS):
     return None
   segs = tuple((j * npc // ep, min(npc, k - j * npc) // ep) for j in range(kb))
   for itemsize in (_QUANT_ITEMSIZE[kind], 4, 8, 16):
-    unit = max(common.row_layout(pw, itemsize, SEGMENT_LANES)[1] for c, sw in segs for _, pw in _parts(c, sw, bk // ep))
+    unit = max(row_layout(pw, itemsize, SEGMENT_LANES)[1] for c, sw in segs for _, pw in _parts(c, sw, bk // ep))
     if bm == 1 or unit <= bm:
       break
   if m < unit or 1 < bm < unit:
@@ -374,8 +377,8 @@ def _quant_kernel(q, sf, *, x_block_size, x_col_major, npc, fmt, round_sf, col_m
 def _check_plain(x, fmt, npc, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0):
   _checks.check_rank("x", x, 2)
   _checks.check_dtype("x", x, (jnp.bfloat16, jnp.float32))
-  common.check_fmt(fmt)
-  common.check_sf_flags(use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+  validate.check_fmt(fmt)
+  validate.check_sf_flags(use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
   k = x.shape[1]
   if npc not in (16, 32, 64, 128) and npc != k:
     raise ValueError(f"num_per_channels must be 16, 32, 64, 128 or K={k}, got {npc}")
@@ -386,7 +389,7 @@ def _check_plain(x, fmt, npc, use_tma_aligned_col_major_sf, round_sf, use_packed
 
 
 def _use_kernel(impl, x, npc) -> bool:
-  return impl != "reference" and x.shape[0] > 0 and common.row_plan(*x.shape, npc) is not None
+  return impl != "reference" and x.shape[0] > 0 and tiling.row_plan(*x.shape, npc) is not None
 
 
 def _run_kernel(x, fmt, npc, impl, *, sf_in=None, round_sf=False, col_major=False, packed=False, write_data=True,
@@ -419,9 +422,9 @@ def per_token_cast(x, fmt: str, num_per_channels: int, x_block_size=None, use_tm
   """
   quant_input = isinstance(x, tuple)
   if quant_input:
-    common.check_quant_tensor("x", x, x_block_size, col_major=x_use_tma_aligned_col_major_sf)
-    common.check_fmt(fmt)
-    common.check_sf_flags(use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+    validate.check_quant_tensor("x", x, x_block_size, col_major=x_use_tma_aligned_col_major_sf)
+    validate.check_fmt(fmt)
+    validate.check_sf_flags(use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
     if num_per_channels not in (16, 32, 64, 128):
       raise ValueError(f"num_per_channels must be 16, 32, 64 or 128 for a QuantTensor input, got {num_per_channels}")
   else:
@@ -468,7 +471,7 @@ def per_token_cast_with_precomputed_sf(x, fmt: str, num_per_channels: int, sf, x
   if use_tma_aligned_col_major_sf or use_packed_ue8m0:
     raise ValueError("use_tma_aligned_col_major_sf / use_packed_ue8m0 must be False with a precomputed sf")
   m, k = x.shape
-  common.check_sf("sf", sf, (m, ref.cdiv(k, num_per_channels)), jnp.float32)
+  validate.check_sf("sf", sf, (m, ref.cdiv(k, num_per_channels)), jnp.float32)
   impl = _config.get_implementation(implementation)
   if not _use_kernel(impl, x, num_per_channels):
     return ref.cast(x, fmt, (1, num_per_channels), sf=sf)

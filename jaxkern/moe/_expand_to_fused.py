@@ -56,7 +56,7 @@ from jax.experimental.pallas import triton as plt
 
 from jaxkern import _checks, _config
 from jaxkern.moe import _routing
-from jaxkern.reference import moe_routing as ref
+from jaxkern.reference import moe as ref
 
 _TOKEN_BLOCK_BYTES = 56 << 10  # SMEM for the token rows of one CTA (about 4 CTAs per SM)
 _MAX_TOKEN_BLOCK = 16

@@ -11,7 +11,7 @@ import jax
 
 from jaxkern import _config
 from jaxkern.moe import _routing
-from jaxkern.reference import moe_routing as ref
+from jaxkern.reference import moe as ref
 
 
 def group_count(group_idx: jax.Array, num_groups: int, *, implementation: str | None = None) -> jax.Array:

@@ -4,7 +4,7 @@
 
 Mosaic GPU kernel for e4m3 and packed e2m1 data whose block width divides ``K`` or is the whole row
 (any block height; a partial last block column runs as separate column segments): the data are
-viewed as rows of whole blocks (as in :mod:`jaxkern.quant.per_token_cast`), read straight from GMEM
+viewed as rows of whole blocks (as in :mod:`jaxkern.quant._per_token_cast`), read straight from GMEM
 into registers in :func:`jaxkern._layouts.row_layout`, multiplied by the row's sf and written
 straight back; no padding for any row count. The kernel reads the caller's sf itself where a tile's
 sf is a row slice of it: layout A with one group per view row (contiguous) or with column segments (a
@@ -43,7 +43,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config
-from jaxkern.quant import common
+from jaxkern._layouts import row_layout
+from jaxkern.quant import _tiling as tiling
+from jaxkern.quant import _validate as validate
 from jaxkern.reference import quant as ref
 
 
@@ -71,7 +73,7 @@ TILE_COLS = 512
 
 
 def _tile_itemsize(out_dtype, fp4, bm):
-  """The itemsize that sizes the row tiles (:func:`jaxkern.quant.common.tile_rows`). e4m3 -> float32
+  """The itemsize that sizes the row tiles (:func:`jaxkern.quant._tiling.tile_rows`). e4m3 -> float32
   with one sf per row (``bm == 1``) takes 4: 32 values per thread; H200 8001x7168 npc 128 76.5 ->
   75.4 µs, packed sf 76.4 -> 75.4, 4001x2048 11.6 -> 10.9 and 11.1 -> 10.5; (128, 128) blocks stay
   at 2 (64 values per thread: 4001x2048 10.5 against 11.1)."""
@@ -84,8 +86,8 @@ def _out_layout(width, out_dtype, fp4):
   """Register layout of a segment: e4m3 bytes -> ``out_dtype``; packed e2m1 bytes -> one int32 word
   (two bf16), one int16 word (two e4m3) or a strided float32 pair half per byte."""
   if not fp4:
-    return common.row_layout(width, jnp.dtype(out_dtype).itemsize)
-  return common.row_layout(width, 16 if out_dtype == jnp.float32 else 4)
+    return row_layout(width, jnp.dtype(out_dtype).itemsize)
+  return row_layout(width, 16 if out_dtype == jnp.float32 else 4)
 
 
 def _row_kernel(q, sf, *, segs, out_dtype, sf_mode, bm, num_blocks, interpret, col_tiles=1):
@@ -102,7 +104,7 @@ def _row_kernel(q, sf, *, segs, out_dtype, sf_mode, bm, num_blocks, interpret, c
   fp4 = q.dtype != jnp.float8_e4m3fn
   layouts = [_out_layout(sw, out_dtype, fp4) for _, sw in segs]
   unit = max(u for _, u in layouts)
-  rt = common.tile_rows(r, tw, _tile_itemsize(out_dtype, fp4, bm), unit)
+  rt = tiling.tile_rows(r, tw, _tile_itemsize(out_dtype, fp4, bm), unit)
   if bm > 1:
     rt = min(rt, bm // unit * unit)
   if not fp4:
@@ -186,7 +188,7 @@ def _channel_kernel(q, sf, *, bm, out_dtype, interpret):
   mp = max(m, rc)
   if mp != m:  # fewer rows than one chunk (tiny inputs only)
     q = jnp.pad(q, ((0, mp - m), (0, 0)))
-  lay, _ = common.row_layout(c, jnp.dtype(out_dtype).itemsize)
+  lay, _ = row_layout(c, jnp.dtype(out_dtype).itemsize)
   nblk = ref.cdiv(m, bm)
 
   @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((mp, k), out_dtype), grid=(pl.cdiv(mp, rt), k // c),
@@ -238,7 +240,7 @@ def _tma_store_kernel(q, sf, *, bm, interpret):
   per_sm, stages = _RING_CONFIG[bm == 1]
   tiles = pl.cdiv(m, rt) * gj
   ctas = min(tiles, per_sm * _config.num_sms())
-  lay, _ = common.row_layout(128, 4)
+  lay, _ = row_layout(128, 4)
   nblk = ref.cdiv(m, bm)
 
   @functools.partial(
@@ -315,7 +317,7 @@ def _kernel(q, sf, *, block_size, out_dtype, col_major, interpret):
   bm, bk = block_size
   mb, kb = ref.cdiv(m, bm), ref.cdiv(k, bk)
   div = 2 if fp4 else 1
-  r, w, segs = common.row_plan(m, k, min(bk, k))
+  r, w, segs = tiling.row_plan(m, k, min(bk, k))
   segs = tuple((c // div, sw // div) for c, sw in segs)
   tiles = 1
   if not fp4 and k % bk == 0 and k > bk >= 64 and (bm > 1 or col_major or sf.dtype == jnp.int32):
@@ -374,10 +376,10 @@ def cast_back(x, fmt: str, x_block_size, x_special_fmt=None, *, x_use_tma_aligne
   """
   if x_special_fmt is not None:
     raise ValueError(f"x_special_fmt must be None, got {x_special_fmt!r}")
-  k = common.check_quant_tensor("x", x, x_block_size, col_major=x_use_tma_aligned_col_major_sf)
+  k = validate.check_quant_tensor("x", x, x_block_size, col_major=x_use_tma_aligned_col_major_sf)
   if k % 64:
     raise ValueError(f"x[0] must have a logical width K % 64 == 0, got K={k}")
-  common.check_fmt(fmt, ("bf16", "fp32"))
+  validate.check_fmt(fmt, ("bf16", "fp32"))
   impl = _config.get_implementation(implementation)
   q = x[0]
   out_dtype = jnp.bfloat16 if fmt == "bf16" else jnp.float32
@@ -391,7 +393,7 @@ def cast_back(x, fmt: str, x_block_size, x_special_fmt=None, *, x_use_tma_aligne
   if impl != "reference" and _use_tma_store(q, x[1], x_block_size, out_dtype, x_use_tma_aligned_col_major_sf):
     return _tma_store_kernel(q, x[1], bm=x_block_size[0], interpret=_config.mosaic_interpret(impl))
   if (impl != "reference" and q.shape[0] and x_block_size[1] >= 16
-      and common.row_plan(q.shape[0], k, min(x_block_size[1], k)) is not None):
+      and tiling.row_plan(q.shape[0], k, min(x_block_size[1], k)) is not None):
     return _kernel(q, x[1], block_size=tuple(x_block_size), out_dtype=out_dtype,
                    col_major=x_use_tma_aligned_col_major_sf, interpret=_config.mosaic_interpret(impl))
   return ref.cast_back(x, fmt, tuple(x_block_size), x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)

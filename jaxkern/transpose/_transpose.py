@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkern import _checks, _config
+from jaxkern import _checks, _config, _dispatch
 from jaxkern._layouts import NO_AUTO_BARRIERS
 from jaxkern.reference import transpose as ref
 
@@ -194,36 +194,63 @@ def _ring_kernel(x: jax.Array, interpret=None) -> jax.Array:
   return lax.bitcast_convert_type(y, x.dtype)
 
 
-def _check(name: str, x, ndim: int) -> None:
+def _check(name: str, x, ndim: int):
+  x = _checks.as_array(name, x)
   _checks.check_rank(name, x, ndim)
   if x.dtype.itemsize not in (1, 2, 4):
     raise ValueError(f"{name} must have a 1-, 2- or 4-byte dtype, got {x.dtype}")
   _checks.check_multiple(name, x, -2, ALIGNMENT)
   _checks.check_multiple(name, x, -1, ALIGNMENT)
+  return x
+
+
+def _unsupported(x) -> str | None:
+  """Why the kernels cannot transpose ``x``, or None."""
+  if x.dtype == jnp.bool_:
+    return "bool data (no 1-bit element type in Mosaic GPU; transpose x.view(jnp.uint8) for the kernel)"
+  return None
 
 
 def batched_transpose(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
   """Swaps the last two axes: ``(B, M, N) -> (B, N, M)``, bit-exact.
 
   Args:
-    x: ``(B, M, N)`` array of any 1-, 2- or 4-byte dtype (float8_e4m3fn, bfloat16,
-      float32, ints, ...); ``M`` and ``N`` must be multiples of 64.
-    implementation: see :mod:`jaxkern._config`.
+    x: ``(B, M, N)`` array (or nested list) of any 1-, 2- or 4-byte dtype (float8_e4m3fn, bfloat16,
+      float32, ints, bool, ...); ``M`` and ``N`` multiples of 64.
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``
+      (see :mod:`jaxkern._config`).
 
   Returns:
     ``(B, N, M)`` array with ``out[b, j, i] = x[b, i, j]``.
+
+  Raises:
+    ValueError: ``x`` of another rank or itemsize, or ``M`` / ``N`` not multiples of 64.
+    KernelUnavailableError: ``implementation="pallas"`` / ``"interpret"`` with bool data.
+
+  XLA instead of a kernel: bool data and zero-size arrays (``"auto"`` everywhere else runs the
+  kernel: it is at least as fast as XLA's transpose on every spec shape but ``(4032 | 8064, 576)``
+  bf16, 0.97-0.99x, see benchmarks/NOTES.md).
   """
-  _check("x", x, 3)
-  impl = _config.get_implementation(implementation)
-  if impl == "reference" or x.size == 0:
-    return ref.batched_transpose(x)
-  return _batched_transpose_kernel(x, interpret=_config.mosaic_interpret(impl))
+  x = _check("x", x, 3)
+  return _dispatch.run(
+      "batched_transpose", implementation,
+      kernel=lambda interpret: _batched_transpose_kernel(x, interpret=_config.mosaic_interpret(interpret)),
+      xla=lambda: ref.batched_transpose(x), unsupported=_unsupported(x), empty=x.size == 0)
 
 
 def transpose(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
-  """2-D transpose ``(M, N) -> (N, M)``, bit-exact; same constraints as :func:`batched_transpose`."""
-  _check("x", x, 2)
-  impl = _config.get_implementation(implementation)
-  if impl != "reference" and _use_ring(x):
-    return _ring_kernel(x, interpret=_config.mosaic_interpret(impl))
-  return batched_transpose(x[None], implementation=implementation)[0]
+  """2-D transpose ``(M, N) -> (N, M)``, bit-exact; arguments, errors and XLA cases as
+  :func:`batched_transpose` (with ``x`` of rank 2).
+
+  Large 8-bit arrays (from 8 MB) and 16-bit arrays of 12-64 MiB run the persistent ring kernel,
+  other sizes the one-tile kernel (module docstring).
+  """
+  x = _check("x", x, 2)
+
+  def kernel(interpret):
+    if _use_ring(x):
+      return _ring_kernel(x, interpret=_config.mosaic_interpret(interpret))
+    return _batched_transpose_kernel(x[None], interpret=_config.mosaic_interpret(interpret))[0]
+
+  return _dispatch.run("transpose", implementation, kernel=kernel, xla=lambda: ref.transpose(x),
+                       unsupported=_unsupported(x), empty=x.size == 0)

@@ -46,7 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxkern import _checks, _config, _triton
+from jaxkern import _checks, _config, _ieee
 from jaxkern.moe._select import TAKEN, order_key
 from jaxkern.reference import moe as ref
 
@@ -125,10 +125,10 @@ def _softmax_denominator(x_ref, row_ok, m, cfg: _Config):
 def _unbiased(x, m, z, cfg: _Config):
   """Elementwise scores ``u`` of logits ``x`` (``m``, ``z``: the softmax row max and denominator)."""
   if cfg.scoring_func == "sigmoid":
-    return _triton.div(jnp.ones_like(x), 1.0 + _exp(-x, cfg.interpret), cfg.interpret)
+    return _ieee.triton_div(jnp.ones_like(x), 1.0 + _exp(-x, cfg.interpret), cfg.interpret)
   if cfg.scoring_func == "sqrtsoftplus":
-    return _triton.sqrt(jnp.where(x > 20.0, x, jnp.log1p(_exp(x, cfg.interpret))), cfg.interpret)
-  return _triton.div(_exp(x - m, cfg.interpret), z, cfg.interpret)
+    return _ieee.triton_sqrt(jnp.where(x > 20.0, x, jnp.log1p(_exp(x, cfg.interpret))), cfg.interpret)
+  return _ieee.triton_div(_exp(x - m, cfg.interpret), z, cfg.interpret)
 
 
 def _scores(x, x_ref, row_ok, ok, cfg: _Config):
@@ -208,7 +208,7 @@ def _kernel(*refs, cfg: _Config):
   total = jnp.full((br,), 1e-20, jnp.float32)
   for c in range(k):  # upstream's sequential order; each term is taken out of its slot by an exact masked sum
     total = total + jnp.sum(jnp.where(slot == c, picked, 0.0), axis=1)
-  wtile = jnp.where(slot < k, _triton.div(picked, total[:, None], cfg.interpret) * rsf_ref[0], 1.0)
+  wtile = jnp.where(slot < k, _ieee.triton_div(picked, total[:, None], cfg.interpret) * rsf_ref[0], 1.0)
   tile = jnp.where(slot < k, utile, e + slot - k)
   extra = 0
   if cfg.num_extra >= 0:

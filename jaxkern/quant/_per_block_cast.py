@@ -8,16 +8,16 @@ registers in :func:`jaxkern._layouts.row_layout` (conflict-free: the buffer is c
 reduced over both axes to the block's amax; the quantisation re-reads the buffer, writes e4m3 to an
 SMEM buffer and TMA stores it (clipped at the edges). The sf is stored per block from the kernel,
 float32 ``(Mb, kt·nb)``; the wrapper cuts the padding columns and formats the layout. Divisions as
-in :mod:`jaxkern.quant.per_token_cast`.
+in :mod:`jaxkern.quant._per_token_cast`.
 
 e2m1 from bf16 reads each pair of columns as one int32 word (a free bitcast of the input; the data
 TMA boxes are half as wide) and packs the two nibbles per output byte as in
-:mod:`jaxkern.quant.per_token_cast`, with the short encoder :func:`jaxkern.quant.common.encode_e2m1`.
+:mod:`jaxkern.quant._per_token_cast`, with the short encoder :func:`jaxkern.quant._encode.encode_e2m1`.
 float32 -> e2m1 has its own kernel (:func:`_fp4_from_f32_kernel`) that reads the even and odd
 columns straight from GMEM (strided SMEM loads do not lower) and stores through SMEM and TMA.
 
 ``per_block_cast_lossless`` computes the exponents per block in XLA (small: one value per input
-block) and moves the data through the packed-e2m1 row kernel of :mod:`jaxkern.quant.cast_back`
+block) and moves the data through the packed-e2m1 row kernel of :mod:`jaxkern.quant._cast_back`
 with an e4m3 output (decode, multiply by the block's power of two, saturating e4m3 pairs).
 """
 
@@ -32,9 +32,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkern import _checks, _config
-from jaxkern.quant import common
-from jaxkern.quant.cast_back import _kernel as _cast_back_kernel
+from jaxkern import _checks, _config, _ieee
+from jaxkern._layouts import row_layout
+from jaxkern.quant import _validate as validate
+from jaxkern.quant._encode import encode_e2m1
+from jaxkern.quant._cast_back import _kernel as _cast_back_kernel
 from jaxkern.reference import quant as ref
 
 BLOCK_SIDES = (32, 128)
@@ -77,7 +79,7 @@ def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, inte
   if fp4:
     x = lax.bitcast_convert_type(x.reshape(m, k // 2, 2), jnp.int32)
   obk = bk // 2 if fp4 else bk  # block width in x's columns and in output bytes
-  layout, _ = common.row_layout(obk, x.dtype.itemsize)
+  layout, _ = row_layout(obk, x.dtype.itemsize)
   # e2m1 works on 32-row slices of a block: the integer rounding of a whole 128-row block at once
   # needs too many registers (measured 6x slower than the e4m3 kernel on the H200).
   rc = 32 if fp4 else bm
@@ -112,19 +114,19 @@ def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, inte
       # The block's amax / sf are scalars; the sf arithmetic (bit casts) runs on splat vectors
       # (one register per thread), as scalar bit casts do not lower.
       if sf_in is not None:
-        inv = common.exact_div(1.0, jnp.broadcast_to(sfin_g[i, j * nb + s], (rc,)))
+        inv = _ieee.exact_div(1.0, jnp.broadcast_to(sfin_g[i, j * nb + s], (rc,)))
       else:
         a = functools.reduce(jnp.maximum, [jnp.max(jnp.max(jnp.abs(h), axis=1), axis=0)
                                            for c in chunks for h in _load_halves(x_s.at[s, c], layout, fp4)])
         sf, inv = ref.scale_factors(jnp.broadcast_to(a, (rc,)), jnp.broadcast_to(c_g[0], (rc,)), fmt, round_sf,
-                                    div=common.exact_div)
+                                    div=_ieee.exact_div)
         if compute_sf:
           sf_g[i, j * nb + s] = jnp.max(sf, axis=0)
       if write_data:
         for c in chunks:
           q = [h * inv[:, None] for h in _load_halves(x_s.at[s, c], layout, fp4)]
           if fp4:
-            o_s.at[s, c][...] = (common.encode_e2m1(q[0]) | (common.encode_e2m1(q[1]) << 4)).astype(jnp.int8)
+            o_s.at[s, c][...] = (encode_e2m1(q[0]) | (encode_e2m1(q[1]) << 4)).astype(jnp.int8)
           else:
             o_s.at[s, c][...] = ref.encode_e4m3(q[0]) if sf_in is not None else q[0].astype(jnp.float8_e4m3fn)
     if write_data:
@@ -192,7 +194,7 @@ def _fp4_from_f32_kernel(x, sf_in, *, block_size, round_sf, write_data, compute_
 
     def body(widths):
       """Blocks ``j·nb + s`` of widths ``widths[s]`` (pairs)."""
-      lays = [common.row_layout(w, 16)[0] for w in widths]  # one float32 per thread and row segment
+      lays = [row_layout(w, 16)[0] for w in widths]  # one float32 per thread and row segment
       bufs = [o_s.at[s] if w == p else o_t for s, w in enumerate(widths)] if write_data else None
 
       def load(s, c):
@@ -206,19 +208,19 @@ def _fp4_from_f32_kernel(x, sf_in, *, block_size, round_sf, write_data, compute_
         # inference too many choices: it exceeded Python's recursion limit for 8 blocks per CTA).
         splat = lambda v, lay=lay: plgpu.layout_cast(jnp.broadcast_to(v, (rc,)), lay.reduce(1))
         if sf_in is not None:
-          inv = common.exact_div(1.0, splat(sfin_g[i, j * nb + s]))
+          inv = _ieee.exact_div(1.0, splat(sfin_g[i, j * nb + s]))
         else:
           rows = [plgpu.broadcasted_iota(jnp.int32, (rc,), 0, layout=lay.reduce(1)) + st for st in starts]
           a = functools.reduce(jnp.maximum, [
               jnp.max(jnp.where(r >= i * bm, jnp.max(jnp.maximum(jnp.abs(e), jnp.abs(o)), axis=1), 0.0), axis=0)
               for r, (e, o) in zip(rows, map(get, range(bm // rc)))])
-          sf, inv = ref.scale_factors(splat(a), splat(c_g[0]), "e2m1", round_sf, div=common.exact_div)
+          sf, inv = ref.scale_factors(splat(a), splat(c_g[0]), "e2m1", round_sf, div=_ieee.exact_div)
           if compute_sf:
             sf_g[i, j * nb + s] = jnp.max(sf, axis=0)
         if write_data:
           for c in range(bm // rc):
             e, o = get(c)
-            byte = common.encode_e2m1(e * inv[:, None]) | (common.encode_e2m1(o * inv[:, None]) << 4)
+            byte = encode_e2m1(e * inv[:, None]) | (encode_e2m1(o * inv[:, None]) << 4)
             bufs[s].at[pl.ds(starts[c] - i * bm + rc, rc)][...] = byte.astype(jnp.int8)
       if write_data:
         plgpu.commit_smem()
@@ -257,10 +259,10 @@ def _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packe
   _checks.check_rank("x", x, 2)
   _checks.check_dtype("x", x, (jnp.bfloat16, jnp.float32))
   _checks.check_multiple("x", x, 1, 64)
-  common.check_fmt(fmt)
+  validate.check_fmt(fmt)
   if len(block_size) != 2 or any(b not in BLOCK_SIDES for b in block_size):
     raise ValueError(f"block_size must be (bm, bk) with bm, bk in {BLOCK_SIDES}, got {block_size}")
-  common.check_sf_flags(use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+  validate.check_sf_flags(use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
 
 
 def per_block_cast(x, fmt: str, block_size, use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
@@ -300,7 +302,7 @@ def per_block_cast_with_precomputed_sf(x, fmt: str, block_size, sf, use_tma_alig
   if use_tma_aligned_col_major_sf or use_packed_ue8m0:
     raise ValueError("use_tma_aligned_col_major_sf / use_packed_ue8m0 must be False with a precomputed sf")
   m, k = x.shape
-  common.check_sf("sf", sf, (ref.cdiv(m, block_size[0]), ref.cdiv(k, block_size[1])), jnp.float32)
+  validate.check_sf("sf", sf, (ref.cdiv(m, block_size[0]), ref.cdiv(k, block_size[1])), jnp.float32)
   impl = _config.get_implementation(implementation)
   if not _use_kernel(impl, x):
     return ref.cast(x, fmt, tuple(block_size), sf=sf)
@@ -317,13 +319,13 @@ def per_block_cast_lossless(x, fmt: str, x_block_size, out_block_size, use_tma_a
   otherwise the values round or flush in the e4m3 conversion. ``round_sf`` has no effect. Returns
   ``(out (M, K) e4m3, out_sf)`` for blocks ``out_block_size`` in the layout of the flags.
   """
-  k = common.check_quant_tensor("x", x, x_block_size, col_major=x_use_tma_aligned_col_major_sf)
+  k = validate.check_quant_tensor("x", x, x_block_size, col_major=x_use_tma_aligned_col_major_sf)
   if x[0].dtype == jnp.float8_e4m3fn:
     raise ValueError("x[0] must be packed e2m1 (int8)")
   if k % 32:
     raise ValueError(f"x[0] must have a logical width K % 32 == 0, got K={k}")
-  common.check_fmt(fmt, ("e4m3",))
-  common.check_sf_flags(use_tma_aligned_col_major_sf, True, use_packed_ue8m0)
+  validate.check_fmt(fmt, ("e4m3",))
+  validate.check_sf_flags(use_tma_aligned_col_major_sf, True, use_packed_ue8m0)
   (ibm, ibk), (obm, obk) = x_block_size, out_block_size
   if ibk & (ibk - 1) or obk & (obk - 1) or obm % ibm or obk % ibk:
     raise ValueError(f"out_block_size {out_block_size} must be a multiple of x_block_size {x_block_size} "
@@ -341,7 +343,7 @@ def per_block_cast_lossless(x, fmt: str, x_block_size, out_block_size, use_tma_a
 def _lossless(x, x_block_size, out_block_size, *, use_tma_aligned_col_major_sf, use_packed_ue8m0,
               x_use_tma_aligned_col_major_sf, interpret):
   """Exponent bookkeeping per block in XLA (:func:`jaxkern.reference.quant.lossless_scales`), then the
-  e2m1 row kernel of :mod:`jaxkern.quant.cast_back` multiplies each decoded value by its block's
+  e2m1 row kernel of :mod:`jaxkern.quant._cast_back` multiplies each decoded value by its block's
   power of two and writes e4m3 pairs."""
   q4, sf_in = x
   m, k = q4.shape[0], 2 * q4.shape[1]

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 from jaxkern import _checks, _config
 from jaxkern.moe import _select
-from jaxkern.moe.topk_gate import pad_rows_and_cols
+from jaxkern.moe._topk_gate import pad_rows_and_cols
 from jaxkern.reference import moe as ref
 
 

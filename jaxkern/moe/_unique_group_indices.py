@@ -28,7 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _config
 from jaxkern.moe import _routing
-from jaxkern.reference import moe_routing as ref
+from jaxkern.reference import moe as ref
 
 ROWS_PER_CTA = 128  # one row per thread
 DIRECT_MAX_TOPK = 2  # wider rows are staged through SMEM

@@ -35,7 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxkern import _config
 from jaxkern._layouts import NO_AUTO_BARRIERS
 from jaxkern.moe import _routing
-from jaxkern.reference import moe_routing as ref
+from jaxkern.reference import moe as ref
 from jaxkern.reference.moe import mask_by_tp
 
 VEC = 4  # int32 entries per thread (one 16-byte vector) with a traced rank

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxkern import _config
 from jaxkern.moe import _routing
-from jaxkern.reference import moe_routing as ref
+from jaxkern.reference import moe as ref
 
 
 _BLOCK = 64  # flat entries per rank block
@@ -30,7 +30,7 @@ _BLOCK = 64  # flat entries per rank block
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _sort_free_mapping(topk_idx, num_experts: int, num_rows: int, alignment: int):
-  """:func:`jaxkern.reference.moe_routing.get_fused_mapping` without a sort (same outputs)."""
+  """:func:`jaxkern.reference.moe.get_fused_mapping` without a sort (same outputs)."""
   t, k = topk_idx.shape
   e, m = num_experts, t * k
   flat = topk_idx.reshape(-1).astype(jnp.int32)

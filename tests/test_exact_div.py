@@ -10,7 +10,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkern.quant import common
+from jaxkern import _ieee
 from jaxkern.reference import ieee
 from jaxkern.testing import assert_bitwise_equal, lower_for_h100
 
@@ -61,9 +61,9 @@ def test_kernel_exact_div_matches_numpy():
   want = a / b
   # The hard pairs really are hard: a reciprocal multiply gets many of them wrong.
   assert np.mean(a * (np.float32(1) / b) != want) > 0.05
-  assert_bitwise_equal(np.asarray(_in_kernel(common.exact_div, a, b)).reshape(-1), want)
+  assert_bitwise_equal(np.asarray(_in_kernel(_ieee.exact_div, a, b)).reshape(-1), want)
   # A constant numerator (``1 / sf`` with a precomputed sf).
-  assert_bitwise_equal(np.asarray(_in_kernel(lambda y: common.exact_div(1.0, y), b)).reshape(-1), np.float32(1) / b)
+  assert_bitwise_equal(np.asarray(_in_kernel(lambda y: _ieee.exact_div(1.0, y), b)).reshape(-1), np.float32(1) / b)
 
 
 def test_kernel_exact_div_near_the_e2m1_clamp():
@@ -72,8 +72,8 @@ def test_kernel_exact_div_near_the_e2m1_clamp():
   rng = np.random.default_rng(3)
   tiny = (np.float32(6 * 2.0**-126) * (1 + rng.integers(0, 64, 1 << 12) * np.float32(2.0**-23))).astype(np.float32)
   six = np.full_like(tiny, 6)
-  assert_bitwise_equal(np.asarray(_in_kernel(common.exact_div, tiny, six)).reshape(-1), tiny / six)
-  assert_bitwise_equal(np.asarray(_in_kernel(common.exact_div, six, tiny)).reshape(-1), six / tiny)
+  assert_bitwise_equal(np.asarray(_in_kernel(_ieee.exact_div, tiny, six)).reshape(-1), tiny / six)
+  assert_bitwise_equal(np.asarray(_in_kernel(_ieee.exact_div, six, tiny)).reshape(-1), six / tiny)
 
 
 def test_kernel_refine_quotient_corrects_2_ulp():
@@ -83,7 +83,7 @@ def test_kernel_refine_quotient_corrects_2_ulp():
   k = np.random.default_rng(1).integers(-2, 3, want.shape).astype(np.int32)
   q0 = (want.view(np.int32) + k).view(np.float32)  # sign-magnitude step: ± ulp away from the true quotient
   assert np.mean(q0 != want) > 0.7
-  got = _in_kernel(common.refine_quotient, q0, a, b)
+  got = _in_kernel(_ieee.refine_quotient, q0, a, b)
   assert_bitwise_equal(np.asarray(got).reshape(-1), want)
 
 
@@ -126,7 +126,7 @@ def _gpu_kernel_div(a, b):
     plgpu.copy_gmem_to_smem(a_g.at[rows], a_s, bar)
     plgpu.copy_gmem_to_smem(b_g.at[rows], b_s, bar)
     plgpu.barrier_wait(bar)
-    o_s[...] = common.exact_div(plgpu.load(a_s, layout=plgpu.Layout.WGMMA), plgpu.load(b_s, layout=plgpu.Layout.WGMMA))
+    o_s[...] = _ieee.exact_div(plgpu.load(a_s, layout=plgpu.Layout.WGMMA), plgpu.load(b_s, layout=plgpu.Layout.WGMMA))
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_s, o_g.at[rows])
     plgpu.wait_smem_to_gmem(0)

@@ -41,7 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config
 from jaxkern.moe import _routing
-from jaxkern.reference import moe_routing as ref
+from jaxkern.reference import moe as ref
 
 CHUNK = 256  # H must be a multiple
 _MAX_WIDTH = 8192  # hidden elements per CTA: 64 fp32 accumulator registers per thread

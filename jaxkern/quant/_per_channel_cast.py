@@ -9,7 +9,7 @@ lanes along the columns, the rest of the lanes and the warps down the rows; conf
    lane shuffles, SMEM across warps). bf16 stays bf16 (the maximum is exact); a QuantTensor input
    (e4m3 + one float32 sf per row and 128 columns) is dequantised (``RN(q·sf)``) in float32 first;
 2. the maxima go through SMEM to one column per thread for the scale factors (correctly rounded
-   :func:`jaxkern.quant.common.exact_div`; computing them in the reduced layout would repeat every
+   :func:`jaxkern._ieee.exact_div`; computing them in the reduced layout would repeat every
    column's division on up to 16 threads), written to GMEM and back to SMEM as ``sf_inv``;
 3. ``e4m3(RN(v·sf_inv))`` (the GPU conversion saturates: ``|v·sf_inv| <= 448`` up to rounding, so no
    clip), stored straight from registers to GMEM (8 bytes per thread and row); for
@@ -28,7 +28,7 @@ from an XLA gather (0.77-0.85x XLA) or one-row TMA copies (0.66x) was slower tha
 Each program gathers 128 rows x 64 columns with per-row addresses, 4 warps (best of 1/2/4 warps x
 32/64/128 columns on an H200). H200 (runner, 24 MoE gathers of 25-29k rows, bf16 and QuantTensor
 inputs): 1.89-2.00x XLA, e.g. ``E=32x8 H=7168`` 221 µs (XLA 441). Divisions as in
-:mod:`jaxkern.quant.per_token_cast`.
+:mod:`jaxkern.quant._per_token_cast`.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as plt
 
-from jaxkern import _checks, _config, _triton
-from jaxkern.quant import common
-from jaxkern.quant.common import BM
+from jaxkern import _checks, _config, _ieee
+from jaxkern._layouts import row_layout
+from jaxkern.quant import _validate as validate
+from jaxkern.quant._tiling import BM
 from jaxkern.reference import quant as ref
 
 _ROWS = 128  # rows per CTA: one group of 128 or four of 32
@@ -77,7 +78,7 @@ def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, interpret=None
   r = _ROWS
   c = 128 if k % 128 == 0 else 64  # columns per CTA (64 and 256 measured no faster where 128 divides K)
   groups, chunk = r // npt, min(_CHUNK, npt)
-  lay = common.row_layout(c, 4 if sf_in is not None else x.dtype.itemsize)[0]  # f32 reductions: 4 per vector
+  lay = row_layout(c, 4 if sf_in is not None else x.dtype.itemsize)[0]  # f32 reductions: 4 per vector
   per_thread = _per_thread(c)
   if transpose_out:
     out_type = jax.ShapeDtypeStruct((k, m), jnp.float8_e4m3fn)
@@ -117,7 +118,7 @@ def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, interpret=None
     plgpu.commit_smem()
     for g in range(groups):  # one column per thread
       sf, inv = ref.scale_factors(plgpu.load(a_s.at[g], layout=per_thread), maxv, "e4m3", round_sf,
-                                  div=common.exact_div)
+                                  div=_ieee.exact_div)
       sf_g[groups * i + g, cols] = sf
       inv_s[g] = inv
     plgpu.commit_smem()
@@ -164,7 +165,7 @@ def _gather_kernel_body(pos_ref, x_ref, *refs, rows: int, bk: int, round_sf: boo
     v = v * plt.load(sf_in_ref.at[src, j * bk // 128])[:, None]
   v = jnp.where(ok[:, None], v, 0.0)
   sf, inv = ref.scale_factors(jnp.max(jnp.abs(v), axis=0), ref.FP8_MAX, "e4m3", round_sf,
-                              div=functools.partial(_triton.div, interpret=interpret))
+                              div=functools.partial(_ieee.triton_div, interpret=interpret))
   sf_ref[i, pl.ds(j * bk, bk)] = sf
   plt.store(o_ref.at[r[:, None], c[None, :]], ref.encode_e4m3(v * inv[None, :]), mask=(r < mo)[:, None])
 
@@ -203,7 +204,7 @@ def per_channel_cast_fused(x, fmt: str, num_per_tokens: int, round_sf: bool = Fa
   Returns:
     ``(out (Mo, K) e4m3, out_sf (ceil(Mo/128), K) float32)``.
   """
-  common.check_fmt(fmt, ("e4m3",))
+  validate.check_fmt(fmt, ("e4m3",))
   if num_per_tokens != 128:
     raise ValueError(f"num_per_tokens must be 128, got {num_per_tokens}")
   if isinstance(x, tuple):
@@ -213,7 +214,7 @@ def per_channel_cast_fused(x, fmt: str, num_per_tokens: int, round_sf: bool = Fa
     _checks.check_rank("x[0]", q, 2)
     _checks.check_dtype("x[0]", q, (jnp.float8_e4m3fn,))
     _checks.check_multiple("x[0]", q, 1, 128)
-    common.check_sf("x[1]", sf, (q.shape[0], q.shape[1] // 128), jnp.float32)
+    validate.check_sf("x[1]", sf, (q.shape[0], q.shape[1] // 128), jnp.float32)
     rows = q.shape[0]
   else:
     if num_per_channels is not None:
@@ -239,7 +240,7 @@ def per_channel_cast_fused(x, fmt: str, num_per_tokens: int, round_sf: bool = Fa
 
 
 def _check_plain(x, fmt, num_per_tokens, allowed, dtypes):
-  common.check_fmt(fmt, ("e4m3",))
+  validate.check_fmt(fmt, ("e4m3",))
   if num_per_tokens not in allowed:
     raise ValueError(f"num_per_tokens must be in {allowed}, got {num_per_tokens}")
   _checks.check_rank("x", x, 2)

@@ -7,8 +7,8 @@ from GMEM (one strided load per column); wider rows go through shared memory
 coalesced vector loads and stores, and each thread reads and writes its row's columns in SMEM.
 The sum is accumulated column by column in registers (``((1e-20 + w0) + w1) + ...``, each
 addition rounded, as the spec asks). Division: one correctly rounded reciprocal ``y = 1 / d`` per
-row (:func:`jaxkern.quant.common.exact_div`), then per weight ``q = w·y`` and two FMA corrections
-``q + (w - q·d)·y`` (:func:`_row_div`); a zero weight keeps ``w·y``, a signed zero. No float64
+row (:func:`jaxkern._ieee.exact_div`), then per weight ``q = w·y`` and two FMA corrections
+``q + (w - q·d)·y`` (:func:`jaxkern._ieee.div_by_reciprocal`); a zero weight keeps ``w·y``, a signed zero. No float64
 arithmetic (the reference divides in float64 and rounds with a midpoint test). The last CTA
 starts at ``T - 128`` (it recomputes rows of the previous one with identical results), so ragged
 ``T`` needs no masking; fewer than 128 tokens are padded.
@@ -35,29 +35,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkern import _checks, _config
+from jaxkern import _checks, _config, _ieee
 from jaxkern.moe import _routing
-from jaxkern.quant.common import exact_div
-from jaxkern.reference import moe_routing as ref
+from jaxkern.reference import moe as ref
 
 ROWS_PER_CTA = 128  # one token per thread
 DIRECT_MAX_TOPK = 2  # wider rows are staged through SMEM
 MAX_KERNEL_TOPK = 32
 _SEED = 1e-20
-
-
-def _row_div(c, d, y):
-  """Correctly rounded ``c / d`` from ``y = RN(1 / d)``: ``q = c·y``, then twice
-  ``q + (c - q·d)·y`` (two FMAs each; the residual ``c - q·d`` is exact). After the first
-  correction ``q`` is within an ulp of ``c / d``, so the second rounds correctly (Markstein's
-  theorem). Weights below ``2^-60`` are scaled by ``2^64`` (exactly) so that residuals stay normal."""
-  small = jnp.abs(c) < 2.0**-60
-  cs = c * jnp.where(small, jnp.float32(2.0**64), jnp.float32(1.0))
-  q = cs * y
-  for _ in range(2):
-    q = q + (cs - q * d) * y
-  q = q * jnp.where(small, jnp.float32(2.0**-64), jnp.float32(1.0))
-  return jnp.where(c == 0, c * y, q)  # a zero weight: a signed zero
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -85,8 +70,8 @@ def _kernel(w, *, interpret=None):
     for c in cols:
       d = d + c
     d_g[rows] = d
-    y = exact_div(1.0, d)
-    out = [_row_div(c, d, y) for c in cols]
+    y = _ieee.exact_div(1.0, d)
+    out = [_ieee.div_by_reciprocal(c, d, y) for c in cols]
     if staged:
       _routing.store_staged_rows(o_g, scratch[0], rows, out)
     else:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxkern import _config
 from jaxkern.moe import _routing
 from jaxkern.reference import ieee
-from jaxkern.reference import moe_routing as ref
+from jaxkern.reference import moe as ref
 
 
 def aux_fi(topk_idx: jax.Array, num_experts: int, num_aux_topk: int, *,

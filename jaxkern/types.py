@@ -1,0 +1,53 @@
+"""Result and argument types of the jaxkern ops: NamedTuples, so pytrees that unpack positionally.
+
+Plain tuples are accepted wherever a :class:`QuantTensor` is an input. The ``jnp`` references in
+:mod:`jaxkern.reference` return the same types as the ops.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+
+
+class QuantTensor(NamedTuple):
+  """Quantised data and its scale factors (``sf``); the layouts are those of :mod:`jaxkern.quant`."""
+
+  data: jax.Array
+  sf: jax.Array
+
+
+class FusedMapping(NamedTuple):
+  """The fused (expert-major) row layout of :func:`jaxkern.moe.get_fused_mapping`."""
+
+  pos_to_expert: jax.Array  # (N,) int32: expert of each fused row, -1 for padding
+  pos_to_token: jax.Array  # (N,) int32: token of each fused row, -1 for padding
+  pos_to_token_topk: jax.Array  # (N,) int32: flat slot t*K + k of each fused row, -1 for padding
+  token_topk_to_pos: jax.Array  # (T, K) int32: fused row of each slot, -1 for an unused slot
+  expert_start: jax.Array  # (E,) int32: first row of each expert's segment
+  expert_end: jax.Array  # (E,) int32: one past the segment's last row
+  num_tokens_per_expert: jax.Array  # (E,) int32: segment lengths (counts rounded up to the alignment)
+  num_tokens_per_expert_list: list  # the same as Python ints when sized on the host, else []
+
+
+class TopkRouting(NamedTuple):
+  """Routed experts and their weights (:func:`jaxkern.moe.top2_sum_gate`)."""
+
+  topk_idx: jax.Array  # (T, K+S) int32, -1 for a masked slot
+  topk_weights: jax.Array  # (T, K+S) float32
+
+
+class TopkRoutingWithUnmapped(NamedTuple):
+  """:class:`TopkRouting` plus the updated logical ids, when ``unmapped_topk_idx`` was passed."""
+
+  topk_idx: jax.Array
+  topk_weights: jax.Array
+  unmapped_topk_idx: jax.Array  # (T, K) int32
+
+
+class NormalizedWeights(NamedTuple):
+  """:func:`jaxkern.moe.normalize_weight`: the row sums and the weights divided by them."""
+
+  denominator: jax.Array  # (T,) float32
+  normalized_weights: jax.Array  # (T, K) float32
