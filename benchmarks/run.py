@@ -5,11 +5,14 @@ threads (never while a timing runs; ``--workers N`` splits the shapes over N pro
 lower in parallel), and for each, in order, checks the kernel against the reference and times the kernel and the XLA-compiled ``jnp`` reference with CUPTI
 (cold L2, median of ``--iterations``), and reports device µs, GB/s, % of the
 device-to-device copy bandwidth measured in the same run, and the speed-up over
-XLA. Rows go to a JSONL file under ``benchmarks/results/``; regenerate the summary
-with ``python -m benchmarks.summarize``.
+XLA. Every row records the path the op call took (``pallas`` or ``xla``, from
+:func:`jaxkern.explain`; ``path_reason`` says why where it is not the kernel). Rows go to a JSONL
+file under ``benchmarks/results/``; regenerate the summary with ``python -m benchmarks.summarize``.
 
-Without a GPU it says so and runs a small correctness-only pass of the kernels in
-Pallas interpret mode.
+Without a GPU it says so and runs a small correctness-only pass of the kernels in Pallas interpret
+mode (the XLA path where the kernel cannot run a case), over the small cases whose label matches
+``--shapes``; ``--out`` then receives correctness rows without timings. A ``--shapes`` pattern that
+matches nothing is an error (exit status 1).
 """
 
 from __future__ import annotations
@@ -55,25 +58,55 @@ def _select(names: str | None):
   return [REGISTRY[n] for n in names.split(",")]
 
 
-def _correctness_pass(ops) -> int:
+def _path(decisions) -> str:
+  """The paths one call ran (``pallas``, ``interpret``, ``xla``, ``reference``), in call order, ``+``-joined."""
+  return "+".join(dict.fromkeys(d.path for d in decisions)) or "none"
+
+
+def _path_reason(decisions) -> str:
+  return "; ".join(dict.fromkeys(f"{d.op}: {d.reason}" for d in decisions if d.path not in ("pallas", "interpret")))
+
+
+def _correctness_pass(ops, shapes: str | None, out_path: pathlib.Path | None) -> int:
+  """Runs the small cases (labels matching ``shapes``) in interpret mode, or on the XLA path where the
+  kernel cannot run them; checks them against the reference; appends rows to ``out_path`` if given."""
   print(f"No GPU found (JAX backend: {jax.default_backend()}): nothing is timed. "
         "Running a correctness-only pass of the kernels in Pallas interpret mode.")
+  todo = [(op, case) for op in ops for case in op.small_cases() if not shapes or re.search(shapes, case.label)]
+  if not todo:
+    raise SystemExit(f"--shapes {shapes!r} matches none of the small CPU cases of {[op.name for op in ops]}")
   failures = 0
   key = jax.random.key(0)
-  for op in ops:
-    for case in op.small_cases():
-      key, sub = jax.random.split(key)
-      args = case.make_args(sub)
-      t0 = time.perf_counter()
+  rows = []
+  for op, case in todo:
+    key, sub = jax.random.split(key)
+    args = case.make_args(sub)
+    t0 = time.perf_counter()
+    path = ""
+    try:
+      impl = "interpret"
       try:
-        with jaxkern.use_implementation("interpret"):
-          out = op.fn(*args, **case.kwargs)
-        op.check(out, op.reference(*args, **case.kwargs))
-        status = "ok"
-      except Exception as e:  # report every case, fail at the end
-        failures += 1
-        status = f"FAILED: {type(e).__name__}: {e}"
-      print(f"{op.name:24s} {case.label:28s} {time.perf_counter() - t0:6.2f}s  {status}")
+        decisions = jaxkern.explain(functools.partial(op.fn, implementation=impl, **case.kwargs), *args)
+      except jaxkern.KernelUnavailableError:
+        impl = "xla"
+        decisions = jaxkern.explain(functools.partial(op.fn, implementation=impl, **case.kwargs), *args)
+      path = _path(decisions)
+      with jaxkern.use_implementation(impl):
+        out = op.fn(*args, **case.kwargs)
+      op.check(out, op.reference(*args, **case.kwargs))
+      status, ok = "ok", True
+    except Exception as e:  # report every case, fail at the end
+      failures += 1
+      status, ok = f"FAILED: {type(e).__name__}: {e}", False
+    seconds = time.perf_counter() - t0
+    print(f"{op.name:24s} {case.label:28s} {path:10s} {seconds:6.2f}s  {status}")
+    rows.append(dict(op=op.name, shape=case.label, path=path, correct=ok, seconds=round(seconds, 2),
+                     backend=jax.default_backend(), jax=jax.__version__, date=datetime.date.today().isoformat()))
+  if out_path is not None:
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with out_path.open("a") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+    print(f"wrote {out_path} (correctness rows, no timings)")
   return failures
 
 
@@ -125,7 +158,7 @@ class _Quiet:
 def _compile_all(todo, jobs: int, quiet: _Quiet):
   """Lowers the flushed kernel and reference executables of every case in a background thread
   (tracing holds the GIL) and compiles them in ``jobs`` threads; yields ``(op, case, key, avals,
-  kernel, ref)`` in order as they become ready."""
+  decisions, kernel, ref)`` in order as they become ready (``decisions``: the dispatch of the op call)."""
   from jaxkern.testing.timing import flush_buffer, lower_timed
 
   with quiet.timing():  # measures the flush's kernels on the GPU
@@ -138,7 +171,10 @@ def _compile_all(todo, jobs: int, quiet: _Quiet):
         for op, case, key in todo:
           avals = _avals(case, key, quiet)
           fns = (functools.partial(op.fn, **case.kwargs), functools.partial(op.reference, **case.kwargs))
-          ready.put((op, case, key, avals, [pool.submit(quiet.compile, lower_timed(f, *avals)) for f in fns]))
+          with jaxkern._dispatch.recording() as decisions:  # the paths the timed kernel call takes
+            lowered = [lower_timed(f, *avals) for f in fns]
+          futures = [pool.submit(quiet.compile, lowered_fn) for lowered_fn in lowered]
+          ready.put((op, case, key, avals, decisions, futures))
       except BaseException as e:  # surfaces in the consumer
         ready.put(e)
       ready.put(None)
@@ -147,11 +183,11 @@ def _compile_all(todo, jobs: int, quiet: _Quiet):
     while (item := ready.get()) is not None:
       if isinstance(item, BaseException):
         raise item
-      op, case, key, avals, futures = item
-      yield op, case, key, avals, *(f.result() for f in futures)
+      op, case, key, avals, decisions, futures = item
+      yield op, case, key, avals, decisions, *(f.result() for f in futures)
 
 
-def _measure(op, case, key, avals, kernel, ref, iterations: int, quiet: _Quiet, env: dict) -> dict:
+def _measure(op, case, key, avals, decisions, kernel, ref, iterations: int, quiet: _Quiet, env: dict) -> dict:
   """Checks and times one compiled case (all its GPU work inside ``quiet.timing()``); returns its JSONL row."""
   from jaxkern.testing.timing import device_time_us, flush_buffer
 
@@ -168,11 +204,13 @@ def _measure(op, case, key, avals, kernel, ref, iterations: int, quiet: _Quiet, 
     t_ref = device_time_us(functools.partial(op.reference, **case.kwargs), *args, iterations=iterations,
                            compiled=ref)
   gbps = case.nbytes / t / 1e3
-  row = dict(op=op.name, shape=case.label, device_us=round(t, 3), gbps=round(gbps, 1),
+  row = dict(op=op.name, shape=case.label, path=_path(decisions), device_us=round(t, 3), gbps=round(gbps, 1),
              pct_copy=round(100 * gbps / env["copy_gbps"], 1), xla_us=round(t_ref, 3),
              speedup=round(t_ref / t, 3), correct=ok, bytes=case.nbytes, copy_gbps=round(env["copy_gbps"], 1),
              gpu=env["gpu"], date=env["date"], jax=jax.__version__, iterations=iterations,
              time=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+  if reason := _path_reason(decisions):
+    row["path_reason"] = reason
   return row if ok else dict(row, error=error)
 
 
@@ -189,8 +227,8 @@ def _cases(todo_items):
 def _rows(todo_items, iterations: int, jobs: int, quiet: _Quiet, env: dict):
   with quiet.timing():  # the keys are made on the GPU
     todo = list(_cases(todo_items))
-  for op, case, key, avals, kernel, ref in _compile_all(todo, jobs, quiet):
-    yield _measure(op, case, key, avals, kernel, ref, iterations, quiet, env)
+  for op, case, key, avals, decisions, kernel, ref in _compile_all(todo, jobs, quiet):
+    yield _measure(op, case, key, avals, decisions, kernel, ref, iterations, quiet, env)
 
 
 def _worker(todo_items, iterations, jobs, shared, env, rows):
@@ -232,11 +270,13 @@ def _parallel_rows(todo_items, iterations: int, jobs: int, workers: int, env: di
 def _benchmark(ops, out_path: pathlib.Path, iterations: int, shapes: str | None, jobs: int, workers: int) -> int:
   from jaxkern.testing.timing import copy_bandwidth_gbps
 
+  todo = [(op.name, case.label) for op in ops for case in op.cases() if not shapes or re.search(shapes, case.label)]
+  if not todo:
+    raise SystemExit(f"--shapes {shapes!r} matches none of the benchmark shapes of {[op.name for op in ops]}")
   env = dict(gpu=jax.devices()[0].device_kind, date=datetime.date.today().isoformat(),
              copy_gbps=copy_bandwidth_gbps())
   print(f"{env['gpu']}, jax {jax.__version__}, {env['date']}; device-to-device copy: {env['copy_gbps']:.0f} GB/s")
-  print(f"{'op':20s} {'shape':26s} {'µs':>9s} {'GB/s':>7s} {'%copy':>6s} {'xla µs':>9s} {'speed-up':>8s}")
-  todo = [(op.name, case.label) for op in ops for case in op.cases() if not shapes or re.search(shapes, case.label)]
+  print(f"{'op':20s} {'shape':26s} {'path':7s} {'µs':>9s} {'GB/s':>7s} {'%copy':>6s} {'xla µs':>9s} {'speed-up':>8s}")
   items = [(name, label, i, len(todo)) for i, (name, label) in enumerate(todo)]
   if workers > 1:
     rows = _parallel_rows(items, iterations, max(1, jobs // workers), workers, env)
@@ -251,7 +291,7 @@ def _benchmark(ops, out_path: pathlib.Path, iterations: int, shapes: str | None,
         print(f"{row['op']} {row['shape']}: WRONG RESULT: {row.pop('error')}")
       f.write(json.dumps(row) + "\n")
       f.flush()
-      print(f"{row['op']:20s} {row['shape']:26s} {row['device_us']:9.2f} {row['gbps']:7.0f} {row['pct_copy']:6.1f} "
+      print(f"{row['op']:20s} {row['shape']:26s} {row['path']:7s} {row['device_us']:9.2f} {row['gbps']:7.0f} {row['pct_copy']:6.1f} "
             f"{row['xla_us']:9.2f} {row['speedup']:8.2f}{'' if row['correct'] else '  WRONG'}", flush=True)
   print(f"wrote {out_path}")
   return failures
@@ -278,7 +318,7 @@ def main(argv=None) -> int:
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / (args.workers + 1):.3f}"
   ops = _select(args.ops)
   if jax.default_backend() != "gpu":
-    return 1 if _correctness_pass(ops) else 0
+    return 1 if _correctness_pass(ops, args.shapes, args.out) else 0
   slug = jax.devices()[0].device_kind.replace(" ", "-")
   out = args.out or RESULTS / f"{datetime.date.today().isoformat()}_{slug}.jsonl"
   return 1 if _benchmark(ops, out, args.iterations, args.shapes, args.jobs, args.workers) else 0

@@ -26,10 +26,11 @@ Every decision is logged to the ``"jaxkern"`` logger at DEBUG level and recorded
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -117,6 +118,20 @@ def run(op: str, implementation: str | None, *, kernel: Callable[[bool], Any] | 
   return xla()
 
 
+@contextlib.contextmanager
+def recording() -> Iterator[list[Decision]]:
+  """Collects the :class:`Decision` of every op traced inside the block (this thread) into the list
+  it yields. Functions traced inside are traced anew even if ``jax.jit`` has a trace of them."""
+  stack = _recorders.__dict__.setdefault("stack", [])
+  record: list[Decision] = []
+  stack.append(record)
+  try:
+    with _explain_token(object()):
+      yield record
+  finally:
+    stack.pop()
+
+
 def explain(fn: Callable, *args, **kwargs) -> list[Decision]:
   """The :class:`Decision` of every jaxkern op that ``fn(*args, **kwargs)`` calls, in call order.
 
@@ -132,12 +147,6 @@ def explain(fn: Callable, *args, **kwargs) -> list[Decision]:
     a, k = jax.tree.unflatten(tree, [next(it) if t else v for v, t in zip(leaves, traced)])
     return fn(*a, **k)
 
-  stack = _recorders.__dict__.setdefault("stack", [])
-  record: list[Decision] = []
-  stack.append(record)
-  try:
-    with _explain_token(object()):
-      jax.eval_shape(call, *(v for v, t in zip(leaves, traced) if t))
-  finally:
-    stack.pop()
+  with recording() as record:
+    jax.eval_shape(call, *(v for v, t in zip(leaves, traced) if t))
   return record

@@ -1,6 +1,8 @@
 """The benchmark runner's registry, its no-GPU correctness pass and its compile/timing exclusion."""
 
+import json
 import multiprocessing
+import re
 import threading
 import time
 
@@ -19,12 +21,23 @@ def test_registry_covers_the_spec_grids():
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the correctness-only pass is the no-GPU path")
-def test_runner_without_gpu(capsys):
+def test_runner_without_gpu(capsys, tmp_path):
   assert run.main(["--ops", "transpose"]) == 0
   out = capsys.readouterr().out
-  assert "No GPU found" in out and "ok" in out and "FAILED" not in out
+  assert "No GPU found" in out and "ok" in out and "FAILED" not in out and "interpret" in out
   with pytest.raises(SystemExit, match="unknown ops"):
     run.main(["--ops", "nope"])
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the correctness-only pass is the no-GPU path")
+def test_runner_without_gpu_honours_shapes_and_out(capsys, tmp_path):
+  labels = [c.label for c in REGISTRY["transpose"].small_cases()]
+  out_file = tmp_path / "rows.jsonl"
+  assert run.main(["--ops", "transpose", "--shapes", f"^{re.escape(labels[0])}$", "--out", str(out_file)]) == 0
+  rows = [json.loads(line) for line in out_file.read_text().splitlines()]
+  assert [(r["op"], r["shape"], r["path"], r["correct"]) for r in rows] == [("transpose", labels[0], "interpret", True)]
+  with pytest.raises(SystemExit, match="matches none"):
+    run.main(["--ops", "transpose", "--shapes", "no such shape"])
 
 
 @pytest.mark.parametrize("shared", ["threads", "processes"])

@@ -1,5 +1,6 @@
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,3 +150,31 @@ def test_ring_kernel_choice_and_lowering_for_h100(dtype, shape, ring):
   x = jax.ShapeDtypeStruct(shape, dtype)
   assert module._use_ring(x) == ring
   assert "mosaic_gpu" in lower_for_h100(functools.partial(transpose, implementation="pallas"), x).as_text()
+
+
+def test_repeated_calls_do_not_retrace(key):
+  # Pallas' Mosaic GPU interpreter adds a JAX config state on its first run in a process, which changes
+  # jit's cache key once (also before jaxkern's own user context existed): warm it up first.
+  transpose(jnp.zeros((64, 64), jnp.float32))
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def f(x, y):
+    return transpose(x), batched_transpose(y)
+
+  for _ in range(3):
+    x, y = random_bits(key, (64, 128), jnp.bfloat16), random_bits(key, (2, 64, 64), jnp.float32)
+    chex.assert_trees_all_equal(f(x, y), (x.T, jnp.swapaxes(y, 1, 2)))
+
+
+def test_list_and_bool_inputs():
+  """A nested list is converted; bool data run XLA's transpose under "auto"/"xla" and are refused by
+  the kernel with a clear error."""
+  rows = [[float(i * 64 + j) for j in range(64)] for i in range(64)]
+  assert_bitwise_equal(transpose(rows, implementation="xla"), np.asarray(rows, np.float32).T)
+  with pytest.raises(ValueError, match="x must be an array, got str"):
+    transpose("abc")
+  b = jnp.arange(64 * 128).reshape(64, 128) % 3 == 0
+  assert_bitwise_equal(transpose(b, implementation="auto"), np.asarray(b).T)
+  with pytest.raises(jaxkern.KernelUnavailableError, match="bool data"):
+    batched_transpose(b[None], implementation="interpret")
