@@ -91,3 +91,28 @@ def test_explicit_kernel_request_raises_when_the_kernel_cannot_run():
   with pytest.raises(jaxkern.KernelUnavailableError, match="transpose: implementation='interpret' cannot run"):
     transpose.transpose(x, implementation="interpret")
   assert transpose.transpose(x, implementation="xla").dtype == jnp.bool_
+
+
+def test_decide_on_a_gpu(monkeypatch):
+  """The dispatch rules of "auto" on a GPU, tested without one."""
+  from jaxkern import _dispatch
+
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  decide = _dispatch.decide
+  assert decide("op", "auto").path == "pallas"
+  assert decide("op", "auto", xla_faster="K = 6 (XLA_TOPK)").path == "xla"
+  d = decide("op", "auto", unsupported="int64 ids")
+  assert d.path == "xla" and "int64 ids" in d.reason
+  assert decide("op", "auto", has_kernel=False).path == "xla"
+  assert decide("op", "pallas", xla_faster="measured").path == "pallas"
+  assert decide("op", "pallas", empty=True, unsupported="empty").path == "xla"
+  assert decide("op", "xla").path == "xla"
+  assert decide("op", "reference", unsupported="x").path == "reference"
+  with pytest.raises(jaxkern.KernelUnavailableError, match="op: implementation='pallas' cannot run .*int64 ids"):
+    decide("op", "pallas", unsupported="int64 ids")
+
+
+def test_decisions_are_logged(caplog):
+  with caplog.at_level("DEBUG", logger="jaxkern"):
+    transpose.transpose(jnp.zeros((64, 64), jnp.float32), implementation="xla")
+  assert "transpose: xla (implementation='xla')" in caplog.text
