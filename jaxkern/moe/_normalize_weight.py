@@ -18,7 +18,7 @@ H200 (CUPTI, cold L2, spec grid, median of 30), XLA reference in brackets: K = 2
 (3.76-3.90); K = 9: 2.14-2.46 (4.00-4.90). The previous kernel (strided loads and stores, one
 ``exact_div`` per weight) took 2.37-2.53 us at K = 6 and 3.89-5.90 at K = 8-9, slower than XLA:
 with the reciprocal scheme alone 2.24-5.74, with SMEM staging alone 2.05-2.91. Rows wider than
-``MAX_KERNEL_TOPK`` (not in the spec; the kernel is unrolled over ``K``) run the reference.
+``MAX_KERNEL_TOPK`` (not in the spec; the kernel is unrolled over ``K``) run the XLA reference.
 
 The division is exact for normal, finite quotients and row sums (spec inputs: weights in [0, 1));
 checked bitwise on the H200 against the reference on 2^19 x 8 and 2^19 x 9 weights (uniform, spread
@@ -35,9 +35,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkern import _checks, _config, _ieee
+from jaxkern import _checks, _config, _dispatch, _ieee
 from jaxkern.moe import _routing
 from jaxkern.reference import moe as ref
+from jaxkern.types import NormalizedWeights
 
 ROWS_PER_CTA = 128  # one token per thread
 DIRECT_MAX_TOPK = 2  # wider rows are staged through SMEM
@@ -79,24 +80,41 @@ def _kernel(w, *, interpret=None):
         o_g[rows, j] = c
 
   d, out = kernel(w)
-  return d[:t], out[:t]
+  return NormalizedWeights(d[:t], out[:t])
 
 
-def normalize_weight(topk_weights: jax.Array, *, implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
+def _unsupported(k: int) -> str | None:
+  if k > MAX_KERNEL_TOPK:
+    return f"rows of {k} weights: the kernel is unrolled over K and takes at most MAX_KERNEL_TOPK = {MAX_KERNEL_TOPK}"
+  return None
+
+
+def normalize_weight(topk_weights: jax.Array, *, implementation: str | None = None) -> NormalizedWeights:
   """Returns ``(d, w / d[:, None])`` with ``d = ((1e-20 + w[:, 0]) + w[:, 1]) + ...`` in fp32.
 
   Args:
-    topk_weights: ``(T, K)`` float32 weights (negative values allowed).
+    topk_weights: ``(T, K)`` float32 weights (negative values allowed; an array or a nested list).
     implementation: see :mod:`jaxkern._config`.
 
   Returns:
-    ``denominator (T,)`` and ``normalized_weights (T, K)``, float32, bit-exact (IEEE division;
-    see the module docstring for the kernel's range condition).
+    :class:`jaxkern.types.NormalizedWeights` ``(denominator, normalized_weights)``: ``(T,)`` and
+    ``(T, K)`` float32, bit-exact (IEEE division; see the module docstring for the kernel's range
+    condition).
+
+  Raises:
+    ValueError: ``topk_weights`` not a rank-2 float32 array (bool included).
+    KernelUnavailableError: ``implementation="pallas"`` / ``"interpret"`` with ``K >
+      MAX_KERNEL_TOPK`` (32).
+
+  XLA instead of a kernel: ``K > MAX_KERNEL_TOPK`` (the reference's fused XLA code), and zero-size
+  weights (``T == 0`` or ``K == 0``; the denominators are then the constant 1e-20). The Mosaic GPU
+  kernel runs every other case (``"auto"`` off a GPU runs the reference).
   """
+  topk_weights = _checks.as_array("topk_weights", topk_weights)
   _checks.check_rank("topk_weights", topk_weights, 2)
   _checks.check_dtype("topk_weights", topk_weights, (jnp.float32,))
-  impl = _config.get_implementation(implementation)
-  t, k = topk_weights.shape
-  if impl == "reference" or t == 0 or not 0 < k <= MAX_KERNEL_TOPK:
-    return ref.normalize_weight(topk_weights)
-  return _kernel(topk_weights, interpret=_config.mosaic_interpret(impl))
+  k = topk_weights.shape[1]
+  return _dispatch.run(
+      "normalize_weight", implementation,
+      kernel=lambda interpret: _kernel(topk_weights, interpret=_config.mosaic_interpret(interpret)),
+      xla=lambda: ref.normalize_weight(topk_weights), unsupported=_unsupported(k), empty=topk_weights.size == 0)

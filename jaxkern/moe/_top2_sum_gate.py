@@ -25,11 +25,12 @@ with masked loads. The kernel
 3. with grouping, ranks the groups by the fp32 sum of their two best values and sets the
    experts of the dropped groups to ``-inf`` (as the reference does);
 4. picks ``K`` experts best first, lower index first on ties, on the flat ``(rows, experts)`` view;
-5. takes the given ids on fixed-routing rows; on a ``(rows, K+S)`` slot tile (one slot per lane),
+5. takes the given ids on fixed-routing rows (an id outside ``[0, E)`` drops its slot: id -1,
+   weight 0, nothing read at it); on a ``(rows, K+S)`` slot tile (one slot per lane),
    recomputes the picked experts' scores from their logits (one gathered load per slot: same
    formula, same bits), sums them sequentially from 1e-20 and forms the weights ``u / s * rsf``;
-6. appends the shared slots, maps logical to physical ids (replica hash), applies the EP/TP
-   masking and the token mask, and stores ``(rows, K+S)`` tiles.
+6. appends the shared slots, maps logical to physical ids (replica hash, ``ep_rank`` taken as a
+   floor modulo), applies the EP/TP masking and the token mask, and stores ``(rows, K+S)`` tiles.
 
 In interpret mode (CPU) the inline PTX is replaced by :mod:`jaxkern._ieee`, which computes the
 same correctly rounded results from integer arithmetic.
@@ -42,13 +43,16 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.experimental import checkify
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxkern import _checks, _config, _ieee
+from jaxkern import _checks, _dispatch, _ieee
 from jaxkern.moe._select import TAKEN, order_key
 from jaxkern.reference import moe as ref
+from jaxkern.types import TopkRouting, TopkRoutingWithUnmapped
 
 # Logits per program (block rows = BLOCK_ELEMENTS / padded experts) and warps. H200, V3 sigmoid
 # (one measurement each, +-1 us): (256, 1) 18.3 us, (512, 1) 17.4, (1024, 1) 22.2, (2048, 1) 51.0,
@@ -202,23 +206,32 @@ def _kernel(*refs, cfg: _Config):
   for c, i in enumerate(idx):
     utile = jnp.where(slot == c, i[:, None], utile)
   hit = (slot < k) & (utile >= 0) & (utile < e)
+  if cfg.has_fix:  # a given id outside [0, E) drops its slot: id -1, weight 0, left out of the sum
+    utile = jnp.where((slot < k) & ~hit, -1, utile)
   xi = plt.load(x2_ref.at[jnp.arange(br)[:, None], jnp.where(hit, utile, 0)], mask=row_ok[:, None] & hit, other=0.0)
   u = _unbiased(xi, None if m is None else m[:, None], None if z is None else z[:, None], cfg)
-  picked = jnp.where(hit, u, jnp.where(slot < k, -jnp.inf, 0.0))  # u of each pick, -inf for an id outside [0, E)
+  picked = jnp.where(hit, u, 0.0)  # u of each pick (adding the 0.0 of a dropped slot to the sum is exact)
   total = jnp.full((br,), 1e-20, jnp.float32)
   for c in range(k):  # upstream's sequential order; each term is taken out of its slot by an exact masked sum
     total = total + jnp.sum(jnp.where(slot == c, picked, 0.0), axis=1)
-  wtile = jnp.where(slot < k, _ieee.triton_div(picked, total[:, None], cfg.interpret) * rsf_ref[0], 1.0)
+  wtile = _ieee.triton_div(picked, total[:, None], cfg.interpret) * rsf_ref[0]
+  if cfg.has_fix:
+    wtile = jnp.where(hit, wtile, 0.0)
+  wtile = jnp.where(slot < k, wtile, 1.0)
   tile = jnp.where(slot < k, utile, e + slot - k)
   extra = 0
   if cfg.num_extra >= 0:
     extra = cfg.num_extra
     tile_ok = row_ok[:, None] & (slot < k + s)
+    if cfg.has_fix:
+      tile_ok = tile_ok & (tile >= 0)
     safe = jnp.where(tile_ok, tile, 0)
     count = plt.load(count_ref.at[safe], mask=tile_ok, other=1)
-    d = lax.rem(lax.rem(rows[:, None], count) * lax.rem(ref.HASH_MULTIPLIER, count) + lax.rem(ep_ref[0], count),
-                count)
-    tile = plt.load(pmap_ref.at[safe, d], mask=tile_ok, other=0)
+    ep = lax.rem(ep_ref[0], count)
+    ep = jnp.where(ep < 0, ep + count, ep)  # floor modulo: any traced ep_rank picks a live replica
+    d = lax.rem(lax.rem(rows[:, None], count) * lax.rem(ref.HASH_MULTIPLIER, count) + ep, count)
+    phys = plt.load(pmap_ref.at[safe, d], mask=tile_ok, other=0)
+    tile = jnp.where(tile >= 0, phys, -1) if cfg.has_fix else phys
   tile = ref.mask_by_tp(tile, (e + extra) // cfg.num_ep_ranks, tp_ref[0], cfg.num_tp_ranks)
   if cfg.has_mask:
     valid = plt.load(mask_ref, mask=row_ok, other=False)[:, None]
@@ -257,7 +270,9 @@ def _gate(logits, bias, rsf, ep_rank, tp_rank, mask, fix, to_physical_map, logic
     inputs.append(mask)
     specs.append(rows(mask))
   if fix is not None:
-    inputs += [fix, unmapped.astype(jnp.int32)]
+    if unmapped.dtype != jnp.int32:  # int64: out-of-range ids become -1 before the cast (they would wrap)
+      unmapped = jnp.where((unmapped >= 0) & (unmapped < e), unmapped, -1).astype(jnp.int32)
+    inputs += [fix, unmapped]
     specs += [rows(fix), rows(unmapped, _pow2(num_topk))]
   if to_physical_map is not None:
     inputs += [to_physical_map, logical_count]
@@ -275,12 +290,16 @@ def _gate(logits, bias, rsf, ep_rank, tp_rank, mask, fix, to_physical_map, logic
       interpret=interpret)(*inputs))
 
 
+def _is_int(v) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
 def _check_static(e, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
-                  num_ep_ranks, num_tp_ranks, tp_rank, scoring_func):
+                  num_ep_ranks, num_tp_ranks, ep_rank, tp_rank, scoring_func):
   if e % 4:
     raise ValueError(f"logits.shape[1] must be a multiple of 4, got {e}")
-  if not 1 <= num_topk <= e:
-    raise ValueError(f"num_topk must be in [1, {e}] (the number of experts), got {num_topk}")
+  if not _is_int(num_topk) or not 1 <= num_topk <= e:
+    raise ValueError(f"num_topk must be an int in [1, {e}] (the number of experts), got {num_topk!r}")
   if (num_groups == 0) != (num_topk_groups == 0) or num_groups < 0 or num_topk_groups > num_groups:
     raise ValueError(f"num_groups and num_topk_groups must both be 0, or 0 < num_topk_groups <= num_groups; "
                      f"got {num_groups} and {num_topk_groups}")
@@ -299,8 +318,10 @@ def _check_static(e, num_topk, num_topk_groups, num_groups, use_shared_as_routed
                        f"got S={s}, num_topk={num_topk}, E={e}")
   if num_ep_ranks < 1 or num_tp_ranks < 1:
     raise ValueError(f"num_ep_ranks and num_tp_ranks must be >= 1, got {num_ep_ranks} and {num_tp_ranks}")
-  if isinstance(tp_rank, int) and not 0 <= tp_rank < num_tp_ranks:
-    raise ValueError(f"tp_rank must be in [0, {num_tp_ranks}), got {tp_rank}")
+  if _is_int(ep_rank) and not 0 <= ep_rank < num_ep_ranks:
+    raise ValueError(f"ep_rank must be in [0, {num_ep_ranks}) (num_ep_ranks), got {ep_rank}")
+  if _is_int(tp_rank) and not 0 <= tp_rank < num_tp_ranks:
+    raise ValueError(f"tp_rank must be in [0, {num_tp_ranks}) (num_tp_ranks), got {tp_rank}")
   if not isinstance(scoring_func, str) or scoring_func.lower() not in ref.SCORING_FUNCS:
     raise ValueError(f"scoring_func must be one of {ref.SCORING_FUNCS}, got {scoring_func!r}")
 
@@ -337,48 +358,110 @@ def _check_arrays(logits, bias, num_topk, num_shared, mask, fix_routing_mask, to
       raise ValueError(f"to_physical_map needs at least {num_shared + 1} columns, got {to_physical_map.shape[1]}")
 
 
-def top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
-                  routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask=None,
-                  fix_routing_mask=None, to_physical_map=None, logical_count=None, unmapped_topk_idx=None, *,
-                  implementation: str | None = None):
+def _debug_check_fixed_ids(fix_routing_mask, mask, unmapped_topk_idx, num_experts: int) -> None:
+  """Under ``checkify.checkify(..., errors=checkify.user_checks)``, reports the first fixed-routing id
+  outside ``[0, E)``; otherwise XLA drops it (dead code, see the tests)."""
+  t, k = unmapped_topk_idx.shape
+  if t == 0:
+    return
+  active = fix_routing_mask if mask is None else fix_routing_mask & mask
+  bad = active[:, None] & ((unmapped_topk_idx < 0) | (unmapped_topk_idx >= num_experts))
+  first = jnp.argmax(bad.reshape(-1))
+  checkify.debug_check(
+      ~jnp.any(bad), "top2_sum_gate: fixed-routing id unmapped_topk_idx[{row}, {slot}] = {value} is outside "
+      f"[0, {num_experts}) (its slot is dropped: id -1, weight 0)",
+      row=first // k, slot=first % k, value=unmapped_topk_idx.reshape(-1)[first])
+
+
+def top2_sum_gate(logits: jax.Array, bias: jax.Array, num_topk: int, *, scoring_func: str, num_topk_groups: int = 0,
+                  num_groups: int = 0, use_shared_as_routed: bool = False, num_shared_experts: int = 0,
+                  routed_scaling_factor=1.0, ep_rank=0, num_ep_ranks: int = 1, tp_rank=0, num_tp_ranks: int = 1,
+                  mask: jax.Array | None = None, fix_routing_mask: jax.Array | None = None,
+                  to_physical_map: jax.Array | None = None, logical_count: jax.Array | None = None,
+                  unmapped_topk_idx: jax.Array | None = None,
+                  implementation: str | None = None) -> TopkRouting | TopkRoutingWithUnmapped:
   """DeepSeek router: scores, bias, group-limited top-k, normalised weights, shared experts, EP/TP masking.
+
+  ``E`` experts, ``K = num_topk`` routed slots, ``S = num_shared_experts`` shared slots if
+  ``use_shared_as_routed`` else 0, ``X + 1`` replica columns of ``to_physical_map``.
 
   Args:
     logits: ``(T, E)`` float32 router logits (finite on unmasked rows); ``E % 4 == 0``.
     bias: ``(E,)`` float32; shifts the ranking only.
-    num_topk: routed slots ``K`` (static).
-    num_topk_groups, num_groups: both 0 (no grouping) or ``0 < num_topk_groups <= num_groups``,
-      ``num_groups | E``; groups are ranked by the sum of their two best ranking scores (static).
-    use_shared_as_routed, num_shared_experts: append ``S`` shared slots (ids ``E..E+S-1``, weight 1.0) (static).
-    routed_scaling_factor: multiplies the routed weights (traceable).
-    ep_rank, tp_rank: traceable ints; num_ep_ranks, num_tp_ranks: static.
-    scoring_func: ``"sigmoid"``, ``"sqrtsoftplus"`` or ``"softmax"`` (case-insensitive).
-    mask: optional ``(T,)`` bool; False rows get ids -1 and weights 0.
-    fix_routing_mask: optional ``(T,)`` bool; True rows reuse ``unmapped_topk_idx``.
-    to_physical_map, logical_count: optional ``(E+S, X+1)`` / ``(E+S,)`` int32 replica tables.
-    unmapped_topk_idx: optional ``(T, K)`` int32 stored logical ids (read for fixed rows).
+    num_topk: routed slots ``K``, ``1 <= K <= E`` (static).
+    scoring_func: ``"sigmoid"``, ``"sqrtsoftplus"`` or ``"softmax"`` (case-insensitive); required.
+    num_topk_groups, num_groups: both 0 (no grouping, the default) or ``0 < num_topk_groups <=
+      num_groups``, ``num_groups | E``, at least 2 experts per group and ``K <= num_topk_groups * E /
+      num_groups``; groups are ranked by the sum of their two best ranking scores (static).
+    use_shared_as_routed, num_shared_experts: append ``S`` shared slots (``S`` 1 or 2, ``K % S == 0``,
+      ``E % (K / S) == 0``; ids ``E..E+S-1``, weight 1.0); need ``to_physical_map`` (static).
+    routed_scaling_factor: multiplies the routed weights (traceable; default 1.0).
+    ep_rank, tp_rank: ints or traced int32 scalars. A Python int outside ``[0, num_ep_ranks)`` /
+      ``[0, num_tp_ranks)`` raises. A traced ``ep_rank`` is used as is: it only enters the replica hash
+      ``(t * 23333 + ep_rank) mod count`` (floor modulo), so any value picks a live replica; a traced
+      ``tp_rank`` outside ``[0, num_tp_ranks)`` matches no TP rank, so every slot gets id -1.
+    num_ep_ranks, num_tp_ranks: ``>= 1`` (static; default 1: no EP/TP split).
+    mask: optional ``(T,)`` bool; False rows get ids -1 and weights 0 (and unmapped ids -1).
+    fix_routing_mask: optional ``(T,)`` bool; True rows (with a True ``mask``) take their ``K`` ids from
+      ``unmapped_topk_idx`` as given (no sorting, no de-duplication, no group check).
+    to_physical_map, logical_count: optional ``(E+S, X+1)`` / ``(E+S,)`` int32 replica tables, given
+      together; ``1 <= logical_count <= X + 1``.
+    unmapped_topk_idx: optional ``(T, K)`` int32 (or int64) logical ids, read on fixed-routing rows;
+      required with ``fix_routing_mask``.
     implementation: see :mod:`jaxkern._config`.
 
   Returns:
-    ``(topk_idx, topk_weights)``: ``(T, K+S)`` int32 (int64 upstream) and float32; plus the new
-    ``unmapped_topk_idx`` ``(T, K)`` int32 when one was passed (spec §9.2).
+    :class:`jaxkern.types.TopkRouting` ``(topk_idx, topk_weights)``: ``(T, K+S)`` int32 (int64
+    upstream) physical, EP/TP-local ids (-1 = not on this TP rank or masked token; the weight of a
+    slot masked by EP/TP is kept) and float32 weights ``u / (1e-20 + sum u) * routed_scaling_factor``
+    (summed sequentially in slot order). With ``unmapped_topk_idx``:
+    :class:`jaxkern.types.TopkRoutingWithUnmapped`, adding the new ``unmapped_topk_idx`` ``(T, K)``
+    int32 (the logical id of each routed slot; spec §9.2).
+
+  Bad fixed-routing ids: an id outside ``[0, E)`` on a fixed-routing row drops its slot, in the kernel
+  and the reference alike: id -1 in ``topk_idx`` and ``unmapped_topk_idx``, weight 0.0, left out of
+  the weight sum (the other slots are normalised without it); nothing is read at that id. Wrap the
+  call in ``checkify.checkify(f, errors=checkify.user_checks)`` to have the first such id reported
+  (``jax.experimental.checkify.debug_check``; without checkify it compiles to nothing).
+
+  Raises:
+    ValueError: a non-array argument (lists are converted), a wrong rank, shape or dtype (bool
+      logits included), or an option outside the ranges above.
+
+  XLA instead of a kernel: ``T == 0`` (empty outputs). The Pallas-Triton kernel runs every other
+  case (``"auto"`` off a GPU runs the reference).
   """
+  logits = _checks.as_array("logits", logits)
+  bias = _checks.as_array("bias", bias)
+  mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx = (
+      None if a is None else _checks.as_array(name, a) for name, a in (
+          ("mask", mask), ("fix_routing_mask", fix_routing_mask), ("to_physical_map", to_physical_map),
+          ("logical_count", logical_count), ("unmapped_topk_idx", unmapped_topk_idx)))
   _checks.check_rank("logits", logits, 2)
   _checks.check_dtype("logits", logits, (jnp.float32,))
   t, e = logits.shape
   _check_static(e, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
-                num_ep_ranks, num_tp_ranks, tp_rank, scoring_func)
+                num_ep_ranks, num_tp_ranks, ep_rank, tp_rank, scoring_func)
   num_shared = num_shared_experts if use_shared_as_routed else 0
   _check_arrays(logits, bias, num_topk, num_shared, mask, fix_routing_mask, to_physical_map, logical_count,
                 unmapped_topk_idx)
-  args = (logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
-          routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask,
-          fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)
-  impl = _config.get_implementation(implementation)
-  if impl == "reference" or t == 0:
-    return ref.top2_sum_gate(*args)
-  return _gate(logits, bias, routed_scaling_factor, ep_rank, tp_rank, mask, fix_routing_mask, to_physical_map,
-               logical_count, unmapped_topk_idx, num_topk=num_topk,
-               num_topk_groups=num_topk_groups, num_groups=num_groups, num_shared=num_shared,
-               num_ep_ranks=num_ep_ranks, num_tp_ranks=num_tp_ranks, scoring_func=scoring_func.lower(),
-               interpret=impl == "interpret")
+  if fix_routing_mask is not None:
+    _debug_check_fixed_ids(fix_routing_mask, mask, unmapped_topk_idx, e)
+  result = TopkRouting if unmapped_topk_idx is None else TopkRoutingWithUnmapped
+
+  def kernel(interpret):
+    return result(*_gate(logits, bias, routed_scaling_factor, ep_rank, tp_rank, mask, fix_routing_mask,
+                         to_physical_map, logical_count, unmapped_topk_idx, num_topk=num_topk,
+                         num_topk_groups=num_topk_groups, num_groups=num_groups, num_shared=num_shared,
+                         num_ep_ranks=num_ep_ranks, num_tp_ranks=num_tp_ranks, scoring_func=scoring_func.lower(),
+                         interpret=interpret))
+
+  def xla():
+    return ref.top2_sum_gate(
+        logits, bias, num_topk, scoring_func=scoring_func, num_topk_groups=num_topk_groups, num_groups=num_groups,
+        use_shared_as_routed=use_shared_as_routed, num_shared_experts=num_shared_experts,
+        routed_scaling_factor=routed_scaling_factor, ep_rank=ep_rank, num_ep_ranks=num_ep_ranks, tp_rank=tp_rank,
+        num_tp_ranks=num_tp_ranks, mask=mask, fix_routing_mask=fix_routing_mask, to_physical_map=to_physical_map,
+        logical_count=logical_count, unmapped_topk_idx=unmapped_topk_idx)
+
+  return _dispatch.run("top2_sum_gate", implementation, kernel=kernel, xla=xla, empty=t == 0)

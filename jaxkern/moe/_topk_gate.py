@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxkern import _checks, _config
+from jaxkern import _checks, _config, _dispatch
 from jaxkern.moe import _select
 from jaxkern.reference import moe as ref
 
@@ -49,24 +49,31 @@ def topk_gate(scores: jax.Array, num_topk: int, *, implementation: str | None = 
   """Indices of the ``num_topk`` largest scores of each row, best first, ties -> smaller index.
 
   Args:
-    scores: ``(T, E)`` float32.
-    num_topk: ``1 <= num_topk <= E``.
+    scores: ``(T, E)`` float32 (an array or a nested list).
+    num_topk: ``1 <= num_topk <= E`` (static).
     implementation: see :mod:`jaxkern._config`.
 
   Returns:
-    ``(T, num_topk)`` int32 (int64 upstream; spec §9.1). NaN ranks as ``-inf``; rows with
-    fewer than ``num_topk`` finite scores still get distinct indices.
+    ``(T, num_topk)`` int32 (int64 upstream; spec §9.1). NaN ranks as ``-inf`` and ``-0.0`` as
+    ``+0.0``; rows with fewer than ``num_topk`` finite scores still get distinct indices.
+
+  Raises:
+    ValueError: ``scores`` not a rank-2 float32 array (bool included), or ``num_topk`` out of range.
+
+  XLA instead of a kernel: ``T == 0`` (an empty result). The Mosaic GPU kernel runs every other
+  case (``"auto"`` off a GPU runs the reference).
   """
+  scores = _checks.as_array("scores", scores)
   _checks.check_rank("scores", scores, 2)
   _checks.check_dtype("scores", scores, (jnp.float32,))
   t, e = scores.shape
   if not 1 <= num_topk <= e:
     raise ValueError(f"num_topk must be in [1, {e}] (the number of experts), got {num_topk}")
-  impl = _config.get_implementation(implementation)
-  if impl == "reference":
-    return ref.topk_gate(scores, num_topk)
-  if t == 0:
-    return jnp.zeros((0, num_topk), jnp.int32)
-  x = pad_rows_and_cols(scores, -jnp.inf)
-  out = _topk_gate_kernel(x, num_topk, e, interpret=_config.mosaic_interpret(impl))
-  return out[:t] if x.shape[0] != t else out
+
+  def kernel(interpret):
+    x = pad_rows_and_cols(scores, -jnp.inf)
+    out = _topk_gate_kernel(x, num_topk, e, interpret=_config.mosaic_interpret(interpret))
+    return out[:t] if x.shape[0] != t else out
+
+  return _dispatch.run("topk_gate", implementation, kernel=kernel, xla=lambda: ref.topk_gate(scores, num_topk),
+                       empty=t == 0)

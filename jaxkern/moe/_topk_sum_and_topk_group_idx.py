@@ -1,6 +1,6 @@
 """``topk_sum_and_topk_group_idx``: rank expert groups per token, Mosaic GPU (spec moe_transpose.md §4.2).
 
-Same row blocking as :mod:`jaxkern.moe.topk_gate` (64 token rows per CTA, TMA into
+Same row blocking as :mod:`jaxkern.moe._topk_gate` (64 token rows per CTA, TMA into
 SMEM, WGMMA register layout, int32 order keys). Each group's score is a masked row
 max (and, for ``num_topk_sum = 2``, a second max with the first occurrence of the
 best marked taken, summed in fp32). A group's rank counts the groups that beat it
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxkern import _checks, _config
+from jaxkern import _checks, _config, _dispatch
 from jaxkern.moe import _select
 from jaxkern.moe._topk_gate import pad_rows_and_cols
 from jaxkern.reference import moe as ref
@@ -46,17 +46,24 @@ def topk_sum_and_topk_group_idx(scores: jax.Array, num_topk_sum: int, num_topk_g
   """The ``num_topk_groups`` best expert groups of each token, best first.
 
   A group's score is its best value (``num_topk_sum = 1``) or the fp32 sum of its two
-  best values (``= 2``); ties go to the smaller group index.
+  best values (``= 2``); NaN ranks as ``-inf``; ties go to the smaller group index.
 
   Args:
-    scores: ``(T, G, Epg)`` float32.
-    num_topk_sum: 1 or 2 (``<= Epg``).
-    num_topk_groups: ``1 <= num_topk_groups <= G``.
+    scores: ``(T, G, Epg)`` float32 (an array or a nested list).
+    num_topk_sum: 1 or 2 (``<= Epg``; static).
+    num_topk_groups: ``1 <= num_topk_groups <= G`` (static).
     implementation: see :mod:`jaxkern._config`.
 
   Returns:
     ``(T, num_topk_groups)`` int32 group indices (int64 upstream; spec §9.1).
+
+  Raises:
+    ValueError: ``scores`` not a rank-3 float32 array (bool included), or an option out of range.
+
+  XLA instead of a kernel: ``T == 0`` (an empty result). The Mosaic GPU kernel runs every other
+  case (``"auto"`` off a GPU runs the reference).
   """
+  scores = _checks.as_array("scores", scores)
   _checks.check_rank("scores", scores, 3)
   _checks.check_dtype("scores", scores, (jnp.float32,))
   t, g, epg = scores.shape
@@ -64,11 +71,12 @@ def topk_sum_and_topk_group_idx(scores: jax.Array, num_topk_sum: int, num_topk_g
     raise ValueError(f"num_topk_sum must be 1 or 2 and at most scores.shape[2] = {epg}, got {num_topk_sum}")
   if not 1 <= num_topk_groups <= g:
     raise ValueError(f"num_topk_groups must be in [1, {g}] (scores.shape[1]), got {num_topk_groups}")
-  impl = _config.get_implementation(implementation)
-  if impl == "reference":
-    return ref.topk_sum_and_topk_group_idx(scores, num_topk_sum, num_topk_groups)
-  if t == 0:
-    return jnp.zeros((0, num_topk_groups), jnp.int32)
-  x = pad_rows_and_cols(scores.reshape(t, g * epg), -jnp.inf)
-  out = _kernel(x, g, epg, num_topk_sum, num_topk_groups, interpret=_config.mosaic_interpret(impl))
-  return out[:t]
+
+  def kernel(interpret):
+    x = pad_rows_and_cols(scores.reshape(t, g * epg), -jnp.inf)
+    out = _kernel(x, g, epg, num_topk_sum, num_topk_groups, interpret=_config.mosaic_interpret(interpret))
+    return out[:t]
+
+  return _dispatch.run("topk_sum_and_topk_group_idx", implementation, kernel=kernel,
+                       xla=lambda: ref.topk_sum_and_topk_group_idx(scores, num_topk_sum, num_topk_groups),
+                       empty=t == 0)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkern.reference import ieee
+from jaxkern.types import NormalizedWeights, TopkRouting, TopkRoutingWithUnmapped
 
 
 def _canonical(v: jax.Array) -> jax.Array:
@@ -120,11 +121,16 @@ def mask_by_tp(p: jax.Array, experts_per_rank: int, tp_rank, num_tp_ranks: int) 
 
 
 def to_physical(idx: jax.Array, to_physical_map: jax.Array, logical_count: jax.Array, ep_rank) -> jax.Array:
-  """Replica choice ``map[l, (t * 23333 + ep_rank) mod count[l]]``, exact in int32 (spec §3.5)."""
-  c = logical_count[idx]
+  """Replica choice ``map[l, (t * 23333 + ep_rank) mod count[l]]``, exact in int32 (spec §3.5).
+
+  Floor modulo, so any ``ep_rank`` picks a live replica; a negative id (a dropped slot) stays -1.
+  """
+  ok = idx >= 0
+  safe = jnp.where(ok, idx, 0)
+  c = logical_count[safe]
   t = jnp.arange(idx.shape[0], dtype=jnp.int32)[:, None]
   d = ((t % c) * (HASH_MULTIPLIER % c) + ep_rank % c) % c
-  return to_physical_map[idx, d]
+  return jnp.where(ok, to_physical_map[safe, d], -1)
 
 
 def finish_gate(idx, weights, *, num_experts, num_shared, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks,
@@ -146,39 +152,58 @@ def finish_gate(idx, weights, *, num_experts, num_shared, ep_rank, num_ep_ranks,
   return idx, weights
 
 
-@functools.partial(jax.jit, static_argnames=("num_topk", "num_topk_groups", "num_groups", "use_shared_as_routed",
-                                             "num_shared_experts", "num_ep_ranks", "num_tp_ranks", "scoring_func"))
-def top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
-                  routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask=None,
-                  fix_routing_mask=None, to_physical_map=None, logical_count=None, unmapped_topk_idx=None):
-  """The DeepSeek router (spec §4.3); arguments as :func:`jaxkern.moe.top2_sum_gate` (validated there).
+def top2_sum_gate(logits, bias, num_topk, *, scoring_func, num_topk_groups=0, num_groups=0,
+                  use_shared_as_routed=False, num_shared_experts=0, routed_scaling_factor=1.0, ep_rank=0,
+                  num_ep_ranks=1, tp_rank=0, num_tp_ranks=1, mask=None, fix_routing_mask=None, to_physical_map=None,
+                  logical_count=None, unmapped_topk_idx=None) -> TopkRouting | TopkRoutingWithUnmapped:
+  """The DeepSeek router (spec §4.3); arguments, results and the handling of fixed-routing ids outside
+  ``[0, E)`` as :func:`jaxkern.moe.top2_sum_gate` (validated there).
 
-  Jitted as one XLA computation (``routed_scaling_factor``, ``ep_rank`` and ``tp_rank`` are traced).
-
-  Returns ``(topk_idx, topk_weights)``, plus the new ``unmapped_topk_idx`` when one is passed.
+  Runs as one jitted XLA computation (``routed_scaling_factor``, ``ep_rank`` and ``tp_rank`` traced).
   """
-  scoring_func = scoring_func.lower()
+  return _top2_sum_gate(logits, bias, routed_scaling_factor, ep_rank, tp_rank, mask, fix_routing_mask,
+                        to_physical_map, logical_count, unmapped_topk_idx, num_topk=num_topk,
+                        num_topk_groups=num_topk_groups, num_groups=num_groups,
+                        num_shared=num_shared_experts if use_shared_as_routed else 0, num_ep_ranks=num_ep_ranks,
+                        num_tp_ranks=num_tp_ranks, scoring_func=scoring_func.lower())
+
+
+@functools.partial(jax.jit, static_argnames=("num_topk", "num_topk_groups", "num_groups", "num_shared",
+                                             "num_ep_ranks", "num_tp_ranks", "scoring_func"))
+def _top2_sum_gate(logits, bias, routed_scaling_factor, ep_rank, tp_rank, mask, fix_routing_mask, to_physical_map,
+                   logical_count, unmapped_topk_idx, *, num_topk, num_topk_groups, num_groups, num_shared,
+                   num_ep_ranks, num_tp_ranks, scoring_func):
   u = gate_scores(logits, scoring_func)
   idx = group_limited_topk(ranking_scores(logits, u, bias, scoring_func), num_topk, num_groups, num_topk_groups)
-  return route_selected(u, idx, routed_scaling_factor, num_shared_experts if use_shared_as_routed else 0,
-                        ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, mask, fix_routing_mask, to_physical_map,
-                        logical_count, unmapped_topk_idx)
+  return route_selected(u, idx, routed_scaling_factor, num_shared, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks,
+                        mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)
 
 
 def route_selected(u, idx, routed_scaling_factor, num_shared, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, mask,
                    fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx):
-  """Everything after the selection: fixed rows, weights, shared slots, replicas, masking."""
+  """Everything after the selection: fixed rows, weights, shared slots, replicas, masking.
+
+  A fixed-routing id outside ``[0, E)`` drops its slot: id -1 (also in the unmapped output), weight
+  0.0, left out of the weight sum.
+  """
+  e = u.shape[1]
   if fix_routing_mask is not None:
-    idx = jnp.where(fix_routing_mask[:, None], unmapped_topk_idx.astype(jnp.int32), idx)
-  weights = normalized_weights(jnp.take_along_axis(u, idx, axis=1), routed_scaling_factor)
+    given = unmapped_topk_idx
+    given = jnp.where((given >= 0) & (given < e), given, -1).astype(jnp.int32)  # range test before any cast
+    idx = jnp.where(fix_routing_mask[:, None], given, idx)
+    ok = idx >= 0
+    u_sel = jnp.where(ok, jnp.take_along_axis(u, jnp.where(ok, idx, 0), axis=1), 0.0)
+    weights = jnp.where(ok, normalized_weights(u_sel, routed_scaling_factor), 0.0)
+  else:
+    weights = normalized_weights(jnp.take_along_axis(u, idx, axis=1), routed_scaling_factor)
   topk_idx, topk_weights = finish_gate(
-      idx, weights, num_experts=u.shape[1], num_shared=num_shared, ep_rank=ep_rank, num_ep_ranks=num_ep_ranks,
+      idx, weights, num_experts=e, num_shared=num_shared, ep_rank=ep_rank, num_ep_ranks=num_ep_ranks,
       tp_rank=tp_rank, num_tp_ranks=num_tp_ranks, mask=mask, to_physical_map=to_physical_map,
       logical_count=logical_count)
   if unmapped_topk_idx is None:
-    return topk_idx, topk_weights
+    return TopkRouting(topk_idx, topk_weights)
   unmapped = idx if mask is None else jnp.where(mask[:, None], idx, -1)
-  return topk_idx, topk_weights, unmapped
+  return TopkRoutingWithUnmapped(topk_idx, topk_weights, unmapped)
 
 
 # Routing (spec §5, §6).
@@ -293,12 +318,12 @@ def reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format: str = "", sf=No
   return acc.astype(x.dtype)
 
 
-def normalize_weight(topk_weights):
+def normalize_weight(topk_weights) -> NormalizedWeights:
   """``(d, w / d[:, None])`` with ``d = ((1e-20 + w[:, 0]) + w[:, 1]) + ...`` and IEEE division."""
   d = jnp.full(topk_weights.shape[:1], 1e-20, jnp.float32)
   for k in range(topk_weights.shape[1]):
     d = d + topk_weights[:, k]
-  return d, ieee.div(topk_weights, d[:, None])
+  return NormalizedWeights(d, ieee.div(topk_weights, d[:, None]))
 
 
 def aux_fi(topk_idx, num_experts: int, num_aux_topk: int):

@@ -1,5 +1,6 @@
 from fractions import Fraction
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,9 +8,16 @@ import pytest
 
 import jaxkern
 from jaxkern import moe
-from jaxkern.moe._normalize_weight import _kernel
+from jaxkern.moe._normalize_weight import MAX_KERNEL_TOPK, _kernel
 from jaxkern.reference import moe as ref
 from jaxkern.testing import assert_bitwise_equal, lower_for_h100, moe_topk_idx
+from jaxkern.types import NormalizedWeights
+
+
+def _check(got, want):
+  assert isinstance(got, NormalizedWeights) and isinstance(want, NormalizedWeights)
+  chex.assert_trees_all_equal_structs(got, want)
+  jax.tree.map(assert_bitwise_equal, got, want)
 
 
 def _ieee_div(a: np.float32, b: np.float32) -> np.float32:
@@ -24,7 +32,9 @@ def _ieee_div(a: np.float32, b: np.float32) -> np.float32:
 def test_bit_exact(key, num_topk, experts, ranks):
   t = moe_topk_idx(key, 8, num_topk, experts, ranks).shape[0]
   w = jax.random.uniform(key, (t, num_topk), jnp.float32)
-  d, nw = jax.jit(moe.normalize_weight)(w)
+  out = jax.jit(moe.normalize_weight)(w)
+  assert isinstance(out, NormalizedWeights)
+  d, nw = out.denominator, out.normalized_weights
   wn = np.asarray(w)
   want_d = np.full(t, np.float32(1e-20))
   for k in range(num_topk):
@@ -38,10 +48,8 @@ def test_kernel_signed_weights(key, t, num_topk):
   """Negative weights and ragged T (padded, overlapping last CTA) against the reference, rows read
   straight from GMEM (K = 2) and staged through SMEM (K = 6, 8, 9: 8-, 16- and 4-byte vectors)."""
   w = jax.random.normal(key, (t, num_topk), jnp.float32) + 0.5
-  d, nw = _kernel(w, interpret=jaxkern._config.mosaic_interpret(jaxkern.get_implementation() == "interpret"))
-  want_d, want = ref.normalize_weight(w)
-  assert_bitwise_equal(d, want_d)
-  assert_bitwise_equal(nw, want)
+  got = _kernel(w, interpret=jaxkern._config.mosaic_interpret(jaxkern.get_implementation() == "interpret"))
+  _check(got, ref.normalize_weight(w))
 
 
 @pytest.mark.parametrize("num_topk", [2, 6, 8, 9])
@@ -58,10 +66,7 @@ def test_spec_shapes_gpu(key, num_topk, experts, ranks):
   f = jax.jit(moe.normalize_weight)
   jax.block_until_ready(f(w))
   jnp.full((t, num_topk), -1, jnp.int32).block_until_ready()  # poison the allocator
-  d, nw = f(w)
-  want_d, want = ref.normalize_weight(w)
-  assert_bitwise_equal(d, want_d)
-  assert_bitwise_equal(nw, want)
+  _check(f(w), ref.normalize_weight(w))
 
 
 def test_division_is_correctly_rounded():
@@ -79,9 +84,43 @@ def test_zero_row_and_seed():
   assert (np.asarray(d).view(np.int32) == 0x1E3CE508).all() and (np.asarray(nw) == 0).all()
   d, nw = moe.normalize_weight(jnp.zeros((0, 3), jnp.float32))
   assert d.shape == (0,) and nw.shape == (0, 3)
+  d, nw = moe.normalize_weight(jnp.zeros((4, 0), jnp.float32))  # no weights: the seed alone
+  assert (np.asarray(d).view(np.int32) == 0x1E3CE508).all() and nw.shape == (4, 0)
+  for w in (jnp.zeros((0, 3), jnp.float32), jnp.zeros((4, 0), jnp.float32)):
+    assert [d.path for d in jaxkern.explain(lambda w: moe.normalize_weight(w, implementation="pallas"), w)] == ["xla"]
 
 
-@pytest.mark.parametrize("bad, match", [(jnp.ones((4,)), "rank 2"), (jnp.ones((4, 2), jnp.bfloat16), "dtype")])
+def test_wide_rows_run_xla(key):
+  """K > MAX_KERNEL_TOPK: the kernel is unavailable; "xla" and "auto" give the reference's result."""
+  w = jax.random.uniform(key, (70, MAX_KERNEL_TOPK + 1), jnp.float32)
+  with pytest.raises(jaxkern.KernelUnavailableError, match="MAX_KERNEL_TOPK"):
+    moe.normalize_weight(w, implementation="interpret")
+  want = ref.normalize_weight(w)
+  for impl in ("xla", "auto"):
+    _check(moe.normalize_weight(w, implementation=impl), want)
+  _check(moe.normalize_weight(w[:, :MAX_KERNEL_TOPK]), ref.normalize_weight(w[:, :MAX_KERNEL_TOPK]))
+
+
+def test_list_input(key):
+  w = jax.random.uniform(key, (5, 3), jnp.float32)
+  _check(moe.normalize_weight(w.tolist()), ref.normalize_weight(w))
+
+
+def test_no_retrace(key):
+  jax.block_until_ready(moe.normalize_weight(jnp.ones((8, 6), jnp.float32)))  # see test_topk_gate.test_no_retrace
+  chex.clear_trace_counter()
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def f(w):
+    return moe.normalize_weight(w)
+
+  for i in range(3):
+    f(jax.random.uniform(jax.random.fold_in(key, i), (130, 6), jnp.float32))
+
+
+@pytest.mark.parametrize("bad, match", [(jnp.ones((4,)), "have rank 2"), (jnp.ones((4, 2), jnp.bfloat16), "have dtype"),
+                                        (jnp.ones((4, 2), bool), "have dtype"), ((1.0, 2.0), "be an array")])
 def test_bad_inputs(bad, match):
-  with pytest.raises(ValueError, match=f"topk_weights must have {match}"):
+  with pytest.raises(ValueError, match=f"topk_weights must {match}"):
     moe.normalize_weight(bad)

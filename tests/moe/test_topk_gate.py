@@ -1,11 +1,13 @@
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 
+import jaxkern
 from jaxkern.moe import topk_gate
 from jaxkern.reference import moe as ref
 from jaxkern.testing import assert_bitwise_equal, lower_for_h100, num_tokens
@@ -49,8 +51,32 @@ def test_all_minus_inf_rows_give_distinct_indices():
 
 
 def test_zero_tokens():
-  y = topk_gate(jnp.zeros((0, 72), jnp.float32), 6)
+  x = jnp.zeros((0, 72), jnp.float32)
+  y = topk_gate(x, 6)
   assert y.shape == (0, 6) and y.dtype == jnp.int32
+  (d,) = jaxkern.explain(lambda x: topk_gate(x, 6, implementation="interpret"), x)
+  assert d.path == "xla"
+
+
+def test_list_input_and_xla_path(key):
+  x = _scores(key, 70, 16)
+  assert_bitwise_equal(topk_gate(x.tolist(), 5), ref.topk_gate(x, 5))
+  assert_bitwise_equal(topk_gate(x, 5, implementation="xla"), ref.topk_gate(x, 5))
+
+
+def test_no_retrace(key):
+  # JAX imports its Mosaic GPU interpreter on the first interpreted kernel, adding a config value to
+  # jit's trace context (one retrace per process): warm up first.
+  jax.block_until_ready(topk_gate(_scores(key, 64, 32), 4))
+  chex.clear_trace_counter()
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def f(x):
+    return topk_gate(x, 4)
+
+  for i in range(3):
+    f(_scores(jax.random.fold_in(key, i), 64, 32))
 
 
 def test_jit_and_vmap(key):
@@ -65,6 +91,8 @@ def test_jit_and_vmap(key):
     (jnp.ones((8,), jnp.float32), 2, "scores must have rank 2"),
     (jnp.ones((4, 8), jnp.float32), 9, "num_topk"),
     (jnp.ones((4, 8), jnp.float32), 0, "num_topk"),
+    (jnp.ones((4, 8), bool), 2, "scores must have dtype"),
+    ((1.0, 2.0), 1, "scores must be an array"),
 ])
 def test_bad_input(bad, k, match):
   with pytest.raises(ValueError, match=match):

@@ -1,11 +1,13 @@
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 
+import jaxkern
 from jaxkern.moe import topk_sum_and_topk_group_idx
 from jaxkern.reference import moe as ref
 from jaxkern.testing import assert_bitwise_equal, lower_for_h100, num_tokens
@@ -43,8 +45,33 @@ def test_repeated_maximum_counts_twice():
 
 
 def test_zero_tokens():
-  y = topk_sum_and_topk_group_idx(jnp.zeros((0, 8, 9), jnp.float32), 2, 4)
+  x = jnp.zeros((0, 8, 9), jnp.float32)
+  y = topk_sum_and_topk_group_idx(x, 2, 4)
   assert y.shape == (0, 4) and y.dtype == jnp.int32
+  (d,) = jaxkern.explain(lambda x: topk_sum_and_topk_group_idx(x, 2, 4, implementation="interpret"), x)
+  assert d.path == "xla"
+
+
+def test_list_input_and_xla_path(key):
+  x = _scores(key, 70, 4, 6)
+  want = ref.topk_sum_and_topk_group_idx(x, 2, 3)
+  assert_bitwise_equal(topk_sum_and_topk_group_idx(x.tolist(), 2, 3), want)
+  assert_bitwise_equal(topk_sum_and_topk_group_idx(x, 2, 3, implementation="xla"), want)
+
+
+def test_no_retrace(key):
+  # JAX imports its Mosaic GPU interpreter on the first interpreted kernel, adding a config value to
+  # jit's trace context (one retrace per process): warm up first.
+  jax.block_until_ready(topk_sum_and_topk_group_idx(_scores(key, 64, 4, 8), 2, 2))
+  chex.clear_trace_counter()
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def f(x):
+    return topk_sum_and_topk_group_idx(x, 2, 2)
+
+  for i in range(3):
+    f(_scores(jax.random.fold_in(key, i), 64, 4, 8))
 
 
 def test_jit_and_vmap(key):
@@ -66,9 +93,10 @@ def test_bad_input(shape, s, n, match):
     topk_sum_and_topk_group_idx(jnp.ones(shape, jnp.float32), s, n)
 
 
-def test_bad_dtype():
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.bool_])
+def test_bad_dtype(dtype):
   with pytest.raises(ValueError, match="scores must have dtype"):
-    topk_sum_and_topk_group_idx(jnp.ones((4, 8, 4), jnp.bfloat16), 2, 2)
+    topk_sum_and_topk_group_idx(jnp.ones((4, 8, 4), dtype), 2, 2)
 
 
 @pytest.mark.parametrize("e, g", SPEC_EG)
