@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import strategies as st
+from jax.experimental import checkify
 
 import jaxkern
 from jaxkern import moe
@@ -376,3 +377,17 @@ def test_no_retrace(key):
     x = randn(jax.random.key(seed), (5, 64), jnp.bfloat16)
     pos = jnp.asarray(np.random.default_rng(seed).permutation(12)[:10].reshape(5, 2).astype(np.int32))
     f(x, jnp.ones((5, 4), jnp.float32), pos, pte)
+
+
+def test_checked_mode_lowers_for_h100():
+  """checkify around the kernel path (Mosaic GPU and the Pallas-Triton scale kernel) lowers for the GPU."""
+  spec = jax.ShapeDtypeStruct
+  pos, pte = spec((4001, 6), jnp.int32), spec((24064,), jnp.int32)
+  f = lambda x, p, e: moe.expand_to_fused(x, p, e, implementation="pallas")
+  g = lambda x, s, p, e: moe.expand_to_fused_with_sf((x, s), 32, p, e, use_tma_aligned_col_major_sf=True,
+                                                     implementation="pallas")
+  checked = lambda fn: checkify.checkify(fn, errors=checkify.user_checks)
+  assert "mosaic_gpu" in lower_for_h100(checked(f), spec((4001, 576), jnp.bfloat16), pos, pte).as_text()
+  text = lower_for_h100(checked(g), spec((4001, 7168), jnp.float8_e4m3fn), spec((4001, 56), jnp.int32), pos,
+                        pte).as_text()
+  assert "mosaic_gpu" in text and "triton" in text

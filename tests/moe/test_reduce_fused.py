@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import strategies as st
+from jax.experimental import checkify
 
 from jaxkern import moe
 from jaxkern.reference import moe as ref
@@ -274,3 +275,11 @@ def test_no_retrace(key):
     rng = np.random.default_rng(seed)
     f(randn(jax.random.key(seed), (6, 256), jnp.float32), jnp.ones((5, 2), jnp.float32),
       jnp.asarray(rng.integers(-1, 6, (5, 2)).astype(np.int32)))
+
+
+def test_checked_mode_lowers_for_h100():
+  spec = jax.ShapeDtypeStruct
+  f = lambda x, w, p: moe.reduce_fused(x, w, p, implementation="pallas")
+  text = lower_for_h100(checkify.checkify(f, errors=checkify.user_checks), spec((24064, 7168), jnp.bfloat16),
+                        spec((4001, 6), jnp.float32), spec((4001, 6), jnp.int32)).as_text()
+  assert "mosaic_gpu" in text
