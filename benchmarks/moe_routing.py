@@ -32,10 +32,8 @@ SEND_TOKENS = 4001
 def _routing(experts: int, ranks: int, num_topk: int, send_tokens: int = SEND_TOKENS, alignment: int = 16):
   """``(topk_idx, token_topk_to_pos, pos_to_expert)`` as NumPy arrays."""
   idx = moe_topk_idx(jax.random.key(0), send_tokens, num_topk, experts, ranks)
-  m = ref.get_fused_mapping(jnp.asarray(idx), experts, int(ref.upper_bound_rows(*idx.shape, experts, alignment)),
-                            alignment)
-  n = int(np.asarray(m[6]).sum())
-  return idx, np.asarray(m[3]), np.asarray(m[0])[:n]
+  m = ref.get_fused_mapping(jnp.asarray(idx), experts, 0, alignment)
+  return idx, np.asarray(m.token_topk_to_pos), np.asarray(m.pos_to_expert)
 
 
 def _label(experts, ranks, num_topk, t, extra=""):
@@ -44,12 +42,11 @@ def _label(experts, ranks, num_topk, t, extra=""):
 
 def _mapping(topk_idx, experts_like):
   """get_fused_mapping without host sync: N is the upper bound; E is ``experts_like.shape[0]``."""
-  return tuple(moe.get_fused_mapping(topk_idx, experts_like.shape[0], 0, 128, force_no_sync=True)[:7])
+  return moe.get_fused_mapping(topk_idx, experts_like.shape[0], 0, 128, force_no_sync=True)
 
 
 def _mapping_ref(topk_idx, experts_like):
-  e = experts_like.shape[0]
-  return ref.get_fused_mapping(topk_idx, e, ref.upper_bound_rows(*topk_idx.shape, e, 128), 128)
+  return ref.get_fused_mapping(topk_idx, experts_like.shape[0], 0, 128, force_no_sync=True)
 
 
 def _mapping_case(experts, ranks, num_topk, send_tokens=SEND_TOKENS):
@@ -82,7 +79,7 @@ register(BenchOp(
 
 
 def _expand_sf_fn(impl_fn, npc, col_major):
-  return lambda x, x_sf, pos, pte: impl_fn((x, x_sf), npc, pos, pte, col_major)
+  return lambda x, x_sf, pos, pte: impl_fn((x, x_sf), npc, pos, pte, use_tma_aligned_col_major_sf=col_major)
 
 
 def _expand_sf_case(experts, ranks, num_topk, hidden, npc, col_major, send_tokens=SEND_TOKENS):
@@ -111,13 +108,13 @@ for _npc, _col in itertools.product((32, 128), (False, True)):
 
 def _reduce_fn(impl_fn, fp8_format, use_x_sf):
   def fn(x, x_sf, w, pos, sf):
-    return impl_fn((x, x_sf) if use_x_sf else x, w, pos, fp8_format, sf if fp8_format else None)
+    return impl_fn((x, x_sf) if use_x_sf else x, w, pos, fp8_format=fp8_format, sf=sf if fp8_format else None)
   return fn
 
 
 def _reduce_case(experts, ranks, num_topk, hidden, in_dtype, fp8, use_x_sf, send_tokens=SEND_TOKENS):
   idx, _, _ = _routing(experts, ranks, num_topk, send_tokens)
-  pos = np.asarray(moe.get_fused_mapping(jnp.asarray(idx), experts, 0, 1)[3])
+  pos = np.asarray(moe.get_fused_mapping(jnp.asarray(idx), experts, 0, 1).token_topk_to_pos)
   t = idx.shape[0]
   itemsize = jnp.dtype(in_dtype).itemsize
   out_size = 1 if fp8 else itemsize

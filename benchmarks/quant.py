@@ -209,7 +209,7 @@ def _gather_rows(experts, ranks):
   idx = moe_topk_idx(jax.random.key(0), 4001, 6, experts, ranks)
   counts = [int((idx == e).sum()) for e in range(experts)]
   n = sum(-(-c // 128) * 128 for c in counts)
-  return idx.shape[0], np.asarray(moe_ref.get_fused_mapping(jnp.asarray(idx), experts, n, 128)[1])
+  return idx.shape[0], np.asarray(moe_ref.get_fused_mapping(jnp.asarray(idx), experts, n, 128).pos_to_token)
 
 
 def _fused_case(experts, ranks, k, quant_input):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkern import _config
+from jaxkern import _dispatch
 from jaxkern.moe import _routing
 from jaxkern.reference import ieee
 from jaxkern.reference import moe as ref
@@ -21,23 +21,36 @@ def aux_fi(topk_idx: jax.Array, num_experts: int, num_aux_topk: int, *,
   """``fi[e] = (float32(count_e) * E) / float32(T * num_aux_topk)``, zeros when ``T = 0``.
 
   Args:
-    topk_idx: ``(T, K)`` int32 or int64 expert ids in ``{-1} ∪ [0, num_experts)`` (concrete
-      arrays are range-checked; traced out-of-range ids are ignored).
-    num_experts: ``E`` (static).
-    num_aux_topk: normaliser (static; need not equal ``K``).
-    implementation: see :mod:`jaxkern._config` (``reference``: the reference; otherwise the
-      XLA formulation above).
+    topk_idx: ``(T, K)`` int32 or int64 array (or nested list) of expert ids in
+      ``{-1} ∪ [0, num_experts)``. Concrete arrays are range-checked; under ``jit`` ids outside
+      that range are ignored (not counted).
+    num_experts: ``E`` (static, positive).
+    num_aux_topk: normaliser (static, positive; need not equal ``K``).
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``
+      (see :mod:`jaxkern._config`): every one but ``"reference"`` (the reference's scatter-add; also
+      what ``"auto"`` runs off a GPU) runs the XLA code above.
 
   Returns:
     ``(E,)`` float32.
+
+  Raises:
+    ValueError: ``topk_idx`` not of rank 2 or of another dtype (bool included); ``num_experts`` or
+      ``num_aux_topk`` not positive; a concrete ``topk_idx`` with an id below -1 or ``>= E``.
+
+  No Pallas kernel: the XLA code is the implementation.
   """
-  _routing.check_index("topk_idx", topk_idx, 2)
+  topk_idx = _routing.check_index("topk_idx", topk_idx, 2)
   if num_experts < 1:
     raise ValueError(f"num_experts must be positive, got {num_experts}")
   if num_aux_topk < 1:
     raise ValueError(f"num_aux_topk must be positive, got {num_aux_topk}")
   _routing.check_values_below("topk_idx", topk_idx, num_experts)
-  if _config.get_implementation(implementation) == "reference" or topk_idx.shape[0] == 0:
-    return ref.aux_fi(topk_idx, num_experts, num_aux_topk)
-  counts = _routing.histogram(topk_idx, num_experts).astype(jnp.float32)
-  return ieee.div(counts * jnp.float32(num_experts), jnp.float32(topk_idx.shape[0] * num_aux_topk))
+
+  def xla():
+    if topk_idx.shape[0] == 0:
+      return jnp.zeros((num_experts,), jnp.float32)
+    counts = _routing.histogram(topk_idx, num_experts).astype(jnp.float32)
+    return ieee.div(counts * jnp.float32(num_experts), jnp.float32(topk_idx.shape[0] * num_aux_topk))
+
+  return _dispatch.run("aux_fi", implementation, kernel=None, xla=xla,
+                       reference=lambda: ref.aux_fi(topk_idx, num_experts, num_aux_topk))

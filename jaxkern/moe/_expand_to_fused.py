@@ -36,11 +36,12 @@ inverse-map variant is the scatter building that map). ``Hs`` = 56 with 4096-wor
 instead of 128) was not measured. At ``Hs`` <= 2 (H = 576, npc = 128) the XLA scatter is kept: 4.1
 against 5.0 µs.
 
-Fused rows that no slot references and that ``pos_to_expert`` does not mark as padding
-(impossible for a mapping made by ``get_fused_mapping``) are left unwritten by the kernel;
-the reference writes zeros there. Traced positions are not range-checked: a slot pointing
-at row ``>= N`` is undefined in the kernel (an out-of-bounds TMA store, which the TMA unit
-should clip away; not verified) and dropped by the reference.
+Bad mappings (:func:`expand_to_fused` states them for users): a position outside ``[0, N)`` is
+an unused slot, like -1: the token CTA's ``pl.when`` that guards each slot's TMA store compares the
+position (already loaded as a scalar) against ``N`` as well as 0, and :func:`_source_tokens` drops
+such slots. Fused rows that no slot references and that ``pos_to_expert`` does not mark as padding
+(impossible for a mapping made by ``get_fused_mapping``) are left unwritten by the kernel; the
+reference writes zeros there.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as plt
 
-from jaxkern import _checks, _config
+from jaxkern import _checks, _config, _dispatch
 from jaxkern.moe import _routing
 from jaxkern.reference import moe as ref
+from jaxkern.types import QuantTensor
 
 _TOKEN_BLOCK_BYTES = 56 << 10  # SMEM for the token rows of one CTA (about 4 CTAs per SM)
 _MAX_TOKEN_BLOCK = 16
@@ -131,7 +133,7 @@ def _expand_kernel(x, x_sf, token_topk_to_pos, pos_to_expert, interpret=None):
       for j, p in enumerate(positions):
         row = j // k
 
-        @pl.when((p >= 0) & (t0 + row >= i * bt))
+        @pl.when((p >= 0) & (p < n) & (t0 + row >= i * bt))  # a position outside [0, N) is an unused slot
         def _():
           plgpu.copy_smem_to_gmem(x_s.at[row], o_g.at[p])
           if hs:
@@ -165,11 +167,12 @@ def _expand_kernel(x, x_sf, token_topk_to_pos, pos_to_expert, interpret=None):
   return out.reshape(n, h), out_sf
 
 
-def _source_tokens(token_topk_to_pos, rows: int):
-  """``(rows,)`` int32: the token each fused row copies, ``-1`` for rows no slot references."""
+def _source_tokens(token_topk_to_pos, rows: int, n: int):
+  """``(rows,)`` int32 (``rows >= n``): the token each of the ``n`` fused rows copies, ``-1`` for rows
+  no slot references; positions outside ``[0, n)`` are unused slots."""
   t, k = token_topk_to_pos.shape
   pos = token_topk_to_pos.reshape(-1)
-  return jnp.full((rows,), -1, jnp.int32).at[jnp.where(pos >= 0, pos, rows)].set(
+  return jnp.full((rows,), -1, jnp.int32).at[jnp.where((pos >= 0) & (pos < n), pos, rows)].set(
       jnp.arange(t * k, dtype=jnp.int32) // k, mode="drop")
 
 
@@ -192,7 +195,7 @@ def _col_major_sf(x_sf, token_topk_to_pos, n: int, interpret: bool = False):
   of fused rows, after an XLA scatter of the source token of every fused row."""
   hs = x_sf.shape[1]
   rows = -(-n // 4) * 4
-  src = _source_tokens(token_topk_to_pos, rows)
+  src = _source_tokens(token_topk_to_pos, rows, n)
   width = pl.next_power_of_2(hs)
   block_rows = max(32, min(_SF_MAX_ROWS, _SF_TILE_WORDS // width))
   whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)
@@ -203,10 +206,12 @@ def _col_major_sf(x_sf, token_topk_to_pos, n: int, interpret: bool = False):
       compiler_params=plt.CompilerParams(num_warps=_SF_WARPS, num_stages=1), interpret=interpret)(src, x_sf)
 
 
-def _check(x, token_topk_to_pos, pos_to_expert, x_name="x") -> None:
+def _check(x, token_topk_to_pos, pos_to_expert, x_name="x"):
+  """Checks the arguments; returns ``(x, token_topk_to_pos, pos_to_expert)`` as arrays."""
+  x = _checks.as_array(x_name, x)
   _checks.check_rank(x_name, x, 2)
-  _routing.check_index("token_topk_to_pos", token_topk_to_pos, 2, (jnp.int32,))
-  _routing.check_index("pos_to_expert", pos_to_expert, 1, (jnp.int32,))
+  token_topk_to_pos = _routing.check_index("token_topk_to_pos", token_topk_to_pos, 2, (jnp.int32,))
+  pos_to_expert = _routing.check_index("pos_to_expert", pos_to_expert, 1, (jnp.int32,))
   if token_topk_to_pos.shape[0] != x.shape[0]:
     raise ValueError(f"token_topk_to_pos must have {x.shape[0]} rows (one per token of {x_name}), "
                      f"got shape {tuple(token_topk_to_pos.shape)}")
@@ -214,6 +219,14 @@ def _check(x, token_topk_to_pos, pos_to_expert, x_name="x") -> None:
     raise ValueError(f"{x_name} must have a 1-, 2- or 4-byte dtype, got {x.dtype}")
   _routing.row_tiling(x.shape[1], x.dtype.itemsize, x_name)
   _routing.check_values_below("token_topk_to_pos", token_topk_to_pos, pos_to_expert.shape[0])
+  return x, token_topk_to_pos, pos_to_expert
+
+
+def _unsupported(x) -> str | None:
+  """Why the expand kernel cannot move the rows of ``x``, or None."""
+  if x.dtype == jnp.bool_:
+    return "bool data (no 1-bit element type in Mosaic GPU; expand x.view(jnp.uint8) for the kernel)"
+  return None
 
 
 def expand_to_fused(x: jax.Array, token_topk_to_pos: jax.Array, pos_to_expert: jax.Array, *,
@@ -221,65 +234,114 @@ def expand_to_fused(x: jax.Array, token_topk_to_pos: jax.Array, pos_to_expert: j
   """Copies each token row into its fused rows; padding rows become zero (bit copy).
 
   Args:
-    x: ``(T, H)`` array of a 1-, 2- or 4-byte dtype; ``H`` a multiple of 16 bytes.
-    token_topk_to_pos: ``(T, K)`` int32 fused row of each slot, negative = unused.
+    x: ``(T, H)`` array (or nested list) of a 1-, 2- or 4-byte dtype (bool included); a row of
+      ``H`` elements a multiple of 16 bytes and at most 65536 elements.
+    token_topk_to_pos: ``(T, K)`` int32 fused row of each slot, -1 = unused (see below).
     pos_to_expert: ``(N,)`` int32; a negative entry marks a padding row.
-    implementation: see :mod:`jaxkern._config`.
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``
+      (see :mod:`jaxkern._config`).
 
   Returns:
-    ``(N, H)`` array of ``x.dtype`` with ``out[token_topk_to_pos[t, k]] = x[t]`` and zeros
-    where ``pos_to_expert < 0``.
+    ``(N, H)`` array of ``x.dtype`` with ``out[token_topk_to_pos[t, k]] = x[t]`` and zeros where
+    ``pos_to_expert < 0``.
+
+  Raises:
+    ValueError: a rank, dtype or shape above not met (``token_topk_to_pos`` needs ``T`` rows), or a
+      concrete ``token_topk_to_pos`` holding a value below -1 or ``>= N``.
+    KernelUnavailableError: ``implementation="pallas"`` / ``"interpret"`` with bool data.
+
+  XLA instead of a kernel: bool data and zero-size problems (``T = 0`` or ``N = 0``).
+
+  Bad mappings (identical in the kernel, interpret mode included, and the reference, under ``jit``):
+  an entry of ``token_topk_to_pos`` outside ``[0, N)`` is an unused slot, exactly like -1 (concrete,
+  non-traced arrays are range-checked instead: ``ValueError``). Several slots naming one fused row:
+  the reference and interpret mode store one of their tokens' rows whole (which one is unspecified);
+  on a GPU the TMA stores of those tokens race, and the row may mix pieces of their rows (no
+  guarantee beyond that). A fused row that no slot names and that ``pos_to_expert`` does not mark as
+  padding is zero in the reference and left unwritten (whatever the output buffer held) by the
+  kernel; a row both named by a slot and marked as padding is the token's row in the reference and
+  the token's row, zeros or a mix of both in the kernel. ``get_fused_mapping`` makes none of these.
+
+  Checked mode: inside ``checkify.checkify(f, errors=checkify.user_checks)`` (``from
+  jax.experimental import checkify``) the first slot (flat order ``t*K + k``) holding an entry
+  outside ``{-1} ∪ [0, N)`` or a fused row already named by an earlier slot is reported with its
+  position and value. Without checkify the check costs nothing: it is dropped, and XLA removes its
+  predicate from the compiled program.
   """
-  _check(x, token_topk_to_pos, pos_to_expert)
-  impl = _config.get_implementation(implementation)
-  if impl == "reference" or x.shape[0] == 0 or pos_to_expert.shape[0] == 0:
-    return ref.expand_to_fused(x, token_topk_to_pos, pos_to_expert)
-  return _expand_kernel(x, None, token_topk_to_pos, pos_to_expert, interpret=_config.mosaic_interpret(impl))
+  x, token_topk_to_pos, pos_to_expert = _check(x, token_topk_to_pos, pos_to_expert)
+  n = pos_to_expert.shape[0]
+  _routing.debug_check_positions("expand_to_fused", token_topk_to_pos, n)
+  return _dispatch.run(
+      "expand_to_fused", implementation,
+      kernel=lambda interpret: _expand_kernel(x, None, token_topk_to_pos, pos_to_expert,
+                                              interpret=_config.mosaic_interpret(interpret)),
+      xla=lambda: ref.expand_to_fused(x, token_topk_to_pos, pos_to_expert),
+      unsupported=_unsupported(x), empty=x.shape[0] == 0 or n == 0)
 
 
-def expand_to_fused_with_sf(x: tuple[jax.Array, jax.Array], num_per_channels: int,
-                            token_topk_to_pos: jax.Array, pos_to_expert: jax.Array,
-                            use_tma_aligned_col_major_sf: bool = False, *,
-                            implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
+def expand_to_fused_with_sf(x: QuantTensor | tuple[jax.Array, jax.Array], num_per_channels: int,
+                            token_topk_to_pos: jax.Array, pos_to_expert: jax.Array, *,
+                            use_tma_aligned_col_major_sf: bool = False,
+                            implementation: str | None = None) -> QuantTensor:
   """:func:`expand_to_fused` of quantised data with its per-token scale factors.
 
   Args:
-    x: ``(x_data, x_sf)``: ``(T, H)`` data (e.g. float8_e4m3fn) and row-major ``(T, Hs)``
-      scales, float32 (``Hs = ceil(H / num_per_channels)``) or int32 packed UE8M0
-      (``Hs = ceil(ceil(H / num_per_channels) / 4)``, requires ``use_tma_aligned_col_major_sf``).
-    num_per_channels: channels per scale block (static).
+    x: ``QuantTensor(data, sf)`` (or a 2-tuple): ``(T, H)`` data (e.g. float8_e4m3fn; any 1-, 2- or
+      4-byte dtype, ``H`` as in :func:`expand_to_fused`) and row-major ``(T, Hs)`` scales, float32
+      (``Hs = ceil(H / num_per_channels)``) or int32 packed UE8M0 (``Hs = ceil(ceil(H /
+      num_per_channels) / 4)``, requires ``use_tma_aligned_col_major_sf``).
+    num_per_channels: channels per scale block (static, positive).
     token_topk_to_pos, pos_to_expert: as in :func:`expand_to_fused`.
-    use_tma_aligned_col_major_sf: return the scales as the physical ``(Hs, align(N, 4))``
-      buffer of a TMA-aligned column-major layout (padding columns zero) instead of ``(N, Hs)``.
-    implementation: see :mod:`jaxkern._config`.
+    use_tma_aligned_col_major_sf: return the scales as the physical ``(Hs, align(N, 4))`` buffer of
+      a TMA-aligned column-major layout (padding columns zero) instead of ``(N, Hs)``.
+    implementation: see :func:`expand_to_fused`.
 
   Returns:
-    ``(out, out_sf)``: the expanded data and the scale rows moved (bit copies) with their tokens.
+    ``QuantTensor(data, sf)``: the expanded ``(N, H)`` data and the scale rows moved (bit copies)
+    with their tokens, ``(N, Hs)`` or ``(Hs, align(N, 4))`` of ``x.sf``'s dtype.
+
+  Raises:
+    ValueError: as :func:`expand_to_fused`; ``x`` not a pair, ``num_per_channels`` not positive,
+      ``x.sf`` of another dtype or shape, int32 scales without ``use_tma_aligned_col_major_sf``.
+    KernelUnavailableError: ``implementation="pallas"`` / ``"interpret"`` with bool data.
+
+  XLA instead of a kernel: bool data and zero-size problems. On the kernel path, row-major scale rows
+  of ``Hs`` words not a multiple of 4 or above 256, and column-major rows of at most 2 words, are
+  moved by an XLA scatter next to the data kernel (module docstring: measured faster there).
+
+  Bad mappings and the checked mode: as :func:`expand_to_fused` (the scale rows follow the data rows).
   """
   if not isinstance(x, tuple) or len(x) != 2:
-    raise ValueError("x must be a tuple (x_data, x_sf)")
-  x_data, x_sf = x
-  _check(x_data, token_topk_to_pos, pos_to_expert, "x_data")
-  _checks.check_rank("x_sf", x_sf, 2)
-  _checks.check_dtype("x_sf", x_sf, (jnp.float32, jnp.int32))
+    raise ValueError(f"x must be a QuantTensor (data, sf) or a 2-tuple, got {type(x).__name__}")
+  x_sf = _checks.as_array("x.sf", x[1])
+  x_data, token_topk_to_pos, pos_to_expert = _check(x[0], token_topk_to_pos, pos_to_expert, "x.data")
+  _checks.check_rank("x.sf", x_sf, 2)
+  _checks.check_dtype("x.sf", x_sf, (jnp.float32, jnp.int32))
   if num_per_channels <= 0:
     raise ValueError(f"num_per_channels must be positive, got {num_per_channels}")
   blocks = -(-x_data.shape[1] // num_per_channels)
   hs = -(-blocks // 4) if x_sf.dtype == jnp.int32 else blocks
-  _routing.check_shape("x_sf", x_sf, (x_data.shape[0], hs))
+  _routing.check_shape("x.sf", x_sf, (x_data.shape[0], hs))
   if x_sf.dtype == jnp.int32 and not use_tma_aligned_col_major_sf:
-    raise ValueError("x_sf holding packed UE8M0 (int32) requires use_tma_aligned_col_major_sf=True")
-  impl = _config.get_implementation(implementation)
-  if impl == "reference" or x_data.shape[0] == 0 or pos_to_expert.shape[0] == 0:
-    return ref.expand_to_fused_with_sf(x, num_per_channels, token_topk_to_pos, pos_to_expert,
-                                       use_tma_aligned_col_major_sf)
-  if not sf_in_kernel(hs, use_tma_aligned_col_major_sf):
-    out = _expand_kernel(x_data, None, token_topk_to_pos, pos_to_expert, interpret=_config.mosaic_interpret(impl))
-    if use_tma_aligned_col_major_sf and hs > _SF_XLA_MAX_WORDS:
-      out_sf = _col_major_sf(lax.bitcast_convert_type(x_sf, jnp.int32), token_topk_to_pos, pos_to_expert.shape[0],
-                             interpret=impl == "interpret")
-      return out, lax.bitcast_convert_type(out_sf, x_sf.dtype)
-    return out, ref.expand_sf(x_sf, token_topk_to_pos, pos_to_expert, use_tma_aligned_col_major_sf)
-  out, out_sf = _expand_kernel(x_data, lax.bitcast_convert_type(x_sf, jnp.int32), token_topk_to_pos, pos_to_expert,
-                               interpret=_config.mosaic_interpret(impl))
-  return out, lax.bitcast_convert_type(out_sf, x_sf.dtype)
+    raise ValueError("x.sf holding packed UE8M0 (int32) requires use_tma_aligned_col_major_sf=True")
+  n = pos_to_expert.shape[0]
+  _routing.debug_check_positions("expand_to_fused_with_sf", token_topk_to_pos, n)
+  col_major = use_tma_aligned_col_major_sf
+
+  def kernel(interpret):
+    mosaic = _config.mosaic_interpret(interpret)
+    if not sf_in_kernel(hs, col_major):
+      out = _expand_kernel(x_data, None, token_topk_to_pos, pos_to_expert, interpret=mosaic)
+      if col_major and hs > _SF_XLA_MAX_WORDS:
+        out_sf = _col_major_sf(lax.bitcast_convert_type(x_sf, jnp.int32), token_topk_to_pos, n, interpret=interpret)
+        return QuantTensor(out, lax.bitcast_convert_type(out_sf, x_sf.dtype))
+      return QuantTensor(out, ref.expand_sf(x_sf, token_topk_to_pos, pos_to_expert, col_major))
+    out, out_sf = _expand_kernel(x_data, lax.bitcast_convert_type(x_sf, jnp.int32), token_topk_to_pos,
+                                 pos_to_expert, interpret=mosaic)
+    return QuantTensor(out, lax.bitcast_convert_type(out_sf, x_sf.dtype))
+
+  return _dispatch.run(
+      "expand_to_fused_with_sf", implementation, kernel=kernel,
+      xla=lambda: ref.expand_to_fused_with_sf((x_data, x_sf), num_per_channels, token_topk_to_pos, pos_to_expert,
+                                              use_tma_aligned_col_major_sf=col_major),
+      unsupported=_unsupported(x_data), empty=x_data.shape[0] == 0 or n == 0)

@@ -18,11 +18,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxkern import _config
+from jaxkern import _dispatch
 from jaxkern.moe import _routing
 from jaxkern.reference import moe as ref
+from jaxkern.types import FusedMapping
 
 
 _BLOCK = 64  # flat entries per rank block
@@ -57,8 +57,8 @@ def _sort_free_mapping(topk_idx, num_experts: int, num_rows: int, alignment: int
   return pos_to_expert, pos_to_token, pos_to_token_topk, pos.reshape(t, k), start, start + aligned, aligned
 
 
-def get_fused_mapping(topk_idx: jax.Array, num_experts: int, num_expanded_tokens: int, alignment: int,
-                      force_no_sync: bool = False, *, implementation: str | None = None):
+def get_fused_mapping(topk_idx: jax.Array, num_experts: int, num_expanded_tokens: int, alignment: int, *,
+                      force_no_sync: bool = False, implementation: str | None = None) -> FusedMapping:
   """Builds the fused layout: expert ``e`` owns rows ``[expert_start[e], expert_end[e])``.
 
   The segment length is the expert's entry count rounded up to ``alignment`` (0 for an unused
@@ -68,25 +68,39 @@ def get_fused_mapping(topk_idx: jax.Array, num_experts: int, num_expanded_tokens
   maps), as are rows past the last segment.
 
   Args:
-    topk_idx: ``(T, K)`` int32 or int64 expert ids in ``{-1} ∪ [0, num_experts)``. Concrete
-      arrays are range-checked; for traced ones, ids outside that range are treated as -1.
-    num_experts: local expert count ``E`` (static).
-    num_expanded_tokens: rows ``N`` of the fused layout (static, ``>= sum of aligned counts``;
-      rows beyond ``N`` are dropped). ``0`` sizes the layout: with ``force_no_sync=False`` it
-      returns exactly ``sum(n_e)`` rows, which needs concrete ``topk_idx`` (not under ``jit``);
-      with ``force_no_sync=True`` it allocates the upper bound ``floor((T*K + (a-1)*E) / a) * a``.
+    topk_idx: ``(T, K)`` int32 or int64 array (or nested list) of expert ids in
+      ``{-1} ∪ [0, num_experts)``. Concrete arrays are range-checked; under ``jit`` ids outside
+      that range are treated as -1 (the slot is unused).
+    num_experts: local expert count ``E`` (static, positive).
+    num_expanded_tokens: rows ``N`` of the fused layout (static). ``0`` sizes the layout: with
+      ``force_no_sync=False`` it returns exactly ``sum(n_e)`` rows, which needs concrete
+      ``topk_idx`` (not under ``jit``); with ``force_no_sync=True`` it allocates the upper bound
+      ``floor((T*K + (a-1)*E) / a) * a``. A positive ``N`` must be at least the rows the layout
+      needs (the sum of the aligned counts): checked for concrete ``topk_idx``; under ``jit`` the
+      rows past ``N`` are dropped (those slots keep positions ``>= N`` in ``token_topk_to_pos``,
+      which :func:`expand_to_fused` and :func:`reduce_fused` skip as unused slots).
     alignment: segment alignment ``a >= 1`` (static).
-    force_no_sync: see ``num_expanded_tokens``.
-    implementation: see :mod:`jaxkern._config` (``reference``: the reference's sort; otherwise
-      the sort-free formulation above for up to 64 experts).
+    force_no_sync: with ``num_expanded_tokens=0``, allocate the upper bound instead of syncing.
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``
+      (see :mod:`jaxkern._config`): every one but ``"reference"`` (the reference's stable sort; also
+      what ``"auto"`` runs off a GPU) runs the XLA code above.
 
   Returns:
-    ``(pos_to_expert (N,), pos_to_token (N,), pos_to_token_topk (N,), token_topk_to_pos (T, K),
-    expert_start (E,), expert_end (E,), num_tokens_per_expert (E,), num_tokens_per_expert_list)``,
-    all int32 arrays; the list holds the aligned counts as Python ints when the layout was sized
-    on the host (``N = 0`` without ``force_no_sync``), else ``[]``.
+    ``FusedMapping(pos_to_expert (N,), pos_to_token (N,), pos_to_token_topk (N,), token_topk_to_pos
+    (T, K), expert_start (E,), expert_end (E,), num_tokens_per_expert (E,),
+    num_tokens_per_expert_list)``, int32 arrays; the list holds the aligned counts as Python ints
+    when the layout was sized on the host (``N = 0`` without ``force_no_sync``), else ``[]``.
+
+  Raises:
+    ValueError: ``topk_idx`` not of rank 2 or of another dtype (bool included); ``num_experts`` or
+      ``alignment`` not positive; ``num_expanded_tokens`` negative, ``0`` without ``force_no_sync``
+      under ``jit``, or (concrete ``topk_idx``) positive but below the rows the layout needs; a
+      concrete ``topk_idx`` with an id below -1 or ``>= num_experts``.
+
+  No Pallas kernel: the XLA code is the implementation (sort-free for ``E <= 64``, the
+  reference's sort above; module docstring).
   """
-  _routing.check_index("topk_idx", topk_idx, 2)
+  topk_idx = _routing.check_index("topk_idx", topk_idx, 2)
   if num_experts < 1:
     raise ValueError(f"num_experts must be positive, got {num_experts}")
   if alignment < 1:
@@ -96,16 +110,26 @@ def get_fused_mapping(topk_idx: jax.Array, num_experts: int, num_expanded_tokens
   _routing.check_values_below("topk_idx", topk_idx, num_experts)
   t, k = topk_idx.shape
   sync = num_expanded_tokens == 0 and not force_no_sync
-  if sync and isinstance(topk_idx, jax.core.Tracer):
+  if sync and not _routing.is_concrete(topk_idx):
     raise ValueError("num_expanded_tokens=0 sizes the layout on the host and cannot be traced (jit/vmap): "
                      "pass a static num_expanded_tokens, or force_no_sync=True for the upper bound")
+  if num_expanded_tokens and _routing.is_concrete(topk_idx):
+    needed = _routing.needed_rows(topk_idx, num_experts, alignment)
+    if num_expanded_tokens < needed:
+      raise ValueError(f"num_expanded_tokens={num_expanded_tokens} is below the {needed} rows the layout of "
+                       f"topk_idx needs (the sum of its aligned expert counts); pass 0 to size it")
   n = num_expanded_tokens or ref.upper_bound_rows(t, k, num_experts, alignment)
-  impl = _config.get_implementation(implementation)
-  sort_free = impl != "reference" and num_experts <= _routing.ONE_HOT_MAX_BUCKETS and t * k > 0
-  outs = (_sort_free_mapping if sort_free else ref.get_fused_mapping)(jnp.asarray(topk_idx), num_experts, n,
-                                                                       alignment)
-  if not sync:
-    return (*outs, [])
-  counts = np.asarray(outs[6]).tolist()
-  used = sum(counts)
-  return (*(o[:used] for o in outs[:3]), *outs[3:], counts)
+
+  def xla():
+    sort_free = num_experts <= _routing.ONE_HOT_MAX_BUCKETS and t * k > 0
+    outs = (_sort_free_mapping if sort_free else ref.fused_mapping)(topk_idx, num_experts, n, alignment)
+    if not sync:
+      return FusedMapping(*outs, [])
+    counts = [int(c) for c in jax.device_get(outs[6])]
+    used = sum(counts)
+    return FusedMapping(*(o[:used] for o in outs[:3]), *outs[3:], counts)
+
+  return _dispatch.run(
+      "get_fused_mapping", implementation, kernel=None, xla=xla,
+      reference=lambda: ref.get_fused_mapping(topk_idx, num_experts, num_expanded_tokens, alignment,
+                                              force_no_sync=force_no_sync))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxkern import _config
+from jaxkern import _dispatch
 from jaxkern.moe import _routing
 from jaxkern.reference import moe as ref
 
@@ -18,19 +18,27 @@ def group_count(group_idx: jax.Array, num_groups: int, *, implementation: str | 
   """Counts the entries equal to each ``g`` in ``[0, num_groups)``.
 
   Args:
-    group_idx: ``(T, K)`` int32 or int64, entries in ``{-1} ∪ [0, num_groups)`` (concrete
-      arrays are range-checked; traced out-of-range entries are ignored).
-    num_groups: number of buckets (static).
-    implementation: see :mod:`jaxkern._config` (``reference``: the reference's scatter-add;
-      otherwise the XLA formulation above).
+    group_idx: ``(T, K)`` int32 or int64 array (or nested list), entries in
+      ``{-1} ∪ [0, num_groups)``. Concrete arrays are range-checked; under ``jit`` entries outside
+      that range are ignored (not counted).
+    num_groups: number of buckets (static, positive).
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``
+      (see :mod:`jaxkern._config`): every one but ``"reference"`` (the reference's scatter-add; also
+      what ``"auto"`` runs off a GPU) runs the XLA code above.
 
   Returns:
     ``(num_groups,)`` int32 counts.
+
+  Raises:
+    ValueError: ``group_idx`` not of rank 2 or of another dtype (bool included); ``num_groups`` not
+      positive; a concrete ``group_idx`` with an entry below -1 or ``>= num_groups``.
+
+  No Pallas kernel: the XLA code is the implementation.
   """
-  _routing.check_index("group_idx", group_idx, 2)
+  group_idx = _routing.check_index("group_idx", group_idx, 2)
   if num_groups < 1:
     raise ValueError(f"num_groups must be positive, got {num_groups}")
   _routing.check_values_below("group_idx", group_idx, num_groups)
-  if _config.get_implementation(implementation) == "reference":
-    return ref.group_count(group_idx, num_groups)
-  return _routing.histogram(group_idx, num_groups)
+  return _dispatch.run("group_count", implementation, kernel=None,
+                       xla=lambda: _routing.histogram(group_idx, num_groups),
+                       reference=lambda: ref.group_count(group_idx, num_groups))

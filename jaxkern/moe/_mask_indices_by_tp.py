@@ -8,8 +8,9 @@ into the kernel (one compilation per rank, 8-byte vectors); a traced one is a sc
 GMEM (16-byte vectors), which costs about 0.1 us at these sizes. The last CTA starts at the last
 vector-aligned window (it recomputes entries of the previous one) and also maps the entries past
 the last whole vector with scalar code, so ragged ``T*K`` needs no masking; fewer than one CTA's
-entries are padded. int64 indices (only with ``jax_enable_x64``), ``K`` in ``XLA_TOPK`` with a
-traced rank and ``K = 8`` from 2^18 entries on run the ``jnp`` reference.
+entries are padded. int64 indices (only with ``jax_enable_x64``: the kernel maps int32) run the
+``jnp`` reference; so do, under ``"auto"``, ``K`` in ``XLA_TOPK`` with a traced rank and ``K = 8``
+from 2^18 entries on (``XLA_MIN_ENTRIES``), where XLA measured faster.
 
 H200 (CUPTI, cold L2, median of 30), XLA reference in brackets. Static rank (session 10): K = 2
 1.41-1.49 us (1.44-1.52), K = 6 1.66-1.79 (1.70-1.92; XLA's own ``~x`` of the same array takes
@@ -32,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkern import _config
+from jaxkern import _config, _dispatch
 from jaxkern._layouts import NO_AUTO_BARRIERS
 from jaxkern.moe import _routing
 from jaxkern.reference import moe as ref
@@ -75,24 +76,46 @@ def _kernel(indices, rank_g=None, *, r, tp, rank=None, vec=VEC, interpret=None):
   return kernel(*args)[:n].reshape(indices.shape)
 
 
-def mask_indices_by_tp(indices: jax.Array, n: int, num_ep_ranks: int, tp_rank, num_tp_ranks: int, *,
-                       implementation: str | None = None) -> jax.Array:
+def _xla_faster(indices, static: bool) -> str | None:
+  """Why ``"auto"`` on a GPU leaves these indices to XLA (measured; module docstring), or None."""
+  k = indices.shape[1]
+  if not static and k in XLA_TOPK:
+    return f"K = {k} in XLA_TOPK with a traced tp_rank (XLA's fusion ties or beats the kernel there)"
+  if indices.size >= XLA_MIN_ENTRIES.get(k, indices.size + 1):
+    return f"K = {k} with {indices.size} >= XLA_MIN_ENTRIES[{k}] = {XLA_MIN_ENTRIES[k]} entries"
+  return None
+
+
+def mask_indices_by_tp(indices: jax.Array, n: int, num_ep_ranks: int, tp_rank: int | jax.Array, num_tp_ranks: int,
+                       *, implementation: str | None = None) -> jax.Array:
   """Keeps the experts of EP ranks ``q`` with ``q % num_tp_ranks == tp_rank``, renumbered densely.
 
   With ``R = n // num_ep_ranks`` and ``q = p // R``: ``p -> (q // num_tp_ranks) * R + p % R`` when
   kept, else -1; negative entries become -1.
 
   Args:
-    indices: ``(T, K)`` int32 or int64 global expert ids.
+    indices: ``(T, K)`` int32 or int64 array (or nested list) of global expert ids.
     n: total experts over all EP ranks (static).
-    num_ep_ranks, num_tp_ranks: static rank counts.
-    tp_rank: this TP rank (int or traced int32 scalar).
-    implementation: see :mod:`jaxkern._config`.
+    num_ep_ranks: static EP rank count in ``[1, n]``.
+    tp_rank: this TP rank: a Python int in ``[0, num_tp_ranks)`` (baked into the kernel) or a traced
+      int32 scalar (read by the kernel; out of range, nothing is kept).
+    num_tp_ranks: static TP rank count (positive).
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``
+      (see :mod:`jaxkern._config`).
 
   Returns:
     Array of the shape and dtype of ``indices``.
+
+  Raises:
+    ValueError: ``indices`` not of rank 2 or of another dtype (bool included); ``num_ep_ranks``,
+      ``num_tp_ranks`` or a Python-int ``tp_rank`` out of range.
+    KernelUnavailableError: ``implementation="pallas"`` / ``"interpret"`` with int64 indices.
+
+  XLA instead of a kernel: int64 indices, zero-size arrays and, under ``"auto"`` on a GPU, the
+  measured cases of the module docstring (``K`` in ``XLA_TOPK`` with a traced ``tp_rank``; ``K = 8``
+  from ``XLA_MIN_ENTRIES[8]`` = 2^18 entries).
   """
-  _routing.check_index("indices", indices, 2)
+  indices = _routing.check_index("indices", indices, 2)
   if num_ep_ranks < 1 or n < num_ep_ranks:
     raise ValueError(f"num_ep_ranks must be in [1, n], got num_ep_ranks={num_ep_ranks}, n={n}")
   if num_tp_ranks < 1:
@@ -100,12 +123,16 @@ def mask_indices_by_tp(indices: jax.Array, n: int, num_ep_ranks: int, tp_rank, n
   static = isinstance(tp_rank, (int, np.integer))
   if static and not 0 <= tp_rank < num_tp_ranks:
     raise ValueError(f"tp_rank must be in [0, {num_tp_ranks}), got {tp_rank}")
-  impl = _config.get_implementation(implementation)
-  k = indices.shape[1]
-  if (impl == "reference" or indices.size == 0 or indices.dtype != jnp.int32 or not static and k in XLA_TOPK
-      or indices.size >= XLA_MIN_ENTRIES.get(k, indices.size + 1)):
-    return ref.mask_indices_by_tp(indices, n, num_ep_ranks, tp_rank, num_tp_ranks)
-  r, interpret = n // num_ep_ranks, _config.mosaic_interpret(impl)
-  if static:
-    return _kernel(indices, r=r, tp=num_tp_ranks, rank=int(tp_rank), vec=STATIC_VEC, interpret=interpret)
-  return _kernel(indices, tp_rank, r=r, tp=num_tp_ranks, interpret=interpret)
+  r = n // num_ep_ranks
+
+  def kernel(interpret):
+    mosaic = _config.mosaic_interpret(interpret)
+    if static:
+      return _kernel(indices, r=r, tp=num_tp_ranks, rank=int(tp_rank), vec=STATIC_VEC, interpret=mosaic)
+    return _kernel(indices, tp_rank, r=r, tp=num_tp_ranks, interpret=mosaic)
+
+  return _dispatch.run(
+      "mask_indices_by_tp", implementation, kernel=kernel,
+      xla=lambda: ref.mask_indices_by_tp(indices, n, num_ep_ranks, tp_rank, num_tp_ranks),
+      unsupported=None if indices.dtype == jnp.int32 else f"{indices.dtype} indices (the kernel maps int32)",
+      xla_faster=_xla_faster(indices, static), empty=indices.size == 0)

@@ -24,9 +24,10 @@ the resulting bits against the exact-FMA reference.
 In interpret mode on CPU, XLA contracts ``a * b + c`` into an FMA as well. The per-slot
 scale ``w * x_sf[p]`` and the final ``acc * sf`` are scalar / lone multiplies, rounded once.
 
-Traced positions are not range-checked: a slot pointing at a row ``>= x.shape[0]`` reads
-out of bounds in the kernel and is clamped to the last row by the reference; keep the
-mapping consistent.
+A position outside ``[0, N)`` (``N = x.shape[0]``) is an unused slot, like -1: the ``lax.cond``
+that guards each slot's row load tests ``0 <= p < N`` on the scalar position it already loaded,
+and the ``x_sf`` read of the slot's scale uses the position clamped into ``[0, N)`` (its value is
+then unused). The reference does the same.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkern import _checks, _config
+from jaxkern import _checks, _config, _dispatch
 from jaxkern.moe import _routing
 from jaxkern.reference import moe as ref
+from jaxkern.types import QuantTensor
 
 CHUNK = 256  # H must be a multiple
 _MAX_WIDTH = 8192  # hidden elements per CTA: 64 fp32 accumulator registers per thread
@@ -56,7 +58,7 @@ def _width(h: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
 def _reduce_kernel(x, x_sf, topk_weights, token_topk_to_pos, sf, out_dtype, interpret=None):
-  h = x.shape[1]
+  n, h = x.shape
   t, k = token_topk_to_pos.shape
   out_dtype = jnp.dtype(out_dtype)
   width, bt = _width(h), min(_TOKEN_BLOCK, t)
@@ -81,8 +83,8 @@ def _reduce_kernel(x, x_sf, topk_weights, token_topk_to_pos, sf, out_dtype, inte
     cols = pl.ds(j * width, width)
     positions = [pos_g[t0 + slot // k, slot % k] for slot in range(bt * k)]
     scales = [jnp.float32(1) if w_g is None else w_g[t0 + slot // k, slot % k] for slot in range(bt * k)]
-    if sf_x_g is not None:
-      scales = [s * sf_x_g[jnp.maximum(p, 0)] for s, p in zip(scales, positions)]
+    if sf_x_g is not None:  # the scale of an unused slot (p outside [0, N)) is read in bounds and not used
+      scales = [s * sf_x_g[jnp.minimum(jnp.maximum(p, 0), n - 1)] for s, p in zip(scales, positions)]
 
     def accumulate(acc, p, s):
       return plgpu.load(x_g.at[p, cols], layout=layout).astype(jnp.float32) * s + acc
@@ -91,7 +93,7 @@ def _reduce_kernel(x, x_sf, topk_weights, token_topk_to_pos, sf, out_dtype, inte
       acc = plgpu.layout_cast(jnp.zeros((width,), jnp.float32), layout)
       for slot in range(row * k, (row + 1) * k):
         p = positions[slot]
-        acc = lax.cond(p >= 0, functools.partial(accumulate, p=p, s=scales[slot]), lambda a: a, acc)
+        acc = lax.cond((p >= 0) & (p < n), functools.partial(accumulate, p=p, s=scales[slot]), lambda a: a, acc)
       if sf_g is not None:
         acc = acc * sf_g[0]
       if out_dtype == jnp.float8_e4m3fn:
@@ -102,34 +104,58 @@ def _reduce_kernel(x, x_sf, topk_weights, token_topk_to_pos, sf, out_dtype, inte
   return kernel(x, token_topk_to_pos, *args)
 
 
-def reduce_fused(x, topk_weights: jax.Array | None, token_topk_to_pos: jax.Array, fp8_format: str = "",
-                 sf: jax.Array | None = None, *, implementation: str | None = None) -> jax.Array:
+def reduce_fused(x: jax.Array | QuantTensor | tuple[jax.Array, jax.Array], topk_weights: jax.Array | None,
+                 token_topk_to_pos: jax.Array, *, fp8_format: str = "", sf: jax.Array | None = None,
+                 implementation: str | None = None) -> jax.Array:
   """For each token, the fp32 FMA-accumulated sum of its slots' rows times their weights.
 
-  ``acc = 0; for k: if p = token_topk_to_pos[t, k] >= 0: acc = fma(x[p], w[t, k] * x_sf[p], acc)``;
+  ``acc = 0; for k: if 0 <= p = token_topk_to_pos[t, k] < N: acc = fma(x[p], w[t, k] * x_sf[p], acc)``;
   then ``acc * sf[0]`` if ``sf`` is given, cast to the output dtype (e4m3: saturating).
 
   Args:
-    x: ``(N', H)`` float32 or bfloat16 expert outputs in the fused layout (``H`` a multiple
-      of 256), or a tuple ``(x, x_sf)`` with a ``(N',)`` float32 per-row scale.
+    x: ``(N, H)`` float32 or bfloat16 expert outputs in the fused layout (``H`` a multiple of 256),
+      or a pair ``(x, x_sf)`` (a tuple or :class:`jaxkern.types.QuantTensor`) with a ``(N,)`` float32
+      per-row scale.
     topk_weights: ``(T, K)`` float32 routing weights, or ``None`` (weight 1).
-    token_topk_to_pos: ``(T, K)`` int32 fused row of each slot; negative = skip.
+    token_topk_to_pos: ``(T, K)`` int32 fused row of each slot; -1 = unused (see below).
     fp8_format: ``""`` (output in ``x.dtype``) or ``"e4m3"`` (float8_e4m3fn, saturated to ±448).
     sf: ``(1,)`` float32 global output scale, only with ``fp8_format="e4m3"``.
-    implementation: see :mod:`jaxkern._config`.
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``
+      (see :mod:`jaxkern._config`).
 
   Returns:
-    ``(T, H)`` array. Tokens without a valid slot get ``+0`` (times ``sf[0]``).
+    ``(T, H)`` array of ``x.dtype`` (float8_e4m3fn with ``fp8_format="e4m3"``). Tokens without a
+    used slot get ``+0`` (times ``sf[0]``).
+
+  Raises:
+    ValueError: a rank, dtype or shape above not met, an unknown ``fp8_format``, ``sf`` without
+      ``fp8_format="e4m3"``, or a concrete ``token_topk_to_pos`` holding a value below -1 or ``>= N``.
+
+  XLA instead of a kernel: zero-size problems (``T``, ``N`` or ``H`` = 0); every other case runs the kernel.
+
+  Bad mappings (identical in the kernel, interpret mode included, and the reference, under ``jit``):
+  an entry of ``token_topk_to_pos`` outside ``[0, N)`` is an unused slot, exactly like -1 (concrete,
+  non-traced arrays are range-checked instead: ``ValueError``). Several slots of a token naming one
+  fused row add that row once per slot, in slot order (the sum is defined, not an error).
+
+  Checked mode: inside ``checkify.checkify(f, errors=checkify.user_checks)`` (``from
+  jax.experimental import checkify``) the first slot (flat order ``t*K + k``) holding an entry
+  outside ``{-1} ∪ [0, N)`` or a fused row already named by an earlier slot (of any token) is
+  reported with its position and value. Without checkify the check costs nothing: it is dropped,
+  and XLA removes its predicate from the compiled program.
   """
-  x, x_sf = x if isinstance(x, tuple) else (x, None)
+  x, x_sf = (x[0], x[1]) if isinstance(x, tuple) else (x, None)
+  x = _checks.as_array("x", x)
   _checks.check_rank("x", x, 2)
   _checks.check_dtype("x", x, (jnp.float32, jnp.bfloat16))
   _checks.check_multiple("x", x, 1, CHUNK)
-  _routing.check_index("token_topk_to_pos", token_topk_to_pos, 2, (jnp.int32,))
+  token_topk_to_pos = _routing.check_index("token_topk_to_pos", token_topk_to_pos, 2, (jnp.int32,))
   if x_sf is not None:
+    x_sf = _checks.as_array("x_sf", x_sf)
     _checks.check_dtype("x_sf", x_sf, (jnp.float32,))
     _routing.check_shape("x_sf", x_sf, (x.shape[0],))
   if topk_weights is not None:
+    topk_weights = _checks.as_array("topk_weights", topk_weights)
     _checks.check_dtype("topk_weights", topk_weights, (jnp.float32,))
     _routing.check_shape("topk_weights", topk_weights, token_topk_to_pos.shape)
   if fp8_format not in ("", "e4m3"):
@@ -137,12 +163,17 @@ def reduce_fused(x, topk_weights: jax.Array | None, token_topk_to_pos: jax.Array
   if sf is not None:
     if fp8_format != "e4m3":
       raise ValueError("sf is only allowed with fp8_format='e4m3'")
+    sf = _checks.as_array("sf", sf)
     _checks.check_dtype("sf", sf, (jnp.float32,))
     _routing.check_shape("sf", sf, (1,))
-  _routing.check_values_below("token_topk_to_pos", token_topk_to_pos, x.shape[0])
-  impl = _config.get_implementation(implementation)
-  if impl == "reference" or token_topk_to_pos.shape[0] == 0 or x.shape[0] == 0:
-    return ref.reduce_fused(x if x_sf is None else (x, x_sf), topk_weights, token_topk_to_pos, fp8_format, sf)
+  n = x.shape[0]
+  _routing.check_values_below("token_topk_to_pos", token_topk_to_pos, n)
+  _routing.debug_check_positions("reduce_fused", token_topk_to_pos, n)
   out_dtype = jnp.float8_e4m3fn if fp8_format == "e4m3" else x.dtype
-  return _reduce_kernel(x, x_sf, topk_weights, token_topk_to_pos, sf, out_dtype,
-                        interpret=_config.mosaic_interpret(impl))
+  return _dispatch.run(
+      "reduce_fused", implementation,
+      kernel=lambda interpret: _reduce_kernel(x, x_sf, topk_weights, token_topk_to_pos, sf, out_dtype,
+                                              interpret=_config.mosaic_interpret(interpret)),
+      xla=lambda: ref.reduce_fused(x if x_sf is None else (x, x_sf), topk_weights, token_topk_to_pos,
+                                   fp8_format=fp8_format, sf=sf),
+      empty=token_topk_to_pos.shape[0] == 0 or n == 0 or x.shape[1] == 0)

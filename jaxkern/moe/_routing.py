@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import checkify
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -69,9 +70,12 @@ def _block_layout(x_s):
   return plgpu.Layout.WG_STRIDED(tuple(x_s.shape), vec_size=4 if k % 4 == 0 else 2 if k % 2 == 0 else 1)
 
 
-def check_index(name: str, x, ndim: int, dtypes=INDEX_DTYPES) -> None:
+def check_index(name: str, x, ndim: int, dtypes=INDEX_DTYPES):
+  """``x`` as an array (lists converted) of rank ``ndim`` and an index dtype; returns it."""
+  x = _checks.as_array(name, x)
   _checks.check_rank(name, x, ndim)
   _checks.check_dtype(name, x, dtypes)
+  return x
 
 
 def check_shape(name: str, x, shape) -> None:
@@ -81,11 +85,51 @@ def check_shape(name: str, x, shape) -> None:
 
 def check_values_below(name: str, x, limit: int) -> None:
   """Raises if a concrete (non-traced) ``x`` holds a value ``>= limit`` or below ``-1``."""
-  if isinstance(x, jax.core.Tracer) or not x.size:
+  if not is_concrete(x) or not x.size:
     return
   v = np.asarray(x)
   if v.max() >= limit or v.min() < -1:
     raise ValueError(f"{name} must hold -1 or values in [0, {limit}), got range [{v.min()}, {v.max()}]")
+
+
+def is_concrete(x) -> bool:
+  """Whether ``x`` holds values known now (not traced under ``jit`` / ``vmap`` / ``checkify``)."""
+  return not isinstance(x, jax.core.Tracer)
+
+
+def debug_check_positions(op: str, token_topk_to_pos, n: int) -> None:
+  """Opt-in checked mode of the ops that read ``token_topk_to_pos`` (``n`` fused rows).
+
+  Under ``checkify.checkify(f, errors=checkify.user_checks)`` this reports the first slot (in
+  flat order ``t*K + k``) whose entry is outside ``{-1} ∪ [0, n)`` or names the same fused row
+  as an earlier slot, with its position and value. Without checkify the check is dropped
+  (``checkify.debug_check``): its predicate has no use left, and XLA removes it from the compiled
+  program (tests/moe/test_expand_to_fused.py compares the compiled programs). Concrete
+  (non-traced) arrays are not checked here: the ops range-check them on the host.
+  """
+  if is_concrete(token_topk_to_pos) or not token_topk_to_pos.size:
+    return
+  k = token_topk_to_pos.shape[1]
+  flat = token_topk_to_pos.reshape(-1)
+  slot = jnp.arange(flat.shape[0], dtype=jnp.int32)
+  in_range = (flat >= 0) & (flat < n)
+  row = jnp.where(in_range, flat, n)
+  first_slot = jnp.full((n + 1,), flat.shape[0], jnp.int32).at[row].min(slot)[row]
+  out_of_range = (flat < -1) | (flat >= n)
+  repeated = in_range & (first_slot < slot)
+  i = jnp.argmax(out_of_range | repeated).astype(jnp.int32)  # the first bad slot (0 if none)
+  where = f"{op}: token_topk_to_pos[{{}}, {{}}] = {{}}"
+  checkify.debug_check(~out_of_range[i], where + f" is outside {{{{-1}}}} ∪ [0, {n}) (N = {n} fused rows); "
+                       "it is the first bad entry", i // k, i % k, flat[i])
+  checkify.debug_check(~repeated[i], where + " names the fused row of the earlier slot [{}, {}]; "
+                       "it is the first bad entry", i // k, i % k, flat[i], first_slot[i] // k, first_slot[i] % k)
+
+
+def needed_rows(topk_idx, num_experts: int, alignment: int) -> int:
+  """Rows of the fused layout of a concrete ``topk_idx``: the sum of the aligned expert counts."""
+  v = np.asarray(topk_idx).reshape(-1)
+  counts = np.bincount(v[(v >= 0) & (v < num_experts)], minlength=num_experts)
+  return int(((counts + alignment - 1) // alignment * alignment).sum())
 
 
 def row_tiling(h: int, itemsize: int, name: str) -> tuple[int, int]:

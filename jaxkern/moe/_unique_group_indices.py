@@ -14,8 +14,9 @@ H200 (CUPTI, cold L2, groups = 8, median of 30), XLA reference in brackets: K = 
 direct 3.41-4.48); K = 9 1.98-2.27 (2.37-3.23; direct 3.90-5.41). K = 6 (the block in 8-byte
 vectors since session 10): 1.76-1.82 against XLA's 1.73-1.76 below 2^17 entries (T = 18506, 19444;
 XLA's own ``~x`` of the same array takes 1.66, the floor of one pass over these bytes), so
-``XLA_BELOW_ENTRIES`` keeps the reference's single XLA fusion there, and 1.82-1.86 against 1.98 at T = 26991
-(162k entries), where the kernel runs. int64 indices (only with ``jax_enable_x64``) also run the reference.
+``XLA_BELOW_ENTRIES`` keeps the reference's single XLA fusion there under ``"auto"``, and 1.82-1.86 against
+1.98 at T = 26991 (162k entries), where the kernel runs. int64 indices (only with ``jax_enable_x64``: the
+kernel maps int32) run the reference.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkern import _config
+from jaxkern import _config, _dispatch
 from jaxkern.moe import _routing
 from jaxkern.reference import moe as ref
 
@@ -66,22 +67,38 @@ def unique_group_indices(group_indices: jax.Array, num_groups: int, *,
                          implementation: str | None = None) -> jax.Array:
   """Replaces each repeated non-negative value of a row (after its first occurrence) by -1.
 
-  Negative values are kept unchanged (the upstream kernel's behaviour).
+  Negative values are kept unchanged (the upstream kernel's behaviour); so are values
+  ``>= num_groups`` (compared like any other).
 
   Args:
-    group_indices: ``(T, K)`` int32 or int64.
-    num_groups: number of groups (static; upstream requires ``<= 128``; the kernel does not
+    group_indices: ``(T, K)`` int32 or int64 array (or nested list).
+    num_groups: number of groups (static, in ``[1, 128]`` as upstream requires; the kernel does not
       depend on it).
-    implementation: see :mod:`jaxkern._config`.
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``
+      (see :mod:`jaxkern._config`).
 
   Returns:
     The new array (same shape and dtype); upstream modifies its argument in place.
+
+  Raises:
+    ValueError: ``group_indices`` not of rank 2 or of another dtype (bool included); ``num_groups``
+      outside ``[1, 128]``.
+    KernelUnavailableError: ``implementation="pallas"`` / ``"interpret"`` with int64 indices.
+
+  XLA instead of a kernel: int64 indices, zero-size arrays and, under ``"auto"`` on a GPU, ``K`` in
+  ``XLA_BELOW_ENTRIES`` below its entry count (``K = 6`` below 2^17 entries; module docstring).
   """
-  _routing.check_index("group_indices", group_indices, 2)
+  group_indices = _routing.check_index("group_indices", group_indices, 2)
   if not 1 <= num_groups <= 128:
     raise ValueError(f"num_groups must be in [1, 128], got {num_groups}")
-  impl = _config.get_implementation(implementation)
-  if (impl == "reference" or group_indices.size == 0 or group_indices.dtype != jnp.int32
-      or group_indices.size < XLA_BELOW_ENTRIES.get(group_indices.shape[1], 0)):
-    return ref.unique_group_indices(group_indices, num_groups)
-  return _kernel(group_indices, interpret=_config.mosaic_interpret(impl))
+  k, size = group_indices.shape[1], group_indices.size
+  xla_faster = None
+  if size < XLA_BELOW_ENTRIES.get(k, 0):
+    xla_faster = f"K = {k} with {size} < XLA_BELOW_ENTRIES[{k}] = {XLA_BELOW_ENTRIES[k]} entries"
+  return _dispatch.run(
+      "unique_group_indices", implementation,
+      kernel=lambda interpret: _kernel(group_indices, interpret=_config.mosaic_interpret(interpret)),
+      xla=lambda: ref.unique_group_indices(group_indices, num_groups),
+      unsupported=None if group_indices.dtype == jnp.int32 else f"{group_indices.dtype} indices (the kernel "
+                                                                  "maps int32)",
+      xla_faster=xla_faster, empty=size == 0)

@@ -207,6 +207,13 @@ def route_selected(u, idx, routed_scaling_factor, num_shared, ep_rank, num_ep_ra
 
 
 # Routing (spec §5, §6).
+#
+# Bad indices under jit (the kernels do the same): a token_topk_to_pos entry outside [0, N) (N fused
+# rows) is an unused slot, like -1; topk_idx / group_idx entries outside [0, E) are ignored.
+
+import numpy as np  # noqa: E402  (routing imports kept in the routing section)
+
+from jaxkern.types import FusedMapping, QuantTensor  # noqa: E402
 
 _E4M3_MAX = 448.0
 
@@ -216,13 +223,31 @@ def upper_bound_rows(num_tokens: int, num_topk: int, num_experts: int, alignment
   return (num_tokens * num_topk + (alignment - 1) * num_experts) // alignment * alignment
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def get_fused_mapping(topk_idx, num_experts: int, num_expanded_tokens: int, alignment: int):
-  """The fused layout of ``topk_idx`` ``(T, K)`` with exactly ``num_expanded_tokens`` rows.
+def get_fused_mapping(topk_idx, num_experts: int, num_expanded_tokens: int, alignment: int, *,
+                      force_no_sync: bool = False) -> FusedMapping:
+  """The fused layout of :func:`jaxkern.moe.get_fused_mapping` (same arguments and result).
 
-  Returns the first seven outputs of :func:`jaxkern.moe.get_fused_mapping`. Entries are
-  placed in ascending flat order ``t*K + k`` inside each expert's segment. Entries outside
-  ``[0, num_experts)`` are treated as empty slots; rows past ``num_expanded_tokens`` are dropped.
+  Entries are placed in ascending flat order ``t*K + k`` inside each expert's segment (a stable
+  sort by expert). ``num_expanded_tokens = 0`` sizes the layout: on the host (concrete
+  ``topk_idx``) without ``force_no_sync``, else the upper bound :func:`upper_bound_rows`.
+  """
+  num_tokens, num_topk = topk_idx.shape
+  sync = num_expanded_tokens == 0 and not force_no_sync
+  n = num_expanded_tokens or upper_bound_rows(num_tokens, num_topk, num_experts, alignment)
+  outs = fused_mapping(jnp.asarray(topk_idx), num_experts, n, alignment)
+  if not sync:
+    return FusedMapping(*outs, [])
+  counts = np.asarray(outs[6]).tolist()
+  used = sum(counts)
+  return FusedMapping(*(o[:used] for o in outs[:3]), *outs[3:], counts)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def fused_mapping(topk_idx, num_experts: int, num_expanded_tokens: int, alignment: int):
+  """The first seven fields of :func:`get_fused_mapping` with exactly ``num_expanded_tokens`` rows.
+
+  Entries outside ``[0, num_experts)`` are treated as empty slots; rows past ``num_expanded_tokens``
+  are dropped (their slots keep positions ``>= num_expanded_tokens`` in ``token_topk_to_pos``).
   """
   num_tokens, num_topk = topk_idx.shape
   n, e = num_expanded_tokens, num_experts
@@ -248,17 +273,20 @@ def get_fused_mapping(topk_idx, num_experts: int, num_expanded_tokens: int, alig
           token_topk_to_pos.reshape(num_tokens, num_topk), start, start + aligned, aligned)
 
 
-def expand_to_fused(x, token_topk_to_pos, pos_to_expert):
-  """``out[p] = x[t]`` for every ``token_topk_to_pos[t, k] = p >= 0``; every other row is zero."""
+def expand_to_fused(x, token_topk_to_pos, pos_to_expert) -> jax.Array:
+  """``out[p] = x[t]`` for every ``token_topk_to_pos[t, k] = p`` in ``[0, N)`` (other entries are
+  unused slots); every other row is zero. Of several slots naming one row, one wins (XLA's scatter
+  order, unspecified)."""
   n = pos_to_expert.shape[0]
   num_tokens, num_topk = token_topk_to_pos.shape
   pos = token_topk_to_pos.reshape(-1)
   rows = jnp.repeat(x, num_topk, axis=0, total_repeat_length=num_tokens * num_topk)
-  return jnp.zeros((n,) + x.shape[1:], x.dtype).at[jnp.where(pos >= 0, pos, n)].set(rows, mode="drop")
+  return jnp.zeros((n,) + x.shape[1:], x.dtype).at[jnp.where((pos >= 0) & (pos < n), pos, n)].set(
+      rows, mode="drop")
 
 
-def expand_to_fused_with_sf(x, num_per_channels: int, token_topk_to_pos, pos_to_expert,
-                            use_tma_aligned_col_major_sf: bool = False):
+def expand_to_fused_with_sf(x, num_per_channels: int, token_topk_to_pos, pos_to_expert, *,
+                            use_tma_aligned_col_major_sf: bool = False) -> QuantTensor:
   """:func:`expand_to_fused` of ``x = (x_data, x_sf)``; the scale rows travel with the data rows.
 
   ``out_sf`` is ``(N, Hs)``, or with ``use_tma_aligned_col_major_sf`` the physical
@@ -267,7 +295,7 @@ def expand_to_fused_with_sf(x, num_per_channels: int, token_topk_to_pos, pos_to_
   del num_per_channels
   x_data, x_sf = x
   out = expand_to_fused(x_data, token_topk_to_pos, pos_to_expert)
-  return out, expand_sf(x_sf, token_topk_to_pos, pos_to_expert, use_tma_aligned_col_major_sf)
+  return QuantTensor(out, expand_sf(x_sf, token_topk_to_pos, pos_to_expert, use_tma_aligned_col_major_sf))
 
 
 def expand_sf(x_sf, token_topk_to_pos, pos_to_expert, use_tma_aligned_col_major_sf: bool):
@@ -298,19 +326,22 @@ def fma(a, b, c):
     return s.astype(jnp.float32)
 
 
-def reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format: str = "", sf=None):
-  """``out[t] = cast(sf * sum_k fma-accumulated x[p_k] * w[t, k] * x_sf[p_k])`` in fp32 (spec §5.4)."""
+def reduce_fused(x, topk_weights, token_topk_to_pos, *, fp8_format: str = "", sf=None) -> jax.Array:
+  """``out[t] = cast(sf * sum_k fma-accumulated x[p_k] * w[t, k] * x_sf[p_k])`` in fp32 (spec §5.4);
+  slots with ``p_k`` outside ``[0, N)`` are skipped, repeated positions are summed like any other."""
   x, x_sf = x if isinstance(x, tuple) else (x, None)
   num_tokens, num_topk = token_topk_to_pos.shape
+  n = x.shape[0]
   acc = jnp.zeros((num_tokens, x.shape[1]), jnp.float32)
   for k in range(num_topk):
     p = token_topk_to_pos[:, k]
-    safe = jnp.clip(p, 0, max(x.shape[0] - 1, 0))
+    valid = (p >= 0) & (p < n)
+    safe = jnp.where(valid, p, 0)
     s = jnp.ones((num_tokens,), jnp.float32) if topk_weights is None else topk_weights[:, k]
-    if x_sf is not None:
+    if x_sf is not None and n:
       s = s * x_sf[safe]
-    rows = x[safe].astype(jnp.float32) if x.shape[0] else jnp.zeros_like(acc)
-    acc = jnp.where((p >= 0)[:, None], fma(rows, s[:, None], acc), acc)
+    rows = x[safe].astype(jnp.float32) if n else jnp.zeros_like(acc)
+    acc = jnp.where(valid[:, None], fma(rows, s[:, None], acc), acc)
   if sf is not None:
     acc = acc * sf[0]
   if fp8_format == "e4m3":
@@ -326,7 +357,7 @@ def normalize_weight(topk_weights) -> NormalizedWeights:
   return NormalizedWeights(d, ieee.div(topk_weights, d[:, None]))
 
 
-def aux_fi(topk_idx, num_experts: int, num_aux_topk: int):
+def aux_fi(topk_idx, num_experts: int, num_aux_topk: int) -> jax.Array:
   """``fi[e] = (float(count_e) * E) / float(T * num_aux_topk)``; zeros when ``T = 0``."""
   num_tokens = topk_idx.shape[0]
   if num_tokens == 0:
@@ -335,19 +366,19 @@ def aux_fi(topk_idx, num_experts: int, num_aux_topk: int):
   return ieee.div(counts * jnp.float32(num_experts), jnp.float32(num_tokens * num_aux_topk))
 
 
-def group_count(group_idx, num_groups: int):
+def group_count(group_idx, num_groups: int) -> jax.Array:
   """int32 histogram of the entries in ``[0, num_groups)``; other values are ignored."""
   flat = group_idx.reshape(-1).astype(jnp.int32)
   key = jnp.where((flat >= 0) & (flat < num_groups), flat, num_groups)
   return jnp.zeros((num_groups + 1,), jnp.int32).at[key].add(1)[:num_groups]
 
 
-def mask_indices_by_tp(indices, n: int, num_ep_ranks: int, tp_rank, num_tp_ranks: int):
+def mask_indices_by_tp(indices, n: int, num_ep_ranks: int, tp_rank, num_tp_ranks: int) -> jax.Array:
   """EP/TP masking and local renumbering (spec §3.6, §6.4); negatives become -1."""
   return mask_by_tp(indices.astype(jnp.int32), n // num_ep_ranks, tp_rank, num_tp_ranks).astype(indices.dtype)
 
 
-def unique_group_indices(group_indices, num_groups: int):
+def unique_group_indices(group_indices, num_groups: int) -> jax.Array:
   """Repeated non-negative values of a row, after their first occurrence, become -1."""
   del num_groups
   num_topk = group_indices.shape[1]

@@ -1,3 +1,4 @@
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,9 +86,51 @@ def test_negatives_and_empty():
 @pytest.mark.parametrize("args, match", [
     ((jnp.zeros((4,), jnp.int32), 8, 4, 0, 2), "indices must have rank 2"),
     ((jnp.zeros((4, 2), jnp.float32), 8, 4, 0, 2), "indices must have dtype"),
+    ((jnp.zeros((4, 2), bool), 8, 4, 0, 2), "indices must have dtype"),
     ((jnp.zeros((4, 2), jnp.int32), 8, 0, 0, 2), "num_ep_ranks"),
     ((jnp.zeros((4, 2), jnp.int32), 8, 4, 2, 2), "tp_rank"),
 ])
 def test_bad_inputs(args, match):
   with pytest.raises(ValueError, match=match):
     moe.mask_indices_by_tp(*args)
+
+
+def test_int64_has_no_kernel():
+  with jax.enable_x64(True):
+    idx = jnp.asarray(np.array([[0, 7, -1], [5, 3, 2]], np.int64))
+    with pytest.raises(jaxkern.KernelUnavailableError, match="int64 indices"):
+      moe.mask_indices_by_tp(idx, 8, 4, 1, 2, implementation="interpret")
+    want = ref.mask_indices_by_tp(idx, 8, 4, 1, 2)
+    assert want.dtype == jnp.int64
+    for impl in ("xla", "auto"):
+      assert_bitwise_equal(moe.mask_indices_by_tp(idx, 8, 4, 1, 2, implementation=impl), want)
+
+
+@pytest.mark.parametrize("shape, static_rank, path, reason", [
+    ((18506, 6), False, "xla", "XLA_TOPK"), ((18506, 6), True, "pallas", ""),
+    ((1 << 15, 8), False, "xla", "XLA_MIN_ENTRIES[8]"), ((1 << 15, 8), True, "xla", "XLA_MIN_ENTRIES[8]"),
+    (((1 << 15) - 1, 8), False, "pallas", ""), ((23505, 9), False, "pallas", "")])
+def test_auto_on_gpu_keeps_the_measured_thresholds(monkeypatch, shape, static_rank, path, reason):
+  """"auto" on a GPU takes XLA exactly where the module docstring's measurements say."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  spec = jax.ShapeDtypeStruct(shape, jnp.int32)
+  if static_rank:
+    [d] = jaxkern.explain(lambda i: moe.mask_indices_by_tp(i, 72, 8, 1, 2, implementation="auto"), spec)
+  else:
+    [d] = jaxkern.explain(lambda i, r: moe.mask_indices_by_tp(i, 72, 8, r, 2, implementation="auto"), spec,
+                          jax.ShapeDtypeStruct((), jnp.int32))
+  assert d.path == path and reason in d.reason
+
+
+def test_list_input():
+  assert_bitwise_equal(moe.mask_indices_by_tp([[-1, -5, 3]], 8, 4, 1, 2), np.array([[-1, -1, 1]], np.int32))
+
+
+def test_no_retrace(key):
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def f(idx, rank):
+    return moe.mask_indices_by_tp(idx, 72, 8, rank, 2), moe.mask_indices_by_tp(idx, 72, 8, 1, 2)
+
+  for seed in range(3):
+    f(jax.random.randint(jax.random.key(seed), (37, 9), -1, 72), jnp.int32(seed % 2))

@@ -1,22 +1,27 @@
+import functools
 from fractions import Fraction
 
+import chex
 import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import strategies as st
+from jax.experimental import checkify
 
 from jaxkern import moe
 from jaxkern.reference import moe as ref
 from jaxkern.testing import assert_bitwise_equal, lower_for_h100, moe_topk_idx, randn
+from jaxkern.types import QuantTensor
+from tests.moe.routing_checks import checkify_error, compiled_program, without_debug_checks
 
 
 def _inputs(key, tokens, num_topk, experts, ranks, hidden, dtype):
   """Upstream's test inputs: more rows than referenced, mapping with alignment 1."""
   k1, k2, k3, k4 = jax.random.split(key, 4)
   idx = moe_topk_idx(k1, tokens, num_topk, experts, ranks)
-  pos = moe.get_fused_mapping(jnp.asarray(idx), experts, 0, 1)[3]
+  pos = moe.get_fused_mapping(jnp.asarray(idx), experts, 0, 1).token_topk_to_pos
   t = idx.shape[0]
   x = randn(k2, (t * num_topk, hidden), dtype)
   w = jax.random.uniform(k3, (t, num_topk), jnp.float32)
@@ -36,7 +41,7 @@ def _reduce(*args, **kwargs):
 def test_variants_bit_exact(key, weights, in_dtype, fp8, use_x_sf):
   x, w, pos, x_sf = _inputs(key, 1, 6, 9, 8, 256, in_dtype)
   sf = jax.random.normal(key, (1,), jnp.float32) if fp8 else None
-  out = _reduce((x, x_sf) if use_x_sf else x, w if weights else None, pos, "e4m3" if fp8 else "", sf)
+  out = _reduce((x, x_sf) if use_x_sf else x, w if weights else None, pos, fp8_format="e4m3" if fp8 else "", sf=sf)
   assert out.shape == (pos.shape[0], 256)
   assert out.dtype == (jnp.float8_e4m3fn if fp8 else in_dtype)
 
@@ -59,7 +64,7 @@ def test_empty_rows_and_zero_sign(key):
   """Rows without a valid slot give +0, times sf: -0 for a negative sf."""
   x = randn(key, (4, 256), jnp.float32)
   pos = jnp.array([[-1, -1], [0, 3], [-1, 2]], jnp.int32)
-  out = _reduce(x, None, pos, "e4m3", jnp.array([-2.0], jnp.float32))
+  out = _reduce(x, None, pos, fp8_format="e4m3", sf=jnp.array([-2.0], jnp.float32))
   assert np.signbit(np.asarray(out[0], np.float32)).all() and (np.asarray(out[0], np.float32) == 0).all()
   out = _reduce(x, None, pos)
   assert not np.signbit(np.asarray(out[0])).any()
@@ -68,7 +73,7 @@ def test_empty_rows_and_zero_sign(key):
 def test_fp8_saturates(key):
   x = jnp.full((2, 256), 256.0, jnp.float32).at[1].set(jnp.nan)
   pos = jnp.array([[0, 0], [1, -1], [0, -1]], jnp.int32)
-  out = np.asarray(_reduce(x, None, pos, "e4m3", jnp.array([-1.0], jnp.float32)), np.float32)
+  out = np.asarray(_reduce(x, None, pos, fp8_format="e4m3", sf=jnp.array([-1.0], jnp.float32)), np.float32)
   assert (out[0] == -448).all() and np.isnan(out[1]).all() and (out[2] == -256).all()
 
 
@@ -97,7 +102,7 @@ def test_round_trip_through_identity_experts(key):
   x = randn(key, (t, 256), jnp.float32)
   w = jnp.where(jnp.asarray(idx) >= 0, jax.random.uniform(key, idx.shape, jnp.float32) + 0.1, 0)
   w = w / w.sum(axis=1, keepdims=True)
-  out = moe.reduce_fused(moe.expand_to_fused(x, m[3], m[0]), w, m[3])
+  out = moe.reduce_fused(moe.expand_to_fused(x, m.token_topk_to_pos, m.pos_to_expert), w, m.token_topk_to_pos)
   np.testing.assert_allclose(np.asarray(out), np.asarray(x), rtol=1e-6, atol=1e-6)
 
 
@@ -137,7 +142,7 @@ _LOWER_CASES = [(jnp.float32, ""), (jnp.bfloat16, ""), (jnp.bfloat16, "e4m3"), (
 def test_lowers_for_h100(in_dtype, fp8, num_topk):
   t, hidden = 18000, 7168
   spec = jax.ShapeDtypeStruct
-  f = lambda x, w, p, sf=None: moe.reduce_fused(x, w, p, fp8, sf, implementation="pallas")
+  f = lambda x, w, p, sf=None: moe.reduce_fused(x, w, p, fp8_format=fp8, sf=sf, implementation="pallas")
   args = [(spec((t * num_topk, hidden), in_dtype), spec((t * num_topk,), jnp.float32)),
           spec((t, num_topk), jnp.float32), spec((t, num_topk), jnp.int32)]
   if fp8:
@@ -155,8 +160,9 @@ def test_spec_shapes_fma_bit_exact_gpu(key, num_topk, experts, ranks, in_dtype, 
   """Bit-exact against the exact-FMA reference: fails if the GPU kernel does not fuse to fma.rn.f32."""
   x, w, pos, x_sf = _inputs(key, 4001, num_topk, experts, ranks, hidden, in_dtype)
   sf = jax.random.normal(key, (1,), jnp.float32) if fp8 else None
-  args = ((x, x_sf), w, pos, fp8, sf)
-  assert_bitwise_equal(jax.jit(moe.reduce_fused, static_argnums=3)(*args), ref.reduce_fused(*args))
+  kwargs = dict(fp8_format=fp8, sf=sf)
+  want = ref.reduce_fused((x, x_sf), w, pos, **kwargs)
+  assert_bitwise_equal(jax.jit(moe.reduce_fused, static_argnames="fp8_format")((x, x_sf), w, pos, **kwargs), want)
 
 
 def test_lowered_accumulation_is_contractable(monkeypatch):
@@ -183,3 +189,97 @@ def test_lowered_accumulation_is_contractable(monkeypatch):
   assert muls
   for m in muls:
     assert re.search(rf"arith.addf {m}, %\d+ fastmath<contract>", modules[-1])
+
+
+# Bad positions (issue 16 item 6): N = 6 rows; -7 (below -1), 6 and 99 (past N) are unused slots,
+# like -1; token 3 names row 2 twice and token 4 shares row 0 with token 0 (summed like any slots).
+_BAD_POS = np.array([[0, 6], [1, -7], [99, 5], [2, 2], [0, -1]], np.int32)
+
+
+@pytest.mark.parametrize("impl", ["interpret", "xla", "reference"])
+@pytest.mark.parametrize("use_x_sf", [False, True])
+def test_out_of_range_positions_are_unused_slots(key, impl, use_x_sf):
+  k1, k2, k3 = jax.random.split(key, 3)
+  x, x_sf = randn(k1, (6, 256), jnp.float32), randn(k2, (6,), jnp.float32)
+  w = jax.random.uniform(k3, (5, 2), jnp.float32)
+  xin = QuantTensor(x, x_sf) if use_x_sf else x
+  f = jax.jit(functools.partial(moe.reduce_fused, implementation=impl))
+  clean = jnp.asarray(np.where((_BAD_POS >= 0) & (_BAD_POS < 6), _BAD_POS, -1).astype(np.int32))
+  got = f(xin, w, jnp.asarray(_BAD_POS))
+  assert_bitwise_equal(got, ref.reduce_fused(xin, w, clean))
+  s = np.asarray(x_sf) if use_x_sf else np.ones(6, np.float32)
+  xs, ws = np.asarray(x), np.asarray(w)
+  np.testing.assert_allclose(np.asarray(got[3]), xs[2] * (ws[3, 0] * s[2]) + xs[2] * (ws[3, 1] * s[2]), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(got[2]), xs[5] * (ws[2, 1] * s[5]), rtol=1e-6)
+
+
+def test_checkify_reports_the_first_bad_slot(key):
+  x, w = randn(key, (6, 256), jnp.float32), jnp.ones((5, 2), jnp.float32)
+  f = functools.partial(moe.reduce_fused, implementation="interpret")
+  msg = checkify_error(f, x, w, jnp.asarray(_BAD_POS))
+  assert "reduce_fused: token_topk_to_pos[0, 1] = 6 is outside {-1} ∪ [0, 6)" in msg
+  dup = np.array([[0, 1], [2, -1], [3, 4], [5, 2], [-1, -1]], np.int32)
+  msg = checkify_error(f, x, w, jnp.asarray(dup))
+  assert "reduce_fused: token_topk_to_pos[3, 1] = 2 names the fused row of the earlier slot [1, 0]" in msg
+  assert checkify_error(f, x, w, jnp.asarray(np.array([[0, 1], [2, -1], [3, 4], [5, -1], [-1, -1]], np.int32))) is None
+
+
+@pytest.mark.parametrize("impl", ["interpret", "xla"])
+def test_checks_add_nothing_without_checkify(impl):
+  spec = jax.ShapeDtypeStruct
+  args = (spec((6, 256), jnp.float32), spec((5, 2), jnp.float32), spec((5, 2), jnp.int32))
+  f = functools.partial(moe.reduce_fused, implementation=impl)
+  checked = compiled_program(f, *args)
+  with without_debug_checks():
+    assert compiled_program(f, *args) == checked
+
+
+@pytest.mark.gpu
+def test_checks_add_nothing_without_checkify_gpu():
+  spec = jax.ShapeDtypeStruct
+  args = ((spec((18000 * 6, 7168), jnp.bfloat16), spec((18000 * 6,), jnp.float32)), spec((18000, 6), jnp.float32),
+          spec((18000, 6), jnp.int32))
+  f = functools.partial(moe.reduce_fused, implementation="pallas")
+  checked = compiled_program(f, *args)
+  with without_debug_checks():
+    assert compiled_program(f, *args) == checked
+
+
+@pytest.mark.gpu
+def test_out_of_range_positions_gpu(key):
+  x, x_sf = randn(key, (6, 7168), jnp.bfloat16), randn(key, (6,), jnp.float32)
+  w = jax.random.uniform(key, (5, 2), jnp.float32)
+  clean = jnp.asarray(np.where((_BAD_POS >= 0) & (_BAD_POS < 6), _BAD_POS, -1).astype(np.int32))
+  assert_bitwise_equal(jax.jit(moe.reduce_fused)((x, x_sf), w, jnp.asarray(_BAD_POS)),
+                       ref.reduce_fused((x, x_sf), w, clean))
+
+
+def test_list_and_bool_inputs():
+  x = [[float(i)] * 256 for i in range(3)]
+  pos = [[0, 2], [1, -1]]
+  assert_bitwise_equal(moe.reduce_fused(x, [[1.0, 2.0], [3.0, 0.0]], pos),
+                       np.array([[4.0] * 256, [3.0] * 256], np.float32))
+  with pytest.raises(ValueError, match="x must have dtype"):
+    moe.reduce_fused(jnp.ones((3, 256), bool), None, pos)
+  with pytest.raises(TypeError):
+    moe.reduce_fused(jnp.ones((3, 256)), None, pos, "e4m3")
+
+
+def test_no_retrace(key):
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def f(x, w, pos):
+    return moe.reduce_fused(x, w, pos)
+
+  for seed in range(3):
+    rng = np.random.default_rng(seed)
+    f(randn(jax.random.key(seed), (6, 256), jnp.float32), jnp.ones((5, 2), jnp.float32),
+      jnp.asarray(rng.integers(-1, 6, (5, 2)).astype(np.int32)))
+
+
+def test_checked_mode_lowers_for_h100():
+  spec = jax.ShapeDtypeStruct
+  f = lambda x, w, p: moe.reduce_fused(x, w, p, implementation="pallas")
+  text = lower_for_h100(checkify.checkify(f, errors=checkify.user_checks), spec((24064, 7168), jnp.bfloat16),
+                        spec((4001, 6), jnp.float32), spec((4001, 6), jnp.int32)).as_text()
+  assert "mosaic_gpu" in text

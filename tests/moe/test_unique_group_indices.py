@@ -1,3 +1,4 @@
+import chex
 import hypothesis
 import hypothesis.extra.numpy as hnp
 import jax
@@ -58,10 +59,18 @@ def test_lowers_for_h100(num_topk):
   assert "mosaic_gpu" in lower_for_h100(lambda g: _kernel(g), spec).as_text()
 
 
-@pytest.mark.parametrize("t, kernel", [(21845, False), (21846, True)])
-def test_topk6_takes_the_kernel_from_2_17_entries(t, kernel):
+@pytest.mark.parametrize("t, k, kernel", [(21845, 6, False), (21846, 6, True), (100, 2, True), (100, 8, True)])
+def test_auto_on_gpu_takes_the_kernel_for_k6_from_2_17_entries(monkeypatch, t, k, kernel):
+  """"auto" on a GPU leaves K = 6 below XLA_BELOW_ENTRIES[6] = 2^17 entries to XLA (measured faster);
+  "pallas" runs the kernel there too."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  spec = jax.ShapeDtypeStruct((t, k), jnp.int32)
+  [d] = jaxkern.explain(lambda g: moe.unique_group_indices(g, 8, implementation="auto"), spec)
+  assert d.path == ("pallas" if kernel else "xla")
+  if not kernel:
+    assert "XLA_BELOW_ENTRIES[6]" in d.reason
   f = lambda g: moe.unique_group_indices(g, 8, implementation="pallas")
-  assert ("mosaic_gpu" in lower_for_h100(f, jax.ShapeDtypeStruct((t, 6), jnp.int32)).as_text()) == kernel
+  assert "mosaic_gpu" in lower_for_h100(f, spec).as_text()
 
 
 @pytest.mark.gpu
@@ -83,3 +92,30 @@ def test_bad_inputs():
     moe.unique_group_indices(jnp.zeros((4,), jnp.int32), 8)
   with pytest.raises(ValueError, match="num_groups"):
     moe.unique_group_indices(jnp.zeros((4, 2), jnp.int32), 200)
+  with pytest.raises(ValueError, match="group_indices must have dtype"):
+    moe.unique_group_indices(jnp.zeros((4, 2), bool), 8)
+
+
+def test_int64_has_no_kernel():
+  with jax.enable_x64(True):
+    g = jnp.asarray(np.array([[0, 0, -1, -1], [3, 2, 3, 2]], np.int64))
+    with pytest.raises(jaxkern.KernelUnavailableError, match="int64 indices"):
+      moe.unique_group_indices(g, 8, implementation="interpret")
+    want = ref.unique_group_indices(g, 8)
+    assert want.dtype == jnp.int64
+    for impl in ("xla", "auto"):
+      assert_bitwise_equal(moe.unique_group_indices(g, 8, implementation=impl), want)
+
+
+def test_list_input():
+  assert_bitwise_equal(moe.unique_group_indices([[1, 1, -1, -1, 2]], 8), np.array([[1, -1, -1, -1, 2]], np.int32))
+
+
+def test_no_retrace():
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def f(g):
+    return moe.unique_group_indices(g, 8)
+
+  for seed in range(3):
+    f(jax.random.randint(jax.random.key(seed), (20, 6), -1, 8))
