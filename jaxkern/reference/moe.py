@@ -13,10 +13,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxkern.reference import ieee
-from jaxkern.types import NormalizedWeights, TopkRouting, TopkRoutingWithUnmapped
+from jaxkern.types import FusedMapping, NormalizedWeights, QuantTensor, TopkRouting, TopkRoutingWithUnmapped
 
 
 def _canonical(v: jax.Array) -> jax.Array:
@@ -210,10 +211,6 @@ def route_selected(u, idx, routed_scaling_factor, num_shared, ep_rank, num_ep_ra
 #
 # Bad indices under jit (the kernels do the same): a token_topk_to_pos entry outside [0, N) (N fused
 # rows) is an unused slot, like -1; topk_idx / group_idx entries outside [0, E) are ignored.
-
-import numpy as np  # noqa: E402  (routing imports kept in the routing section)
-
-from jaxkern.types import FusedMapping, QuantTensor  # noqa: E402
 
 _E4M3_MAX = 448.0
 
