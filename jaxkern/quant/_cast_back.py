@@ -17,7 +17,8 @@ Otherwise a column-major sf with several groups per view row, or blocks shorter 
 block, is first decoded by XLA. e4m3 data with per-channel blocks ``(bm, 1)`` (``bm % 16 == 0``, e.g.
 ``(128, 1)``) have their own kernel (:func:`_channel_kernel`: column-vector sf, row chunks; an sf in
 layout B or C is turned into layout A by XLA first). Other block widths, and packed e2m1 data with
-``(bm, 1)`` blocks, run the ``jnp`` reference.
+``(bm, 1)`` blocks, have no kernel: :func:`_cast_back_unsupported` says why, ``"auto"`` runs XLA
+there and ``"pallas"`` / ``"interpret"`` raise ``KernelUnavailableError``.
 
 Large e4m3 -> float32 casts (at least :data:`TMA_MIN_ELEMENTS`) with blocks ``(1, 128)`` or
 ``(bm >= 128, 128)`` and a layout-A sf take a persistent kernel instead (:func:`_tma_store_kernel`):

@@ -29,6 +29,13 @@ Each program gathers 128 rows x 64 columns with per-row addresses, 4 warps (best
 32/64/128 columns on an H200). H200 (runner, 24 MoE gathers of 25-29k rows, bf16 and QuantTensor
 inputs): 1.89-2.00x XLA, e.g. ``E=32x8 H=7168`` 221 µs (XLA 441). Divisions as in
 :mod:`jaxkern.quant._per_token_cast`.
+
+Non-finite inputs give the reference's bits: the column maxima propagate NaN (Mosaic GPU's
+``max.NaN``; the Triton kernel compares the int32 bit patterns of ``|v|``, because Pallas-Triton
+lowers a float max to the NaN-dropping ``maxnumf``), and the e4m3 conversion is the GPU's saturating
+``cvt.rn.satfinite`` (NaN stays NaN). Interpret mode runs XLA on the CPU, whose float max reductions
+can drop a NaN and whose e4m3 conversion overflows to NaN: there the kernels compare bit patterns
+and clip before converting (:func:`_column_max`, :func:`_e4m3`), as the reference does.
 """
 
 from __future__ import annotations
