@@ -240,9 +240,11 @@ def _gather_kernel(x, sf_in, pos_to_token, *, round_sf, interpret):
 
 def _check_positions(pos_to_token, num_rows: int) -> None:
   """Opt-in checked mode: under ``checkify.checkify(f, errors=checkify.user_checks)`` (or any error set
-  with the user checks) reports the first ``pos_to_token`` entry outside ``[-1, M)``. Without checkify
-  the check is dropped and XLA removes its comparisons (the compiled program is unchanged)."""
-  if pos_to_token.shape[0] == 0:
+  with the user checks) reports the first ``pos_to_token`` entry outside ``[-1, M)``, where
+  ``pos_to_token`` is traced (``f`` or the checkified function under ``jax.jit``). Without checkify
+  the check is dropped and XLA removes its comparisons (the compiled program is unchanged); an eager
+  call with a concrete array computes nothing (the comparisons would cost device time every call)."""
+  if pos_to_token.shape[0] == 0 or not isinstance(pos_to_token, jax.core.Tracer):
     return
   bad = (pos_to_token < -1) | (pos_to_token >= num_rows)
   first = jnp.argmax(bad)
@@ -266,8 +268,10 @@ def per_channel_cast_fused(x, fmt: str, num_per_tokens: int, *, round_sf: bool =
     num_per_channels: 128 for a QuantTensor input, None for a plain one.
     pos_to_token: optional int32 ``(Mo,)`` (``Mo % 16 == 0``): output row ``p`` is
       ``x[pos_to_token[p]]``, a zero row where the entry is negative or ``>= M`` (kernel and reference
-      alike, also under ``jax.jit``). ``checkify.checkify(f, errors=checkify.user_checks)`` reports
-      the first entry outside ``[-1, M)``. Without it ``M % 128 == 0`` and ``Mo = M``.
+      alike, also under ``jax.jit``). ``jax.jit(checkify.checkify(f, errors=checkify.user_checks))``
+      (or ``checkify.checkify(jax.jit(f), ...)``) reports the first entry outside ``[-1, M)``; the
+      check needs a traced ``pos_to_token`` and adds nothing to a program that is not checkified.
+      Without ``pos_to_token`` ``M % 128 == 0`` and ``Mo = M``.
     implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``.
 
   Returns:

@@ -347,3 +347,16 @@ def test_tma_store_kernel_lowers_for_h100(block):
           jax.ShapeDtypeStruct((-(-8001 // block[0]), 56), jnp.float32))
   assert cast_back_module._use_tma_store(*args, block, jnp.float32, False)
   assert "mosaic_gpu" in lower_for_h100(f, *args).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp32"])
+@pytest.mark.parametrize("m, k, block, flags", [(4001, 2560, (1, 128), "A"), (4001, 576, (128, 128), "C"),
+                                                (4001, 576, (128, 1), "A"), (4001, 2560, (128, 128), "A")])
+def test_non_finite_gpu(key, m, k, block, flags, fmt):
+  """NaN / inf data and scales through the row, per-channel and TMA-store kernels on the GPU against
+  the reference compiled by XLA (canonical NaNs on both sides)."""
+  q = _non_finite_pair(key, m, k, block, flags)
+  col = FLAGS[flags][0]
+  got = jax.jit(lambda q: quant.cast_back(q, fmt, block, x_use_tma_aligned_col_major_sf=col))(q)
+  assert_bitwise_equal(got, jax.jit(lambda q: ref.cast_back(q, fmt, block, x_use_tma_aligned_col_major_sf=col))(q))

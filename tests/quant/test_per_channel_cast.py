@@ -115,8 +115,8 @@ def test_fused_gather_bad_indices_under_jit(key, quant_input):
   assert np.all(np.asarray(got.data).view(np.uint8)[~bad].any(axis=1))
 
 
-def _checked(x, pos):
-  f = lambda x, p: quant.per_channel_cast_fused(x, "e4m3", 128, pos_to_token=p, implementation="xla")
+def _checked(x, pos, implementation="xla"):
+  f = lambda x, p: quant.per_channel_cast_fused(x, "e4m3", 128, pos_to_token=p, implementation=implementation)
   err, out = jax.jit(checkify.checkify(f, errors=checkify.user_checks))(x, pos)
   return err.get(), out
 
@@ -130,6 +130,14 @@ def test_fused_checkify_reports_the_first_bad_index(key):
   for i, v in [(5, 37), (0, -2), (40, 2**31 - 1)]:
     msg, _ = _checked(x, ok.at[i].set(v).at[47].set(-5))  # two bad entries: the first is reported
     assert msg is not None and f"pos_to_token[{i}] = {v} is outside [-1, M=37)" in msg, msg
+  bad = ok.at[9].set(-3)
+  msg, out = _checked(x, bad, "interpret")  # the kernel path: the same report, zero rows as documented
+  assert "pos_to_token[9] = -3" in msg and not np.asarray(out.data[9]).view(np.uint8).any()
+  f = lambda x, p: quant.per_channel_cast_fused(x, "e4m3", 128, pos_to_token=p, implementation="xla")
+  err, _ = checkify.checkify(jax.jit(f), errors=checkify.user_checks)(x, bad)
+  assert "pos_to_token[9] = -3" in err.get()
+  err, _ = checkify.checkify(f, errors=checkify.user_checks)(x, bad)  # eager, concrete: no check (documented)
+  assert err.get() is None
 
 
 def _compiled_hlo(f, *args):
