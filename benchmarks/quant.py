@@ -114,8 +114,8 @@ def _unpack_case(m, k, out_name):
 for _out in ("bf16", "fp32"):
   register(BenchOp(
       f"unpack_from_e2m1fn_x2_{_out}",
-      lambda b, _out=_out: quant.unpack_from_e2m1fn_x2(b, _DTYPES[_out]),
-      lambda b, _out=_out: ref.unpack_from_e2m1fn_x2(b, _DTYPES[_out]),
+      lambda b, _out=_out: quant.unpack_from_e2m1fn_x2(b, out_dtype=_DTYPES[_out]),
+      lambda b, _out=_out: ref.unpack_from_e2m1fn_x2(b, out_dtype=_DTYPES[_out]),
       lambda _out=_out: [_unpack_case(m, k, _out) for m, k in itertools.product(num_tokens(), hidden_sizes(64))],
       lambda _out=_out: [_unpack_case(72, 576, _out)]))
 
@@ -230,9 +230,10 @@ def _fused_case(experts, ranks, k, quant_input):
 
 register(BenchOp(
     "per_channel_cast_fused",
-    lambda x, pos=None, num_per_channels=None: quant.per_channel_cast_fused(x, "e4m3", 128, False,
-                                                                            num_per_channels, pos),
-    lambda x, pos=None, num_per_channels=None: ref.per_channel_cast_fused(x, 128, False, pos),
+    lambda x, pos=None, num_per_channels=None: quant.per_channel_cast_fused(
+        x, "e4m3", 128, num_per_channels=num_per_channels, pos_to_token=pos),
+    lambda x, pos=None, num_per_channels=None: ref.per_channel_cast_fused(
+        x, "e4m3", 128, num_per_channels=num_per_channels, pos_to_token=pos),
     lambda: [_fused_case(e, r, k, qt) for qt in (False, True) for e, r in ((0, 0), (9, 8), (32, 8), (4, 64))
              for k in hidden_sizes(128)],
     lambda: [_fused_case(0, 0, 256, True)]))

@@ -17,7 +17,8 @@ Otherwise a column-major sf with several groups per view row, or blocks shorter 
 block, is first decoded by XLA. e4m3 data with per-channel blocks ``(bm, 1)`` (``bm % 16 == 0``, e.g.
 ``(128, 1)``) have their own kernel (:func:`_channel_kernel`: column-vector sf, row chunks; an sf in
 layout B or C is turned into layout A by XLA first). Other block widths, and packed e2m1 data with
-``(bm, 1)`` blocks, run the ``jnp`` reference.
+``(bm, 1)`` blocks, have no kernel: :func:`_cast_back_unsupported` says why, ``"auto"`` runs XLA
+there and ``"pallas"`` / ``"interpret"`` raise ``KernelUnavailableError``.
 
 Large e4m3 -> float32 casts (at least :data:`TMA_MIN_ELEMENTS`) with blocks ``(1, 128)`` or
 ``(bm >= 128, 128)`` and a layout-A sf take a persistent kernel instead (:func:`_tma_store_kernel`):
@@ -42,11 +43,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkern import _checks, _config
+from jaxkern import _checks, _config, _dispatch
 from jaxkern._layouts import row_layout
 from jaxkern.quant import _tiling as tiling
 from jaxkern.quant import _validate as validate
 from jaxkern.reference import quant as ref
+from jaxkern.types import QuantTensor
 
 
 def _sf_raw(sf_g, mode, s, idx, layout=None):
@@ -360,61 +362,147 @@ def _unpack_kernel(x, *, out_dtype, interpret):
   return out[:n]
 
 
-def cast_back(x, fmt: str, x_block_size, x_special_fmt=None, *, x_use_tma_aligned_col_major_sf: bool = False,
-              implementation: str | None = None):
-  """Dequantises a QuantTensor ``(q, sf)`` with blocks ``x_block_size``.
+def _cast_back_unsupported(q, k: int, block_size) -> str | None:
+  """Why none of the cast-back kernels can dequantise ``q`` (logical width ``k``) with these blocks."""
+  bm, bk = block_size
+  if bk == 1:
+    if q.dtype != jnp.float8_e4m3fn:
+      return "packed e2m1 data with (bm, 1) blocks (the per-channel kernel reads e4m3 data only)"
+    if bm % CHANNEL_CHUNK_ROWS:
+      return f"(bm, 1) blocks need bm % {CHANNEL_CHUNK_ROWS} == 0, got bm={bm}"
+    return None
+  if bk < 16:
+    return f"blocks narrower than 16 columns (bk={bk}) other than (bm, 1)"
+  if tiling.row_plan(q.shape[0], k, min(bk, k)) is None:
+    return f"more than {tiling.MAX_SEGMENTS} scale groups per row with a partial last one (K={k}, bk={bk})"
+  return None
 
-  Args:
-    x: ``q`` float8_e4m3fn ``(M, K)`` or int8 packed e2m1 ``(M, K/2)`` (logical ``K % 64 == 0``), and
-      ``sf`` in layout A (float32), B (float32 with ``x_use_tma_aligned_col_major_sf``) or C (int32).
-    fmt: ``"bf16"`` or ``"fp32"``, the output dtype.
-    x_block_size: ``(bm, bk)``, any positive sizes.
-    x_special_fmt: must be None (E5M6 is not part of this module).
 
-  Returns:
-    ``(M, K)`` bfloat16 or float32.
-  """
+def _cast_back(op, x, fmt, x_block_size, x_special_fmt, col_major, implementation):
+  """Checks, then one dispatch: the per-channel, TMA-store or row kernel (chosen as measured), or XLA."""
   if x_special_fmt is not None:
-    raise ValueError(f"x_special_fmt must be None, got {x_special_fmt!r}")
-  k = validate.check_quant_tensor("x", x, x_block_size, col_major=x_use_tma_aligned_col_major_sf)
+    raise ValueError(f"x_special_fmt must be None (E5M6 is not supported), got {x_special_fmt!r}")
+  if isinstance(x, tuple) and len(x) == 2:
+    x = QuantTensor(_checks.as_array("x[0]", x[0]), _checks.as_array("x[1]", x[1]))
+  k = validate.check_quant_tensor("x", x, x_block_size, col_major=col_major)
   if k % 64:
     raise ValueError(f"x[0] must have a logical width K % 64 == 0, got K={k}")
   validate.check_fmt(fmt, ("bf16", "fp32"))
-  impl = _config.get_implementation(implementation)
-  q = x[0]
+  block = tuple(int(b) for b in x_block_size)
+  q, sf = x
   out_dtype = jnp.bfloat16 if fmt == "bf16" else jnp.float32
-  if (impl != "reference" and q.shape[0] and x_block_size[1] == 1 and x_block_size[0] % CHANNEL_CHUNK_ROWS == 0
-      and q.dtype == jnp.float8_e4m3fn):
-    sf = x[1]
-    if sf.dtype == jnp.int32 or x_use_tma_aligned_col_major_sf:  # layouts B / C: to layout A by XLA
-      sf = ref.sf_to_float(sf, ref.cdiv(q.shape[0], x_block_size[0]), k,
-                           use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
-    return _channel_kernel(q, sf, bm=x_block_size[0], out_dtype=out_dtype, interpret=_config.mosaic_interpret(impl))
-  if impl != "reference" and _use_tma_store(q, x[1], x_block_size, out_dtype, x_use_tma_aligned_col_major_sf):
-    return _tma_store_kernel(q, x[1], bm=x_block_size[0], interpret=_config.mosaic_interpret(impl))
-  if (impl != "reference" and q.shape[0] and x_block_size[1] >= 16
-      and tiling.row_plan(q.shape[0], k, min(x_block_size[1], k)) is not None):
-    return _kernel(q, x[1], block_size=tuple(x_block_size), out_dtype=out_dtype,
-                   col_major=x_use_tma_aligned_col_major_sf, interpret=_config.mosaic_interpret(impl))
-  return ref.cast_back(x, fmt, tuple(x_block_size), x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
+
+  def kernel(interpret):
+    mosaic = _config.mosaic_interpret(interpret)
+    if block[1] == 1:  # per-channel blocks; an sf in layout B / C goes to layout A by XLA first
+      s = sf
+      if s.dtype == jnp.int32 or col_major:
+        s = ref.sf_to_float(s, ref.cdiv(q.shape[0], block[0]), k, use_tma_aligned_col_major_sf=col_major)
+      return _channel_kernel(q, s, bm=block[0], out_dtype=out_dtype, interpret=mosaic)
+    if _use_tma_store(q, sf, block, out_dtype, col_major):
+      return _tma_store_kernel(q, sf, bm=block[0], interpret=mosaic)
+    return _kernel(q, sf, block_size=block, out_dtype=out_dtype, col_major=col_major, interpret=mosaic)
+
+  return _dispatch.run(
+      op, implementation, kernel=kernel,
+      xla=lambda: ref.cast_back(x, fmt, block, x_use_tma_aligned_col_major_sf=col_major),
+      unsupported=_cast_back_unsupported(q, k, block), empty=q.size == 0)
 
 
-def per_token_cast_back(x, fmt: str, num_per_channels: int, x_special_fmt=None, *,
-                        x_use_tma_aligned_col_major_sf: bool = False, implementation: str | None = None):
-  """:func:`cast_back` with blocks ``(1, num_per_channels)``."""
-  return cast_back(x, fmt, (1, num_per_channels), x_special_fmt,
-                   x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf, implementation=implementation)
+def cast_back(x, fmt: str, x_block_size, *, x_special_fmt=None, x_use_tma_aligned_col_major_sf: bool = False,
+              implementation: str | None = None) -> jax.Array:
+  """Dequantises a QuantTensor ``(q, sf)`` with blocks ``x_block_size``: ``RN(f32(q)·sf)`` in float32,
+  then one rounding to bf16 for ``fmt="bf16"``.
+
+  Args:
+    x: QuantTensor (or plain pair) ``(q, sf)``: ``q`` float8_e4m3fn ``(M, K)`` or int8 / uint8 packed
+      e2m1 ``(M, K/2)`` (element ``2j`` in the low nibble of byte ``j``), logical ``K % 64 == 0``;
+      ``sf`` for ``Mb = ceil(M/bm)`` x ``Kb = ceil(K/bk)`` blocks in layout A (float32 ``(Mb, Kb)``),
+      B (float32 ``(Kb, align(Mb, 4))``, ``x_use_tma_aligned_col_major_sf=True``) or C (int32 packed
+      UE8M0 ``(ceil(Kb/4), align(Mb, 4))``), see :mod:`jaxkern.reference.quant`.
+    fmt: ``"bf16"`` or ``"fp32"``, the output dtype.
+    x_block_size: ``(bm, bk)``, positive ints (a partial last block is allowed).
+    x_special_fmt: must be None (E5M6 is not part of this module).
+    x_use_tma_aligned_col_major_sf: a float32 ``sf`` is column-major (layout B).
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``.
+
+  Returns:
+    ``(M, K)`` bfloat16 or float32.
+
+  Raises:
+    ValueError: ``x`` not a pair of arrays, another dtype or rank of ``q`` / ``sf``, an ``sf`` shape
+      that does not fit the blocks and layout, logical ``K % 64 != 0``, non-positive block sides,
+      another ``fmt``, an ``x_special_fmt``.
+    KernelUnavailableError: ``implementation="pallas"`` / ``"interpret"`` for the XLA cases below.
+
+  Kernels (Mosaic GPU): e4m3 data with ``(bm, 1)`` blocks (``bm % 16 == 0``) the per-channel kernel;
+  e4m3 -> float32 with ``(1, 128)`` or ``(bm >= 128, 128)`` blocks, a layout-A sf and at least
+  :data:`TMA_MIN_ELEMENTS` elements the persistent TMA kernel (H200: 87-97% of copy, 1.02-1.20x
+  XLA); every other case with blocks at least 16 wide the row kernel (module docstring). XLA
+  instead of a kernel: packed e2m1 data with ``(bm, 1)`` blocks, ``(bm, 1)`` blocks with
+  ``bm % 16 != 0``, blocks 2-15 columns wide, more than 16 scale groups per row with a partial
+  last one, and zero-size arrays.
+
+  Non-finite values: ``RN(f32(q)·sf)`` is an IEEE product, kernel and reference alike (NaN data or
+  scales give NaN, ``0·inf`` NaN, an inf scale (UE8M0 byte 255) inf); bf16 outputs round it once.
+  """
+  return _cast_back("cast_back", x, fmt, x_block_size, x_special_fmt, x_use_tma_aligned_col_major_sf,
+                    implementation)
 
 
-def unpack_from_e2m1fn_x2(x, out_dtype=jnp.float32, *, implementation: str | None = None):
-  """Decodes packed e2m1 bytes ``(..., L)`` (int8 / uint8, rank ≥ 1) to ``(..., 2L)`` of ``out_dtype``;
-  element ``2j`` is the low nibble of byte ``j``. The kernel covers bfloat16 / float32 outputs."""
+def per_token_cast_back(x, fmt: str, num_per_channels: int, *, x_special_fmt=None,
+                        x_use_tma_aligned_col_major_sf: bool = False, implementation: str | None = None) -> jax.Array:
+  """:func:`cast_back` with blocks ``(1, num_per_channels)``: one scale per row and group of
+  ``num_per_channels`` columns (``num_per_channels >= K``: one scale per row).
+
+  Arguments, result, errors, kernels and non-finite values as :func:`cast_back` with
+  ``x_block_size = (1, num_per_channels)``; XLA instead of a kernel: groups 2-15 columns wide, more
+  than 16 groups per row with a partial last one, zero-size arrays.
+  """
+  return _cast_back("per_token_cast_back", x, fmt, (1, num_per_channels), x_special_fmt,
+                    x_use_tma_aligned_col_major_sf, implementation)
+
+
+def unpack_from_e2m1fn_x2(x, *, out_dtype=jnp.float32, implementation: str | None = None) -> jax.Array:
+  """Decodes packed e2m1 bytes.
+
+  Args:
+    x: int8 / uint8 array (or nested list) ``(..., L)``, rank >= 1; byte ``j`` holds element ``2j`` in
+      its low nibble and ``2j + 1`` in its high nibble.
+    out_dtype: a floating dtype (default float32).
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``.
+
+  Returns:
+    ``(..., 2L)`` ``out_dtype``: the e2m1 values (0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6; nibble 8 is -0.0).
+
+  Raises:
+    ValueError: ``x`` of rank 0, another dtype (bool, int32, ...) or not an array; ``out_dtype`` not a
+      floating dtype.
+    KernelUnavailableError: ``implementation="pallas"`` / ``"interpret"`` with an ``out_dtype`` other
+      than bfloat16 / float32.
+
+  The row kernel of :func:`cast_back` without scaling (Mosaic GPU). XLA instead of a kernel: other
+  output dtypes and zero-size arrays.
+  """
+  x = _checks.as_array("x", x)
   if x.ndim < 1:
-    raise ValueError("x must have rank >= 1")
+    raise ValueError(f"x must have rank >= 1, got shape {tuple(x.shape)}")
   _checks.check_dtype("x", x, (jnp.int8, jnp.uint8))
-  impl = _config.get_implementation(implementation)
-  if impl == "reference" or x.size == 0 or jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-    return ref.unpack_from_e2m1fn_x2(x, out_dtype)
-  out = _unpack_kernel(x.reshape(-1, x.shape[-1]), out_dtype=jnp.dtype(out_dtype),
-                       interpret=_config.mosaic_interpret(impl))
-  return out.reshape(*x.shape[:-1], 2 * x.shape[-1])
+  try:
+    out_dtype = jnp.dtype(out_dtype)
+  except TypeError as e:
+    raise ValueError(f"out_dtype must be a floating dtype, got {out_dtype!r}") from e
+  if not jnp.issubdtype(out_dtype, jnp.floating):
+    raise ValueError(f"out_dtype must be a floating dtype, got {out_dtype}")
+  unsupported = None
+  if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+    unsupported = f"out_dtype {out_dtype} (the kernel writes bfloat16 or float32)"
+
+  def kernel(interpret):
+    out = _unpack_kernel(x.reshape(-1, x.shape[-1]), out_dtype=out_dtype,
+                         interpret=_config.mosaic_interpret(interpret))
+    return out.reshape(*x.shape[:-1], 2 * x.shape[-1])
+
+  return _dispatch.run("unpack_from_e2m1fn_x2", implementation, kernel=kernel,
+                       xla=lambda: ref.unpack_from_e2m1fn_x2(x, out_dtype=out_dtype), unsupported=unsupported,
+                       empty=x.size == 0)

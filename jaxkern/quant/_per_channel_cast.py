@@ -29,6 +29,13 @@ Each program gathers 128 rows x 64 columns with per-row addresses, 4 warps (best
 32/64/128 columns on an H200). H200 (runner, 24 MoE gathers of 25-29k rows, bf16 and QuantTensor
 inputs): 1.89-2.00x XLA, e.g. ``E=32x8 H=7168`` 221 µs (XLA 441). Divisions as in
 :mod:`jaxkern.quant._per_token_cast`.
+
+Non-finite inputs give the reference's bits: the column maxima propagate NaN (Mosaic GPU's
+``max.NaN``; the Triton kernel compares the int32 bit patterns of ``|v|``, because Pallas-Triton
+lowers a float max to the NaN-dropping ``maxnumf``), and the e4m3 conversion is the GPU's saturating
+``cvt.rn.satfinite`` (NaN stays NaN). Interpret mode runs XLA on the CPU, whose float max reductions
+can drop a NaN and whose e4m3 conversion overflows to NaN: there the kernels compare bit patterns
+and clip before converting (:func:`_column_max`, :func:`_e4m3`), as the reference does.
 """
 
 from __future__ import annotations
@@ -38,16 +45,18 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import checkify
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as plt
 
-from jaxkern import _checks, _config, _ieee
+from jaxkern import _checks, _config, _dispatch, _ieee
 from jaxkern._layouts import row_layout
 from jaxkern.quant import _validate as validate
 from jaxkern.quant._tiling import BM
 from jaxkern.reference import quant as ref
+from jaxkern.types import QuantTensor
 
 _ROWS = 128  # rows per CTA: one group of 128 or four of 32
 _CHUNK = 32  # rows per register load in the row layout
@@ -61,6 +70,26 @@ def _per_thread(n: int):
   return plgpu.Layout.TILED(mgpu_fa.Tiling(((64,), (32,), (1,))), (-3, mgpu_fa.Replicated(2)), (-2,), -1)
 
 
+def _e4m3(v, interpret: bool):
+  """float32 -> e4m3 as the GPU converts (``cvt.rn.satfinite.e4m3x2.f32`` in Mosaic GPU and Triton):
+  round to nearest even, ±448 for larger magnitudes and infinities, NaN stays NaN. Interpret mode
+  runs XLA's conversion, which overflows to NaN: there :func:`jaxkern.reference.quant.encode_e4m3`
+  clips first, the same function (the kernels skip the clip on the GPU, where it is free)."""
+  return ref.encode_e4m3(v) if interpret else v.astype(jnp.float8_e4m3fn)
+
+
+def _column_max(parts, interpret: bool):
+  """Column maxima of non-negative ``(rows, C)`` parts, NaN-propagating: elementwise, then one
+  reduction, with the GPU's ``max.NaN``. Interpret mode runs XLA on the CPU, whose float max
+  reductions can drop a NaN: there the bit patterns (int16 / int32) are compared, the same order for
+  non-negative values with NaN above inf, as the reference does."""
+  if not interpret:
+    return jnp.max(functools.reduce(jnp.maximum, parts), axis=0)
+  dtype = parts[0].dtype
+  ints = [lax.bitcast_convert_type(p, {2: jnp.int16, 4: jnp.int32}[dtype.itemsize]) for p in parts]
+  return lax.bitcast_convert_type(jnp.max(functools.reduce(jnp.maximum, ints), axis=0), dtype)
+
+
 def _transposed_e4m3(q):
   """e4m3 ``(64, C)`` in the WGMMA layout -> the same values in the WGMMA_TRANSPOSED layout."""
   w = lax.bitcast_convert_type(q, jnp.int8).astype(jnp.int16)
@@ -69,10 +98,10 @@ def _transposed_e4m3(q):
 
 
 @functools.partial(jax.jit, static_argnames=("npt", "round_sf", "transpose_out", "interpret"))
-def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, interpret=None):
+def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, interpret=False):
   """Per-channel cast of ``x`` ``(M, K)``, ``M % 128 == 0``, ``K % 64 == 0``; ``sf_in`` float32
   ``(M, K/128)`` makes ``x`` (e4m3) a QuantTensor. Returns ``(out (M, K) e4m3, or (K, M) if
-  transpose_out, sf (M/npt, K) float32)``.
+  transpose_out, sf (M/npt, K) float32)``. ``interpret``: Pallas interpret mode (a bool).
   """
   m, k = x.shape
   r = _ROWS
@@ -91,7 +120,8 @@ def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, interpret=None
     inputs.append(sf_in)
 
   @functools.partial(
-      plgpu.kernel, grid=(m // r, k // c), grid_names=("i", "j"), interpret=interpret,
+      plgpu.kernel, grid=(m // r, k // c), grid_names=("i", "j"),
+      interpret=_config.mosaic_interpret(interpret),
       out_type=(out_type, jax.ShapeDtypeStruct((m // npt, k), jnp.float32)),
       scratch_types=dict(x_s=plgpu.SMEM((r, c), x.dtype), a_s=plgpu.SMEM((groups, c), jnp.float32),
                          inv_s=plgpu.SMEM((groups, c), jnp.float32), bar=plgpu.Barrier(num_arrivals=1), **scratch))
@@ -113,8 +143,8 @@ def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, interpret=None
     # Column maxima of each group (exact in bf16): elementwise over row chunks, then one reduction
     # (in-thread, shuffles, SMEM across warps).
     for g in range(groups):
-      a = functools.reduce(jnp.maximum, [jnp.abs(rows(g * npt + h, chunk, lay)) for h in range(0, npt, chunk)])
-      a_s[g] = jnp.max(a, axis=0).astype(jnp.float32)
+      a = _column_max([jnp.abs(rows(g * npt + h, chunk, lay)) for h in range(0, npt, chunk)], interpret)
+      a_s[g] = a.astype(jnp.float32)
     plgpu.commit_smem()
     for g in range(groups):  # one column per thread
       sf, inv = ref.scale_factors(plgpu.load(a_s.at[g], layout=per_thread), maxv, "e4m3", round_sf,
@@ -132,7 +162,7 @@ def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, interpret=None
           inv = jnp.where(top, plgpu.load(inv_s.at[2 * h], layout=col_layout)[None, :],
                           plgpu.load(inv_s.at[2 * h + 1], layout=col_layout)[None, :])
         v = rows(h * BM, BM, plgpu.Layout.WGMMA).astype(jnp.float32)
-        o_s.at[h].T[...] = _transposed_e4m3((v * inv).astype(jnp.float8_e4m3fn))
+        o_s.at[h].T[...] = _transposed_e4m3(_e4m3(v * inv, interpret))
       plgpu.commit_smem()
       for h in range(r // BM):
         plgpu.copy_smem_to_gmem(o_s.at[h], o_g.at[cols, pl.ds(i * r + h * BM, BM)])
@@ -142,7 +172,7 @@ def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, interpret=None
         inv = plgpu.load(inv_s.at[g], layout=lay.reduce(0), optimized=False)[None, :]
         for h in range(g * npt, (g + 1) * npt, chunk):
           v = rows(h, chunk, lay).astype(jnp.float32)
-          o_g[pl.ds(i * r + h, chunk), cols] = (v * inv).astype(jnp.float8_e4m3fn)
+          o_g[pl.ds(i * r + h, chunk), cols] = _e4m3(v * inv, interpret)
 
   return kernel(*inputs)
 
@@ -151,23 +181,41 @@ _GATHER_WARPS = 4  # warps per program of the gather kernel
 _GATHER_COLS = 64  # columns per program of the gather kernel
 
 
+def _gather_div(a, b, interpret: bool):
+  """Correctly rounded ``a / b`` in the gather kernel, non-finite operands included (a NaN or
+  infinite amax): ``div.rn.f32`` on the GPU; in interpret mode :func:`jaxkern._ieee.div` for finite
+  operands (its domain) and the plain quotient, exact there, for the others."""
+  if not interpret:
+    return _ieee.triton_div(a, b, interpret=False)
+  a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+  finite = jnp.isfinite(a) & jnp.isfinite(b)
+  q = _ieee.triton_div(jnp.where(finite, a, 1.0), jnp.where(finite, b, 1.0), interpret=True)
+  return jnp.where(finite, q, a / b)
+
+
 def _gather_kernel_body(pos_ref, x_ref, *refs, rows: int, bk: int, round_sf: bool, interpret: bool):
   sf_in_ref, o_ref, sf_ref = refs if len(refs) == 3 else (None, *refs)
   mo, m = pos_ref.shape[0], x_ref.shape[0]
   i, j = pl.program_id(0), pl.program_id(1)
   r = i * rows + jnp.arange(rows)
   src = plt.load(pos_ref.at[jnp.minimum(r, mo - 1)], mask=r < mo, other=-1)
-  ok = (src >= 0) & (src < m)
+  ok = (src >= 0) & (src < m)  # out-of-range entries (negative or >= M): zero rows, as the reference
   src = jnp.where(ok, src, 0)
   c = j * bk + jnp.arange(bk)
   v = plt.load(x_ref.at[src[:, None], c[None, :]]).astype(jnp.float32)  # padding rows read row 0
   if sf_in_ref is not None:  # RN(q * sf_in): one input scale per row and 128 columns
     v = v * plt.load(sf_in_ref.at[src, j * bk // 128])[:, None]
   v = jnp.where(ok[:, None], v, 0.0)
-  sf, inv = ref.scale_factors(jnp.max(jnp.abs(v), axis=0), ref.FP8_MAX, "e4m3", round_sf,
-                              div=functools.partial(_ieee.triton_div, interpret=interpret))
+  # Pallas-Triton lowers float max to maxnumf, which drops NaN; the reference's max propagates it.
+  # |v| >= 0 orders as its int32 bit pattern, NaN above inf: an integer max propagates NaN at the
+  # same cost. The clamp inside scale_factors is such a max too: the division puts a NaN amax back.
+  amax = lax.bitcast_convert_type(jnp.max(lax.bitcast_convert_type(jnp.abs(v), jnp.int32), axis=0), jnp.float32)
+  nan = amax != amax
+  keep_nan = lambda t: t if isinstance(t, float) else jnp.where(nan, amax, t)
+  sf, inv = ref.scale_factors(amax, ref.FP8_MAX, "e4m3", round_sf,
+                              div=lambda a, b: _gather_div(keep_nan(a), keep_nan(b), interpret))
   sf_ref[i, pl.ds(j * bk, bk)] = sf
-  plt.store(o_ref.at[r[:, None], c[None, :]], ref.encode_e4m3(v * inv[None, :]), mask=(r < mo)[:, None])
+  plt.store(o_ref.at[r[:, None], c[None, :]], _e4m3(v * inv[None, :], interpret), mask=(r < mo)[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("round_sf", "interpret"))
@@ -190,56 +238,109 @@ def _gather_kernel(x, sf_in, pos_to_token, *, round_sf, interpret):
       compiler_params=plt.CompilerParams(num_warps=_GATHER_WARPS, num_stages=1), interpret=interpret)(*inputs)
 
 
-def per_channel_cast_fused(x, fmt: str, num_per_tokens: int, round_sf: bool = False, num_per_channels=None,
-                           pos_to_token=None, *, implementation: str | None = None):
-  """Per-channel (128-row) e4m3 cast with an optional row gather and dequantisation of the input.
+def _check_positions(pos_to_token, num_rows: int) -> None:
+  """Opt-in checked mode: under ``checkify.checkify(f, errors=checkify.user_checks)`` (or any error set
+  with the user checks) reports the first ``pos_to_token`` entry outside ``[-1, M)``, where
+  ``pos_to_token`` is traced (``f`` or the checkified function under ``jax.jit``). Without checkify
+  the check is dropped and XLA removes its comparisons (the compiled program is unchanged); an eager
+  call with a concrete array computes nothing (the comparisons would cost device time every call)."""
+  if pos_to_token.shape[0] == 0 or not isinstance(pos_to_token, jax.core.Tracer):
+    return
+  bad = (pos_to_token < -1) | (pos_to_token >= num_rows)
+  first = jnp.argmax(bad)
+  checkify.debug_check(
+      ~jnp.any(bad), "per_channel_cast_fused: pos_to_token[{}] = {} is outside [-1, M=%d) (its row is zeros)"
+      % num_rows, first, pos_to_token[first])
+
+
+def per_channel_cast_fused(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False, num_per_channels=None,
+                           pos_to_token=None, implementation: str | None = None) -> QuantTensor:
+  """Per-channel e4m3 cast (blocks of 128 rows x 1 column) with an optional row gather and a
+  dequantised QuantTensor input.
 
   Args:
-    x: ``(M, K)`` bf16 / float32 (``K % 64 == 0``), or a QuantTensor ``(q e4m3 (M, K), sf float32
-      (M, K/128))`` with ``num_per_channels=128`` (``K % 128 == 0``).
-    fmt: ``"e4m3"``. num_per_tokens: 128.
-    pos_to_token: optional int32 ``(Mo,)``, ``Mo % 16 == 0``; row ``p`` is ``x[pos_to_token[p]]``, or
-      zeros where negative (or ``>= M``: out of range, zeros too). Without it ``M % 128 == 0``.
+    x: ``(M, K)`` bf16 / float32 array (or nested list; ``K % 64 == 0``), or a QuantTensor ``(q, sf)``:
+      ``q`` float8_e4m3fn ``(M, K)`` (``K % 128 == 0``), ``sf`` float32 ``(M, K/128)`` (layout A, one
+      scale per row and 128 columns), dequantised as ``RN(q·sf)``.
+    fmt: ``"e4m3"``.
+    num_per_tokens: 128 (rows per scale).
+    round_sf: power-of-two scales (``2^ceil(log2(amax/448))``).
+    num_per_channels: 128 for a QuantTensor input, None for a plain one.
+    pos_to_token: optional int32 ``(Mo,)`` (``Mo % 16 == 0``): output row ``p`` is
+      ``x[pos_to_token[p]]``, a zero row where the entry is negative or ``>= M`` (kernel and reference
+      alike, also under ``jax.jit``). ``jax.jit(checkify.checkify(f, errors=checkify.user_checks))``
+      (or ``checkify.checkify(jax.jit(f), ...)``) reports the first entry outside ``[-1, M)``; the
+      check needs a traced ``pos_to_token`` and adds nothing to a program that is not checkified.
+      Without ``pos_to_token`` ``M % 128 == 0`` and ``Mo = M``.
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``.
 
   Returns:
-    ``(out (Mo, K) e4m3, out_sf (ceil(Mo/128), K) float32)``.
+    ``QuantTensor(data (Mo, K) float8_e4m3fn, sf (ceil(Mo/128), K) float32)``; rows past ``Mo`` in a
+    partial last block are not part of any column maximum.
+
+  Raises:
+    ValueError: another ``fmt`` or ``num_per_tokens``; ``num_per_channels`` not 128 for a QuantTensor
+      (not None for a plain input); wrong ranks, dtypes, shapes (above) or a bool / non-array input.
+
+  Kernels: without ``pos_to_token`` the Mosaic GPU kernel of :func:`per_channel_cast`; with it a
+  Pallas-Triton gather kernel (H200: 1.89-2.00x XLA on the MoE gathers, module docstring). XLA
+  instead of a kernel: only zero-size problems (``M``, ``Mo`` or ``K`` zero: the result is empty or,
+  for ``M = 0`` with ``Mo > 0``, zero rows with the clamp scale).
+
+  Non-finite inputs give the reference's bits: the column maxima propagate NaN, so a NaN makes
+  its group's ``sf`` and data NaN; an infinity gives ``sf = inf``, NaN for itself and signed zeros
+  for the group's other values; with ``round_sf`` see :func:`jaxkern.reference.quant.per_channel_cast`.
   """
   validate.check_fmt(fmt, ("e4m3",))
   if num_per_tokens != 128:
     raise ValueError(f"num_per_tokens must be 128, got {num_per_tokens}")
   if isinstance(x, tuple):
     if num_per_channels != 128:
-      raise ValueError("num_per_channels must be 128 for a QuantTensor input")
-    q, sf = x
+      raise ValueError(f"num_per_channels must be 128 for a QuantTensor input, got {num_per_channels}")
+    if len(x) != 2:
+      raise ValueError(f"x must be an array or a QuantTensor (data, sf), got a tuple of {len(x)}")
+    q, sf = _checks.as_array("x[0]", x[0]), _checks.as_array("x[1]", x[1])
     _checks.check_rank("x[0]", q, 2)
     _checks.check_dtype("x[0]", q, (jnp.float8_e4m3fn,))
     _checks.check_multiple("x[0]", q, 1, 128)
     validate.check_sf("x[1]", sf, (q.shape[0], q.shape[1] // 128), jnp.float32)
-    rows = q.shape[0]
+    x = QuantTensor(q, sf)
+    rows, k = q.shape
   else:
     if num_per_channels is not None:
-      raise ValueError("num_per_channels must be None for a plain input")
+      raise ValueError(f"num_per_channels must be None for a plain input, got {num_per_channels}")
+    x = _checks.as_array("x", x)
     _checks.check_rank("x", x, 2)
     _checks.check_dtype("x", x, (jnp.bfloat16, jnp.float32))
     _checks.check_multiple("x", x, 1, 64)
-    rows = x.shape[0]
+    rows, k = x.shape
   if pos_to_token is None:
     if rows % 128:
       raise ValueError(f"x must have a multiple of 128 rows without pos_to_token, got {rows}")
+    out_rows = rows
   else:
+    pos_to_token = _checks.as_array("pos_to_token", pos_to_token)
     _checks.check_rank("pos_to_token", pos_to_token, 1)
     _checks.check_dtype("pos_to_token", pos_to_token, (jnp.int32,))
     _checks.check_multiple("pos_to_token", pos_to_token, 0, 16)
-  impl = _config.get_implementation(implementation)
-  if impl == "reference" or rows == 0 or (pos_to_token is not None and pos_to_token.shape[0] == 0):
-    return ref.per_channel_cast_fused(x, num_per_tokens, round_sf, pos_to_token)
+    _check_positions(pos_to_token, rows)
+    out_rows = pos_to_token.shape[0]
   data, sf = x if isinstance(x, tuple) else (x, None)
-  if pos_to_token is not None:
-    return _gather_kernel(data, sf, pos_to_token, round_sf=round_sf, interpret=impl == "interpret")
-  return _kernel(data, sf, npt=num_per_tokens, round_sf=round_sf, interpret=_config.mosaic_interpret(impl))
+
+  def kernel(interpret):
+    if pos_to_token is not None:
+      return QuantTensor(*_gather_kernel(data, sf, pos_to_token, round_sf=round_sf, interpret=interpret))
+    return QuantTensor(*_kernel(data, sf, npt=num_per_tokens, round_sf=round_sf, interpret=interpret))
+
+  return _dispatch.run(
+      "per_channel_cast_fused", implementation, kernel=kernel,
+      xla=lambda: ref.per_channel_cast_fused(x, fmt, num_per_tokens, round_sf=round_sf,
+                                             num_per_channels=num_per_channels, pos_to_token=pos_to_token),
+      empty=rows == 0 or out_rows == 0 or k == 0)
 
 
 def _check_plain(x, fmt, num_per_tokens, allowed, dtypes):
+  x = _checks.as_array("x", x)
   validate.check_fmt(fmt, ("e4m3",))
   if num_per_tokens not in allowed:
     raise ValueError(f"num_per_tokens must be in {allowed}, got {num_per_tokens}")
@@ -247,31 +348,66 @@ def _check_plain(x, fmt, num_per_tokens, allowed, dtypes):
   _checks.check_dtype("x", x, dtypes)
   _checks.check_multiple("x", x, 0, 128)
   _checks.check_multiple("x", x, 1, 64)
+  return x
 
 
-def per_channel_cast(x, fmt: str, num_per_tokens: int, round_sf: bool = False, *,
-                     implementation: str | None = None):
-  """Per-channel e4m3 cast of ``x`` ``(M, K)`` (``M % 128 == 0``, ``K % 64 == 0``), 128-row blocks.
+def per_channel_cast(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False,
+                     implementation: str | None = None) -> QuantTensor:
+  """Per-channel e4m3 cast: one scale per column and block of ``num_per_tokens`` rows.
 
-  Returns ``(out (M, K) e4m3, out_sf (M/128, K) float32)``.
+  Args:
+    x: ``(M, K)`` bf16 / float32 array (or nested list), ``M % 128 == 0``, ``K % 64 == 0``.
+    fmt: ``"e4m3"``.
+    num_per_tokens: 128.
+    round_sf: power-of-two scales (``2^ceil(log2(amax/448))``).
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``.
+
+  Returns:
+    ``QuantTensor(data (M, K) float8_e4m3fn, sf (M/128, K) float32)`` with ``sf = amax/448`` of each
+    column block (amax clamped at 1e-4) and ``data = e4m3(x · RN(448/amax))``.
+
+  Raises:
+    ValueError: another ``fmt`` or ``num_per_tokens``, another rank or dtype (bool included), ``M`` /
+      ``K`` not multiples of 128 / 64, a non-array ``x``.
+
+  Mosaic GPU kernel (H200: ``8064x7168`` bf16 45.3 µs, 90% of copy, 2.4x XLA; module docstring). XLA
+  instead of a kernel: only zero-size arrays.
+
+  Non-finite inputs give the reference's bits: the column maxima propagate NaN, so a NaN makes
+  its group's ``sf`` and data NaN; an infinity gives ``sf = inf``, NaN for itself and signed zeros
+  for the group's other values; with ``round_sf`` see :func:`jaxkern.reference.quant.per_channel_cast`.
   """
-  _check_plain(x, fmt, num_per_tokens, (128,), (jnp.bfloat16, jnp.float32))
-  impl = _config.get_implementation(implementation)
-  if impl == "reference" or x.shape[0] == 0:
-    return ref.cast(x, "e4m3", (num_per_tokens, 1), round_sf=round_sf)
-  return _kernel(x, npt=num_per_tokens, round_sf=round_sf, interpret=_config.mosaic_interpret(impl))
+  x = _check_plain(x, fmt, num_per_tokens, (128,), (jnp.bfloat16, jnp.float32))
+  return _dispatch.run(
+      "per_channel_cast", implementation,
+      kernel=lambda interpret: QuantTensor(*_kernel(x, npt=num_per_tokens, round_sf=round_sf, interpret=interpret)),
+      xla=lambda: ref.per_channel_cast(x, fmt, num_per_tokens, round_sf=round_sf), empty=x.size == 0)
 
 
-def per_channel_cast_and_transpose(x, fmt: str, num_per_tokens: int, round_sf: bool = False, *,
-                                   implementation: str | None = None):
-  """Per-channel e4m3 cast of bf16 ``x`` ``(M, K)`` with ``num_per_tokens ∈ {32, 128}``, data transposed.
+def per_channel_cast_and_transpose(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False,
+                                   implementation: str | None = None) -> QuantTensor:
+  """:func:`per_channel_cast` of bf16 ``x`` with the data transposed (one pass: the transposed store
+  is fused).
 
-  Returns ``(out (K, M) e4m3, out_sf (M/npt, K) float32)``.
+  Args:
+    x: ``(M, K)`` bf16 array (or nested list), ``M % 128 == 0``, ``K % 64 == 0``.
+    fmt: ``"e4m3"``.
+    num_per_tokens: 32 or 128 (rows per scale).
+    round_sf, implementation: as :func:`per_channel_cast`.
+
+  Returns:
+    ``QuantTensor(data (K, M) float8_e4m3fn, sf (M/num_per_tokens, K) float32)``: ``data`` is the
+    transpose of :func:`per_channel_cast`'s.
+
+  Raises:
+    ValueError: as :func:`per_channel_cast` (``x`` must be bf16).
+
+  Mosaic GPU kernel; XLA instead of a kernel: only zero-size arrays. Non-finite inputs as
+  :func:`per_channel_cast`.
   """
-  _check_plain(x, fmt, num_per_tokens, (32, 128), (jnp.bfloat16,))
-  impl = _config.get_implementation(implementation)
-  if impl == "reference" or x.shape[0] == 0:
-    out, sf = ref.cast(x, "e4m3", (num_per_tokens, 1), round_sf=round_sf)
-    return out.T, sf
-  return _kernel(x, npt=num_per_tokens, round_sf=round_sf, transpose_out=True,
-                 interpret=_config.mosaic_interpret(impl))
+  x = _check_plain(x, fmt, num_per_tokens, (32, 128), (jnp.bfloat16,))
+  return _dispatch.run(
+      "per_channel_cast_and_transpose", implementation,
+      kernel=lambda interpret: QuantTensor(*_kernel(x, npt=num_per_tokens, round_sf=round_sf, transpose_out=True,
+                                                    interpret=interpret)),
+      xla=lambda: ref.per_channel_cast_and_transpose(x, fmt, num_per_tokens, round_sf=round_sf), empty=x.size == 0)

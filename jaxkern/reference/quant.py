@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 
 from jaxkern.reference import ieee
+from jaxkern.types import QuantTensor
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -97,14 +98,6 @@ def pack_e2m1(nibbles):
   """``(..., 2L)`` nibbles -> ``(..., L)`` int8, column ``2j`` in the low nibble of byte ``j``."""
   n = nibbles.reshape(*nibbles.shape[:-1], nibbles.shape[-1] // 2, 2)
   return (n[..., 0] | (n[..., 1] << 4)).astype(jnp.uint8).astype(jnp.int8)
-
-
-def unpack_from_e2m1fn_x2(x, out_dtype=jnp.float32):
-  """Packed e2m1 bytes ``(..., L)`` (int8 / uint8) -> decoded values ``(..., 2L)``, low nibble first."""
-  b = x.astype(jnp.uint8).astype(jnp.int32)
-  n = jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(*x.shape[:-1], 2 * x.shape[-1])
-  table = jnp.asarray(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), jnp.float32)
-  return table[n].astype(out_dtype)
 
 
 def _decode(q):
@@ -219,36 +212,6 @@ def cast(x, fmt: str, block_size, *, x_block_size=None, sf=None, round_sf: bool 
   return _encode(q, fmt), format_sf(out_sf, use_tma_aligned_col_major_sf, use_packed_ue8m0)
 
 
-def cast_back(x, fmt: str, x_block_size, *, x_use_tma_aligned_col_major_sf: bool = False):
-  """Dequantise ``(q, sf)`` with blocks ``x_block_size`` to ``fmt`` (``"bf16"`` / ``"fp32"``)."""
-  q, sf = x
-  v = _decode(q)
-  m, k = v.shape
-  bm, bk = x_block_size
-  s = sf_to_float(sf, cdiv(m, bm), cdiv(k, bk), use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
-  out = v * _expand(s, bm, bk, m, k)
-  return out.astype(jnp.bfloat16 if fmt == "bf16" else jnp.float32)
-
-
-def per_channel_cast_fused(x, num_per_tokens: int = 128, round_sf: bool = False, pos_to_token=None):
-  """Per-channel e4m3 cast (blocks ``(num_per_tokens, 1)``) with an optional row gather.
-
-  ``x`` is ``(M, K)`` bf16 / float32 or a QuantTensor ``(q, sf)`` with e4m3 ``q`` and a layout-A
-  float32 sf ``(M, K/128)``; it is dequantised (``RN(q·sf)``) before the cast. ``pos_to_token``
-  ``(Mo,)`` gathers rows; negative (and out-of-range) entries give zero rows. Rows past ``Mo`` in a partial last block
-  are not part of any amax. Returns ``(out (Mo, K) e4m3, out_sf (ceil(Mo/npt), K) float32)``.
-  """
-  if isinstance(x, tuple):
-    q, sf = x
-    v = q.astype(jnp.float32) * jnp.repeat(sf, 128, axis=1)[:, :q.shape[1]]
-  else:
-    v = x.astype(jnp.float32)
-  if pos_to_token is not None:
-    valid = (pos_to_token >= 0) & (pos_to_token < v.shape[0])
-    v = jnp.where(valid[:, None], v[jnp.clip(pos_to_token, 0, max(v.shape[0] - 1, 0))], 0.0)
-  return cast(v, "e4m3", (num_per_tokens, 1), round_sf=round_sf)
-
-
 def lossless_scales(sf_in, m: int, k: int, x_block_size, out_block_size, x_use_tma_aligned_col_major_sf=False):
   """The exponent bookkeeping of :func:`per_block_cast_lossless` at block granularity.
 
@@ -277,3 +240,96 @@ def per_block_cast_lossless(x, x_block_size, out_block_size, *, use_tma_aligned_
   scale, e_out = lossless_scales(sf_in, m, k, x_block_size, out_block_size, x_use_tma_aligned_col_major_sf)
   out = encode_e4m3(v * _expand(scale, 1, x_block_size[1], m, k))
   return out, format_sf(_float(e_out << 23), use_tma_aligned_col_major_sf, use_packed_ue8m0)
+
+
+# References of the per-channel casts and cast-backs
+
+
+def _per_channel(x, fmt: str, num_per_tokens: int, round_sf: bool) -> QuantTensor:
+  """:func:`cast` with blocks ``(num_per_tokens, 1)`` (one scale per column and group of rows), its
+  maxima NaN-propagating on every backend: XLA's float max reduction on CPU can drop a NaN (measured:
+  the column maxima of a ``(32, 128)`` block), the maximum of the int32 bit patterns of ``|v|`` is the
+  same maximum for non-negative values with NaN above inf."""
+  v = x.astype(jnp.float32)
+  m, k = v.shape
+  bits = _blocked(_bits(jnp.abs(v)), num_per_tokens, 1, fill=0)
+  sf, inv = scale_factors(_float(jnp.max(bits, axis=(1, 3))), MAX_VALUE[fmt], fmt, round_sf)
+  return QuantTensor(_encode(v * _expand(inv, num_per_tokens, 1, m, k), fmt), sf)
+
+
+def per_channel_cast(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False) -> QuantTensor:
+  """Per-channel cast of ``x`` ``(M, K)`` (bf16 / float32): ``QuantTensor(data (M, K) e4m3, sf
+  (ceil(M/num_per_tokens), K) float32)``.
+
+  Non-finite inputs (the kernels give the same bits): the group maximum propagates NaN, and the data
+  are ``e4m3(v·sf_inv)`` as always (saturating at ±448, NaN for a NaN product). A NaN in a group makes
+  its amax NaN: ``sf = sf_inv = NaN``, so the whole group is NaN; with ``round_sf`` the exponent
+  arithmetic of :func:`scale_factors` on that NaN gives ``sf = -0.0``, ``sf_inv = -2^127``. An
+  infinity makes the amax inf: ``sf = inf``, ``sf_inv = 0`` (finite values become signed zeros, the
+  infinity NaN); with ``round_sf`` ``sf = inf``, ``sf_inv = -inf`` (zeros become NaN, other values
+  -448 / 448 with the sign flipped).
+  """
+  return _per_channel(x, fmt, num_per_tokens, round_sf)
+
+
+def per_channel_cast_and_transpose(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False) -> QuantTensor:
+  """:func:`per_channel_cast` with the data transposed: ``QuantTensor(data (K, M) e4m3, sf
+  (ceil(M/num_per_tokens), K) float32)``."""
+  data, sf = _per_channel(x, fmt, num_per_tokens, round_sf)
+  return QuantTensor(data.T, sf)
+
+
+def per_channel_cast_fused(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False, num_per_channels=None,
+                           pos_to_token=None) -> QuantTensor:
+  """Per-channel cast (blocks ``(num_per_tokens, 1)``) with an optional row gather.
+
+  ``x`` is ``(M, K)`` bf16 / float32, or a QuantTensor ``(q, sf)`` with e4m3 ``q`` and a layout-A
+  float32 sf ``(M, ceil(K/num_per_channels))``, dequantised (``RN(q·sf)``) before the cast.
+  ``pos_to_token`` ``(Mo,)`` gathers rows: row ``p`` is ``x[pos_to_token[p]]``, a zero row where the
+  entry is negative or ``>= M``. Rows past ``Mo`` in a partial last block are not part of any amax.
+  Returns ``QuantTensor(data (Mo, K) e4m3, sf (ceil(Mo/num_per_tokens), K) float32)``; non-finite
+  inputs as :func:`per_channel_cast`.
+  """
+  if isinstance(x, tuple):
+    q, sf = x
+    v = q.astype(jnp.float32) * jnp.repeat(sf, num_per_channels, axis=1)[:, :q.shape[1]]
+  else:
+    v = x.astype(jnp.float32)
+  if pos_to_token is not None and v.shape[0] == 0:  # every entry is out of range
+    v = jnp.zeros((pos_to_token.shape[0], v.shape[1]), jnp.float32)
+  elif pos_to_token is not None:
+    valid = (pos_to_token >= 0) & (pos_to_token < v.shape[0])
+    v = jnp.where(valid[:, None], v[jnp.clip(pos_to_token, 0, v.shape[0] - 1)], 0.0)
+  return _per_channel(v, fmt, num_per_tokens, round_sf)
+
+
+def cast_back(x, fmt: str, x_block_size, *, x_special_fmt=None, x_use_tma_aligned_col_major_sf: bool = False):
+  """Dequantises ``(q, sf)`` with blocks ``x_block_size`` to ``fmt`` (``"bf16"`` / ``"fp32"``):
+  ``RN(f32(q)·sf)`` in float32, then one rounding to bf16. ``q`` is e4m3 ``(M, K)`` or packed e2m1
+  ``(M, K/2)``; ``sf`` in layout A, B or C (see the module docstring). NaN / infinite data or scales
+  follow IEEE multiplication (``0·inf`` is NaN). ``x_special_fmt`` must be None."""
+  if x_special_fmt is not None:
+    raise ValueError(f"x_special_fmt must be None, got {x_special_fmt!r}")
+  q, sf = x
+  v = _decode(q)
+  m, k = v.shape
+  bm, bk = x_block_size
+  s = sf_to_float(sf, cdiv(m, bm), cdiv(k, bk), use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
+  out = v * _expand(s, bm, bk, m, k)
+  return out.astype(jnp.bfloat16 if fmt == "bf16" else jnp.float32)
+
+
+def per_token_cast_back(x, fmt: str, num_per_channels: int, *, x_special_fmt=None,
+                        x_use_tma_aligned_col_major_sf: bool = False):
+  """:func:`cast_back` with blocks ``(1, num_per_channels)``."""
+  return cast_back(x, fmt, (1, num_per_channels), x_special_fmt=x_special_fmt,
+                   x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
+
+
+def unpack_from_e2m1fn_x2(x, *, out_dtype=jnp.float32):
+  """Packed e2m1 bytes ``(..., L)`` (int8 / uint8) -> decoded values ``(..., 2L)`` of ``out_dtype``,
+  element ``2j`` from the low nibble of byte ``j``."""
+  b = x.astype(jnp.uint8).astype(jnp.int32)
+  n = jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(*x.shape[:-1], 2 * x.shape[-1])
+  table = jnp.asarray(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), jnp.float32)
+  return table[n].astype(out_dtype)

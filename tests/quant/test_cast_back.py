@@ -1,5 +1,6 @@
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,7 +61,7 @@ def test_cast_back_bit_exact(key, m, k, block, flags, fmt):
 @pytest.mark.parametrize("npc", [32])
 def test_per_token_round_trip(key, fmt, tol, npc):
   x = randn(key, (48, 256), jnp.bfloat16)
-  q = quant.per_token_cast(x, fmt, npc, None, True, True, True)
+  q = quant.per_token_cast(x, fmt, npc, use_tma_aligned_col_major_sf=True, round_sf=True, use_packed_ue8m0=True)
   back = quant.per_token_cast_back(q, "fp32", npc, x_use_tma_aligned_col_major_sf=True)
   assert_diff_below(back, x.astype(jnp.float32), tol)
 
@@ -85,9 +86,10 @@ def test_cast_back_e2m1_bit_exact(key, m, k, block, flags, fmt):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 def test_unpack_kernel_bit_exact(key, shape, dtype):
   b = jax.random.randint(key, shape, -128, 128).astype(jnp.int8)
-  assert_bitwise_equal(quant.unpack_from_e2m1fn_x2(b, dtype), ref.unpack_from_e2m1fn_x2(b, dtype))
-  assert_bitwise_equal(quant.unpack_from_e2m1fn_x2(b.astype(jnp.uint8), dtype), ref.unpack_from_e2m1fn_x2(b, dtype))
-  assert quant.unpack_from_e2m1fn_x2(jnp.zeros((0, 8), jnp.int8), dtype).shape == (0, 16)
+  want = ref.unpack_from_e2m1fn_x2(b, out_dtype=dtype)
+  assert_bitwise_equal(quant.unpack_from_e2m1fn_x2(b, out_dtype=dtype), want)
+  assert_bitwise_equal(quant.unpack_from_e2m1fn_x2(b.astype(jnp.uint8), out_dtype=dtype), want)
+  assert quant.unpack_from_e2m1fn_x2(jnp.zeros((0, 8), jnp.int8), out_dtype=dtype).shape == (0, 16)
 
 
 def test_decode_e2m1_matches_the_table():
@@ -107,15 +109,120 @@ def test_per_channel_blocks_and_fp4_round_trip(key):
 
 def test_zero_tokens():
   q = (jnp.zeros((0, 128), jnp.float8_e4m3fn), jnp.zeros((0, 1), jnp.float32))
-  assert quant.per_token_cast_back(q, "bf16", 128).shape == (0, 128)
+  assert quant.per_token_cast_back(q, "bf16", 128, implementation="interpret").shape == (0, 128)
+  (d,) = jaxkern.explain(lambda q: quant.per_token_cast_back(q, "bf16", 128, implementation="pallas"), q)
+  assert d.path == "xla" and d.op == "per_token_cast_back" and "zero-size" in d.reason
   q = (jnp.zeros((0, 64), jnp.int8), jnp.zeros((1, 0), jnp.int32))
   assert quant.per_token_cast_back(q, "fp32", 128, x_use_tma_aligned_col_major_sf=True).shape == (0, 128)
 
 
-def test_jit(key):
+def test_jit_does_not_retrace(key):
   _, q = _quantised(key, 64, 128, (1, 64), "A")
-  f = jax.jit(functools.partial(quant.per_token_cast_back, fmt="bf16", num_per_channels=64))
-  assert_bitwise_equal(f(q), quant.per_token_cast_back(q, "bf16", 64, implementation="reference"))
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def f(q):
+    return quant.per_token_cast_back(q, "bf16", 64), quant.cast_back(q, "fp32", (1, 64))
+
+  # The first interpret-mode kernel run of a process changes jit's cache key once (any op, e.g.
+  # transpose): warm up outside ``f``.
+  quant.per_token_cast_back(q, "bf16", 64)
+  got = f(q)
+  chex.assert_trees_all_equal(got, (ref.per_token_cast_back(q, "bf16", 64), ref.cast_back(q, "fp32", (1, 64))))
+  f((q[0], q[1] * 2))  # same shapes: no new trace (a second one raises)
+
+
+UNSUPPORTED = [  # (m, k, block, flags, qfmt, reason)
+    (100, 128, (128, 1), "A", "e2m1", "packed e2m1 data with .bm, 1. blocks"),
+    (40, 192, (8, 1), "A", "e4m3", r"bm % 16 == 0, got bm=8"),
+    (40, 192, (1, 8), "C", "e4m3", "narrower than 16 columns"),
+    (24, 576, (4, 34), "B", "e4m3", "more than 16 scale groups"),
+]
+
+
+@pytest.mark.parametrize("m, k, block, flags, qfmt, reason", UNSUPPORTED, ids=[u[-2] + str(u[2]) for u in UNSUPPORTED])
+def test_unsupported_blocks_raise_or_run_xla(key, m, k, block, flags, qfmt, reason):
+  _, q = _quantised(key, m, k, block, flags, qfmt)
+  col = FLAGS[flags][0]
+  with pytest.raises(jaxkern.KernelUnavailableError, match=reason):
+    quant.cast_back(q, "bf16", block, x_use_tma_aligned_col_major_sf=col, implementation="interpret")
+  want = ref.cast_back(q, "bf16", block, x_use_tma_aligned_col_major_sf=col)
+  for impl in ("xla", "auto"):
+    assert_bitwise_equal(quant.cast_back(q, "bf16", block, x_use_tma_aligned_col_major_sf=col, implementation=impl),
+                         want)
+  if block[0] == 1:
+    with pytest.raises(jaxkern.KernelUnavailableError, match=f"per_token_cast_back.*{reason}"):
+      quant.per_token_cast_back(q, "bf16", block[1], x_use_tma_aligned_col_major_sf=col, implementation="pallas")
+
+
+def test_unpack_other_dtypes_raise_or_run_xla():
+  b = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8).reshape(4, 64)
+  with pytest.raises(jaxkern.KernelUnavailableError, match="out_dtype float16"):
+    quant.unpack_from_e2m1fn_x2(b, out_dtype=jnp.float16, implementation="interpret")
+  for impl in ("xla", "auto"):
+    got = quant.unpack_from_e2m1fn_x2(b, out_dtype=jnp.float16, implementation=impl)
+    assert_bitwise_equal(got, ref.unpack_from_e2m1fn_x2(b, out_dtype=jnp.float16))
+  with pytest.raises(ValueError, match="out_dtype must be a floating dtype"):
+    quant.unpack_from_e2m1fn_x2(b, out_dtype=jnp.int32)
+
+
+def test_list_and_bool_inputs():
+  """Lists are converted (and then checked like arrays); bool data is a clear ValueError."""
+  with pytest.raises(ValueError, match="x must have dtype"):
+    quant.unpack_from_e2m1fn_x2([1, 2, 3])  # a list of Python ints is int32
+  with pytest.raises(ValueError, match=r"x\[0\] must have dtype"):
+    quant.cast_back((jnp.ones((8, 64), jnp.bool_), jnp.ones((8, 1), jnp.float32)), "bf16", (1, 64))
+  q = np.ones((8, 64), np.float32).astype(jnp.float8_e4m3fn)
+  got = quant.cast_back((q, np.full((8, 1), 2.0, np.float32).tolist()), "fp32", (1, 64))
+  assert_bitwise_equal(got, np.full((8, 64), 2.0, np.float32))
+
+
+def _non_finite_pair(key, m, k, block, flags, qfmt="e4m3"):
+  """A QuantTensor with NaN data (e4m3) and NaN / inf / zero scales (UE8M0 bytes 255 and 0 for layout C)."""
+  _, (q, sf) = _quantised(key, m, k, block, flags, qfmt)
+  if qfmt == "e4m3":
+    q = q.at[1, 3].set(jnp.nan).at[m - 1, k - 1].set(jnp.nan).at[2, :].set(0.0)
+  if sf.dtype == jnp.int32:  # byte 0 of word [0, 2] (row 2's first block) 255 -> inf, row 0's 0 -> 0
+    sf = sf.at[0, 2].set((sf[0, 2] & ~0xFF) | 0xFF).at[0, 0].set(sf[0, 0] & ~0xFF)
+  elif FLAGS[flags][0]:  # layout B (Kb, Mp)
+    sf = sf.at[0, 2 // block[0]].set(jnp.inf).at[0, 0].set(jnp.nan).at[-1, -1].set(0.0)
+  else:
+    sf = sf.at[2 // block[0], 0].set(jnp.inf).at[0, 0].set(jnp.nan).at[-1, -1].set(-jnp.inf)
+  return q, sf
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp32"])
+@pytest.mark.parametrize("m, k, block, flags, qfmt", [
+    (100, 576, (1, 128), "A", "e4m3"),  # row kernel, strided sf
+    (7, 576, (1, 128), "C", "e4m3"),  # packed UE8M0 words decoded in the kernel
+    (130, 320, (128, 128), "B", "e4m3"),  # column tiles, block rows
+    (300, 192, (128, 1), "A", "e4m3"),  # per-channel kernel
+    (65, 576, (1, 128), "C", "e2m1"),  # packed e2m1, UE8M0 255 / 0
+    (40, 192, (1, 32), "A", "e2m1"),
+])
+def test_non_finite_bit_exact(key, m, k, block, flags, qfmt, fmt):
+  q = _non_finite_pair(key, m, k, block, flags, qfmt)
+  col = FLAGS[flags][0]
+  got = quant.cast_back(q, fmt, block, x_use_tma_aligned_col_major_sf=col)
+  want = ref.cast_back(q, fmt, block, x_use_tma_aligned_col_major_sf=col)
+  assert_bitwise_equal(got, want)
+  g = np.asarray(got.astype(jnp.float32))
+  if flags == "C":  # UE8M0 byte 0: a zero scale
+    assert g[0, 0] == 0
+  else:  # a NaN scale
+    assert np.isnan(g[0, 0])
+  if qfmt == "e4m3":  # NaN data; an inf scale on a zero row: 0 * inf
+    assert np.isnan(g[1, 3]) and np.isnan(g[2, 0])
+  else:  # an inf scale on e2m1 data
+    assert not np.isfinite(g[2, 0])  # inf, or NaN for a zero nibble
+
+
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)])
+def test_non_finite_tma_store_kernel(key, monkeypatch, block):
+  monkeypatch.setattr(cast_back_module, "TMA_MIN_ELEMENTS", 0)
+  q = _non_finite_pair(key, 130, 256, block, "A")
+  assert cast_back_module._use_tma_store(q[0], q[1], block, jnp.float32, False)
+  assert_bitwise_equal(quant.cast_back(q, "fp32", block), ref.cast_back(q, "fp32", block))
 
 
 @pytest.mark.parametrize("q, block, fmt, match", [
@@ -125,10 +232,21 @@ def test_jit(key):
     ((jnp.ones((8, 64), jnp.bfloat16), jnp.ones((8, 2), jnp.float32)), (1, 32), "bf16", r"x\[0\] must have dtype"),
     ((jnp.ones((8, 64), jnp.float8_e4m3fn), jnp.ones((8, 2), jnp.float16)), (1, 32), "bf16", r"x\[1\] must have dtype"),
     ((jnp.ones((8, 64), jnp.float8_e4m3fn), jnp.ones((8, 2), jnp.float32)), (0, 32), "bf16", "x_block_size"),
+    ([jnp.ones((8, 64), jnp.float8_e4m3fn), jnp.ones((8, 2), jnp.float32)], (1, 32), "bf16", "QuantTensor"),
 ])
 def test_bad_inputs(q, block, fmt, match):
   with pytest.raises(ValueError, match=match):
     quant.cast_back(q, fmt, block)
+
+
+def test_special_fmt_is_keyword_and_rejected():
+  q = (jnp.ones((8, 64), jnp.float8_e4m3fn), jnp.ones((8, 1), jnp.float32))
+  with pytest.raises(ValueError, match="x_special_fmt must be None"):
+    quant.cast_back(q, "bf16", (1, 64), x_special_fmt="e5m6")
+  with pytest.raises(ValueError, match="x_special_fmt must be None"):
+    ref.per_token_cast_back(q, "bf16", 64, x_special_fmt="e5m6")
+  with pytest.raises(TypeError):
+    quant.cast_back(q, "bf16", (1, 64), None)  # keyword-only
 
 
 @pytest.mark.parametrize("qfmt", ["e4m3", "e2m1"])
@@ -189,7 +307,7 @@ def test_small_spec_shapes_in_kernel_sf_gpu(key, m, block, flags):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 def test_unpack_lowers_for_h100(dtype):
-  f = lambda b: quant.unpack_from_e2m1fn_x2(b, dtype, implementation="pallas")
+  f = lambda b: quant.unpack_from_e2m1fn_x2(b, out_dtype=dtype, implementation="pallas")
   assert "mosaic_gpu" in lower_for_h100(f, jax.ShapeDtypeStruct((8001, 3584), jnp.int8)).as_text()
 
 
@@ -204,7 +322,8 @@ def test_spec_shapes_e2m1_gpu(key, block, flags):
     assert_bitwise_equal(got, want)
   b = q[0]
   for dtype in (jnp.float32, jnp.bfloat16):
-    assert_bitwise_equal(jax.jit(lambda b: quant.unpack_from_e2m1fn_x2(b, dtype))(b), ref.unpack_from_e2m1fn_x2(b, dtype))
+    assert_bitwise_equal(jax.jit(lambda b: quant.unpack_from_e2m1fn_x2(b, out_dtype=dtype))(b),
+                         ref.unpack_from_e2m1fn_x2(b, out_dtype=dtype))
 
 
 @pytest.mark.parametrize("m, k, block, sms", [(100, 256, (1, 128), 1), (400, 384, (1, 128), 1),
@@ -228,3 +347,16 @@ def test_tma_store_kernel_lowers_for_h100(block):
           jax.ShapeDtypeStruct((-(-8001 // block[0]), 56), jnp.float32))
   assert cast_back_module._use_tma_store(*args, block, jnp.float32, False)
   assert "mosaic_gpu" in lower_for_h100(f, *args).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp32"])
+@pytest.mark.parametrize("m, k, block, flags", [(4001, 2560, (1, 128), "A"), (4001, 576, (128, 128), "C"),
+                                                (4001, 576, (128, 1), "A"), (4001, 2560, (128, 128), "A")])
+def test_non_finite_gpu(key, m, k, block, flags, fmt):
+  """NaN / inf data and scales through the row, per-channel and TMA-store kernels on the GPU against
+  the reference compiled by XLA (canonical NaNs on both sides)."""
+  q = _non_finite_pair(key, m, k, block, flags)
+  col = FLAGS[flags][0]
+  got = jax.jit(lambda q: quant.cast_back(q, fmt, block, x_use_tma_aligned_col_major_sf=col))(q)
+  assert_bitwise_equal(got, jax.jit(lambda q: ref.cast_back(q, fmt, block, x_use_tma_aligned_col_major_sf=col))(q))
