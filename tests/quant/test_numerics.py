@@ -65,7 +65,7 @@ def test_kernel_e2m1_encoder_matches_reference():
 def test_unpack_order_and_values():
   b = jnp.asarray([0x21, 0xF8, 0x7E], jnp.uint8)  # low nibble first
   np.testing.assert_array_equal(np.asarray(quant.unpack_from_e2m1fn_x2(b)), [0.5, 1.0, -0.0, -6.0, -4.0, 6.0])
-  assert quant.unpack_from_e2m1fn_x2(b.astype(jnp.int8), jnp.bfloat16).dtype == jnp.bfloat16
+  assert quant.unpack_from_e2m1fn_x2(b.astype(jnp.int8), out_dtype=jnp.bfloat16).dtype == jnp.bfloat16
   assert np.signbit(np.asarray(quant.unpack_from_e2m1fn_x2(b))[2])
   with pytest.raises(ValueError, match="x must have rank"):
     quant.unpack_from_e2m1fn_x2(jnp.uint8(3))
