@@ -217,7 +217,7 @@ def _fp4_from_f32_kernel(x, sf_in, *, block_size, round_sf, write_data, compute_
           rows = [plgpu.broadcasted_iota(jnp.int32, (rc,), 0, layout=lay.reduce(1)) + st for st in starts]
           a = key_value(functools.reduce(jnp.maximum, [
               jnp.max(jnp.where(r >= i * bm, jnp.max(jnp.maximum(abs_key(e, interpret), abs_key(o, interpret)),
-                                                     axis=1), 0), axis=0)
+                                                     axis=1), 0.0 if interpret is None else 0), axis=0)
               for r, (e, o) in zip(rows, map(get, range(bm // rc)))]), interpret)
           sf, inv = ref.scale_factors(splat(a), splat(c_g[0]), "e2m1", round_sf, div=_ieee.exact_div)
           if compute_sf:

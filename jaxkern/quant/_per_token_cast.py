@@ -78,10 +78,10 @@ SEGMENT_LANES = 8
 def abs_key(h, interpret):
   """``|h|`` (float32) in the form whose maximum the kernels take: NaN-propagating on both backends.
 
-  On the GPU ``|h|`` itself: ``jnp.maximum`` / ``jnp.max`` lower to ``max.NaN.f32`` in Mosaic GPU (NaN wins;
-  ``|h|`` folds into the instruction as an operand modifier). In interpret mode XLA's float max reductions drop
-  NaN on the CPU for some shapes, so there the key is the float32 pattern with the sign cleared, whose integer
-  order is that of the magnitudes with NaN above +inf (:func:`jaxkern.reference.quant.abs_max`). Elementwise
+  On the GPU ``|h|`` itself (the kernels' code as it was measured): ``jnp.maximum`` / ``jnp.max`` lower to
+  ``max.NaN.f32`` in Mosaic GPU, so a NaN wins. In interpret mode XLA's float max reductions drop NaN on the
+  CPU for some shapes, so there the key is the float32 pattern with the sign cleared, whose integer order is
+  that of the magnitudes with NaN above +inf (:func:`jaxkern.reference.quant.abs_max`). Elementwise
   ``jnp.maximum`` and ``jnp.max`` work on either key; :func:`key_value` turns the maximum back into a float32.
   """
   return jnp.abs(h) if interpret is None else lax.bitcast_convert_type(h, jnp.int32) & 0x7FFFFFFF
@@ -101,8 +101,9 @@ def gpu_nan(v, interpret):
 
 def to_e4m3(q, interpret):
   """float32 -> e4m3, saturating at ±448 (quant.md §2.1): on the GPU the conversion itself saturates
-  (``cvt.rn.satfinite``; the explicit clip costs two instructions per value), in interpret mode XLA's
-  conversion would send ±inf and ``|q| >= 464`` to NaN, so it clips first (:func:`jaxkern.reference.quant.encode_e4m3`)."""
+  (``cvt.rn.satfinite``; an explicit clip would cost a min and a max per value), in interpret mode XLA's
+  conversion would send ±inf and ``|q| >= 464`` to NaN, so it clips first
+  (:func:`jaxkern.reference.quant.encode_e4m3`)."""
   return q.astype(jnp.float8_e4m3fn) if interpret is None else ref.encode_e4m3(q)
 
 

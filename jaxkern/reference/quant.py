@@ -80,8 +80,9 @@ def abs_max(x, axis):
 
   Reduced on the float32 bit patterns with the sign cleared, which order like the magnitudes (NaN above
   +inf): XLA's float max reductions drop NaN on the CPU for some shapes (measured with jax 0.11.2:
-  ``jnp.max`` of a ``(40, 128)`` row with one NaN is finite, of a ``(4, 128)`` one NaN), integer ones
-  cannot. The kernels' maxima are NaN-propagating too (``max.NaN.f32`` on the GPU).
+  ``jnp.max(x, axis=1)`` of a ``(40, 128)`` float32 array gives a finite maximum for a row holding a NaN,
+  of a ``(4, 128)`` array NaN), integer ones cannot. The kernels' maxima are NaN-propagating too
+  (``max.NaN.f32`` on the GPU).
   """
   return _float(jnp.max(_bits(x) & 0x7FFFFFFF, axis=axis))
 
@@ -340,7 +341,8 @@ def per_block_cast(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: boo
   """Reference of :func:`jaxkern.quant.per_block_cast` (quant.md §6.1): :func:`cast` with blocks
   ``block_size``; non-finite inputs as in :func:`per_token_cast`, per block."""
   return QuantTensor(*cast(x, fmt, tuple(block_size), round_sf=round_sf,
-                           use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0))
+                           use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+                           use_packed_ue8m0=use_packed_ue8m0))
 
 
 def per_block_cast_with_sf_only(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: bool = False,
