@@ -26,6 +26,7 @@ from jaxkern.testing import hidden_sizes, num_tokens, randn
 
 _DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 _NPCS = {"npc32": 32, "npc64": 64, "npc128": 128, "row": None}
+_PACKED = dict(use_tma_aligned_col_major_sf=True, round_sf=True, use_packed_ue8m0=True)  # flags T, T, T
 
 
 def _npc(x, npc):
@@ -59,9 +60,8 @@ for _fmt, _prefix in (("e4m3", "per_token_cast_"), ("e2m1", "per_token_cast_e2m1
   for _name, _w in _NPCS.items():
     register(BenchOp(
         _prefix + _name,
-        lambda x, _w=_w, _fmt=_fmt: quant.per_token_cast(x, _fmt, _npc(x, _w), None, True, True, True),
-        lambda x, _w=_w, _fmt=_fmt: ref.cast(x, _fmt, (1, _npc(x, _w)), round_sf=True,
-                                             use_tma_aligned_col_major_sf=True, use_packed_ue8m0=True),
+        lambda x, _w=_w, _fmt=_fmt: quant.per_token_cast(x, _fmt, _npc(x, _w), **_PACKED),
+        lambda x, _w=_w, _fmt=_fmt: ref.per_token_cast(x, _fmt, _npc(x, _w), **_PACKED),
         _grid(_cast_case, _w, ("fp32", "bf16"), _fmt),
         lambda _w=_w, _fmt=_fmt: [_cast_case(100, 576, "bf16", _w, _fmt)]))
 
@@ -81,9 +81,9 @@ def _quant_input_case(m, k, in_fmt, x_block, npc, fmt):
 
 register(BenchOp(
     "per_token_cast_quant_input",
-    lambda q, sf, x_block_size, npc, fmt: quant.per_token_cast((q, sf), fmt, npc, x_block_size, True, True, True),
-    lambda q, sf, x_block_size, npc, fmt: ref.cast((q, sf), fmt, (1, npc), x_block_size=x_block_size, round_sf=True,
-                                                   use_tma_aligned_col_major_sf=True, use_packed_ue8m0=True),
+    lambda q, sf, x_block_size, npc, fmt: quant.per_token_cast((q, sf), fmt, npc, x_block_size=x_block_size,
+                                                               **_PACKED),
+    lambda q, sf, x_block_size, npc, fmt: ref.per_token_cast((q, sf), fmt, npc, x_block_size=x_block_size, **_PACKED),
     lambda: [_quant_input_case(m, k, i, b, n, f) for i, b, n, f, m, k in itertools.product(
         ("e4m3", "e2m1"), ((128, 128), (32, 32)), (32, 128), ("e4m3", "e2m1"), num_tokens(), hidden_sizes(64))],
     lambda: [_quant_input_case(130, 576, "e2m1", (32, 32), 128, "e4m3")]))
@@ -152,9 +152,8 @@ for (_fmt, _prefix, _dts), _bm, _bk in itertools.product(
     (32, 128)):
   register(BenchOp(
       f"{_prefix}{_bm}x{_bk}",
-      lambda x, _b=(_bm, _bk), _fmt=_fmt: quant.per_block_cast(x, _fmt, _b, True, True, True),
-      lambda x, _b=(_bm, _bk), _fmt=_fmt: ref.cast(x, _fmt, _b, round_sf=True, use_tma_aligned_col_major_sf=True,
-                                                   use_packed_ue8m0=True),
+      lambda x, _b=(_bm, _bk), _fmt=_fmt: quant.per_block_cast(x, _fmt, _b, **_PACKED),
+      lambda x, _b=(_bm, _bk), _fmt=_fmt: ref.per_block_cast(x, _fmt, _b, **_PACKED),
       _grid(lambda m, k, d, b, _fmt=_fmt: _block_case(m, k, d, b, _fmt), (_bm, _bk), _dts),
       lambda _b=(_bm, _bk), _fmt=_fmt: [_block_case(100, 576, "bf16", _b, _fmt)]))
 
@@ -191,9 +190,8 @@ def _lossless_case(m, k):
 
 register(BenchOp(
     "per_block_cast_lossless_128x128",
-    lambda x: quant.per_block_cast_lossless(x, "e4m3", (1, 32), (128, 128), True, True, True),
-    lambda x: ref.per_block_cast_lossless(x, (1, 32), (128, 128), use_tma_aligned_col_major_sf=True,
-                                          use_packed_ue8m0=True),
+    lambda x: quant.per_block_cast_lossless(x, "e4m3", (1, 32), (128, 128), **_PACKED),
+    lambda x: ref.per_block_cast_lossless(x, "e4m3", (1, 32), (128, 128), **_PACKED),
     lambda: [_lossless_case(m, k) for m, k in itertools.product(num_tokens(), hidden_sizes(64))],
     lambda: [_lossless_case(100, 576)]))
 

@@ -11,8 +11,14 @@ from jaxkern.moe._top2_sum_gate import top2_sum_gate
 from jaxkern.moe._topk_gate import topk_gate
 from jaxkern.moe._topk_sum_and_topk_group_idx import topk_sum_and_topk_group_idx
 from jaxkern.moe._unique_group_indices import unique_group_indices
+from jaxkern.types import FusedMapping, NormalizedWeights, QuantTensor, TopkRouting, TopkRoutingWithUnmapped
 
 __all__ = [
+    "FusedMapping",
+    "NormalizedWeights",
+    "QuantTensor",
+    "TopkRouting",
+    "TopkRoutingWithUnmapped",
     "aux_fi",
     "expand_to_fused",
     "expand_to_fused_with_sf",

@@ -1,10 +1,10 @@
 """FP8 e4m3 / FP4 e2m1 casts with per-token, per-block and per-channel scales (spec: quant.md).
 
-A QuantTensor is a plain tuple ``(data, sf)``. Scale-factor layouts: see :mod:`jaxkern.reference.quant`.
+Casts return a :class:`QuantTensor` ``(data, sf)`` (a NamedTuple; plain 2-tuples are accepted as
+inputs). Scale-factor layouts: see :mod:`jaxkern.reference.quant`.
 """
 
 from jaxkern.quant._cast_back import cast_back, per_token_cast_back, unpack_from_e2m1fn_x2
-from jaxkern.reference.quant import sf_logical, sf_to_float
 from jaxkern.quant._per_block_cast import (
     per_block_cast,
     per_block_cast_lossless,
@@ -17,8 +17,8 @@ from jaxkern.quant._per_token_cast import (
     per_token_cast_with_precomputed_sf,
     per_token_cast_with_sf_only,
 )
-
-QuantTensor = tuple
+from jaxkern.reference.quant import sf_logical, sf_to_float
+from jaxkern.types import QuantTensor
 
 __all__ = [
     "QuantTensor",

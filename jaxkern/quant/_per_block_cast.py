@@ -7,8 +7,9 @@ edges and zero-fills, so partial blocks and any row count need no padding), is l
 registers in :func:`jaxkern._layouts.row_layout` (conflict-free: the buffer is contiguous), and
 reduced over both axes to the block's amax; the quantisation re-reads the buffer, writes e4m3 to an
 SMEM buffer and TMA stores it (clipped at the edges). The sf is stored per block from the kernel,
-float32 ``(Mb, kt·nb)``; the wrapper cuts the padding columns and formats the layout. Divisions as
-in :mod:`jaxkern.quant._per_token_cast`.
+float32 ``(Mb, kt·nb)``; the wrapper cuts the padding columns and formats the layout. Divisions and
+non-finite inputs (NaN-propagating maxima, saturating e4m3, canonical NaN) as in
+:mod:`jaxkern.quant._per_token_cast`.
 
 e2m1 from bf16 reads each pair of columns as one int32 word (a free bitcast of the input; the data
 TMA boxes are half as wide) and packs the two nibbles per output byte as in
@@ -32,12 +33,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkern import _checks, _config, _ieee
+from jaxkern import _checks, _config, _dispatch, _ieee
 from jaxkern._layouts import row_layout
 from jaxkern.quant import _validate as validate
 from jaxkern.quant._encode import encode_e2m1
 from jaxkern.quant._cast_back import _kernel as _cast_back_kernel
+from jaxkern.quant._per_token_cast import abs_key, gpu_nan, key_value, to_e4m3
 from jaxkern.reference import quant as ref
+from jaxkern.types import QuantTensor
 
 BLOCK_SIDES = (32, 128)
 
@@ -116,19 +119,20 @@ def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, inte
       if sf_in is not None:
         inv = _ieee.exact_div(1.0, jnp.broadcast_to(sfin_g[i, j * nb + s], (rc,)))
       else:
-        a = functools.reduce(jnp.maximum, [jnp.max(jnp.max(jnp.abs(h), axis=1), axis=0)
-                                           for c in chunks for h in _load_halves(x_s.at[s, c], layout, fp4)])
+        a = key_value(functools.reduce(jnp.maximum, [
+            jnp.max(jnp.max(abs_key(h, interpret), axis=1), axis=0)
+            for c in chunks for h in _load_halves(x_s.at[s, c], layout, fp4)]), interpret)
         sf, inv = ref.scale_factors(jnp.broadcast_to(a, (rc,)), jnp.broadcast_to(c_g[0], (rc,)), fmt, round_sf,
                                     div=_ieee.exact_div)
         if compute_sf:
-          sf_g[i, j * nb + s] = jnp.max(sf, axis=0)
+          sf_g[i, j * nb + s] = jnp.max(gpu_nan(sf, interpret), axis=0)
       if write_data:
         for c in chunks:
-          q = [h * inv[:, None] for h in _load_halves(x_s.at[s, c], layout, fp4)]
+          q = [gpu_nan(h * inv[:, None], interpret) for h in _load_halves(x_s.at[s, c], layout, fp4)]
           if fp4:
             o_s.at[s, c][...] = (encode_e2m1(q[0]) | (encode_e2m1(q[1]) << 4)).astype(jnp.int8)
           else:
-            o_s.at[s, c][...] = ref.encode_e4m3(q[0]) if sf_in is not None else q[0].astype(jnp.float8_e4m3fn)
+            o_s.at[s, c][...] = ref.encode_e4m3(q[0]) if sf_in is not None else to_e4m3(q[0], interpret)
     if write_data:
       plgpu.commit_smem()
       for s in range(nb):
@@ -211,16 +215,18 @@ def _fp4_from_f32_kernel(x, sf_in, *, block_size, round_sf, write_data, compute_
           inv = _ieee.exact_div(1.0, splat(sfin_g[i, j * nb + s]))
         else:
           rows = [plgpu.broadcasted_iota(jnp.int32, (rc,), 0, layout=lay.reduce(1)) + st for st in starts]
-          a = functools.reduce(jnp.maximum, [
-              jnp.max(jnp.where(r >= i * bm, jnp.max(jnp.maximum(jnp.abs(e), jnp.abs(o)), axis=1), 0.0), axis=0)
-              for r, (e, o) in zip(rows, map(get, range(bm // rc)))])
+          a = key_value(functools.reduce(jnp.maximum, [
+              jnp.max(jnp.where(r >= i * bm, jnp.max(jnp.maximum(abs_key(e, interpret), abs_key(o, interpret)),
+                                                     axis=1), 0.0 if interpret is None else 0), axis=0)
+              for r, (e, o) in zip(rows, map(get, range(bm // rc)))]), interpret)
           sf, inv = ref.scale_factors(splat(a), splat(c_g[0]), "e2m1", round_sf, div=_ieee.exact_div)
           if compute_sf:
-            sf_g[i, j * nb + s] = jnp.max(sf, axis=0)
+            sf_g[i, j * nb + s] = jnp.max(gpu_nan(sf, interpret), axis=0)
         if write_data:
           for c in range(bm // rc):
             e, o = get(c)
-            byte = encode_e2m1(e * inv[:, None]) | (encode_e2m1(o * inv[:, None]) << 4)
+            byte = (encode_e2m1(gpu_nan(e * inv[:, None], interpret))
+                    | (encode_e2m1(gpu_nan(o * inv[:, None], interpret)) << 4))
             bufs[s].at[pl.ds(starts[c] - i * bm + rc, rc)][...] = byte.astype(jnp.int8)
       if write_data:
         plgpu.commit_smem()
@@ -243,19 +249,17 @@ def _fp4_from_f32_kernel(x, sf_in, *, block_size, round_sf, write_data, compute_
   return out, (outs.pop(0)[:, :kb] if compute_sf else None)
 
 
-def _run_kernel(x, fmt, block_size, impl, *, sf_in=None, round_sf=False, write_data=True, compute_sf=True):
+def _run_kernel(x, fmt, block_size, interpret, *, sf_in=None, round_sf=False, write_data=True, compute_sf=True):
   f = _fp4_from_f32_kernel if fmt == "e2m1" and x.dtype == jnp.float32 else functools.partial(_kernel, fmt=fmt)
   return f(x, sf_in, block_size=block_size, round_sf=round_sf, write_data=write_data, compute_sf=compute_sf,
-           interpret=_config.mosaic_interpret(impl))
-
-
-def _use_kernel(impl, x) -> bool:
-  return impl != "reference" and x.shape[0] > 0
+           interpret=_config.mosaic_interpret(interpret))
 
 
 def _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0):
+  """Checks the arguments of the per-block casts; returns ``(x, block_size)`` (an array, a tuple)."""
   if isinstance(x, tuple):
     raise ValueError("x must be a plain (M, K) array (no QuantTensor input for per-block casts)")
+  x = _checks.as_array("x", x)
   _checks.check_rank("x", x, 2)
   _checks.check_dtype("x", x, (jnp.bfloat16, jnp.float32))
   _checks.check_multiple("x", x, 1, 64)
@@ -263,79 +267,151 @@ def _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packe
   if len(block_size) != 2 or any(b not in BLOCK_SIDES for b in block_size):
     raise ValueError(f"block_size must be (bm, bk) with bm, bk in {BLOCK_SIDES}, got {block_size}")
   validate.check_sf_flags(use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+  return x, tuple(block_size)
 
 
-def per_block_cast(x, fmt: str, block_size, use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
-                   use_packed_ue8m0: bool = False, *, implementation: str | None = None):
-  """Blockwise cast of ``x`` ``(M, K)`` bf16 / float32 (``K % 64 == 0``) to e4m3 or packed e2m1.
+def per_block_cast(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
+                   use_packed_ue8m0: bool = False, implementation: str | None = None) -> QuantTensor:
+  """Blockwise cast to FP8 e4m3 or packed FP4 e2m1, one scale per ``bm × bk`` block (quant.md §6.1).
 
-  Returns ``(out, out_sf)``: ``out`` ``(M, K)`` float8_e4m3fn or ``(M, K/2)`` int8; ``out_sf`` for
-  ``(ceil(M/bm), ceil(K/bk))`` blocks in layout A / B / C (:mod:`jaxkern.reference.quant`).
+  Args:
+    x: ``(M, K)`` bfloat16 / float32 array (or nested list), ``K % 64 == 0``, any ``M``; partial blocks at
+      the bottom and right edges hold only the existing elements.
+    fmt: ``"e4m3"`` or ``"e2m1"``.
+    block_size: ``(bm, bk)``, ``bm, bk`` in ``(32, 128)``.
+    use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0: output sf layout B / power-of-two sf /
+      packed UE8M0 layout C (:mod:`jaxkern.reference.quant`); packed needs the other two.
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``
+      (see :mod:`jaxkern._dispatch`).
+
+  Returns:
+    ``QuantTensor(data, sf)``: ``data`` ``(M, K)`` float8_e4m3fn or ``(M, K/2)`` int8 (column ``2j`` in
+    the low nibble); ``sf`` for ``(Mb, Kb) = (ceil(M/bm), ceil(K/bk))`` blocks: layout A ``(Mb, Kb)``
+    float32, B ``(Kb, align(Mb, 4))`` float32 or C ``(ceil(Kb/4), align(Mb, 4))`` int32. The kernel writes
+    the sf as float32 ``(Mb, Kb)``; XLA formats layouts B / C.
+
+  Raises:
+    ValueError: a QuantTensor ``x``, another rank or dtype, ``K % 64 != 0``, another ``fmt`` or block side,
+      packed without column-major and ``round_sf``.
+
+  XLA (the reference) instead of a kernel: zero rows only (no ``KernelUnavailableError`` case).
+
+  Non-finite inputs behave per block as in :func:`jaxkern.quant.per_token_cast` (NaN-propagating amax,
+  saturating encodings, NaN results the GPU's canonical NaN): kernel (compiled or interpreted) and
+  reference give the same bits on every backend.
   """
-  _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
-  impl = _config.get_implementation(implementation)
-  if not _use_kernel(impl, x):
-    return ref.cast(x, fmt, tuple(block_size), round_sf=round_sf,
-                    use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0)
-  out, sf = _run_kernel(x, fmt, tuple(block_size), impl, round_sf=round_sf)
-  return out, ref.format_sf(sf, use_tma_aligned_col_major_sf, use_packed_ue8m0)
+  x, block_size = _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+  flags = dict(use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, round_sf=round_sf,
+               use_packed_ue8m0=use_packed_ue8m0)
+
+  def kernel(interpret):
+    out, sf = _run_kernel(x, fmt, block_size, interpret, round_sf=round_sf)
+    return QuantTensor(out, ref.format_sf(sf, use_tma_aligned_col_major_sf, use_packed_ue8m0))
+
+  return _dispatch.run("per_block_cast", implementation, kernel=kernel,
+                       xla=lambda: ref.per_block_cast(x, fmt, block_size, **flags), empty=x.shape[0] == 0)
 
 
-def per_block_cast_with_sf_only(x, fmt: str, block_size, use_tma_aligned_col_major_sf: bool = False,
-                                round_sf: bool = False, use_packed_ue8m0: bool = False, *,
-                                implementation: str | None = None):
-  """The ``out_sf`` of :func:`per_block_cast`, without writing the data."""
-  _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
-  impl = _config.get_implementation(implementation)
-  if not _use_kernel(impl, x):
-    return ref.cast(x, fmt, tuple(block_size), round_sf=round_sf, use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
-                    use_packed_ue8m0=use_packed_ue8m0)[1]
-  _, sf = _run_kernel(x, fmt, tuple(block_size), impl, round_sf=round_sf, write_data=False)
-  return ref.format_sf(sf, use_tma_aligned_col_major_sf, use_packed_ue8m0)
+def per_block_cast_with_sf_only(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: bool = False,
+                                round_sf: bool = False, use_packed_ue8m0: bool = False,
+                                implementation: str | None = None) -> jax.Array:
+  """The ``sf`` of :func:`per_block_cast`, bit-identical, without writing the data (quant.md §6.2).
+  Arguments, layouts, errors, XLA cases and non-finite inputs as :func:`per_block_cast`."""
+  x, block_size = _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+  flags = dict(use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, round_sf=round_sf,
+               use_packed_ue8m0=use_packed_ue8m0)
+
+  def kernel(interpret):
+    _, sf = _run_kernel(x, fmt, block_size, interpret, round_sf=round_sf, write_data=False)
+    return ref.format_sf(sf, use_tma_aligned_col_major_sf, use_packed_ue8m0)
+
+  return _dispatch.run("per_block_cast_with_sf_only", implementation, kernel=kernel,
+                       xla=lambda: ref.per_block_cast_with_sf_only(x, fmt, block_size, **flags), empty=x.shape[0] == 0)
 
 
-def per_block_cast_with_precomputed_sf(x, fmt: str, block_size, sf, use_tma_aligned_col_major_sf: bool = False,
-                                       round_sf: bool = False, use_packed_ue8m0: bool = False, *,
-                                       implementation: str | None = None):
-  """Quantises with a caller-given layout-A float32 ``sf`` ``(Mb, Kb)`` (``sf_inv = 1/sf``); returns ``out``."""
-  _check(x, fmt, block_size, False, False, False)
+def per_block_cast_with_precomputed_sf(x, fmt: str, block_size, sf, *, use_tma_aligned_col_major_sf: bool = False,
+                                       round_sf: bool = False, use_packed_ue8m0: bool = False,
+                                       implementation: str | None = None) -> jax.Array:
+  """Quantises ``x`` with a caller-given sf per block (quant.md §6.3).
+
+  ``sf``: float32 layout A ``(ceil(M/bm), ceil(K/bk))``; ``sf_inv = RN(1 / sf)``, ``data = encode(x ·
+  sf_inv)`` with the e4m3 clamp to ±448. ``round_sf`` has no effect. Returns ``data`` only: ``(M, K)``
+  float8_e4m3fn or ``(M, K/2)`` int8 packed e2m1. Raises ValueError as :func:`per_block_cast`, and for an
+  ``sf`` of another shape or dtype or ``use_tma_aligned_col_major_sf`` / ``use_packed_ue8m0`` set. XLA
+  instead of the kernel for zero rows only. Non-finite ``x`` encode as in :func:`per_block_cast`; a zero
+  or non-finite ``sf`` is outside the contract.
+  """
+  x, block_size = _check(x, fmt, block_size, False, False, False)
   if use_tma_aligned_col_major_sf or use_packed_ue8m0:
     raise ValueError("use_tma_aligned_col_major_sf / use_packed_ue8m0 must be False with a precomputed sf")
   m, k = x.shape
+  sf = _checks.as_array("sf", sf)
   validate.check_sf("sf", sf, (ref.cdiv(m, block_size[0]), ref.cdiv(k, block_size[1])), jnp.float32)
-  impl = _config.get_implementation(implementation)
-  if not _use_kernel(impl, x):
-    return ref.cast(x, fmt, tuple(block_size), sf=sf)
-  out, _ = _run_kernel(x, fmt, tuple(block_size), impl, sf_in=sf, compute_sf=False)
-  return out
+
+  def kernel(interpret):
+    return _run_kernel(x, fmt, block_size, interpret, sf_in=sf, compute_sf=False)[0]
+
+  return _dispatch.run("per_block_cast_with_precomputed_sf", implementation, kernel=kernel,
+                       xla=lambda: ref.per_block_cast_with_precomputed_sf(x, fmt, block_size, sf), empty=m == 0)
 
 
-def per_block_cast_lossless(x, fmt: str, x_block_size, out_block_size, use_tma_aligned_col_major_sf: bool = False,
-                            round_sf: bool = False, use_packed_ue8m0: bool = False, *,
-                            x_use_tma_aligned_col_major_sf: bool = False, implementation: str | None = None):
-  """Exact re-quantisation of a packed-e2m1 QuantTensor (power-of-two sf) into e4m3 with larger blocks.
+def per_block_cast_lossless(x, fmt: str, x_block_size, out_block_size, *, use_tma_aligned_col_major_sf: bool = False,
+                            round_sf: bool = False, use_packed_ue8m0: bool = False,
+                            x_use_tma_aligned_col_major_sf: bool = False,
+                            implementation: str | None = None) -> QuantTensor:
+  """Exact re-quantisation of a packed-e2m1 QuantTensor with power-of-two sf into e4m3 with larger blocks
+  (quant.md §6.4): every dequantised value is kept.
+
+  Args:
+    x: QuantTensor ``(data, sf)``: int8 / uint8 packed e2m1 ``(M, K/2)`` data (logical ``K % 32 == 0``),
+      power-of-two float32 sf in layout A ``(Mb, Kb)`` or B (``x_use_tma_aligned_col_major_sf``), or int32
+      packed UE8M0 layout C, for blocks ``x_block_size``.
+    fmt: ``"e4m3"``.
+    x_block_size, out_block_size: ``(bm, bk)`` of the input and output blocks; each output side a multiple
+      of the input side, the widths powers of two.
+    use_tma_aligned_col_major_sf, use_packed_ue8m0: output sf layout B / packed UE8M0 layout C (the sf are
+      powers of two; ``round_sf`` has no effect).
+    x_use_tma_aligned_col_major_sf: a float32 input sf is the layout-B buffer.
+    implementation: see :func:`per_block_cast`.
+
+  Returns:
+    ``QuantTensor(data (M, K) float8_e4m3fn, sf)`` for blocks ``out_block_size`` in the layout of the flags.
+
+  Raises:
+    ValueError: e4m3 data, a logical ``K % 32 != 0``, another ``fmt``, block sizes as above violated, an
+      input sf of the wrong shape or dtype, packed without column-major.
 
   Precondition (not checked inside ``jit``): within one output block the input sf span at most 2^11;
-  otherwise the values round or flush in the e4m3 conversion. ``round_sf`` has no effect. Returns
-  ``(out (M, K) e4m3, out_sf)`` for blocks ``out_block_size`` in the layout of the flags.
+  otherwise the values round or flush in the e4m3 conversion. The block exponents are computed by XLA
+  (one value per input block), the data by the e2m1 cast-back row kernel with a saturating e4m3 output.
+  XLA (the reference) instead of the kernel: zero rows only.
   """
+  if not (isinstance(x, tuple) and len(x) == 2):
+    raise ValueError("x must be a QuantTensor (data, sf)")
+  x = QuantTensor(_checks.as_array("x[0]", x[0]), _checks.as_array("x[1]", x[1]))
   k = validate.check_quant_tensor("x", x, x_block_size, col_major=x_use_tma_aligned_col_major_sf)
-  if x[0].dtype == jnp.float8_e4m3fn:
+  if x.data.dtype == jnp.float8_e4m3fn:
     raise ValueError("x[0] must be packed e2m1 (int8)")
   if k % 32:
     raise ValueError(f"x[0] must have a logical width K % 32 == 0, got K={k}")
   validate.check_fmt(fmt, ("e4m3",))
   validate.check_sf_flags(use_tma_aligned_col_major_sf, True, use_packed_ue8m0)
+  if out_block_size is None or len(out_block_size) != 2:
+    raise ValueError(f"out_block_size must be a pair of ints, got {out_block_size}")
+  x_block_size, out_block_size = tuple(x_block_size), tuple(out_block_size)
   (ibm, ibk), (obm, obk) = x_block_size, out_block_size
   if ibk & (ibk - 1) or obk & (obk - 1) or obm % ibm or obk % ibk:
     raise ValueError(f"out_block_size {out_block_size} must be a multiple of x_block_size {x_block_size} "
                      "with power-of-two widths")
-  impl = _config.get_implementation(implementation)
   flags = dict(use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0,
                x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
-  if impl == "reference" or x[0].shape[0] == 0:
-    return ref.per_block_cast_lossless(x, tuple(x_block_size), tuple(out_block_size), **flags)
-  return _lossless(x, tuple(x_block_size), tuple(out_block_size), interpret=_config.mosaic_interpret(impl), **flags)
+
+  def kernel(interpret):
+    return _lossless(x, x_block_size, out_block_size, interpret=_config.mosaic_interpret(interpret), **flags)
+
+  return _dispatch.run("per_block_cast_lossless", implementation, kernel=kernel,
+                       xla=lambda: ref.per_block_cast_lossless(x, fmt, x_block_size, out_block_size, **flags),
+                       empty=x.data.shape[0] == 0)
 
 
 @functools.partial(jax.jit, static_argnames=("x_block_size", "out_block_size", "use_tma_aligned_col_major_sf",
@@ -351,4 +427,4 @@ def _lossless(x, x_block_size, out_block_size, *, use_tma_aligned_col_major_sf, 
   out = _cast_back_kernel(q4, scale, block_size=(1, x_block_size[1]), out_dtype=jnp.float8_e4m3fn,
                             col_major=False, interpret=interpret)
   out_sf = lax.bitcast_convert_type(e_out << 23, jnp.float32)
-  return out, ref.format_sf(out_sf, use_tma_aligned_col_major_sf, use_packed_ue8m0)
+  return QuantTensor(out, ref.format_sf(out_sf, use_tma_aligned_col_major_sf, use_packed_ue8m0))

@@ -34,7 +34,15 @@ kernel (:func:`_quant_kernel`): the data are decoded in registers (e4m3 bytes by
 nibbles with integer operations) and multiplied by the input sf read in the kernel, as the rows of
 column segments (one per output group, an input block per part of a group). Inputs the plan does not
 cover (groups straddling input blocks, fewer rows than one register layout block, blocks of 2..unit-1
-rows, more than 16 groups with a partial last one) run the ``jnp`` reference.
+rows, more than 16 groups with a partial last one) are unsupported: ``"auto"`` / ``"xla"`` run the ``jnp``
+reference, ``"pallas"`` / ``"interpret"`` raise.
+
+Non-finite inputs: the group maxima are NaN-propagating on both backends (:func:`abs_key`: ``max.NaN.f32``
+on the GPU, integer maxima of the sign-cleared patterns in interpret mode, where XLA's float reductions
+can drop NaN), the e4m3 conversion saturates on both (:func:`to_e4m3`) and NaN results are the GPU's
+canonical NaN on both (:func:`gpu_nan`), so that kernel and reference (:func:`jaxkern.reference.quant.abs_max`,
+:func:`jaxkern.reference.quant.canonical_nan`) give the same bits for NaN and ±inf inputs on every
+backend. Interpret mode pays for the last two; the compiled kernel does nothing extra.
 """
 
 from __future__ import annotations
@@ -49,13 +57,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkern import _checks, _config, _ieee
+from jaxkern import _checks, _config, _dispatch, _ieee
 from jaxkern._layouts import row_layout
 from jaxkern.quant import _tiling as tiling
 from jaxkern.quant import _validate as validate
 from jaxkern.quant._encode import encode_e2m1
 from jaxkern.quant._cast_back import _sf_decode, _sf_raw
 from jaxkern.reference import quant as ref
+from jaxkern.types import QuantTensor
 
 # Groups per CTA when groups dividing K run as column segments (one packed UE8M0 word).
 SEG_CHUNK = 4
@@ -64,6 +73,38 @@ SEG_CHUNK = 4
 # 4 lanes 53.1 / 81.5 µs (bf16 / float32), 8 lanes 42.2 / 69.0, 16 lanes 48.9 / 71.0; e2m1 float32
 # 4001x576 npc 128 (5 segments per row): 15.0, 11.0, 10.1 µs.
 SEGMENT_LANES = 8
+
+
+def abs_key(h, interpret):
+  """``|h|`` (float32) in the form whose maximum the kernels take: NaN-propagating on both backends.
+
+  On the GPU ``|h|`` itself (the kernels' code as it was measured): ``jnp.maximum`` / ``jnp.max`` lower to
+  ``max.NaN.f32`` in Mosaic GPU, so a NaN wins. In interpret mode XLA's float max reductions drop NaN on the
+  CPU for some shapes, so there the key is the float32 pattern with the sign cleared, whose integer order is
+  that of the magnitudes with NaN above +inf (:func:`jaxkern.reference.quant.abs_max`). Elementwise
+  ``jnp.maximum`` and ``jnp.max`` work on either key; :func:`key_value` turns the maximum back into a float32.
+  """
+  return jnp.abs(h) if interpret is None else lax.bitcast_convert_type(h, jnp.int32) & 0x7FFFFFFF
+
+
+def key_value(k, interpret):
+  """The float32 value of a maximum of :func:`abs_key` keys."""
+  return k if interpret is None else lax.bitcast_convert_type(k, jnp.float32)
+
+
+def gpu_nan(v, interpret):
+  """NaN results as the GPU makes them: on the GPU ``v`` itself (every NaN an instruction returns is the
+  canonical NaN 0x7FFFFFFF), in interpret mode ``v`` with its NaNs made canonical (the CPU keeps an
+  operand's NaN or makes a negative one; :func:`jaxkern.reference.quant.canonical_nan`)."""
+  return v if interpret is None else ref.canonical_nan(v)
+
+
+def to_e4m3(q, interpret):
+  """float32 -> e4m3, saturating at ±448 (quant.md §2.1): on the GPU the conversion itself saturates
+  (``cvt.rn.satfinite``; an explicit clip would cost a min and a max per value), in interpret mode XLA's
+  conversion would send ±inf and ``|q| >= 464`` to NaN, so it clips first
+  (:func:`jaxkern.reference.quant.encode_e4m3`)."""
+  return q.astype(jnp.float8_e4m3fn) if interpret is None else ref.encode_e4m3(q)
 
 
 def _fp4_pairs(x):
@@ -224,9 +265,11 @@ def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, 
         if sf_in is not None:
           inv = _ieee.exact_div(1.0, plgpu.load(sfin_g.at[seg0 + t, rows], layout=vec, optimized=False))
         else:
-          maxes = [jnp.max(functools.reduce(jnp.maximum, [jnp.abs(h) for h in v]), axis=1) for _, _, v, _ in ps]
+          maxes = [key_value(jnp.max(functools.reduce(jnp.maximum, [abs_key(h, interpret) for h in v]), axis=1),
+                             interpret) for _, _, v, _ in ps]
           amax = functools.reduce(jnp.maximum, [a if s is None else a * s for a, (_, _, _, s) in zip(maxes, ps)])
           sf, inv = ref.scale_factors(amax, maxv, fmt, round_sf, div=_ieee.exact_div)
+          sf = gpu_nan(sf, interpret)
           if compute_sf and sf_layout != "C":
             sf_g[seg0 + t, rows] = sf
           elif compute_sf:  # UE8M0 byte of segment seg0 + t into byte t % 4 of word (seg0 + t) // 4
@@ -236,14 +279,14 @@ def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, 
               sf_g[seg0 // 4 + t // 4, rows] = word
         for cols, _, v, s in ps if write_data else ():
           scale = inv if s is None else s * inv
-          q = [h * scale[:, None] for h in v]
+          q = [gpu_nan(h * scale[:, None], interpret) for h in v]
           if fp4:
             out = (encode_e2m1(q[0]) | (encode_e2m1(q[1]) << 4)).astype(jnp.int8)
           elif pairs:  # e4m3 pairs as int16 words
             lo, hi = (lax.bitcast_convert_type(ref.encode_e4m3(h), jnp.int8).astype(jnp.int32) & 0xFF for h in q)
             out = (lo | (hi << 8)).astype(jnp.int16)
           else:
-            out = ref.encode_e4m3(q[0]) if sf_in is not None or qk else q[0].astype(jnp.float8_e4m3fn)
+            out = ref.encode_e4m3(q[0]) if sf_in is not None or qk else to_e4m3(q[0], interpret)
           o_g[rows, cols] = out
       if compute_sf and sf_layout != "rows" and mp > r:
         @pl.when(lax.axis_index("i") == num_ctas - 1)
@@ -329,7 +372,7 @@ _QUANT_THREAD_BYTES = {"e4m3": 64, "e4m3x2": 64, "e2m1": 32}  # 64 values per th
 
 def _quant_plan(q, x_block_size, npc, fmt):
   """How the kernel runs a QuantTensor input: ``(kind, view width divisor, segments, seg_chunk,
-  itemsize)``, or None (the reference runs): groups must not straddle input blocks, a partial last
+  itemsize)``, or a string saying why it cannot: groups must not straddle input blocks, a partial last
   group allows at most :data:`jaxkern.quant._tiling.MAX_SEGMENTS` groups, and blocks taller than one
   row must be at least one register layout block of rows (narrower vectors are tried for that),
   which the input must have too."""
@@ -340,15 +383,21 @@ def _quant_plan(q, x_block_size, npc, fmt):
   kind = "e2m1" if fp4_in else "e4m3x2" if ep == 2 else "e4m3"
   bm, bk = x_block_size
   kb = ref.cdiv(k, npc)
-  if k % ep or bk % ep or max(bk, npc) % min(bk, npc) or (k % npc and kb > tiling.MAX_SEGMENTS):
-    return None
+  if bk % ep:
+    return f"input blocks of an odd width ({bk} columns) with pairs of values per kernel column"
+  if max(bk, npc) % min(bk, npc):
+    return f"groups of {npc} columns straddle input blocks of {bk} columns"
+  if k % npc and kb > tiling.MAX_SEGMENTS:
+    return f"a partial last group with more than {tiling.MAX_SEGMENTS} groups per row ({kb})"
   segs = tuple((j * npc // ep, min(npc, k - j * npc) // ep) for j in range(kb))
   for itemsize in (_QUANT_ITEMSIZE[kind], 4, 8, 16):
     unit = max(row_layout(pw, itemsize, SEGMENT_LANES)[1] for c, sw in segs for _, pw in _parts(c, sw, bk // ep))
     if bm == 1 or unit <= bm:
       break
-  if m < unit or 1 < bm < unit:
-    return None
+  if 1 < bm < unit:
+    return f"input blocks of {bm} rows, fewer than one register layout block ({unit} rows)"
+  if m < unit:
+    return f"{m} rows, fewer than one register layout block ({unit} rows)"
   return kind, ep, segs, SEG_CHUNK if k % npc == 0 else None, itemsize
 
 
@@ -375,6 +424,7 @@ def _quant_kernel(q, sf, *, x_block_size, x_col_major, npc, fmt, round_sf, col_m
 
 
 def _check_plain(x, fmt, npc, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0):
+  x = _checks.as_array("x", x)
   _checks.check_rank("x", x, 2)
   _checks.check_dtype("x", x, (jnp.bfloat16, jnp.float32))
   validate.check_fmt(fmt)
@@ -386,94 +436,165 @@ def _check_plain(x, fmt, npc, use_tma_aligned_col_major_sf, round_sf, use_packed
     raise ValueError(f"num_per_channels == K needs K % 64 == 0, got x.shape {tuple(x.shape)}")
   if fmt == "e2m1":
     _checks.check_multiple("x", x, 1, 2)
+  return x
 
 
-def _use_kernel(impl, x, npc) -> bool:
-  return impl != "reference" and x.shape[0] > 0 and tiling.row_plan(*x.shape, npc) is not None
+def _check_quant(x, fmt, npc, x_block_size, x_col_major, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0):
+  """Checks a QuantTensor input of :func:`per_token_cast`; returns ``(q, sf)`` as arrays."""
+  if len(x) != 2:
+    raise ValueError(f"x must be a QuantTensor (data, sf) or an array, got a tuple of {len(x)}")
+  x = (_checks.as_array("x[0]", x[0]), _checks.as_array("x[1]", x[1]))
+  k = validate.check_quant_tensor("x", x, x_block_size, col_major=x_col_major)
+  validate.check_fmt(fmt)
+  validate.check_sf_flags(use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+  if npc not in (16, 32, 64, 128):
+    raise ValueError(f"num_per_channels must be 16, 32, 64 or 128 for a QuantTensor input, got {npc}")
+  if fmt == "e2m1" and k % 2:
+    raise ValueError(f"fmt='e2m1' needs an even logical width K, got K={k}")
+  return x
 
 
-def _run_kernel(x, fmt, npc, impl, *, sf_in=None, round_sf=False, col_major=False, packed=False, write_data=True,
-                compute_sf=True):
+def _plain_unsupported(x, npc) -> str | None:
+  """Why the kernel cannot cast the plain input ``x``, or None."""
+  if tiling.row_plan(*x.shape, npc) is None:
+    return (f"a partial last group with more than {tiling.MAX_SEGMENTS} groups per row (K={x.shape[1]}, "
+            f"num_per_channels={npc})")
+  return None
+
+
+def _run_kernel(x, fmt, npc, interpret, *, sf_in=None, round_sf=False, col_major=False, packed=False,
+                write_data=True, compute_sf=True):
   return _kernel(x, sf_in, npc=npc, fmt=fmt, round_sf=round_sf, col_major=col_major, packed=packed,
-                 write_data=write_data, compute_sf=compute_sf, interpret=_config.mosaic_interpret(impl))
+                 write_data=write_data, compute_sf=compute_sf, interpret=_config.mosaic_interpret(interpret))
 
 
-def per_token_cast(x, fmt: str, num_per_channels: int, x_block_size=None, use_tma_aligned_col_major_sf: bool = False,
-                   round_sf: bool = False, use_packed_ue8m0: bool = False, *,
-                   x_use_tma_aligned_col_major_sf: bool = False, implementation: str | None = None):
-  """Row-wise cast to FP8 e4m3 or packed FP4 e2m1, one scale per ``num_per_channels`` columns.
+def per_token_cast(x, fmt: str, num_per_channels: int, *, x_block_size=None,
+                   use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False, use_packed_ue8m0: bool = False,
+                   x_use_tma_aligned_col_major_sf: bool = False, implementation: str | None = None) -> QuantTensor:
+  """Row-wise cast to FP8 e4m3 or packed FP4 e2m1, one scale per ``num_per_channels`` columns (quant.md §5.1).
 
   Args:
-    x: ``(M, K)`` bfloat16 / float32, or a QuantTensor ``(q, sf)`` (e4m3 ``(M, K)`` or int8 packed
-      e2m1 ``(M, K/2)``, sf in layout A / B / C) for blocks ``x_block_size``.
+    x: ``(M, K)`` bfloat16 / float32 array (or nested list), or a QuantTensor ``(data, sf)``: e4m3
+      ``(M, K)`` or int8 / uint8 packed e2m1 ``(M, K/2)`` data, float32 sf in layout A ``(Mb, Kb)`` or B
+      (with ``x_use_tma_aligned_col_major_sf``), or int32 packed UE8M0 layout C, for blocks ``x_block_size``.
     fmt: ``"e4m3"`` or ``"e2m1"`` (``K`` even).
-    num_per_channels: group width: 16, 32, 64, 128, or ``K`` (``K % 64 == 0``); the last group may be
-      partial.
-    x_block_size: ``(bm, bk)`` of a QuantTensor input, else None.
-    use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0: output sf layout and rounding (see
-      :mod:`jaxkern.reference.quant`); packed needs column-major and ``round_sf``.
+    num_per_channels: group width: 16, 32, 64, 128, or ``K`` (plain input, ``K % 64 == 0``); the last
+      group may be partial.
+    x_block_size: ``(bm, bk)`` of a QuantTensor input; None for a plain input.
+    use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0: output sf layout B / power-of-two sf /
+      packed UE8M0 layout C (:mod:`jaxkern.reference.quant`); packed needs the other two.
     x_use_tma_aligned_col_major_sf: a float32 input sf is the layout-B buffer.
-    implementation: see :mod:`jaxkern._config`.
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``
+      (see :mod:`jaxkern._dispatch`).
 
   Returns:
-    ``(out, out_sf)``: ``out`` ``(M, K)`` float8_e4m3fn or ``(M, K/2)`` int8; ``out_sf`` layout A
-    ``(M, Kb)`` float32, B ``(Kb, align(M, 4))`` float32 or C ``(ceil(Kb/4), align(M, 4))`` int32,
-    ``Kb = ceil(K / num_per_channels)``.
+    ``QuantTensor(data, sf)``: ``data`` ``(M, K)`` float8_e4m3fn or ``(M, K/2)`` int8 (column ``2j`` in
+    the low nibble); ``sf`` layout A ``(M, Kb)`` float32, B ``(Kb, align(M, 4))`` float32 or C
+    ``(ceil(Kb/4), align(M, 4))`` int32, ``Kb = ceil(K / num_per_channels)``.
+
+  Raises:
+    ValueError: another rank or dtype, a ``num_per_channels`` or ``fmt`` outside the lists above, an odd
+      ``K`` with e2m1, packed without column-major and ``round_sf``, ``x_block_size`` given for a plain
+      input or missing for a QuantTensor, an input sf of the wrong shape or dtype.
+    KernelUnavailableError: ``implementation="pallas"`` / ``"interpret"`` for the XLA cases below.
+
+  XLA (the reference) instead of a kernel: zero rows; a plain input with a partial last group and more
+  than 16 groups per row; QuantTensor inputs whose groups straddle input blocks, with fewer rows than one
+  register layout block, blocks of 2 rows to one layout block, odd block widths with an e2m1 side, or a
+  partial last group and more than 16 groups (:func:`jaxkern.explain` names the reason). Everything else
+  runs the kernel; its figures are in the module docstring.
+
+  Non-finite inputs (NaN, ±inf; outside upstream's contract, quant.md §12.6) give the same bits from the
+  kernel (compiled or interpreted) and the reference on every backend: the amax is NaN-propagating (a group
+  with a NaN has sf NaN, one with ±inf sf +inf; with ``round_sf`` -0.0 / +inf, UE8M0 bytes 0 / 255), the
+  data are ``encode(x · sf_inv)`` as for finite inputs (±inf saturates), and every NaN result is the GPU's
+  canonical NaN 0x7FFFFFFF (NaN data: e4m3 0x7F, e2m1 +6). Details: :func:`jaxkern.reference.quant.per_token_cast`.
   """
-  quant_input = isinstance(x, tuple)
-  if quant_input:
-    validate.check_quant_tensor("x", x, x_block_size, col_major=x_use_tma_aligned_col_major_sf)
-    validate.check_fmt(fmt)
-    validate.check_sf_flags(use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
-    if num_per_channels not in (16, 32, 64, 128):
-      raise ValueError(f"num_per_channels must be 16, 32, 64 or 128 for a QuantTensor input, got {num_per_channels}")
+  flags = dict(use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, round_sf=round_sf,
+               use_packed_ue8m0=use_packed_ue8m0)
+  npc = num_per_channels
+  if isinstance(x, tuple):
+    x = _check_quant(x, fmt, npc, x_block_size, x_use_tma_aligned_col_major_sf, **flags)
+    x_block_size = tuple(x_block_size)
+    plan = _quant_plan(x[0], x_block_size, npc, fmt)
+    unsupported = plan if isinstance(plan, str) else None
+    empty = x[0].shape[0] == 0
+
+    def kernel(interpret):
+      return QuantTensor(*_quant_kernel(
+          *x, x_block_size=x_block_size, x_col_major=x_use_tma_aligned_col_major_sf, npc=npc, fmt=fmt,
+          round_sf=round_sf, col_major=use_tma_aligned_col_major_sf, packed=use_packed_ue8m0,
+          interpret=_config.mosaic_interpret(interpret)))
   else:
     if x_block_size is not None:
-      raise ValueError("x_block_size must be None for a plain input")
-    _check_plain(x, fmt, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
-  impl = _config.get_implementation(implementation)
-  if quant_input and impl != "reference" and x[0].shape[0] and _quant_plan(x[0], x_block_size, num_per_channels, fmt):
-    return _quant_kernel(*x, x_block_size=tuple(x_block_size), x_col_major=x_use_tma_aligned_col_major_sf,
-                         npc=num_per_channels, fmt=fmt, round_sf=round_sf, col_major=use_tma_aligned_col_major_sf,
-                         packed=use_packed_ue8m0, interpret=_config.mosaic_interpret(impl))
-  if quant_input or not _use_kernel(impl, x, num_per_channels):
-    return ref.cast(x, fmt, (1, num_per_channels), x_block_size=x_block_size, round_sf=round_sf,
-                    use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0,
-                    x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
-  return _run_kernel(x, fmt, num_per_channels, impl, round_sf=round_sf, col_major=use_tma_aligned_col_major_sf,
-                     packed=use_packed_ue8m0)
+      raise ValueError(f"x_block_size must be None for a plain input, got {x_block_size}")
+    x = _check_plain(x, fmt, npc, **flags)
+    unsupported, empty = _plain_unsupported(x, npc), x.shape[0] == 0
+
+    def kernel(interpret):
+      return QuantTensor(*_run_kernel(x, fmt, npc, interpret, round_sf=round_sf,
+                                      col_major=use_tma_aligned_col_major_sf, packed=use_packed_ue8m0))
+
+  def reference():
+    return ref.per_token_cast(x, fmt, npc, x_block_size=x_block_size, **flags,
+                              x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
+
+  return _dispatch.run("per_token_cast", implementation, kernel=kernel, xla=reference, unsupported=unsupported,
+                       empty=empty)
 
 
-def per_token_cast_with_sf_only(x, fmt: str, num_per_channels: int, x_block_size=None,
+def _plain_only(x, x_block_size):
+  if isinstance(x, tuple) or x_block_size is not None:
+    raise ValueError("x must be a plain (M, K) array and x_block_size None (no QuantTensor input)")
+
+
+def per_token_cast_with_sf_only(x, fmt: str, num_per_channels: int, *, x_block_size=None,
                                 use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
-                                use_packed_ue8m0: bool = False, *, implementation: str | None = None):
-  """The ``out_sf`` of :func:`per_token_cast` (plain input only), without writing the data."""
-  if x_block_size is not None or isinstance(x, tuple):
-    raise ValueError("x must be a plain (M, K) array and x_block_size None")
-  _check_plain(x, fmt, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
-  impl = _config.get_implementation(implementation)
-  if not _use_kernel(impl, x, num_per_channels):
-    return ref.cast(x, fmt, (1, num_per_channels), round_sf=round_sf,
-                    use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0)[1]
-  return _run_kernel(x, fmt, num_per_channels, impl, round_sf=round_sf, col_major=use_tma_aligned_col_major_sf,
-                     packed=use_packed_ue8m0, write_data=False)[1]
+                                use_packed_ue8m0: bool = False, implementation: str | None = None) -> jax.Array:
+  """The ``sf`` of :func:`per_token_cast` for a plain ``(M, K)`` bfloat16 / float32 ``x``, bit-identical,
+  without writing the data (quant.md §5.2). Arguments, layouts, errors, XLA cases and non-finite inputs as
+  :func:`per_token_cast` (``x_block_size`` must be None: no QuantTensor input)."""
+  _plain_only(x, x_block_size)
+  flags = dict(use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, round_sf=round_sf,
+               use_packed_ue8m0=use_packed_ue8m0)
+  x = _check_plain(x, fmt, num_per_channels, **flags)
+
+  def kernel(interpret):
+    return _run_kernel(x, fmt, num_per_channels, interpret, round_sf=round_sf,
+                       col_major=use_tma_aligned_col_major_sf, packed=use_packed_ue8m0, write_data=False)[1]
+
+  return _dispatch.run("per_token_cast_with_sf_only", implementation, kernel=kernel,
+                       xla=lambda: ref.per_token_cast_with_sf_only(x, fmt, num_per_channels, **flags),
+                       unsupported=_plain_unsupported(x, num_per_channels), empty=x.shape[0] == 0)
 
 
-def per_token_cast_with_precomputed_sf(x, fmt: str, num_per_channels: int, sf, x_block_size=None,
+def per_token_cast_with_precomputed_sf(x, fmt: str, num_per_channels: int, sf, *, x_block_size=None,
                                        use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
-                                       use_packed_ue8m0: bool = False, *, implementation: str | None = None):
-  """Quantises with a caller-given float32 layout-A ``sf`` ``(M, ceil(K/npc))``: ``sf_inv = 1/sf``
-  (correctly rounded), ``out = encode(x · sf_inv)`` with the e4m3 clamp to ±448. ``round_sf`` is
-  ignored; column-major / packed flags are rejected. Returns ``out`` only."""
-  if x_block_size is not None or isinstance(x, tuple):
-    raise ValueError("x must be a plain (M, K) array and x_block_size None")
-  _check_plain(x, fmt, num_per_channels, False, False, False)
+                                       use_packed_ue8m0: bool = False, implementation: str | None = None) -> jax.Array:
+  """Quantises a plain ``(M, K)`` bfloat16 / float32 ``x`` with a caller-given sf (quant.md §5.3).
+
+  ``sf``: float32 layout A ``(M, ceil(K / num_per_channels))`` (a dequantisation sf, e.g. the ``sf`` of
+  :func:`per_token_cast`); ``sf_inv = RN(1 / sf)``, ``data = encode(x · sf_inv)`` with the e4m3 clamp to
+  ±448 (it can bite here). ``round_sf`` has no effect. Returns ``data`` only: ``(M, K)`` float8_e4m3fn or
+  ``(M, K/2)`` int8 packed e2m1. Non-finite ``x`` encode as in :func:`per_token_cast`; a zero or
+  non-finite ``sf`` is outside the contract.
+
+  Raises ValueError as :func:`per_token_cast`, and for an ``sf`` of another shape or dtype, a QuantTensor
+  ``x``, ``x_block_size`` given, or ``use_tma_aligned_col_major_sf`` / ``use_packed_ue8m0`` set.
+  KernelUnavailableError and XLA cases (zero rows, a partial last group and more than 16 groups per row) as
+  :func:`per_token_cast` for a plain input.
+  """
+  _plain_only(x, x_block_size)
   if use_tma_aligned_col_major_sf or use_packed_ue8m0:
     raise ValueError("use_tma_aligned_col_major_sf / use_packed_ue8m0 must be False with a precomputed sf")
+  x = _check_plain(x, fmt, num_per_channels, False, False, False)
   m, k = x.shape
+  sf = _checks.as_array("sf", sf)
   validate.check_sf("sf", sf, (m, ref.cdiv(k, num_per_channels)), jnp.float32)
-  impl = _config.get_implementation(implementation)
-  if not _use_kernel(impl, x, num_per_channels):
-    return ref.cast(x, fmt, (1, num_per_channels), sf=sf)
-  out, _ = _run_kernel(x, fmt, num_per_channels, impl, sf_in=sf, compute_sf=False)
-  return out
+
+  def kernel(interpret):
+    return _run_kernel(x, fmt, num_per_channels, interpret, sf_in=sf, compute_sf=False)[0]
+
+  return _dispatch.run("per_token_cast_with_precomputed_sf", implementation, kernel=kernel,
+                       xla=lambda: ref.per_token_cast_with_precomputed_sf(x, fmt, num_per_channels, sf),
+                       unsupported=_plain_unsupported(x, num_per_channels), empty=m == 0)

@@ -61,6 +61,32 @@ def scale_factors(amax, max_value, fmt: str, round_sf: bool, div=ieee.div):
   return _float(e << 23), _float((254 - e) << 23)
 
 
+CANONICAL_NAN = 0x7FFFFFFF  # the float32 NaN that NVIDIA GPUs return from every arithmetic instruction
+
+
+def canonical_nan(v):
+  """float32 ``v`` with every NaN replaced by the canonical NaN (:data:`CANONICAL_NAN`, positive).
+
+  The GPU makes that NaN for every NaN result, while x86 CPUs keep an operand's NaN (its sign and
+  payload; with two NaN operands the one XLA happened to put first) or make a negative one (``0 · inf``):
+  the casts define their NaN results as the GPU's, so that they are the same on every backend.
+  """
+  return jnp.where(jnp.isnan(v), _float(jnp.int32(CANONICAL_NAN)), v)
+
+
+def abs_max(x, axis):
+  """``max |x|`` along ``axis``, NaN-propagating: a NaN anywhere gives NaN (the largest sign-cleared NaN
+  pattern), else +inf if there is one, else the finite maximum.
+
+  Reduced on the float32 bit patterns with the sign cleared, which order like the magnitudes (NaN above
+  +inf): XLA's float max reductions drop NaN on the CPU for some shapes (measured with jax 0.11.2:
+  ``jnp.max(x, axis=1)`` of a ``(40, 128)`` float32 array gives a finite maximum for a row holding a NaN,
+  of a ``(4, 128)`` array NaN), integer ones cannot. The kernels' maxima are NaN-propagating too
+  (``max.NaN.f32`` on the GPU).
+  """
+  return _float(jnp.max(_bits(x) & 0x7FFFFFFF, axis=axis))
+
+
 def encode_e4m3(q):
   """float32 -> float8_e4m3fn with saturation to ±448 (round to nearest even)."""
   return jnp.clip(q, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
@@ -202,14 +228,16 @@ def cast(x, fmt: str, block_size, *, x_block_size=None, sf=None, round_sf: bool 
     m, k = v.shape
   if sf is not None:
     inv = _expand(ieee.div(1.0, sf), bm, bk, m, k)
-    return _encode(v * inv if sfv_in is None else v * (sfv_in * inv), fmt)
-  amax = jnp.max(jnp.abs(_blocked(x_val, bm, bk)), axis=(1, 3))
+    return _encode(canonical_nan(v * inv if sfv_in is None else v * (sfv_in * inv)), fmt)
+  amax = abs_max(_blocked(x_val, bm, bk), axis=(1, 3))
   out_sf, inv = scale_factors(amax, MAX_VALUE[fmt], fmt, round_sf)
   inv = _expand(inv, bm, bk, m, k)
   # Scales first for a QuantTensor input (the kernels' order, quant.md §4.3). As upstream's kernel, an
-  # all-zero group whose sfv_in · sf_inv overflows gives 0 · inf = NaN, encoded by its sign (CUDA: +).
-  q = v * inv if sfv_in is None else v * (sfv_in * inv)
-  return _encode(q, fmt), format_sf(out_sf, use_tma_aligned_col_major_sf, use_packed_ue8m0)
+  # all-zero group whose sfv_in · sf_inv overflows gives 0 · inf = NaN, encoded as +NaN (CUDA's NaN).
+  # NaN products and sf are the GPU's canonical NaN on every backend (canonical_nan), encoded as e4m3 0x7F
+  # and e2m1 +6.
+  q = canonical_nan(v * inv if sfv_in is None else v * (sfv_in * inv))
+  return _encode(q, fmt), format_sf(canonical_nan(out_sf), use_tma_aligned_col_major_sf, use_packed_ue8m0)
 
 
 def lossless_scales(sf_in, m: int, k: int, x_block_size, out_block_size, x_use_tma_aligned_col_major_sf=False):
@@ -230,16 +258,83 @@ def lossless_scales(sf_in, m: int, k: int, x_block_size, out_block_size, x_use_t
   return _float((d + 127) << 23), e_out
 
 
-def per_block_cast_lossless(x, x_block_size, out_block_size, *, use_tma_aligned_col_major_sf: bool = False,
-                            use_packed_ue8m0: bool = False, x_use_tma_aligned_col_major_sf: bool = False):
-  """Exact re-quantisation of a packed-e2m1 QuantTensor with power-of-two sf into e4m3 with larger
-  blocks (quant.md §6.4). Returns ``(out (M, K) e4m3, out_sf)``."""
+# References of the per-token and per-block casts
+
+def per_token_cast(x, fmt: str, num_per_channels: int, *, x_block_size=None,
+                   use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
+                   use_packed_ue8m0: bool = False, x_use_tma_aligned_col_major_sf: bool = False) -> QuantTensor:
+  """Reference of :func:`jaxkern.quant.per_token_cast` (quant.md §5.1): :func:`cast` with blocks
+  ``(1, num_per_channels)``; ``x`` a plain ``(M, K)`` array or a QuantTensor for blocks ``x_block_size``.
+
+  Non-finite inputs (outside upstream's contract, quant.md §12.6; defined here so that kernel and
+  reference agree bit for bit on every backend): the amax is NaN-propagating (:func:`abs_max`): a group
+  with a NaN has amax NaN, else with a ±inf amax +inf. §3.3 applied to it gives sf = sf_inv = NaN, or
+  sf = +inf and sf_inv = 0; with ``round_sf`` the exponent arithmetic on those patterns gives sf = -0.0
+  (UE8M0 byte 0) and sf_inv = -2^127 for NaN, sf = +inf (UE8M0 byte 255) and sf_inv = -inf for inf. The
+  data are ``encode(x · sf_inv)`` as always: ±inf products saturate (e4m3 ±448, e2m1 ±6). Every NaN result
+  (sf, products) is the GPU's canonical NaN 0x7FFFFFFF (:func:`canonical_nan`), so NaN data encode as
+  e4m3 0x7F and e2m1 +6 (nibble 7), whatever the sign of the input NaN.
+  """
+  return QuantTensor(*cast(x, fmt, (1, num_per_channels), x_block_size=x_block_size, round_sf=round_sf,
+                           use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0,
+                           x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf))
+
+
+def per_token_cast_with_sf_only(x, fmt: str, num_per_channels: int, *, x_block_size=None,
+                                use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
+                                use_packed_ue8m0: bool = False):
+  """Reference of :func:`jaxkern.quant.per_token_cast_with_sf_only`: the ``sf`` of :func:`per_token_cast`."""
+  return per_token_cast(x, fmt, num_per_channels, x_block_size=x_block_size, round_sf=round_sf,
+                        use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+                        use_packed_ue8m0=use_packed_ue8m0).sf
+
+
+def per_token_cast_with_precomputed_sf(x, fmt: str, num_per_channels: int, sf, *, x_block_size=None,
+                                       use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
+                                       use_packed_ue8m0: bool = False):
+  """Reference of :func:`jaxkern.quant.per_token_cast_with_precomputed_sf` (quant.md §5.3): ``encode(x ·
+  RN(1 / sf))`` with the layout-A float32 ``sf`` ``(M, ceil(K / num_per_channels))``; the flags and
+  ``x_block_size`` have no effect here (the op rejects them). Non-finite ``x`` encode as in :func:`per_token_cast`."""
+  return cast(x, fmt, (1, num_per_channels), sf=sf)
+
+
+def per_block_cast(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
+                   use_packed_ue8m0: bool = False) -> QuantTensor:
+  """Reference of :func:`jaxkern.quant.per_block_cast` (quant.md §6.1): :func:`cast` with blocks
+  ``block_size``; non-finite inputs as in :func:`per_token_cast`, per block."""
+  return QuantTensor(*cast(x, fmt, tuple(block_size), round_sf=round_sf,
+                           use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+                           use_packed_ue8m0=use_packed_ue8m0))
+
+
+def per_block_cast_with_sf_only(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: bool = False,
+                                round_sf: bool = False, use_packed_ue8m0: bool = False):
+  """Reference of :func:`jaxkern.quant.per_block_cast_with_sf_only`: the ``sf`` of :func:`per_block_cast`."""
+  return per_block_cast(x, fmt, block_size, use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+                        round_sf=round_sf, use_packed_ue8m0=use_packed_ue8m0).sf
+
+
+def per_block_cast_with_precomputed_sf(x, fmt: str, block_size, sf, *, use_tma_aligned_col_major_sf: bool = False,
+                                       round_sf: bool = False, use_packed_ue8m0: bool = False):
+  """Reference of :func:`jaxkern.quant.per_block_cast_with_precomputed_sf` (quant.md §6.3): ``encode(x ·
+  RN(1 / sf))`` per block with the layout-A float32 ``sf`` ``(Mb, Kb)``; the flags have no effect here."""
+  return cast(x, fmt, tuple(block_size), sf=sf)
+
+
+def per_block_cast_lossless(x, fmt: str, x_block_size, out_block_size, *, use_tma_aligned_col_major_sf: bool = False,
+                            round_sf: bool = False, use_packed_ue8m0: bool = False,
+                            x_use_tma_aligned_col_major_sf: bool = False) -> QuantTensor:
+  """Reference of :func:`jaxkern.quant.per_block_cast_lossless` (quant.md §6.4): exact re-quantisation of a
+  packed-e2m1 QuantTensor with power-of-two sf into ``fmt`` e4m3 with larger blocks (``round_sf`` has no
+  effect: the output sf are powers of two). Returns ``QuantTensor(out (M, K) e4m3, out_sf)``."""
+  del fmt, round_sf  # e4m3 only; the sf are powers of two either way
   q4, sf_in = x
   v = unpack_from_e2m1fn_x2(q4)
   m, k = v.shape
-  scale, e_out = lossless_scales(sf_in, m, k, x_block_size, out_block_size, x_use_tma_aligned_col_major_sf)
+  scale, e_out = lossless_scales(sf_in, m, k, tuple(x_block_size), tuple(out_block_size),
+                                 x_use_tma_aligned_col_major_sf)
   out = encode_e4m3(v * _expand(scale, 1, x_block_size[1], m, k))
-  return out, format_sf(_float(e_out << 23), use_tma_aligned_col_major_sf, use_packed_ue8m0)
+  return QuantTensor(out, format_sf(_float(e_out << 23), use_tma_aligned_col_major_sf, use_packed_ue8m0))
 
 
 # References of the per-channel casts and cast-backs

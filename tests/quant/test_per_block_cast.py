@@ -1,5 +1,6 @@
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,12 +8,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import jaxkern
 from jaxkern import quant
 from jaxkern.reference import quant as ref
 from jaxkern.testing import assert_bitwise_equal, assert_diff_below, lower_for_h100, randn
+from jaxkern.types import QuantTensor
 
-FLAGS = {"A": (False, False, False), "A-round": (False, True, False), "B": (True, False, False),
-         "C": (True, True, True)}
+FLAGS = {"A": {}, "A-round": dict(round_sf=True), "B": dict(use_tma_aligned_col_major_sf=True),
+         "C": dict(use_tma_aligned_col_major_sf=True, round_sf=True, use_packed_ue8m0=True)}
+
+
+def assert_same(got, want):
+  """Same pytree structure (QuantTensor vs QuantTensor) and bit-identical leaves."""
+  chex.assert_trees_all_equal_structs(got, want)
+  jax.tree.map(assert_bitwise_equal, got, want)
 
 
 def _input(key, m, k, dtype):
@@ -37,21 +46,20 @@ E2M1_CASES = [(100, 576, (128, 128), "C"), (45, 320, (32, 32), "A-round"), (33, 
   + [(5, 64, (32, 32), jnp.float32, "A", "e2m1")])
 def test_per_block_cast_bit_exact(key, m, k, block, dtype, flags, fmt):
   x = _input(key, m, k, dtype)
-  out, sf = quant.per_block_cast(x, fmt, block, *FLAGS[flags])
-  want, want_sf = quant.per_block_cast(x, fmt, block, *FLAGS[flags], implementation="reference")
-  assert_bitwise_equal(out, want)
-  assert_bitwise_equal(sf, want_sf)
-  assert_bitwise_equal(quant.per_block_cast_with_sf_only(x, fmt, block, *FLAGS[flags]), want_sf)
+  got = quant.per_block_cast(x, fmt, block, **FLAGS[flags])
+  want = ref.per_block_cast(x, fmt, block, **FLAGS[flags])
+  assert isinstance(got, QuantTensor)
+  assert_same(got, want)
+  assert_bitwise_equal(quant.per_block_cast_with_sf_only(x, fmt, block, **FLAGS[flags]), want.sf)
 
 
 @pytest.mark.parametrize("block, fmt, dtype", [((128, 128), "e4m3", jnp.bfloat16), ((32, 32), "e4m3", jnp.bfloat16),
                                                ((32, 32), "e2m1", jnp.bfloat16), ((128, 32), "e2m1", jnp.float32)])
 def test_precomputed_sf_bit_exact(key, block, fmt, dtype):
   x = _input(key, 100, 320, dtype)
-  _, sf = quant.per_block_cast(x, fmt, block, implementation="reference")
-  sf = sf * 0.3
+  sf = ref.per_block_cast(x, fmt, block).sf * 0.3
   got = quant.per_block_cast_with_precomputed_sf(x, fmt, block, sf)
-  assert_bitwise_equal(got, quant.per_block_cast_with_precomputed_sf(x, fmt, block, sf, implementation="reference"))
+  assert_bitwise_equal(got, ref.per_block_cast_with_precomputed_sf(x, fmt, block, sf))
 
 
 @settings(max_examples=6, deadline=None)
@@ -62,11 +70,9 @@ def test_hypothesis_shapes_and_cast_back(m, kc, block, fmt, flags, dtype):
   """Random row counts and widths (multiples of 64), any block, format and sf layout: the cast and
   the cast back, each against its reference."""
   x = _input(jax.random.key(m * 11 + kc), m, 64 * kc, dtype)
-  q = quant.per_block_cast(x, fmt, block, *FLAGS[flags])
-  want = quant.per_block_cast(x, fmt, block, *FLAGS[flags], implementation="reference")
-  assert_bitwise_equal(q[0], want[0])
-  assert_bitwise_equal(q[1], want[1])
-  col = FLAGS[flags][0]
+  q = quant.per_block_cast(x, fmt, block, **FLAGS[flags])
+  assert_same(q, ref.per_block_cast(x, fmt, block, **FLAGS[flags]))
+  col = flags in ("B", "C")
   for out in ("bf16", "fp32"):
     assert_bitwise_equal(quant.cast_back(q, out, block, x_use_tma_aligned_col_major_sf=col),
                          quant.cast_back(q, out, block, x_use_tma_aligned_col_major_sf=col, implementation="reference"))
@@ -86,10 +92,10 @@ def test_lossless_is_exact(key):
   q4 = ref.cast(x, "e2m1", (1, 32), round_sf=True)
   want = quant.cast_back(q4, "fp32", (1, 32), implementation="reference")
   for out_block, flags in [((1, 128), "A"), ((32, 32), "C"), ((128, 128), "B")]:
-    col, _, packed = FLAGS[flags]
-    q8 = quant.per_block_cast_lossless(q4, "e4m3", (1, 32), out_block, col, True, packed)
-    assert q8[0].dtype == jnp.float8_e4m3fn
-    back = quant.cast_back(q8, "fp32", out_block, x_use_tma_aligned_col_major_sf=col, implementation="reference")
+    q8 = quant.per_block_cast_lossless(q4, "e4m3", (1, 32), out_block, **FLAGS[flags])
+    assert isinstance(q8, QuantTensor) and q8.data.dtype == jnp.float8_e4m3fn
+    back = quant.cast_back(q8, "fp32", out_block, x_use_tma_aligned_col_major_sf=flags in ("B", "C"),
+                           implementation="reference")
     assert_bitwise_equal(back, want)
 
 
@@ -99,19 +105,16 @@ def test_lossless_kernel_vs_reference(key, m, k, x_flags):
   """Rows with input sf spread over 2^8 (exponent offsets of both signs inside one output block)."""
   k1, k2 = jax.random.split(key)
   x = randn(k1, (m, k), jnp.float32) * jnp.exp2(jax.random.randint(k2, (m, 1), -4, 4)).astype(jnp.float32)
-  xcol, _, xpacked = FLAGS[x_flags]
-  q4 = ref.cast(x, "e2m1", (1, 32), round_sf=True, use_tma_aligned_col_major_sf=xcol, use_packed_ue8m0=xpacked)
+  q4 = QuantTensor(*ref.cast(x, "e2m1", (1, 32), **{**FLAGS[x_flags], "round_sf": True}))
   for out_block, flags in [((1, 128), "A"), ((32, 32), "C"), ((128, 128), "B")]:
-    col, _, packed = FLAGS[flags]
-    args = (q4, "e4m3", (1, 32), out_block, col, True, packed)
-    got = quant.per_block_cast_lossless(*args, x_use_tma_aligned_col_major_sf=xcol)
-    want = quant.per_block_cast_lossless(*args, x_use_tma_aligned_col_major_sf=xcol, implementation="reference")
-    for a, b in zip(got, want):
-      assert_bitwise_equal(a, b)
+    kw = dict(**FLAGS[flags], x_use_tma_aligned_col_major_sf=x_flags == "B")
+    got = quant.per_block_cast_lossless(q4, "e4m3", (1, 32), out_block, **kw)
+    assert isinstance(got, QuantTensor)
+    assert_same(got, ref.per_block_cast_lossless(q4, "e4m3", (1, 32), out_block, **kw))
 
 
 def test_lossless_lowers_for_h100():
-  f = lambda q, s: quant.per_block_cast_lossless((q, s), "e4m3", (1, 32), (128, 128), True, True, True,
+  f = lambda q, s: quant.per_block_cast_lossless((q, s), "e4m3", (1, 32), (128, 128), **FLAGS["C"],
                                                  implementation="pallas")
   s = (jax.ShapeDtypeStruct((8001, 3584), jnp.int8), jax.ShapeDtypeStruct((8001, 224), jnp.float32))
   assert "mosaic_gpu" in lower_for_h100(f, *s).as_text()
@@ -122,23 +125,82 @@ def test_lossless_spec_shape_gpu(key):
   x = randn(key, (8001, 7168), jnp.float32)
   q4 = ref.cast(x, "e2m1", (1, 32), round_sf=True)
   for out_block in [(1, 128), (32, 32), (128, 128)]:
-    got = jax.jit(lambda q: quant.per_block_cast_lossless(q, "e4m3", (1, 32), out_block, True, True, True))(q4)
-    want = quant.per_block_cast_lossless(q4, "e4m3", (1, 32), out_block, True, True, True, implementation="reference")
-    for a, b in zip(got, want):
-      assert_bitwise_equal(a, b)
+    got = jax.jit(lambda q: quant.per_block_cast_lossless(q, "e4m3", (1, 32), out_block, **FLAGS["C"]))(q4)
+    assert_same(got, ref.per_block_cast_lossless(q4, "e4m3", (1, 32), out_block, **FLAGS["C"]))
 
 
 def test_zero_tokens():
   x = jnp.zeros((0, 128), jnp.float32)
   out, sf = quant.per_block_cast(x, "e4m3", (128, 128))
   assert out.shape == (0, 128) and sf.shape == (0, 1)
-  assert quant.per_block_cast(x, "e4m3", (32, 32), True, True, True)[1].shape == (1, 0)
+  assert quant.per_block_cast(x, "e4m3", (32, 32), **FLAGS["C"]).sf.shape == (1, 0)
+  assert quant.per_block_cast_with_sf_only(x, "e4m3", (32, 32)).shape == (0, 4)
+  assert quant.per_block_cast_with_precomputed_sf(x, "e4m3", (32, 32), jnp.zeros((0, 4))).shape == (0, 128)
+  assert jaxkern.explain(quant.per_block_cast, x, "e4m3", (32, 32), implementation="pallas")[0].path == "xla"
   for dtype in (jnp.bfloat16, jnp.float32):
     out, sf = quant.per_block_cast(x.astype(dtype), "e2m1", (32, 32))
     assert out.shape == (0, 64) and out.dtype == jnp.int8 and sf.shape == (0, 4)
   out, sf = quant.per_block_cast_lossless((jnp.zeros((0, 64), jnp.int8), jnp.zeros((0, 4), jnp.float32)), "e4m3",
                                           (1, 32), (32, 32))
   assert out.shape == (0, 128) and out.dtype == jnp.float8_e4m3fn and sf.shape == (0, 4)
+
+
+def _non_finite(m, k, dtype):
+  """NaN, -NaN, +inf, -inf in one block each of the first block column, and in rows of the last block row
+  (the last block column), the rest random."""
+  x = np.array(_input(jax.random.key(5), m, k, jnp.float32))
+  for i, v in enumerate([np.nan, -np.float32(np.nan), np.inf, -np.inf]):
+    x[32 * i + 3, 5] = x[m - 1 - i, k - 1 - 40 * i] = v
+  return jnp.asarray(x).astype(dtype)
+
+
+@pytest.mark.parametrize("fmt, dtype, block, flags", [
+    ("e4m3", jnp.float32, (32, 32), "A"), ("e4m3", jnp.bfloat16, (32, 128), "A-round"),
+    ("e4m3", jnp.float32, (128, 32), "C"), ("e2m1", jnp.bfloat16, (32, 32), "B"),
+    ("e2m1", jnp.float32, (32, 32), "A"), ("e2m1", jnp.float32, (128, 128), "C"),
+    ("e2m1", jnp.bfloat16, (128, 32), "A-round"),
+])
+def test_non_finite_inputs_bit_exact(fmt, dtype, block, flags):
+  """NaN / ±inf inputs: kernel and reference give the same bits (NaN-propagating amax, saturating
+  encodings, canonical NaN; documented in per_block_cast's docstring)."""
+  x = _non_finite(140, 192, dtype)
+  got = quant.per_block_cast(x, fmt, block, **FLAGS[flags])
+  assert_same(got, ref.per_block_cast(x, fmt, block, **FLAGS[flags]))
+  assert_bitwise_equal(quant.per_block_cast_with_sf_only(x, fmt, block, **FLAGS[flags]), got.sf)
+  if flags == "A":
+    sf = np.asarray(got.sf)
+    assert sf[0, 0].view(np.uint32) == ref.CANONICAL_NAN and np.isinf(sf[2 * 32 // block[0], 0])
+  sf = jnp.full((-(-140 // block[0]), -(-192 // block[1])), 0.01, jnp.float32)
+  assert_bitwise_equal(quant.per_block_cast_with_precomputed_sf(x, fmt, block, sf),
+                       ref.per_block_cast_with_precomputed_sf(x, fmt, block, sf))
+
+
+def test_bool_and_list_inputs():
+  with pytest.raises(ValueError, match="x must have dtype"):
+    quant.per_block_cast(jnp.ones((32, 64), jnp.bool_), "e4m3", (32, 32))
+  rows = np.asarray(_input(jax.random.key(6), 40, 64, jnp.float32))
+  assert_same(quant.per_block_cast(rows.tolist(), "e4m3", (32, 32)),
+              ref.per_block_cast(jnp.asarray(rows), "e4m3", (32, 32)))
+  q4 = ref.cast(jnp.asarray(rows), "e2m1", (1, 32), round_sf=True)
+  with pytest.raises(ValueError, match=r"x\[0\] must have dtype .* got int32"):  # a list of bytes is int32
+    quant.per_block_cast_lossless((np.asarray(q4[0]).tolist(), q4[1]), "e4m3", (1, 32), (32, 32))
+
+
+def test_jit_does_not_retrace(key):
+  x = _input(key, 64, 256, jnp.bfloat16)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def f(x):
+    return quant.per_block_cast(x, "e2m1", (32, 32), **FLAGS["C"])
+
+  f(x)
+  assert_same(f(x * 2), ref.per_block_cast(x * 2, "e2m1", (32, 32), **FLAGS["C"]))
+
+
+def test_keyword_only_options():
+  with pytest.raises(TypeError):
+    quant.per_block_cast(jnp.ones((32, 64)), "e4m3", (32, 32), True)  # pylint: disable=too-many-function-args
 
 
 @pytest.mark.parametrize("args, match", [
@@ -161,6 +223,10 @@ def test_lossless_bad_inputs():
     quant.per_block_cast_lossless(q4, "e2m1", (1, 32), (1, 64))
   with pytest.raises(ValueError, match=r"x\[1\] \(sf\)"):
     quant.per_block_cast_lossless(q4, "e4m3", (1, 16), (1, 64))
+  with pytest.raises(ValueError, match="packed e2m1"):
+    quant.per_block_cast_lossless((jnp.zeros((8, 64), jnp.float8_e4m3fn), q4[1]), "e4m3", (1, 32), (1, 64))
+  with pytest.raises(ValueError, match="QuantTensor"):
+    quant.per_block_cast_lossless(q4[0], "e4m3", (1, 32), (1, 64))
 
 
 @pytest.mark.parametrize("dtype, fmt", [(jnp.bfloat16, "e4m3"), (jnp.float32, "e4m3"), (jnp.bfloat16, "e2m1"),
@@ -171,8 +237,7 @@ def test_lossless_bad_inputs():
 ])
 def test_lowers_for_h100(m, k, block, dtype, fmt):
   s = jax.ShapeDtypeStruct((m, k), dtype)
-  f = functools.partial(quant.per_block_cast, fmt=fmt, block_size=block, use_tma_aligned_col_major_sf=True,
-                        round_sf=True, use_packed_ue8m0=True, implementation="pallas")
+  f = functools.partial(quant.per_block_cast, fmt=fmt, block_size=block, **FLAGS["C"], implementation="pallas")
   assert "mosaic_gpu" in lower_for_h100(f, s).as_text()
   g = functools.partial(quant.per_block_cast_with_sf_only, fmt=fmt, block_size=block, implementation="pallas")
   assert "mosaic_gpu" in lower_for_h100(g, s).as_text()
@@ -203,11 +268,8 @@ def test_spec_shapes_gpu(key, block):
 def test_spec_shapes_e2m1_gpu(key, block, dtype):
   """e2m1 kernels vs the reference on the GPU (4001 rows: partial last block row; K = 576 below)."""
   x = randn(key, (4001, 7168), dtype)
-  got = jax.jit(functools.partial(quant.per_block_cast, fmt="e2m1", block_size=block, use_tma_aligned_col_major_sf=True,
-                                  round_sf=True, use_packed_ue8m0=True))(x)
-  want = ref.cast(x, "e2m1", block, round_sf=True, use_tma_aligned_col_major_sf=True, use_packed_ue8m0=True)
-  assert_bitwise_equal(got[0], want[0])
-  assert_bitwise_equal(got[1], want[1])
+  got = jax.jit(functools.partial(quant.per_block_cast, fmt="e2m1", block_size=block, **FLAGS["C"]))(x)
+  assert_same(got, ref.per_block_cast(x, "e2m1", block, **FLAGS["C"]))
 
 
 @pytest.mark.gpu
@@ -216,7 +278,19 @@ def test_e2m1_f32_ragged_gpu(key, block):
   """float32 -> e2m1 with a partial last block column (K = 576) and a one-row last block row."""
   x = _input(key, 8001, 576, jnp.float32)
   for flags in ("A", "C"):
-    got = jax.jit(lambda x: quant.per_block_cast(x, "e2m1", block, *FLAGS[flags]))(x)
-    want = quant.per_block_cast(x, "e2m1", block, *FLAGS[flags], implementation="reference")
-    assert_bitwise_equal(got[0], want[0])
-    assert_bitwise_equal(got[1], want[1])
+    got = jax.jit(lambda x: quant.per_block_cast(x, "e2m1", block, **FLAGS[flags]))(x)
+    assert_same(got, ref.per_block_cast(x, "e2m1", block, **FLAGS[flags]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, dtype", [("e4m3", jnp.bfloat16), ("e4m3", jnp.float32), ("e2m1", jnp.bfloat16),
+                                        ("e2m1", jnp.float32)], ids=str)
+@pytest.mark.parametrize("block", [(128, 128), (32, 32), (32, 128)])
+@pytest.mark.parametrize("flags", ["A", "A-round", "C"])
+def test_non_finite_inputs_gpu(fmt, dtype, block, flags):
+  """NaN / ±inf inputs: the compiled kernels against the reference on the GPU and on the host CPU."""
+  x = _non_finite(4001, 576, dtype)
+  got = jax.jit(lambda x: quant.per_block_cast(x, fmt, block, **FLAGS[flags]))(x)
+  assert_same(got, jax.jit(lambda x: ref.per_block_cast(x, fmt, block, **FLAGS[flags]))(x))
+  assert_same(got, jax.jit(lambda x: ref.per_block_cast(x, fmt, block, **FLAGS[flags]))(
+      jax.device_put(x, jax.devices("cpu")[0])))
