@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 
@@ -17,8 +18,16 @@ def assert_bitwise_equal(actual, expected, err_msg: str = "") -> None:
 
   Works for any dtype numpy can view as unsigned integers of the same width,
   including float8 (ml_dtypes) and bfloat16. Packed sub-byte data (float4)
-  should be compared through its uint8 container.
+  should be compared through its uint8 container. Pytrees (a ``QuantTensor``, a ``FusedMapping``, ...)
+  must have the same structure (NamedTuple types included) and are compared leaf by leaf.
   """
+  if isinstance(actual, (tuple, list, dict)) or isinstance(expected, (tuple, list, dict)):
+    (a_leaves, a_tree), (e_leaves, e_tree) = jax.tree.flatten(actual), jax.tree.flatten(expected)
+    if a_tree != e_tree:
+      raise AssertionError(f"pytree structure mismatch: {a_tree} != {e_tree}. {err_msg}")
+    for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
+      assert_bitwise_equal(a, e, f"leaf {i} of {a_tree}. {err_msg}")
+    return
   actual, expected = np.asarray(actual), np.asarray(expected)
   if actual.dtype != expected.dtype:
     raise AssertionError(f"dtype mismatch: {actual.dtype} != {expected.dtype}. {err_msg}")

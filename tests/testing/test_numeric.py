@@ -4,6 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxkern.types import QuantTensor
 from jaxkern.testing import align, assert_bitwise_equal, assert_diff_below, calc_diff, hidden_sizes, num_tokens, randn, random_bits
 
 
@@ -54,3 +55,12 @@ def test_generators():
   x = randn(jax.random.key(1), (4096,), jnp.float8_e4m3fn)
   assert x.dtype == jnp.float8_e4m3fn and not jnp.isnan(x.astype(jnp.float32)).any()
   assert float(jnp.std(x.astype(jnp.float32))) == pytest.approx(1.0, rel=0.1)
+
+
+def test_assert_bitwise_equal_on_pytrees():
+  a = QuantTensor(np.zeros(3, np.float32), np.ones(2, np.int32))
+  assert_bitwise_equal(a, QuantTensor(np.zeros(3, np.float32), np.ones(2, np.int32)))
+  with pytest.raises(AssertionError, match="structure mismatch"):
+    assert_bitwise_equal(a, (np.zeros(3, np.float32), np.ones(2, np.int32)))
+  with pytest.raises(AssertionError, match="leaf 1"):
+    assert_bitwise_equal(a, QuantTensor(np.zeros(3, np.float32), np.zeros(2, np.int32)))
