@@ -1,0 +1,56 @@
+"""The API pattern every public op follows (issue 16): a reference of the same name and signature,
+keyword-only flags, return annotations, references independent of the kernels."""
+
+import ast
+import inspect
+import pathlib
+
+import pytest
+
+import jaxkern
+from jaxkern import moe, quant, reference, transpose
+
+AREAS = {"moe": (moe, reference.moe), "quant": (quant, reference.quant),
+         "transpose": (transpose, reference.transpose)}
+# Public utilities that are not ops (no kernel, no implementation switch).
+NOT_OPS = {"sf_logical", "sf_to_float"}
+OPS = [(area, name) for area, (mod, _) in AREAS.items() for name in mod.__all__
+       if callable(getattr(mod, name)) and not isinstance(getattr(mod, name), type) and name not in NOT_OPS]
+
+
+def test_every_area_has_ops():
+  assert {area for area, _ in OPS} == set(AREAS) and len(OPS) == 27
+
+
+@pytest.mark.parametrize("area, name", OPS, ids=lambda v: v)
+def test_op_signature(area, name):
+  op = getattr(AREAS[area][0], name)
+  ref = getattr(AREAS[area][1], name, None)
+  assert ref is not None, f"jaxkern.reference.{area}.{name} is missing"
+  sig = inspect.signature(op)
+  params = dict(sig.parameters)
+  impl = params.pop("implementation")
+  assert impl.kind is inspect.Parameter.KEYWORD_ONLY and impl.default is None
+  assert sig.return_annotation is not inspect.Signature.empty, f"{name} has no return annotation"
+  for p in params.values():
+    if isinstance(p.default, bool):
+      assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is False, f"{name}({p.name}=...)"
+  ref_params = inspect.signature(ref).parameters
+  assert [(p.name, p.kind, p.default) for p in params.values()] == \
+         [(p.name, p.kind, p.default) for p in ref_params.values()], f"reference.{area}.{name} signature"
+
+
+def test_references_import_no_kernel_code():
+  for path in pathlib.Path(reference.__file__).parent.glob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jaxkern"):
+        assert node.module.startswith(("jaxkern.reference", "jaxkern.types")), f"{path.name}: {node.module}"
+      if isinstance(node, ast.Import):
+        assert not any(a.name.startswith("jaxkern") and not a.name.startswith("jaxkern.reference")
+                       for a in node.names), path.name
+
+
+def test_public_names():
+  assert jaxkern.QuantTensor is jaxkern.types.QuantTensor is quant.QuantTensor
+  assert moe.FusedMapping is jaxkern.types.FusedMapping
+  assert "explain" in jaxkern.__all__ and "KernelUnavailableError" in jaxkern.__all__
