@@ -342,13 +342,10 @@ def per_block_cast_lossless(x, fmt: str, x_block_size, out_block_size, *, use_tm
 
 def _per_channel(x, fmt: str, num_per_tokens: int, round_sf: bool) -> QuantTensor:
   """:func:`cast` with blocks ``(num_per_tokens, 1)`` (one scale per column and group of rows), its
-  maxima NaN-propagating on every backend: XLA's float max reduction on CPU can drop a NaN (measured:
-  the column maxima of a ``(32, 128)`` block), the maximum of the int32 bit patterns of ``|v|`` is the
-  same maximum for non-negative values with NaN above inf."""
+  maxima NaN-propagating on every backend (:func:`abs_max`)."""
   v = x.astype(jnp.float32)
   m, k = v.shape
-  bits = _blocked(_bits(jnp.abs(v)), num_per_tokens, 1, fill=0)
-  sf, inv = scale_factors(_float(jnp.max(bits, axis=(1, 3))), MAX_VALUE[fmt], fmt, round_sf)
+  sf, inv = scale_factors(abs_max(_blocked(v, num_per_tokens, 1), axis=(1, 3)), MAX_VALUE[fmt], fmt, round_sf)
   return QuantTensor(_encode(v * _expand(inv, num_per_tokens, 1, m, k), fmt), sf)
 
 
