@@ -1,4 +1,4 @@
-"""Helpers of the routing tests: bitwise pytree comparison, checkify errors, compiled-program comparison."""
+"""Helpers of the routing tests: checkify errors, compiled-program comparison."""
 
 from __future__ import annotations
 
@@ -6,20 +6,10 @@ import collections
 import contextlib
 import re
 
-import chex
 import jax
 from jax.experimental import checkify
 
 from jaxkern.moe import _routing
-from jaxkern.testing import assert_bitwise_equal
-
-
-def assert_bitwise_trees(actual, expected) -> None:
-  """Same pytree structure (NamedTuple type included) and bitwise-equal leaves."""
-  chex.assert_trees_all_equal_structs(actual, expected)
-  assert type(actual) is type(expected), (type(actual), type(expected))
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-    assert_bitwise_equal(a, e)
 
 
 def checkify_error(f, *args) -> str | None:
@@ -52,3 +42,10 @@ def compiled_program(f, *args) -> collections.Counter:
   text = re.sub(r"\.\d+\b", "", text)
   text = re.sub(r"index = \d+ : ui64", "index", text)
   return collections.Counter(line.strip() for line in text.splitlines() if line.strip())
+
+
+def assert_checks_compile_away(f, *args) -> None:
+  """``jax.jit(f)`` compiles to the same program with and without the opt-in checks."""
+  checked = compiled_program(f, *args)
+  with without_debug_checks():
+    assert compiled_program(f, *args) == checked

@@ -14,7 +14,7 @@ from jaxkern import moe
 from jaxkern.reference import moe as ref
 from jaxkern.testing import assert_bitwise_equal, lower_for_h100, moe_topk_idx, randn, random_bits
 from jaxkern.types import QuantTensor
-from tests.moe.routing_checks import assert_bitwise_trees, checkify_error, compiled_program, without_debug_checks
+from tests.moe.routing_checks import assert_checks_compile_away, checkify_error
 
 
 def _mapping(key, tokens, num_topk, experts, ranks, alignment=4):
@@ -85,7 +85,7 @@ def _check_with_sf(x, npc, pos, pte, col_major, got):
   out, out_sf = got.data, got.sf
   n, hs = pte.shape[0], x[1].shape[1]
   assert out_sf.shape == ((hs, -(-n // 4) * 4) if col_major else (n, hs)) and out_sf.dtype == x[1].dtype
-  assert_bitwise_trees(got, ref.expand_to_fused_with_sf(x, npc, pos, pte, use_tma_aligned_col_major_sf=col_major))
+  assert_bitwise_equal(got, ref.expand_to_fused_with_sf(x, npc, pos, pte, use_tma_aligned_col_major_sf=col_major))
   bits = np.asarray(jax.lax.bitcast_convert_type(out_sf, jnp.int32))
   logical = bits[:, :n].T if col_major else bits
   tokens, slots = np.nonzero(np.asarray(pos) >= 0)
@@ -274,7 +274,7 @@ def test_with_sf_out_of_range_positions_are_unused_slots(key, impl, sf_dtype, co
   got = f(x, token_topk_to_pos=jnp.asarray(pos), pos_to_expert=pte)
   want = ref.expand_to_fused_with_sf(x, npc, jnp.asarray(_unused_as_minus_one(pos, 10)), pte,
                                      use_tma_aligned_col_major_sf=col_major)
-  assert_bitwise_trees(got, want)
+  assert_bitwise_equal(got, want)
 
 
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
@@ -320,10 +320,8 @@ def test_checks_add_nothing_without_checkify(impl):
   sf = jax.ShapeDtypeStruct((5, 4), jnp.float32)
   f = functools.partial(moe.expand_to_fused, implementation=impl)
   g = lambda x, sf, pos, pte: moe.expand_to_fused_with_sf((x, sf), 16, pos, pte, implementation=impl)
-  checked, checked_sf = compiled_program(f, *args), compiled_program(g, args[0], sf, *args[1:])
-  with without_debug_checks():
-    assert compiled_program(f, *args) == checked
-    assert compiled_program(g, args[0], sf, *args[1:]) == checked_sf
+  assert_checks_compile_away(f, *args)
+  assert_checks_compile_away(g, args[0], sf, *args[1:])
 
 
 @pytest.mark.gpu
@@ -331,9 +329,7 @@ def test_checks_add_nothing_without_checkify_gpu():
   args = (jax.ShapeDtypeStruct((4001, 7168), jnp.bfloat16), jax.ShapeDtypeStruct((4001, 6), jnp.int32),
           jax.ShapeDtypeStruct((24064,), jnp.int32))
   f = functools.partial(moe.expand_to_fused, implementation="pallas")
-  checked = compiled_program(f, *args)
-  with without_debug_checks():
-    assert compiled_program(f, *args) == checked
+  assert_checks_compile_away(f, *args)
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ from jaxkern import moe
 from jaxkern.reference import moe as ref
 from jaxkern.testing import assert_bitwise_equal, lower_for_h100, moe_topk_idx, randn
 from jaxkern.types import QuantTensor
-from tests.moe.routing_checks import checkify_error, compiled_program, without_debug_checks
+from tests.moe.routing_checks import assert_checks_compile_away, checkify_error
 
 
 def _inputs(key, tokens, num_topk, experts, ranks, hidden, dtype):
@@ -229,9 +229,7 @@ def test_checks_add_nothing_without_checkify(impl):
   spec = jax.ShapeDtypeStruct
   args = (spec((6, 256), jnp.float32), spec((5, 2), jnp.float32), spec((5, 2), jnp.int32))
   f = functools.partial(moe.reduce_fused, implementation=impl)
-  checked = compiled_program(f, *args)
-  with without_debug_checks():
-    assert compiled_program(f, *args) == checked
+  assert_checks_compile_away(f, *args)
 
 
 @pytest.mark.gpu
@@ -240,9 +238,7 @@ def test_checks_add_nothing_without_checkify_gpu():
   args = ((spec((18000 * 6, 7168), jnp.bfloat16), spec((18000 * 6,), jnp.float32)), spec((18000, 6), jnp.float32),
           spec((18000, 6), jnp.int32))
   f = functools.partial(moe.reduce_fused, implementation="pallas")
-  checked = compiled_program(f, *args)
-  with without_debug_checks():
-    assert compiled_program(f, *args) == checked
+  assert_checks_compile_away(f, *args)
 
 
 @pytest.mark.gpu
