@@ -2,6 +2,7 @@
 
 from jaxkern import moe, quant, reference, transpose, types
 from jaxkern._config import IMPLEMENTATIONS, get_implementation, set_implementation, use_implementation
+from jaxkern._autodiff import NotDifferentiableError
 from jaxkern._dispatch import Decision, KernelUnavailableError, explain
 from jaxkern.types import QuantTensor
 
@@ -11,6 +12,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "Decision",
     "KernelUnavailableError",
+    "NotDifferentiableError",
     "QuantTensor",
     "explain",
     "get_implementation",

@@ -4,6 +4,9 @@ XLA's float32 ``/`` and ``sqrt`` are approximate on GPU, and XLA rewrites a divi
 a broadcast divisor into a reciprocal multiply on every backend, so the references compute in
 float64 and round to float32 with an exact midpoint test. Independent of the kernels' helpers
 (:mod:`jaxkern._ieee`), which this module serves as the oracle for.
+
+Both are differentiable (``jax.custom_jvp``) with the derivatives of ``a / b`` and ``sqrt(x)``: the
+rounding steps in between would otherwise give a zero derivative whenever they pick a neighbour.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 
+@jax.custom_jvp
 def div(a, b):
   """IEEE ``a / b`` in float32 (round to nearest even) for float32 operands; broadcasts."""
   with jax.enable_x64(True):
@@ -20,6 +24,15 @@ def div(a, b):
     return round_quotient(a / b, a, b)
 
 
+@div.defjvp
+def _div_jvp(primals, tangents):
+  (a, b), (da, db) = primals, tangents
+  q = div(a, b)
+  b = jnp.asarray(b, jnp.float32)
+  return q, (jnp.asarray(da, jnp.float32) - q * jnp.asarray(db, jnp.float32)) / b
+
+
+@jax.custom_jvp
 def sqrt(x):
   """IEEE ``sqrt(x)`` in float32 for float32 ``x >= 0`` (round to nearest even)."""
   with jax.enable_x64(True):
@@ -32,6 +45,13 @@ def sqrt(x):
     rem = x - mid * mid  # exact: mid has at most 25 significant bits
     beyond = jnp.where(up, rem > 0, rem < 0)
     return _pick(r32, other, beyond, rem == 0, mid)
+
+
+@sqrt.defjvp
+def _sqrt_jvp(primals, tangents):
+  (x,), (dx,) = primals, tangents
+  r = sqrt(x)
+  return r, jnp.asarray(dx, jnp.float32) / (2 * r)
 
 
 def round_quotient(q, a, b):

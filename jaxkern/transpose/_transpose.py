@@ -232,6 +232,10 @@ def batched_transpose(x: jax.Array, *, implementation: str | None = None) -> jax
   bf16, 0.97-0.99x, see benchmarks/NOTES.md).
   """
   x = _check("x", x, 3)
+  return _differentiable(_batched_transpose, x, _config.get_implementation(implementation))
+
+
+def _batched_transpose(x, implementation: str):
   return _dispatch.run(
       "batched_transpose", implementation,
       kernel=lambda interpret: _batched_transpose_kernel(x, interpret=_config.mosaic_interpret(interpret)),
@@ -246,7 +250,10 @@ def transpose(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
   other sizes the one-tile kernel (module docstring).
   """
   x = _check("x", x, 2)
+  return _differentiable(_transpose, x, _config.get_implementation(implementation))
 
+
+def _transpose(x, implementation: str):
   def kernel(interpret):
     if _use_ring(x):
       return _ring_kernel(x, interpret=_config.mosaic_interpret(interpret))
@@ -254,3 +261,26 @@ def transpose(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
 
   return _dispatch.run("transpose", implementation, kernel=kernel, xla=lambda: ref.transpose(x),
                        unsupported=_unsupported(x), empty=x.size == 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 2))
+def _transposed(op, x, implementation: str):
+  return op(x, implementation)
+
+
+def _transposed_fwd(op, x, implementation):
+  return op(x, implementation), None
+
+
+def _transposed_bwd(op, implementation, _, dy):
+  return (op(dy, implementation),)  # the cotangent of a transpose is transposed back, by the same path
+
+
+_transposed.defvjp(_transposed_fwd, _transposed_bwd)
+
+
+def _differentiable(op, x, implementation: str):
+  """``op(x, implementation)``, differentiable for floating-point ``x`` (integer data has no derivative)."""
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return _transposed(op, x, implementation)
+  return op(x, implementation)

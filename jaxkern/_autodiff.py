@@ -1,0 +1,47 @@
+"""Differentiation support shared by the ops: the error of an op that is not differentiable.
+
+Differentiable ops define a ``jax.custom_vjp`` next to their kernels (each op module says how).
+Ops that are not differentiable (quantisation casts, index utilities) pass their floating-point
+inputs through :func:`guard`: an identity that costs nothing, whose derivative rule raises
+:class:`NotDifferentiableError` naming the op and what to do instead. JAX calls the rule only when
+an input really carries a tangent, so ``jax.grad`` of a function that also calls a cast on
+constants (or under ``jax.lax.stop_gradient``) works; ``jax.grad`` through the cast itself says why
+it cannot, instead of JAX's ``Differentiation rule for 'mpmd_map' not implemented``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+class NotDifferentiableError(TypeError):
+  """``jax.grad`` / ``jax.jvp`` / ``jax.vjp`` reached a jaxkern op that has no derivative."""
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _identity(op: str, advice: str, x):
+  return x
+
+
+@_identity.defjvp
+def _identity_jvp(op, advice, primals, tangents):
+  del primals, tangents
+  raise NotDifferentiableError(f"jaxkern op {op!r} is not differentiable: {advice}")
+
+
+def guard(op: str, advice: str, *arrays):
+  """``arrays`` unchanged (one array, or a tuple of them; ``None`` passes through); differentiating
+  through a floating-point one raises :class:`NotDifferentiableError` with ``advice``."""
+  out = tuple(a if a is None or not jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+              else _identity(op, advice, a) for a in arrays)
+  return out[0] if len(arrays) == 1 else out
+
+
+CAST_ADVICE = ("quantisation rounds, so its derivative is zero almost everywhere. Apply the cast to "
+               "jax.lax.stop_gradient(x) if no gradient should flow, or define the gradient you want "
+               "(e.g. a straight-through jax.custom_vjp around the cast)")
+INDEX_ADVICE = ("it computes indices or counts, which have no derivative. Wrap its floating-point "
+                "inputs in jax.lax.stop_gradient")
