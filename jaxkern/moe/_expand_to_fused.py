@@ -56,7 +56,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as plt
 
 from jaxkern import _checks, _config, _dispatch
-from jaxkern.moe import _routing
+from jaxkern.moe import _reduce_fused, _routing
 from jaxkern.reference import moe as ref
 from jaxkern.types import QuantTensor
 
@@ -271,12 +271,41 @@ def expand_to_fused(x: jax.Array, token_topk_to_pos: jax.Array, pos_to_expert: j
   x, token_topk_to_pos, pos_to_expert = _check(x, token_topk_to_pos, pos_to_expert)
   n = pos_to_expert.shape[0]
   _routing.debug_check_positions("expand_to_fused", token_topk_to_pos, n)
+  implementation = _config.get_implementation(implementation)
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return _expand_vjp(x, token_topk_to_pos, pos_to_expert, implementation)
+  return _expand(x, token_topk_to_pos, pos_to_expert, implementation)
+
+
+def _expand(x, token_topk_to_pos, pos_to_expert, implementation: str):
   return _dispatch.run(
       "expand_to_fused", implementation,
       kernel=lambda interpret: _expand_kernel(x, None, token_topk_to_pos, pos_to_expert,
                                               interpret=_config.mosaic_interpret(interpret)),
       xla=lambda: ref.expand_to_fused(x, token_topk_to_pos, pos_to_expert),
-      unsupported=_unsupported(x), empty=x.shape[0] == 0 or n == 0)
+      unsupported=_unsupported(x), empty=x.shape[0] == 0 or pos_to_expert.shape[0] == 0)
+
+
+def _sum_slots(op: str, d_out, token_topk_to_pos, implementation: str):
+  """The cotangent of an expand: ``dx[t] = sum_k d_out[token_topk_to_pos[t, k]]`` over used slots, fp32
+  sums cast to ``d_out``'s dtype: :func:`reduce_fused` without weights (its kernel or XLA path)."""
+  return _reduce_fused.accumulate(op, d_out, None, None, token_topk_to_pos, None, d_out.dtype, implementation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _expand_vjp(x, token_topk_to_pos, pos_to_expert, implementation):
+  return _expand(x, token_topk_to_pos, pos_to_expert, implementation)
+
+
+def _expand_fwd(x, token_topk_to_pos, pos_to_expert, implementation):
+  return _expand(x, token_topk_to_pos, pos_to_expert, implementation), token_topk_to_pos
+
+
+def _expand_bwd(implementation, token_topk_to_pos, d_out):
+  return _sum_slots("expand_to_fused.bwd", d_out, token_topk_to_pos, implementation), None, None
+
+
+_expand_vjp.defvjp(_expand_fwd, _expand_bwd)
 
 
 def expand_to_fused_with_sf(x: QuantTensor | tuple[jax.Array, jax.Array], num_per_channels: int,
@@ -324,9 +353,39 @@ def expand_to_fused_with_sf(x: QuantTensor | tuple[jax.Array, jax.Array], num_pe
   _routing.check_shape("x.sf", x_sf, (x_data.shape[0], hs))
   if x_sf.dtype == jnp.int32 and not use_tma_aligned_col_major_sf:
     raise ValueError("x.sf holding packed UE8M0 (int32) requires use_tma_aligned_col_major_sf=True")
+  _routing.debug_check_positions("expand_to_fused_with_sf", token_topk_to_pos, pos_to_expert.shape[0])
+  return QuantTensor(*_expand_with_sf_vjp(x_data, x_sf, token_topk_to_pos, pos_to_expert, num_per_channels,
+                                          use_tma_aligned_col_major_sf, _config.get_implementation(implementation)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _expand_with_sf_vjp(x_data, x_sf, token_topk_to_pos, pos_to_expert, num_per_channels, col_major, implementation):
+  return _expand_with_sf(x_data, x_sf, token_topk_to_pos, pos_to_expert, num_per_channels, col_major, implementation)
+
+
+def _expand_with_sf_fwd(x_data, x_sf, token_topk_to_pos, pos_to_expert, num_per_channels, col_major, implementation):
+  out = _expand_with_sf(x_data, x_sf, token_topk_to_pos, pos_to_expert, num_per_channels, col_major, implementation)
+  return out, token_topk_to_pos
+
+
+def _expand_with_sf_bwd(num_per_channels, col_major, implementation, token_topk_to_pos, d_out):
+  d_data, d_sf = d_out
+  n = d_data.shape[0]
+  d_x_data = d_x_sf = None
+  if jnp.issubdtype(d_data.dtype, jnp.inexact):
+    d_x_data = _sum_slots("expand_to_fused_with_sf.bwd", d_data, token_topk_to_pos, implementation)
+  if d_sf.dtype == jnp.float32:  # rows of a few scale words: XLA sums them (packed UE8M0 has no derivative)
+    d_x_sf = ref.reduce_fused(d_sf[:, :n].T if col_major else d_sf, None, token_topk_to_pos)
+  return d_x_data, d_x_sf, None, None
+
+
+_expand_with_sf_vjp.defvjp(_expand_with_sf_fwd, _expand_with_sf_bwd)
+
+
+def _expand_with_sf(x_data, x_sf, token_topk_to_pos, pos_to_expert, num_per_channels: int, col_major: bool,
+                    implementation: str) -> tuple[jax.Array, jax.Array]:
   n = pos_to_expert.shape[0]
-  _routing.debug_check_positions("expand_to_fused_with_sf", token_topk_to_pos, n)
-  col_major = use_tma_aligned_col_major_sf
+  hs = x_sf.shape[1]
 
   def kernel(interpret):
     mosaic = _config.mosaic_interpret(interpret)

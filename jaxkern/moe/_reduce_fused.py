@@ -32,16 +32,18 @@ then unused). The reference does the same.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config, _dispatch
-from jaxkern.moe import _routing
+from jaxkern.moe import _fused_grad, _routing
 from jaxkern.reference import moe as ref
 from jaxkern.types import QuantTensor
 
@@ -170,10 +172,89 @@ def reduce_fused(x: jax.Array | QuantTensor | tuple[jax.Array, jax.Array], topk_
   _routing.check_values_below("token_topk_to_pos", token_topk_to_pos, n)
   _routing.debug_check_positions("reduce_fused", token_topk_to_pos, n)
   out_dtype = jnp.float8_e4m3fn if fp8_format == "e4m3" else x.dtype
+  return _reduce(x, x_sf, topk_weights, token_topk_to_pos, sf, jnp.dtype(out_dtype),
+                 _config.get_implementation(implementation))
+
+
+def _unsupported(x, out_dtype) -> str | None:
+  """Why :func:`_reduce_kernel` cannot run (the public op's checks rule these out; its backward and
+  :func:`accumulate`'s other callers may not)."""
+  if x.dtype not in (jnp.float32, jnp.bfloat16):
+    return f"x of dtype {x.dtype} (the kernel reads float32 or bfloat16)"
+  if x.shape[1] % CHUNK:
+    return f"H = {x.shape[1]} is not a multiple of {CHUNK}"
+  if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn):
+    return f"an output of dtype {out_dtype}"
+  return None
+
+
+def _xla(x, x_sf, topk_weights, token_topk_to_pos, sf, out_dtype):
+  out_dtype = jnp.dtype(out_dtype)
+  if out_dtype == jnp.float32:
+    x = x.astype(jnp.float32)  # the fp32 accumulator itself (the reference casts to x's dtype)
+  fp8_format = "e4m3" if out_dtype == jnp.float8_e4m3fn else ""
+  return ref.reduce_fused(x if x_sf is None else (x, x_sf), topk_weights, token_topk_to_pos, fp8_format=fp8_format,
+                          sf=sf).astype(out_dtype)
+
+
+def accumulate(op: str, x, x_sf, topk_weights, token_topk_to_pos, sf, out_dtype, implementation: str):
+  """The forward of :func:`reduce_fused` with any output dtype (float32: the accumulator, after ``sf``
+  and before any cast); kernel or XLA path by ``implementation``, recorded under ``op``."""
+  t, n = token_topk_to_pos.shape[0], x.shape[0]
   return _dispatch.run(
-      "reduce_fused", implementation,
+      op, implementation,
       kernel=lambda interpret: _reduce_kernel(x, x_sf, topk_weights, token_topk_to_pos, sf, out_dtype,
                                               interpret=_config.mosaic_interpret(interpret)),
-      xla=lambda: ref.reduce_fused(x if x_sf is None else (x, x_sf), topk_weights, token_topk_to_pos,
-                                   fp8_format=fp8_format, sf=sf),
-      empty=token_topk_to_pos.shape[0] == 0 or n == 0 or x.shape[1] == 0)
+      xla=lambda: _xla(x, x_sf, topk_weights, token_topk_to_pos, sf, out_dtype),
+      unsupported=_unsupported(x, out_dtype), empty=t == 0 or n == 0 or x.shape[1] == 0)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Needs:
+  """Which cotangents a backward pass computes (static residual)."""
+
+  x: bool
+  dots: bool  # the slot dot products, for the cotangents of topk_weights, x_sf and sf
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _reduce(x, x_sf, topk_weights, token_topk_to_pos, sf, out_dtype, implementation):
+  return accumulate("reduce_fused", x, x_sf, topk_weights, token_topk_to_pos, sf, out_dtype, implementation)
+
+
+def _reduce_fwd(x, x_sf, topk_weights, token_topk_to_pos, sf, out_dtype, implementation):
+  args = [None if a is None else a.value for a in (x, x_sf, topk_weights, token_topk_to_pos, sf)]
+  needs = _Needs(x=x.perturbed, dots=any(a is not None and a.perturbed for a in (x_sf, topk_weights, sf)))
+  return accumulate("reduce_fused", *args, out_dtype, implementation), (*args, needs)
+
+
+def _reduce_bwd(out_dtype, implementation, residuals, d_out):
+  x, x_sf, topk_weights, pos, sf, needs = residuals
+  if isinstance(d_out, SymbolicZero):
+    return None, None, None, None, None
+  n = x.shape[0]
+  if out_dtype == jnp.float8_e4m3fn:  # through the saturation: zero beyond ±448 (as jnp.clip's derivative)
+    pre_cast = accumulate("reduce_fused.bwd", x, x_sf, topk_weights, pos, sf, jnp.float32, implementation)
+    _, clip_vjp = jax.vjp(lambda a: jnp.clip(a, -_FP8_MAX, _FP8_MAX), pre_cast)
+    (d_out,) = clip_vjp(d_out.astype(jnp.float32))
+  valid = (pos >= 0) & (pos < n)
+  safe = jnp.where(valid, pos, 0)
+  ones = jnp.ones(pos.shape, jnp.float32)
+  w = ones if topk_weights is None else topk_weights
+  row_sf = ones if x_sf is None or n == 0 else x_sf[safe]
+  sf0 = jnp.float32(1) if sf is None else sf[0]
+  dx, dots = _fused_grad.scatter_grad("reduce_fused.bwd", d_out, x if needs.dots else None, pos, w * row_sf * sf0,
+                                      n=n, out_dtype=x.dtype, implementation=implementation)
+  d_w = d_x_sf = d_sf = None
+  if needs.dots:
+    if topk_weights is not None:
+      d_w = dots * row_sf * sf0
+    if x_sf is not None:
+      d_x_sf = jnp.zeros((n,), jnp.float32).at[jnp.where(valid, pos, n)].add(dots * w * sf0, mode="drop")
+    if sf is not None:
+      d_sf = jnp.sum(dots * w * row_sf).reshape(1)
+  return dx if needs.x else None, d_x_sf, d_w, None, d_sf
+
+
+_reduce.defvjp(_reduce_fwd, _reduce_bwd, symbolic_zeros=True)
