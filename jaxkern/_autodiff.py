@@ -1,7 +1,7 @@
 """Differentiation support shared by the ops: the error of an op that is not differentiable.
 
 Differentiable ops define a ``jax.custom_vjp`` next to their kernels (each op module says how).
-Ops that are not differentiable (quantisation casts, index utilities) pass their floating-point
+Ops that are not differentiable (the quantisation casts and cast-backs) pass their floating-point
 inputs through :func:`guard`: an identity that costs nothing, whose derivative rule raises
 :class:`NotDifferentiableError` naming the op and what to do instead. JAX calls the rule only when
 an input really carries a tangent, so ``jax.grad`` of a function that also calls a cast on
@@ -43,5 +43,6 @@ def guard(op: str, advice: str, *arrays):
 CAST_ADVICE = ("quantisation rounds, so its derivative is zero almost everywhere. Apply the cast to "
                "jax.lax.stop_gradient(x) if no gradient should flow, or define the gradient you want "
                "(e.g. a straight-through jax.custom_vjp around the cast)")
-INDEX_ADVICE = ("it computes indices or counts, which have no derivative. Wrap its floating-point "
-                "inputs in jax.lax.stop_gradient")
+DEQUANT_ADVICE = ("it takes quantised data, which has no derivative. Apply it to jax.lax.stop_gradient of its "
+                  "inputs, or write the dequantisation (data.astype(jnp.float32) * scale) in jnp where gradients "
+                  "w.r.t. the scales are needed")

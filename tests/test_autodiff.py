@@ -127,7 +127,7 @@ def test_quant_op_raises_under_differentiation(key, case, transform, implementat
   for i in _floating(inputs):  # each floating-point input (data and sf of a QuantTensor) on its own
     with jaxkern.use_implementation(implementation), pytest.raises(
         jaxkern.NotDifferentiableError,
-        match=rf"^jaxkern op '{case.op}' is not differentiable: .*jax\.lax\.stop_gradient\(x\)"):
+        match=rf"^jaxkern op '{case.op}' is not differentiable: .*jax\.lax\.stop_gradient"):
       TRANSFORMS[transform](_of_one(case, inputs, i), inputs[i])
 
 

@@ -267,6 +267,12 @@ def expand_to_fused(x: jax.Array, token_topk_to_pos: jax.Array, pos_to_expert: j
   outside ``{-1} ∪ [0, N)`` or a fused row already named by an earlier slot is reported with its
   position and value. Without checkify the check costs nothing: it is dropped, and XLA removes its
   predicate from the compiled program.
+
+  Differentiation (``jax.custom_vjp``, floating-point ``x``): ``dx[t] = sum_k dy[token_topk_to_pos[t, k]]``
+  over the used slots, summed in float32 in slot order and rounded once to ``x.dtype``: the
+  :func:`reduce_fused` kernel without weights. That kernel needs ``H`` a multiple of 256 and float32 /
+  bfloat16 data; other cases take the XLA path under ``"auto"`` and raise
+  :class:`jaxkern.KernelUnavailableError` under ``"pallas"`` / ``"interpret"`` (op ``expand_to_fused.bwd``).
   """
   x, token_topk_to_pos, pos_to_expert = _check(x, token_topk_to_pos, pos_to_expert)
   n = pos_to_expert.shape[0]
@@ -339,6 +345,10 @@ def expand_to_fused_with_sf(x: QuantTensor | tuple[jax.Array, jax.Array], num_pe
   moved by an XLA scatter next to the data kernel (module docstring: measured faster there).
 
   Bad mappings and the checked mode: as :func:`expand_to_fused` (the scale rows follow the data rows).
+
+  Differentiation (``jax.custom_vjp``): w.r.t. floating-point data as :func:`expand_to_fused`, and w.r.t.
+  float32 scales (either layout) by the same slot sums in XLA (rows of a few words); packed UE8M0
+  (int32) scales and integer data have no derivative.
   """
   if not isinstance(x, tuple) or len(x) != 2:
     raise ValueError(f"x must be a QuantTensor (data, sf) or a 2-tuple, got {type(x).__name__}")

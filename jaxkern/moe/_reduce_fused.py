@@ -145,6 +145,16 @@ def reduce_fused(x: jax.Array | QuantTensor | tuple[jax.Array, jax.Array], topk_
   outside ``{-1} ∪ [0, N)`` or a fused row already named by an earlier slot (of any token) is
   reported with its position and value. Without checkify the check costs nothing: it is dropped,
   and XLA removes its predicate from the compiled program.
+
+  Differentiation (``jax.custom_vjp``) w.r.t. ``x``, ``x_sf``, ``topk_weights`` and ``sf``; with
+  ``c = w[t, k] * x_sf[p] * sf[0]`` and ``g`` the output cotangent (for e4m3 output: zero where the
+  saturation clipped, as ``jnp.clip``'s derivative): ``dx[p] = c * g[t]`` on each used slot's row and
+  zero on every other row, ``dw[t, k] = x_sf[p] sf[0] <g[t], x[p]>``, ``dx_sf[p] = w[t, k] sf[0]
+  <g[t], x[p]>`` and ``dsf = sum c/sf[0] <g[t], x[p]>``. One Mosaic GPU kernel writes ``dx`` and the
+  slot dot products (:mod:`jaxkern.moe._fused_grad`); only the dot products of perturbed arguments
+  are formed. It needs ``H`` a multiple of 256 and float32 / bfloat16 data (always true here); the
+  e4m3 output recomputes the unclipped sums with the forward kernel. Several slots naming one row
+  race in the backward kernel (one slot's value lands); the XLA path adds them.
   """
   x, x_sf = (x[0], x[1]) if isinstance(x, tuple) else (x, None)
   x = _checks.as_array("x", x)

@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkern import _checks, _config, _dispatch
+from jaxkern import _autodiff, _checks, _config, _dispatch
 from jaxkern._layouts import row_layout
 from jaxkern.quant import _tiling as tiling
 from jaxkern.quant import _validate as validate
@@ -389,7 +389,7 @@ def _cast_back(op, x, fmt, x_block_size, x_special_fmt, col_major, implementatio
     raise ValueError(f"x[0] must have a logical width K % 64 == 0, got K={k}")
   validate.check_fmt(fmt, ("bf16", "fp32"))
   block = tuple(int(b) for b in x_block_size)
-  x = validate.guard(op, x)
+  x = validate.guard(op, x, advice=_autodiff.DEQUANT_ADVICE)
   q, sf = x
   out_dtype = jnp.bfloat16 if fmt == "bf16" else jnp.float32
 

@@ -56,15 +56,15 @@ def check_quant_tensor(name: str, x, block_size, *, col_major: bool = False, fp4
   return k
 
 
-def guard(op: str, *inputs):
+def guard(op: str, *inputs, advice: str = _autodiff.CAST_ADVICE):
   """The inputs unchanged (one, or a tuple of them; a QuantTensor or pair comes back as a QuantTensor), their
   arrays through :func:`jaxkern._autodiff.guard`: differentiating through a floating-point one raises
   :class:`jaxkern.NotDifferentiableError` naming the cast ``op``."""
-  out = tuple(_guard_one(op, x) for x in inputs)
+  out = tuple(_guard_one(op, x, advice) for x in inputs)
   return out[0] if len(inputs) == 1 else out
 
 
-def _guard_one(op: str, x):
+def _guard_one(op: str, x, advice: str):
   if isinstance(x, tuple):
-    return QuantTensor(*_autodiff.guard(op, _autodiff.CAST_ADVICE, *x))
-  return _autodiff.guard(op, _autodiff.CAST_ADVICE, x)
+    return QuantTensor(*_autodiff.guard(op, advice, *x))
+  return _autodiff.guard(op, advice, x)
