@@ -6,8 +6,10 @@ layer over token blocks with one set of expert weights (``in_axes=(None, 0)``) r
 ``jax.custom_batching.custom_vmap`` whose rule maps over the blocks (``lax.map``, one ragged_dot per
 block, no copy of the weights) when the weights are shared, and uses the native rule when they are
 batched too. ``custom_vmap`` has no reverse-mode autodiff, so the whole op is a ``jax.custom_vjp``
-whose backward pass is built from the same two batchable products: ``dx = ragged_dot(dy, w^T)`` and
-``dw = x^T dy`` per group (a ragged contraction over the rows), both with float32 accumulation.
+whose backward pass is built from two batchable products: ``dx = ragged_dot(dy, w^T)`` (the same
+``custom_vmap``) and ``dw = x^T dy`` per group (a ragged contraction over the rows, every operand
+batched), both with float32 accumulation. Under ``vmap`` with shared weights the weight gradient is
+formed per block and then summed by JAX (``custom_vjp`` batching): ``(blocks, G, K, N)`` in memory.
 """
 
 from __future__ import annotations

@@ -141,8 +141,8 @@ def test_grad_of_vmap_and_vmap_of_grad(key):
 def test_nested_vmap(key):
   params, xb = _blocks(key, blocks=4)
   layer = functools.partial(moe_layer, config=CONFIG, implementation="reference")
-  nested = jax.vmap(jax.vmap(layer, in_axes=(None, 0)), in_axes=(None, 0))(params, xb.reshape(2, 2, T, H))
-  _assert_close(nested.reshape(4, T, H), jax.vmap(layer, in_axes=(None, 0))(params, xb))
+  nested = jax.jit(jax.vmap(jax.vmap(layer, in_axes=(None, 0)), in_axes=(None, 0)))(params, xb.reshape(2, 2, T, H))
+  _assert_close(nested.reshape(4, T, H), jax.jit(jax.vmap(layer, in_axes=(None, 0)))(params, xb))
 
 
 @pytest.mark.parametrize("implementation", ["reference", "interpret"])
