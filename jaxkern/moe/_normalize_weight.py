@@ -109,12 +109,42 @@ def normalize_weight(topk_weights: jax.Array, *, implementation: str | None = No
   XLA instead of a kernel: ``K > MAX_KERNEL_TOPK`` (the reference's fused XLA code), and zero-size
   weights (``T == 0`` or ``K == 0``; the denominators are then the constant 1e-20). The Mosaic GPU
   kernel runs every other case (``"auto"`` off a GPU runs the reference).
+
+  Differentiation: both outputs are differentiable w.r.t. ``topk_weights`` (``jax.custom_vjp``), in
+  every case above. With ``d = 1e-20 + sum_k w_k`` and ``n_k = w_k / d``:
+  ``dw_j = dd + (dn_j - sum_k dn_k n_k) / d``. The backward runs XLA under every implementation, from
+  the saved outputs: one fused ``(T, K)`` elementwise pass with a row sum, memory-bound work that needs
+  no kernel.
   """
   topk_weights = _checks.as_array("topk_weights", topk_weights)
   _checks.check_rank("topk_weights", topk_weights, 2)
   _checks.check_dtype("topk_weights", topk_weights, (jnp.float32,))
-  k = topk_weights.shape[1]
+  return _differentiable_normalize(topk_weights, _config.get_implementation(implementation))
+
+
+def _normalize(topk_weights, implementation: str) -> NormalizedWeights:
   return _dispatch.run(
       "normalize_weight", implementation,
       kernel=lambda interpret: _kernel(topk_weights, interpret=_config.mosaic_interpret(interpret)),
-      xla=lambda: ref.normalize_weight(topk_weights), unsupported=_unsupported(k), empty=topk_weights.size == 0)
+      xla=lambda: ref.normalize_weight(topk_weights), unsupported=_unsupported(topk_weights.shape[1]),
+      empty=topk_weights.size == 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _differentiable_normalize(topk_weights, implementation: str) -> NormalizedWeights:
+  return _normalize(topk_weights, implementation)
+
+
+def _differentiable_normalize_fwd(topk_weights, implementation: str):
+  out = _normalize(topk_weights, implementation)
+  return out, out
+
+
+def _differentiable_normalize_bwd(implementation: str, out: NormalizedWeights, cotangents: NormalizedWeights):
+  del implementation
+  d, n = out
+  dd, dn = cotangents
+  return (dd[:, None] + (dn - jnp.sum(dn * n, axis=1, keepdims=True)) / d[:, None],)
+
+
+_differentiable_normalize.defvjp(_differentiable_normalize_fwd, _differentiable_normalize_bwd)

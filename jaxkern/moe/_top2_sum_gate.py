@@ -49,7 +49,7 @@ from jax.experimental import checkify
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxkern import _checks, _dispatch, _ieee
+from jaxkern import _checks, _config, _dispatch, _ieee
 from jaxkern.moe._select import TAKEN, order_key
 from jaxkern.reference import moe as ref
 from jaxkern.types import TopkRouting, TopkRoutingWithUnmapped
@@ -430,6 +430,21 @@ def top2_sum_gate(logits: jax.Array, bias: jax.Array, num_topk: int, *, scoring_
 
   XLA instead of a kernel: ``T == 0`` (empty outputs). The Pallas-Triton kernel runs every other
   case (``"auto"`` off a GPU runs the reference).
+
+  Differentiation: ``topk_weights`` is differentiable (``jax.custom_vjp``) w.r.t. ``logits`` and
+  ``routed_scaling_factor`` (a Python float is a constant), with the selected experts held constant. Routed
+  slot ``k`` of logical expert ``e_k`` weighs ``w_k = u_{e_k} / s * rsf``, ``s = 1e-20 + sum_j u_{e_j}``, so
+  ``dU[e_k] += rsf (dw_k - sum_j dw_j u_{e_j} / s) / s`` (repeated fixed-routing ids add up), then ``dU``
+  reaches the logits through ``du/dx``, and ``drsf = sum_k dw_k u_{e_k} / s``. This holds on grouped rows,
+  fixed-routing rows and for slots that EP/TP masking set to -1 (they keep their weight, so their gradient).
+  Constants, with zero gradients: the shared slots (1.0), masked tokens (0.0, whatever their logits) and
+  dropped fixed-routing slots. ``bias`` gets a zero gradient: it only moves the selection (DeepSeek-V3's
+  auxiliary-loss-free balancing updates it outside autodiff). Integer inputs and outputs have no cotangent.
+  When differentiated, the forward (the path above) also returns the unmapped output, the logical ids the
+  weights belong to (one more ``(T, K)`` int32 store in the kernel). The backward runs XLA under every
+  implementation: one ``(T, E)`` elementwise pass with a ``K``-slot one-hot sum, memory-bound work that
+  needs no kernel (to be confirmed by measurement on the GPU). It recomputes the scores from ``logits``:
+  the reference's exact ones under ``implementation="reference"``, plain float32 ones otherwise.
   """
   logits = _checks.as_array("logits", logits)
   bias = _checks.as_array("bias", bias)
@@ -439,7 +454,7 @@ def top2_sum_gate(logits: jax.Array, bias: jax.Array, num_topk: int, *, scoring_
           ("logical_count", logical_count), ("unmapped_topk_idx", unmapped_topk_idx)))
   _checks.check_rank("logits", logits, 2)
   _checks.check_dtype("logits", logits, (jnp.float32,))
-  t, e = logits.shape
+  e = logits.shape[1]
   _check_static(e, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
                 num_ep_ranks, num_tp_ranks, ep_rank, tp_rank, scoring_func)
   num_shared = num_shared_experts if use_shared_as_routed else 0
@@ -447,21 +462,138 @@ def top2_sum_gate(logits: jax.Array, bias: jax.Array, num_topk: int, *, scoring_
                 unmapped_topk_idx)
   if fix_routing_mask is not None:
     _debug_check_fixed_ids(fix_routing_mask, mask, unmapped_topk_idx, e)
-  result = TopkRouting if unmapped_topk_idx is None else TopkRoutingWithUnmapped
+  static = _Static(num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts, num_ep_ranks,
+                   num_tp_ranks, scoring_func.lower(), _config.get_implementation(implementation))
+  constants = _NonDifferentiable(ep_rank, tp_rank, mask, fix_routing_mask, to_physical_map, logical_count,
+                                 unmapped_topk_idx)
+  return _differentiable_gate(static, logits, bias, jnp.asarray(routed_scaling_factor, jnp.float32), constants)
+
+
+class _Static(NamedTuple):
+  """The static arguments of one call, with the requested implementation."""
+
+  num_topk: int
+  num_topk_groups: int
+  num_groups: int
+  use_shared_as_routed: bool
+  num_shared_experts: int
+  num_ep_ranks: int
+  num_tp_ranks: int
+  scoring_func: str  # lower case
+  implementation: str
+
+
+class _NonDifferentiable(NamedTuple):
+  """The arguments without a derivative: ranks, masks, replica tables and given ids."""
+
+  ep_rank: jax.Array | int
+  tp_rank: jax.Array | int
+  mask: jax.Array | None
+  fix_routing_mask: jax.Array | None
+  to_physical_map: jax.Array | None
+  logical_count: jax.Array | None
+  unmapped_topk_idx: jax.Array | None
+
+
+def _route(static: _Static, logits, bias, rsf, constants: _NonDifferentiable) -> TopkRouting | TopkRoutingWithUnmapped:
+  """The forward: the kernel, the XLA path or the reference, as :mod:`jaxkern._dispatch` decides."""
+  ep_rank, tp_rank, mask, fix, pmap, count, unmapped = constants
+  result = TopkRouting if unmapped is None else TopkRoutingWithUnmapped
 
   def kernel(interpret):
-    return result(*_gate(logits, bias, routed_scaling_factor, ep_rank, tp_rank, mask, fix_routing_mask,
-                         to_physical_map, logical_count, unmapped_topk_idx, num_topk=num_topk,
-                         num_topk_groups=num_topk_groups, num_groups=num_groups, num_shared=num_shared,
-                         num_ep_ranks=num_ep_ranks, num_tp_ranks=num_tp_ranks, scoring_func=scoring_func.lower(),
-                         interpret=interpret))
+    return result(*_gate(logits, bias, rsf, *constants, num_topk=static.num_topk,
+                         num_topk_groups=static.num_topk_groups, num_groups=static.num_groups,
+                         num_shared=static.num_shared_experts if static.use_shared_as_routed else 0,
+                         num_ep_ranks=static.num_ep_ranks, num_tp_ranks=static.num_tp_ranks,
+                         scoring_func=static.scoring_func, interpret=interpret))
 
   def xla():
     return ref.top2_sum_gate(
-        logits, bias, num_topk, scoring_func=scoring_func, num_topk_groups=num_topk_groups, num_groups=num_groups,
-        use_shared_as_routed=use_shared_as_routed, num_shared_experts=num_shared_experts,
-        routed_scaling_factor=routed_scaling_factor, ep_rank=ep_rank, num_ep_ranks=num_ep_ranks, tp_rank=tp_rank,
-        num_tp_ranks=num_tp_ranks, mask=mask, fix_routing_mask=fix_routing_mask, to_physical_map=to_physical_map,
-        logical_count=logical_count, unmapped_topk_idx=unmapped_topk_idx)
+        logits, bias, static.num_topk, scoring_func=static.scoring_func, num_topk_groups=static.num_topk_groups,
+        num_groups=static.num_groups, use_shared_as_routed=static.use_shared_as_routed,
+        num_shared_experts=static.num_shared_experts, routed_scaling_factor=rsf, ep_rank=ep_rank,
+        num_ep_ranks=static.num_ep_ranks, tp_rank=tp_rank, num_tp_ranks=static.num_tp_ranks, mask=mask,
+        fix_routing_mask=fix, to_physical_map=pmap, logical_count=count, unmapped_topk_idx=unmapped)
 
-  return _dispatch.run("top2_sum_gate", implementation, kernel=kernel, xla=xla, empty=t == 0)
+  return _dispatch.run("top2_sum_gate", static.implementation, kernel=kernel, xla=xla, empty=logits.shape[0] == 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _differentiable_gate(static: _Static, logits, bias, rsf, constants: _NonDifferentiable):
+  return _route(static, logits, bias, rsf, constants)
+
+
+def _differentiable_gate_fwd(static: _Static, logits, bias, rsf, constants: _NonDifferentiable):
+  """The forward, asking for the unmapped output too: the logical id of each routed slot (-1 on masked rows
+  and dropped slots), which the weights belong to. Only the forward knows them (the physical, EP/TP-local
+  ``topk_idx`` cannot be mapped back without redoing the selection); the kernel stores them for ``(T, K)``
+  int32, and dummy ids are not read where ``fix_routing_mask`` is None."""
+  given = constants.unmapped_topk_idx
+  asked = given if given is not None else jnp.zeros((logits.shape[0], static.num_topk), jnp.int32)
+  out = _route(static, logits, bias, rsf, constants._replace(unmapped_topk_idx=asked))
+  result = out if given is not None else TopkRouting(out.topk_idx, out.topk_weights)
+  return result, (logits, rsf, constants.mask, out.unmapped_topk_idx)
+
+
+def _differentiable_gate_bwd(static: _Static, residuals, cotangents):
+  logits, rsf, mask, logical_ids = residuals
+  dw = cotangents.topk_weights[:, :static.num_topk]  # the shared slots' weights are constants
+  dlogits, drsf = _routed_weights_vjp(logits, logical_ids, rsf, mask, dw, static.scoring_func,
+                                      exact=static.implementation == "reference")
+  return dlogits, None, drsf, None  # bias only moves the selection: zero cotangent
+
+
+_differentiable_gate.defvjp(_differentiable_gate_fwd, _differentiable_gate_bwd)
+
+
+def _routed_weights_vjp(logits, logical_ids, rsf, mask, dw, scoring_func: str, *, exact: bool):
+  """Cotangents of ``logits`` and ``rsf`` from those of the routed weights (see :func:`top2_sum_gate`).
+
+  Args:
+    logits: ``(T, E)`` float32.
+    logical_ids: ``(T, K)`` int32 logical expert of each routed slot; -1 for a slot of constant weight 0.
+    rsf: the float32 routed scaling factor.
+    mask: optional ``(T,)`` bool; False rows get zero cotangents (their logits may be anything).
+    dw: ``(T, K)`` float32 cotangents of the routed weights.
+    scoring_func: ``"sigmoid"``, ``"sqrtsoftplus"`` or ``"softmax"``.
+    exact: take the reference's correctly rounded scores, else plain float32 ones.
+  """
+  if mask is not None:
+    logits = jnp.where(mask[:, None], logits, 0.0)
+  u = ref.gate_scores(logits, scoring_func) if exact else _float32_scores(logits, scoring_func)
+  valid = logical_ids >= 0
+  ids = jnp.where(valid, logical_ids, 0)
+  u_sel = jnp.where(valid, jnp.take_along_axis(u, ids, axis=1), 0.0)
+  s = jnp.full(u_sel.shape[:1], 1e-20, jnp.float32)
+  for k in range(u_sel.shape[1]):  # the forward's sequential sum
+    s = s + u_sel[:, k]
+  q = u_sel / s[:, None]  # the weights without rsf
+  dq = jnp.where(valid, dw * rsf, 0.0)
+  du_sel = jnp.where(valid, (dq - jnp.sum(dq * q, axis=1, keepdims=True)) / s[:, None], 0.0)
+  drsf = jnp.sum(jnp.where(valid, dw * q, 0.0)).reshape(jnp.shape(rsf))
+  return _scores_vjp(logits, u, _slots_to_experts(du_sel, ids, u.shape[1]), scoring_func), drsf
+
+
+def _float32_scores(logits, scoring_func: str):
+  """The scores of spec §3.2 in plain float32 (within an ulp or so of the exact ones)."""
+  if scoring_func == "sigmoid":
+    return jax.nn.sigmoid(logits)
+  if scoring_func == "sqrtsoftplus":
+    return jnp.sqrt(ref.softplus(logits))
+  return jax.nn.softmax(logits, axis=1)
+
+
+def _slots_to_experts(du_sel, ids, num_experts: int):
+  """``(T, E)`` sums of the slot values ``du_sel`` over the slots naming each expert (one-hot, no scatter)."""
+  experts = jnp.arange(num_experts, dtype=ids.dtype)[None, :]
+  du = jnp.zeros((ids.shape[0], num_experts), jnp.float32)
+  for k in range(ids.shape[1]):
+    du = du + jnp.where(ids[:, k:k + 1] == experts, du_sel[:, k:k + 1], 0.0)
+  return du
+
+
+def _scores_vjp(logits, u, du, scoring_func: str):
+  """The cotangent of the logits from that of the scores ``u``."""
+  if scoring_func == "softmax":
+    return u * (du - jnp.sum(du * u, axis=1, keepdims=True))
+  return du * ref.score_derivative(logits, u, scoring_func)

@@ -62,6 +62,8 @@ def topk_gate(scores: jax.Array, num_topk: int, *, implementation: str | None = 
 
   XLA instead of a kernel: ``T == 0`` (an empty result). The Mosaic GPU kernel runs every other
   case (``"auto"`` off a GPU runs the reference).
+
+  Differentiation: indices only; the scores get a zero cotangent (as the indices of ``jax.lax.top_k``).
   """
   scores = _checks.as_array("scores", scores)
   _checks.check_rank("scores", scores, 2)
@@ -69,6 +71,7 @@ def topk_gate(scores: jax.Array, num_topk: int, *, implementation: str | None = 
   t, e = scores.shape
   if not 1 <= num_topk <= e:
     raise ValueError(f"num_topk must be in [1, {e}] (the number of experts), got {num_topk}")
+  scores = jax.lax.stop_gradient(scores)  # piecewise-constant indices: a zero derivative, no kernel JVP
 
   def kernel(interpret):
     x = pad_rows_and_cols(scores, -jnp.inf)

@@ -62,6 +62,8 @@ def topk_sum_and_topk_group_idx(scores: jax.Array, num_topk_sum: int, num_topk_g
 
   XLA instead of a kernel: ``T == 0`` (an empty result). The Mosaic GPU kernel runs every other
   case (``"auto"`` off a GPU runs the reference).
+
+  Differentiation: indices only; the scores get a zero cotangent (as the indices of ``jax.lax.top_k``).
   """
   scores = _checks.as_array("scores", scores)
   _checks.check_rank("scores", scores, 3)
@@ -71,6 +73,7 @@ def topk_sum_and_topk_group_idx(scores: jax.Array, num_topk_sum: int, num_topk_g
     raise ValueError(f"num_topk_sum must be 1 or 2 and at most scores.shape[2] = {epg}, got {num_topk_sum}")
   if not 1 <= num_topk_groups <= g:
     raise ValueError(f"num_topk_groups must be in [1, {g}] (scores.shape[1]), got {num_topk_groups}")
+  scores = jax.lax.stop_gradient(scores)  # piecewise-constant indices: a zero derivative, no kernel JVP
 
   def kernel(interpret):
     x = pad_rows_and_cols(scores.reshape(t, g * epg), -jnp.inf)

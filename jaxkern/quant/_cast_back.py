@@ -389,6 +389,7 @@ def _cast_back(op, x, fmt, x_block_size, x_special_fmt, col_major, implementatio
     raise ValueError(f"x[0] must have a logical width K % 64 == 0, got K={k}")
   validate.check_fmt(fmt, ("bf16", "fp32"))
   block = tuple(int(b) for b in x_block_size)
+  x = validate.guard(op, x)
   q, sf = x
   out_dtype = jnp.bfloat16 if fmt == "bf16" else jnp.float32
 
@@ -445,6 +446,9 @@ def cast_back(x, fmt: str, x_block_size, *, x_special_fmt=None, x_use_tma_aligne
 
   Non-finite values: ``RN(f32(q)·sf)`` is an IEEE product, kernel and reference alike (NaN data or
   scales give NaN, ``0·inf`` NaN, an inf scale (UE8M0 byte 255) inf); bf16 outputs round it once.
+
+  Differentiation: not differentiable (its input is quantised data): ``jax.grad`` / ``jax.jvp`` through ``q``
+  or ``sf`` raise :class:`jaxkern.NotDifferentiableError`; pass them through ``jax.lax.stop_gradient``.
   """
   return _cast_back("cast_back", x, fmt, x_block_size, x_special_fmt, x_use_tma_aligned_col_major_sf,
                     implementation)
@@ -458,6 +462,8 @@ def per_token_cast_back(x, fmt: str, num_per_channels: int, *, x_special_fmt=Non
   Arguments, result, errors, kernels and non-finite values as :func:`cast_back` with
   ``x_block_size = (1, num_per_channels)``; XLA instead of a kernel: groups 2-15 columns wide, more
   than 16 groups per row with a partial last one, zero-size arrays.
+
+  Differentiation: not differentiable, as :func:`cast_back` (raises :class:`jaxkern.NotDifferentiableError`).
   """
   return _cast_back("per_token_cast_back", x, fmt, (1, num_per_channels), x_special_fmt,
                     x_use_tma_aligned_col_major_sf, implementation)
@@ -483,6 +489,8 @@ def unpack_from_e2m1fn_x2(x, *, out_dtype=jnp.float32, implementation: str | Non
 
   The row kernel of :func:`cast_back` without scaling (Mosaic GPU). XLA instead of a kernel: other
   output dtypes and zero-size arrays.
+
+  Differentiation: none (the input is integer bytes: a constant to ``jax.grad`` / ``jax.jvp``).
   """
   x = _checks.as_array("x", x)
   if x.ndim < 1:

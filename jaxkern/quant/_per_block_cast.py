@@ -299,8 +299,13 @@ def per_block_cast(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: boo
   Non-finite inputs behave per block as in :func:`jaxkern.quant.per_token_cast` (NaN-propagating amax,
   saturating encodings, NaN results the GPU's canonical NaN): kernel (compiled or interpreted) and
   reference give the same bits on every backend.
+
+  Differentiation: not differentiable; ``jax.grad`` / ``jax.jvp`` through it raise
+  :class:`jaxkern.NotDifferentiableError`. Apply it to ``jax.lax.stop_gradient(x)``, or wrap it in the
+  ``jax.custom_vjp`` you want (e.g. straight-through).
   """
   x, block_size = _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+  x = validate.guard("per_block_cast", x)
   flags = dict(use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, round_sf=round_sf,
                use_packed_ue8m0=use_packed_ue8m0)
 
@@ -316,8 +321,12 @@ def per_block_cast_with_sf_only(x, fmt: str, block_size, *, use_tma_aligned_col_
                                 round_sf: bool = False, use_packed_ue8m0: bool = False,
                                 implementation: str | None = None) -> jax.Array:
   """The ``sf`` of :func:`per_block_cast`, bit-identical, without writing the data (quant.md §6.2).
-  Arguments, layouts, errors, XLA cases and non-finite inputs as :func:`per_block_cast`."""
+  Arguments, layouts, errors, XLA cases and non-finite inputs as :func:`per_block_cast`.
+
+  Differentiation: not differentiable, as :func:`per_block_cast` (raises :class:`jaxkern.NotDifferentiableError`).
+  """
   x, block_size = _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+  x = validate.guard("per_block_cast_with_sf_only", x)
   flags = dict(use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, round_sf=round_sf,
                use_packed_ue8m0=use_packed_ue8m0)
 
@@ -340,6 +349,9 @@ def per_block_cast_with_precomputed_sf(x, fmt: str, block_size, sf, *, use_tma_a
   ``sf`` of another shape or dtype or ``use_tma_aligned_col_major_sf`` / ``use_packed_ue8m0`` set. XLA
   instead of the kernel for zero rows only. Non-finite ``x`` encode as in :func:`per_block_cast`; a zero
   or non-finite ``sf`` is outside the contract.
+
+  Differentiation: not differentiable in ``x`` or ``sf``, as :func:`per_block_cast` (raises
+  :class:`jaxkern.NotDifferentiableError`).
   """
   x, block_size = _check(x, fmt, block_size, False, False, False)
   if use_tma_aligned_col_major_sf or use_packed_ue8m0:
@@ -347,6 +359,7 @@ def per_block_cast_with_precomputed_sf(x, fmt: str, block_size, sf, *, use_tma_a
   m, k = x.shape
   sf = _checks.as_array("sf", sf)
   validate.check_sf("sf", sf, (ref.cdiv(m, block_size[0]), ref.cdiv(k, block_size[1])), jnp.float32)
+  x, sf = validate.guard("per_block_cast_with_precomputed_sf", x, sf)
 
   def kernel(interpret):
     return _run_kernel(x, fmt, block_size, interpret, sf_in=sf, compute_sf=False)[0]
@@ -385,6 +398,9 @@ def per_block_cast_lossless(x, fmt: str, x_block_size, out_block_size, *, use_tm
   otherwise the values round or flush in the e4m3 conversion. The block exponents are computed by XLA
   (one value per input block), the data by the e2m1 cast-back row kernel with a saturating e4m3 output.
   XLA (the reference) instead of the kernel: zero rows only.
+
+  Differentiation: not differentiable (its input is quantised data): ``jax.grad`` / ``jax.jvp`` through the
+  input sf raise :class:`jaxkern.NotDifferentiableError`; pass it through ``jax.lax.stop_gradient``.
   """
   if not (isinstance(x, tuple) and len(x) == 2):
     raise ValueError("x must be a QuantTensor (data, sf)")
@@ -403,6 +419,7 @@ def per_block_cast_lossless(x, fmt: str, x_block_size, out_block_size, *, use_tm
   if ibk & (ibk - 1) or obk & (obk - 1) or obm % ibm or obk % ibk:
     raise ValueError(f"out_block_size {out_block_size} must be a multiple of x_block_size {x_block_size} "
                      "with power-of-two widths")
+  x = validate.guard("per_block_cast_lossless", x)
   flags = dict(use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0,
                x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
 

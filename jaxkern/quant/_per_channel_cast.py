@@ -290,6 +290,9 @@ def per_channel_cast_fused(x, fmt: str, num_per_tokens: int, *, round_sf: bool =
   Non-finite inputs give the reference's bits: the column maxima propagate NaN, so a NaN makes
   its group's ``sf`` and data NaN; an infinity gives ``sf = inf``, NaN for itself and signed zeros
   for the group's other values; with ``round_sf`` see :func:`jaxkern.reference.quant.per_channel_cast`.
+
+  Differentiation: not differentiable (data and sf of a QuantTensor input too), as :func:`per_channel_cast`
+  (raises :class:`jaxkern.NotDifferentiableError`).
   """
   validate.check_fmt(fmt, ("e4m3",))
   if num_per_tokens != 128:
@@ -325,6 +328,7 @@ def per_channel_cast_fused(x, fmt: str, num_per_tokens: int, *, round_sf: bool =
     _checks.check_multiple("pos_to_token", pos_to_token, 0, 16)
     _check_positions(pos_to_token, rows)
     out_rows = pos_to_token.shape[0]
+  x = validate.guard("per_channel_cast_fused", x)
   data, sf = x if isinstance(x, tuple) else (x, None)
 
   def kernel(interpret):
@@ -376,8 +380,12 @@ def per_channel_cast(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False
   Non-finite inputs give the reference's bits: the column maxima propagate NaN, so a NaN makes
   its group's ``sf`` and data NaN; an infinity gives ``sf = inf``, NaN for itself and signed zeros
   for the group's other values; with ``round_sf`` see :func:`jaxkern.reference.quant.per_channel_cast`.
+
+  Differentiation: not differentiable; ``jax.grad`` / ``jax.jvp`` through it raise
+  :class:`jaxkern.NotDifferentiableError`. Apply it to ``jax.lax.stop_gradient(x)``, or wrap it in the
+  ``jax.custom_vjp`` you want (e.g. straight-through).
   """
-  x = _check_plain(x, fmt, num_per_tokens, (128,), (jnp.bfloat16, jnp.float32))
+  x = validate.guard("per_channel_cast", _check_plain(x, fmt, num_per_tokens, (128,), (jnp.bfloat16, jnp.float32)))
   return _dispatch.run(
       "per_channel_cast", implementation,
       kernel=lambda interpret: QuantTensor(*_kernel(x, npt=num_per_tokens, round_sf=round_sf, interpret=interpret)),
@@ -404,8 +412,10 @@ def per_channel_cast_and_transpose(x, fmt: str, num_per_tokens: int, *, round_sf
 
   Mosaic GPU kernel; XLA instead of a kernel: only zero-size arrays. Non-finite inputs as
   :func:`per_channel_cast`.
+
+  Differentiation: not differentiable, as :func:`per_channel_cast` (raises :class:`jaxkern.NotDifferentiableError`).
   """
-  x = _check_plain(x, fmt, num_per_tokens, (32, 128), (jnp.bfloat16,))
+  x = validate.guard("per_channel_cast_and_transpose", _check_plain(x, fmt, num_per_tokens, (32, 128), (jnp.bfloat16,)))
   return _dispatch.run(
       "per_channel_cast_and_transpose", implementation,
       kernel=lambda interpret: QuantTensor(*_kernel(x, npt=num_per_tokens, round_sf=round_sf, transpose_out=True,

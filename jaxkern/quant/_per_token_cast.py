@@ -509,12 +509,17 @@ def per_token_cast(x, fmt: str, num_per_channels: int, *, x_block_size=None,
   with a NaN has sf NaN, one with ±inf sf +inf; with ``round_sf`` -0.0 / +inf, UE8M0 bytes 0 / 255), the
   data are ``encode(x · sf_inv)`` as for finite inputs (±inf saturates), and every NaN result is the GPU's
   canonical NaN 0x7FFFFFFF (NaN data: e4m3 0x7F, e2m1 +6). Details: :func:`jaxkern.reference.quant.per_token_cast`.
+
+  Differentiation: not differentiable (data and sf of a QuantTensor input too); ``jax.grad`` / ``jax.jvp``
+  through it raise :class:`jaxkern.NotDifferentiableError`. Apply it to ``jax.lax.stop_gradient(x)``, or wrap
+  it in the ``jax.custom_vjp`` you want (e.g. straight-through).
   """
   flags = dict(use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, round_sf=round_sf,
                use_packed_ue8m0=use_packed_ue8m0)
   npc = num_per_channels
   if isinstance(x, tuple):
     x = _check_quant(x, fmt, npc, x_block_size, x_use_tma_aligned_col_major_sf, **flags)
+    x = validate.guard("per_token_cast", x)
     x_block_size = tuple(x_block_size)
     plan = _quant_plan(x[0], x_block_size, npc, fmt)
     unsupported = plan if isinstance(plan, str) else None
@@ -528,7 +533,7 @@ def per_token_cast(x, fmt: str, num_per_channels: int, *, x_block_size=None,
   else:
     if x_block_size is not None:
       raise ValueError(f"x_block_size must be None for a plain input, got {x_block_size}")
-    x = _check_plain(x, fmt, npc, **flags)
+    x = validate.guard("per_token_cast", _check_plain(x, fmt, npc, **flags))
     unsupported, empty = _plain_unsupported(x, npc), x.shape[0] == 0
 
     def kernel(interpret):
@@ -553,11 +558,14 @@ def per_token_cast_with_sf_only(x, fmt: str, num_per_channels: int, *, x_block_s
                                 use_packed_ue8m0: bool = False, implementation: str | None = None) -> jax.Array:
   """The ``sf`` of :func:`per_token_cast` for a plain ``(M, K)`` bfloat16 / float32 ``x``, bit-identical,
   without writing the data (quant.md §5.2). Arguments, layouts, errors, XLA cases and non-finite inputs as
-  :func:`per_token_cast` (``x_block_size`` must be None: no QuantTensor input)."""
+  :func:`per_token_cast` (``x_block_size`` must be None: no QuantTensor input).
+
+  Differentiation: not differentiable, as :func:`per_token_cast` (raises :class:`jaxkern.NotDifferentiableError`).
+  """
   _plain_only(x, x_block_size)
   flags = dict(use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, round_sf=round_sf,
                use_packed_ue8m0=use_packed_ue8m0)
-  x = _check_plain(x, fmt, num_per_channels, **flags)
+  x = validate.guard("per_token_cast_with_sf_only", _check_plain(x, fmt, num_per_channels, **flags))
 
   def kernel(interpret):
     return _run_kernel(x, fmt, num_per_channels, interpret, round_sf=round_sf,
@@ -583,6 +591,9 @@ def per_token_cast_with_precomputed_sf(x, fmt: str, num_per_channels: int, sf, *
   ``x``, ``x_block_size`` given, or ``use_tma_aligned_col_major_sf`` / ``use_packed_ue8m0`` set.
   KernelUnavailableError and XLA cases (zero rows, a partial last group and more than 16 groups per row) as
   :func:`per_token_cast` for a plain input.
+
+  Differentiation: not differentiable in ``x`` or ``sf``, as :func:`per_token_cast` (raises
+  :class:`jaxkern.NotDifferentiableError`).
   """
   _plain_only(x, x_block_size)
   if use_tma_aligned_col_major_sf or use_packed_ue8m0:
@@ -591,6 +602,7 @@ def per_token_cast_with_precomputed_sf(x, fmt: str, num_per_channels: int, sf, *
   m, k = x.shape
   sf = _checks.as_array("sf", sf)
   validate.check_sf("sf", sf, (m, ref.cdiv(k, num_per_channels)), jnp.float32)
+  x, sf = validate.guard("per_token_cast_with_precomputed_sf", x, sf)
 
   def kernel(interpret):
     return _run_kernel(x, fmt, num_per_channels, interpret, sf_in=sf, compute_sf=False)[0]

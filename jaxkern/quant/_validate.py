@@ -1,11 +1,13 @@
-"""Argument checks shared by the :mod:`jaxkern.quant` ops; each raises ``ValueError`` naming the argument."""
+"""Argument checks shared by the :mod:`jaxkern.quant` ops (each raises ``ValueError`` naming the argument), and
+the guard that makes them refuse differentiation."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxkern import _checks
+from jaxkern import _autodiff, _checks
 from jaxkern.reference.quant import cdiv
+from jaxkern.types import QuantTensor
 
 FMTS = ("e4m3", "e2m1")
 
@@ -52,3 +54,17 @@ def check_quant_tensor(name: str, x, block_size, *, col_major: bool = False, fp4
   if tuple(sf.shape) != want:
     raise ValueError(f"{name}[1] (sf) must have shape {want} for blocks {tuple(block_size)}, got {tuple(sf.shape)}")
   return k
+
+
+def guard(op: str, *inputs):
+  """The inputs unchanged (one, or a tuple of them; a QuantTensor or pair comes back as a QuantTensor), their
+  arrays through :func:`jaxkern._autodiff.guard`: differentiating through a floating-point one raises
+  :class:`jaxkern.NotDifferentiableError` naming the cast ``op``."""
+  out = tuple(_guard_one(op, x) for x in inputs)
+  return out[0] if len(inputs) == 1 else out
+
+
+def _guard_one(op: str, x):
+  if isinstance(x, tuple):
+    return QuantTensor(*_autodiff.guard(op, _autodiff.CAST_ADVICE, *x))
+  return _autodiff.guard(op, _autodiff.CAST_ADVICE, x)

@@ -74,12 +74,40 @@ def softmax_denominator(z: jax.Array) -> jax.Array:
   return p[:, 0]
 
 
-def gate_scores(logits: jax.Array, scoring_func: str) -> jax.Array:
-  """Unbiased scores ``u`` (spec §3.2), with correctly rounded division and sqrt."""
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def elementwise_scores(logits: jax.Array, scoring_func: str) -> jax.Array:
+  """Sigmoid or sqrtsoftplus scores ``u`` (spec §3.2), with correctly rounded division and sqrt.
+
+  Differentiable with :func:`score_derivative` (``jax.custom_jvp``): the chain rule through ``exp``
+  and ``sqrt`` gives NaN where ``exp`` overflows or ``u`` underflows to 0 (e.g. sigmoid logits below
+  -88), even for experts that get no cotangent.
+  """
   if scoring_func == "sigmoid":
     return ieee.div(jnp.ones_like(logits), 1.0 + jnp.exp(-logits))
-  if scoring_func == "sqrtsoftplus":
-    return ieee.sqrt(softplus(logits))
+  return ieee.sqrt(softplus(logits))
+
+
+@elementwise_scores.defjvp
+def _elementwise_scores_jvp(scoring_func, primals, tangents):
+  (x,), (dx,) = primals, tangents
+  u = elementwise_scores(x, scoring_func)
+  return u, score_derivative(x, u, scoring_func) * dx
+
+
+def score_derivative(logits: jax.Array, u: jax.Array, scoring_func: str) -> jax.Array:
+  """``du/dx`` of a sigmoid or sqrtsoftplus score ``u`` at logit ``x``: ``u (1 - u)``, or
+  ``sigmoid(x) / (2u)`` (``1 / (2u)`` above the softplus threshold 20), and 0 where ``u`` is 0 (the
+  true value, ``exp(x / 2) / 2``, is below 1e-22 there)."""
+  if scoring_func == "sigmoid":
+    return u * (1.0 - u)
+  slope = jnp.where(logits > 20.0, 1.0, jax.nn.sigmoid(logits))
+  return jnp.where(u > 0, slope / (2.0 * jnp.where(u > 0, u, 1.0)), 0.0)
+
+
+def gate_scores(logits: jax.Array, scoring_func: str) -> jax.Array:
+  """Unbiased scores ``u`` (spec §3.2), with correctly rounded division and sqrt; differentiable."""
+  if scoring_func != "softmax":
+    return elementwise_scores(logits, scoring_func)
   # The barriers keep exp out of reduction fusions, where XLA:CPU evaluates it differently.
   m = lax.optimization_barrier(jnp.max(logits, axis=1, keepdims=True))
   z = lax.optimization_barrier(jnp.exp(logits - m))
@@ -161,6 +189,11 @@ def top2_sum_gate(logits, bias, num_topk, *, scoring_func, num_topk_groups=0, nu
   ``[0, E)`` as :func:`jaxkern.moe.top2_sum_gate` (validated there).
 
   Runs as one jitted XLA computation (``routed_scaling_factor``, ``ep_rank`` and ``tp_rank`` traced).
+
+  Differentiable by plain autodiff: ``topk_weights`` w.r.t. ``logits`` and an array
+  ``routed_scaling_factor``, the selection held fixed (the sort yields integers); the scores through
+  :func:`elementwise_scores`' rule or softmax's ops, the division through :func:`ieee.div`'s. ``bias``
+  gets a zero gradient (it only moves the selection). Masked rows get zero gradients, even non-finite ones.
   """
   return _top2_sum_gate(logits, bias, routed_scaling_factor, ep_rank, tp_rank, mask, fix_routing_mask,
                         to_physical_map, logical_count, unmapped_topk_idx, num_topk=num_topk,
@@ -174,6 +207,8 @@ def top2_sum_gate(logits, bias, num_topk, *, scoring_func, num_topk_groups=0, nu
 def _top2_sum_gate(logits, bias, routed_scaling_factor, ep_rank, tp_rank, mask, fix_routing_mask, to_physical_map,
                    logical_count, unmapped_topk_idx, *, num_topk, num_topk_groups, num_groups, num_shared,
                    num_ep_ranks, num_tp_ranks, scoring_func):
+  if mask is not None:  # masked rows may hold anything; their outputs are constants: zeros keep NaN out of the gradient
+    logits = jnp.where(mask[:, None], logits, 0.0)
   u = gate_scores(logits, scoring_func)
   idx = group_limited_topk(ranking_scores(logits, u, bias, scoring_func), num_topk, num_groups, num_topk_groups)
   return route_selected(u, idx, routed_scaling_factor, num_shared, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks,
@@ -356,7 +391,8 @@ def reduce_fused(x, topk_weights, token_topk_to_pos, *, fp8_format: str = "", sf
 
 
 def normalize_weight(topk_weights) -> NormalizedWeights:
-  """``(d, w / d[:, None])`` with ``d = ((1e-20 + w[:, 0]) + w[:, 1]) + ...`` and IEEE division."""
+  """``(d, w / d[:, None])`` with ``d = ((1e-20 + w[:, 0]) + w[:, 1]) + ...`` and IEEE division;
+  differentiable by plain autodiff (:func:`ieee.div` has the derivative of ``a / b``)."""
   d = jnp.full(topk_weights.shape[:1], 1e-20, jnp.float32)
   for k in range(topk_weights.shape[1]):
     d = d + topk_weights[:, k]

@@ -230,6 +230,9 @@ def batched_transpose(x: jax.Array, *, implementation: str | None = None) -> jax
   XLA instead of a kernel: bool data and zero-size arrays (``"auto"`` everywhere else runs the
   kernel: it is at least as fast as XLA's transpose on every spec shape but ``(4032 | 8064, 576)``
   bf16, 0.97-0.99x, see benchmarks/NOTES.md).
+
+  Differentiable (custom_vjp): the cotangent is transposed back by the same implementation; integer data has
+  no derivative.
   """
   x = _check("x", x, 3)
   return _differentiable(_batched_transpose, x, _config.get_implementation(implementation))
@@ -248,6 +251,9 @@ def transpose(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
 
   Large 8-bit arrays (from 8 MB) and 16-bit arrays of 12-64 MiB run the persistent ring kernel,
   other sizes the one-tile kernel (module docstring).
+
+  Differentiable (custom_vjp): the cotangent is transposed back by the same implementation; integer data has
+  no derivative.
   """
   x = _check("x", x, 2)
   return _differentiable(_transpose, x, _config.get_implementation(implementation))
