@@ -1,1 +1,17 @@
-"""Trainable layers built from the kernels with ``jax.custom_vjp``; layers land here as they are built."""
+"""Trainable layers built from the jaxkern ops; layers land here as they are built."""
+
+from jaxkern.modeling.moe import (MoeConfig, MoeParams, apply_experts, apply_experts_dense, balance_router_bias,
+                                  init_moe_params, moe_layer, moe_layer_dense, route_tokens, swiglu_experts)
+
+__all__ = [
+    "MoeConfig",
+    "MoeParams",
+    "apply_experts",
+    "apply_experts_dense",
+    "balance_router_bias",
+    "init_moe_params",
+    "moe_layer",
+    "moe_layer_dense",
+    "route_tokens",
+    "swiglu_experts",
+]

@@ -1,0 +1,232 @@
+"""A trainable DeepSeek-style mixture-of-experts layer built from the :mod:`jaxkern.moe` ops.
+
+Forward (spec moe_transpose.md §0), for ``T`` tokens of width ``H``, ``E`` routed and ``S`` shared
+experts, ``K`` routed slots per token:
+
+1. router logits ``x @ router`` in float32, then :func:`jaxkern.moe.top2_sum_gate`: scores, the
+   balancing bias (ranking only), optional group-limited top-``K``, normalised weights times
+   ``routed_scaling_factor``, and the ``S`` shared experts appended as slots ``E..E+S-1`` of weight 1;
+2. :func:`jaxkern.moe.get_fused_mapping` with the static upper bound of fused rows
+   (``force_no_sync=True``, so it runs under ``jax.jit``): every one of the ``E+S`` experts owns a
+   contiguous segment of rows, its token count rounded up to ``alignment``;
+3. :func:`jaxkern.moe.expand_to_fused` copies each token into its experts' rows (padding rows zero);
+4. SwiGLU experts on the fused rows, one grouped matmul per projection (``jax.lax.ragged_dot``
+   through :func:`jaxkern.modeling._grouped_matmul.grouped_matmul`): ``silu(x Wg) * (x Wu) @ Wd``;
+5. :func:`jaxkern.moe.reduce_fused` sums each token's expert outputs times its routing weights.
+
+All functions are plain functions of a params pytree (:class:`MoeParams`) and a static
+:class:`MoeConfig`: they compose with ``jax.jit``, ``jax.grad`` and ``jax.vmap`` (e.g. over a batch
+of token blocks with shared params). Each op runs the implementation chosen by ``implementation=``
+or the active setting (:mod:`jaxkern._config`): the Pallas kernels on a GPU, the ``jnp`` references
+with ``"auto"`` on a CPU. Gradients flow through the routing weights into the router and ``x``
+(the expert choice itself has no derivative) and through the expert matmuls.
+
+:func:`moe_layer_dense` computes the same function densely (every expert on every token, weighted
+by the routing weights, zero for unrouted experts) from the same routing: the check for tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxkern import moe
+from jaxkern.modeling._grouped_matmul import grouped_matmul
+from jaxkern.types import TopkRouting
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+  """Static routing options of :func:`moe_layer` (the arguments of :func:`jaxkern.moe.top2_sum_gate`).
+
+  Attributes:
+    num_experts: routed experts ``E`` (a multiple of 4).
+    num_topk: routed slots ``K`` per token.
+    num_shared_experts: shared experts ``S`` (0, 1 or 2; with ``S > 0``, ``K % S == 0`` and
+      ``E % (K / S) == 0``); every token uses them with weight 1.
+    num_groups, num_topk_groups: group-limited routing (both 0: off).
+    scoring_func: ``"sigmoid"``, ``"sqrtsoftplus"`` or ``"softmax"``.
+    routed_scaling_factor: multiplies the routed weights.
+    alignment: rows per expert segment are rounded up to this (128 matches the GPU grouped GEMMs'
+      tiles; small values waste fewer padding rows on a CPU).
+  """
+
+  num_experts: int
+  num_topk: int
+  num_shared_experts: int = 0
+  num_groups: int = 0
+  num_topk_groups: int = 0
+  scoring_func: str = "sigmoid"
+  routed_scaling_factor: float = 1.0
+  alignment: int = 128
+
+  @property
+  def num_all_experts(self) -> int:
+    """``E + S``: the experts that own weights and fused-row segments."""
+    return self.num_experts + self.num_shared_experts
+
+
+class MoeParams(NamedTuple):
+  """Parameters of :func:`moe_layer` (``H`` hidden, ``I`` intermediate width, ``E + S`` experts).
+
+  ``router_bias`` is a buffer, not a trained parameter: it only shifts which experts are picked
+  (aux-loss-free load balancing, updated by :func:`balance_router_bias`), so :func:`moe_layer` stops
+  its gradient and ``jax.grad`` returns zeros for it (an optimiser then leaves it unchanged).
+  """
+
+  router: jax.Array  # (H, E) float32
+  router_bias: jax.Array  # (E,) float32
+  w_gate: jax.Array  # (E+S, H, I)
+  w_up: jax.Array  # (E+S, H, I)
+  w_down: jax.Array  # (E+S, I, H)
+
+
+def init_moe_params(key: jax.Array, config: MoeConfig, hidden: int, intermediate: int,
+                    dtype=jnp.bfloat16) -> MoeParams:
+  """Random :class:`MoeParams`: normal weights scaled by ``1/sqrt(fan_in)`` (router float32, experts
+  ``dtype``), zero bias. ``hidden`` must be a multiple of 256 for :func:`jaxkern.moe.reduce_fused`."""
+  k_router, k_gate, k_up, k_down = jax.random.split(key, 4)
+  e = config.num_all_experts
+
+  def normal(k, shape, fan_in, dtype):
+    return (jax.random.normal(k, shape, jnp.float32) * fan_in ** -0.5).astype(dtype)
+
+  return MoeParams(router=normal(k_router, (hidden, config.num_experts), hidden, jnp.float32),
+                   router_bias=jnp.zeros((config.num_experts,), jnp.float32),
+                   w_gate=normal(k_gate, (e, hidden, intermediate), hidden, dtype),
+                   w_up=normal(k_up, (e, hidden, intermediate), hidden, dtype),
+                   w_down=normal(k_down, (e, intermediate, hidden), intermediate, dtype))
+
+
+def _shared_expert_tables(config: MoeConfig) -> dict:
+  """``top2_sum_gate``'s identity replica map (``S + 1`` columns, one replica each) for shared experts."""
+  if not config.num_shared_experts:
+    return {}
+  e, s = config.num_all_experts, config.num_shared_experts
+  return dict(use_shared_as_routed=True, num_shared_experts=s,
+              to_physical_map=jnp.broadcast_to(jnp.arange(e, dtype=jnp.int32)[:, None], (e, s + 1)),
+              logical_count=jnp.ones((e,), jnp.int32))
+
+
+def route_tokens(params: MoeParams, x: jax.Array, *, config: MoeConfig,
+                 implementation: str | None = None) -> TopkRouting:
+  """The experts of each token and their weights.
+
+  Args:
+    params: :class:`MoeParams`.
+    x: ``(T, H)`` float32 or bfloat16 tokens.
+    config: :class:`MoeConfig`.
+    implementation: passed to :func:`jaxkern.moe.top2_sum_gate`.
+
+  Returns:
+    :class:`jaxkern.types.TopkRouting`: ``topk_idx`` ``(T, K+S)`` int32 (routed experts best first,
+    then the shared experts ``E..E+S-1``) and ``topk_weights`` ``(T, K+S)`` float32 (differentiable
+    in ``params.router`` and ``x``; 1 for the shared slots).
+  """
+  logits = x.astype(jnp.float32) @ params.router
+  return moe.top2_sum_gate(
+      logits, lax.stop_gradient(params.router_bias), config.num_topk, scoring_func=config.scoring_func,
+      num_groups=config.num_groups, num_topk_groups=config.num_topk_groups,
+      routed_scaling_factor=config.routed_scaling_factor, **_shared_expert_tables(config),
+      implementation=implementation)
+
+
+def _group_sizes(mapping: moe.FusedMapping) -> jax.Array:
+  """``(E+S,)`` int32 rows per expert covering all ``N`` fused rows in order: each expert's aligned
+  segment, and the unused rows past the last segment (zeros, read by no slot) added to the last
+  expert, so that the group sizes sum to ``N`` as ``ragged_dot`` expects."""
+  tail = mapping.pos_to_expert.shape[0] - mapping.expert_end[-1]
+  return mapping.num_tokens_per_expert.at[-1].add(tail)
+
+
+def swiglu_experts(xf: jax.Array, params: MoeParams, group_sizes: jax.Array) -> jax.Array:
+  """``silu(x Wg) * (x Wu) @ Wd`` of each fused row with its expert's weights.
+
+  Args:
+    xf: ``(N, H)`` fused rows, expert-major.
+    params: :class:`MoeParams` (the expert weights, of ``xf.dtype``).
+    group_sizes: ``(E+S,)`` int32 rows of each expert's segment, summing to ``N``.
+
+  Returns:
+    ``(N, H)`` of ``xf.dtype`` (the SwiGLU product in float32).
+  """
+  gate = grouped_matmul(xf, params.w_gate, group_sizes).astype(jnp.float32)
+  up = grouped_matmul(xf, params.w_up, group_sizes).astype(jnp.float32)
+  return grouped_matmul((jax.nn.silu(gate) * up).astype(xf.dtype), params.w_down, group_sizes)
+
+
+def apply_experts(params: MoeParams, x: jax.Array, routing: TopkRouting, *, config: MoeConfig,
+                  implementation: str | None = None) -> jax.Array:
+  """The routing-weighted sum of each token's expert outputs, through the fused layout.
+
+  Args:
+    params: :class:`MoeParams`.
+    x: ``(T, H)`` float32 or bfloat16 tokens (the dtype of the expert weights), ``H`` a multiple of 256.
+    routing: :class:`jaxkern.types.TopkRouting` of :func:`route_tokens`.
+    config: :class:`MoeConfig`.
+    implementation: passed to every :mod:`jaxkern.moe` op.
+
+  Returns:
+    ``(T, H)`` of ``x.dtype``.
+  """
+  mapping = moe.get_fused_mapping(routing.topk_idx, config.num_all_experts, 0, config.alignment,
+                                  force_no_sync=True, implementation=implementation)
+  xf = moe.expand_to_fused(x, mapping.token_topk_to_pos, mapping.pos_to_expert, implementation=implementation)
+  yf = swiglu_experts(xf, params, _group_sizes(mapping))
+  return moe.reduce_fused(yf, routing.topk_weights, mapping.token_topk_to_pos, implementation=implementation)
+
+
+def moe_layer(params: MoeParams, x: jax.Array, *, config: MoeConfig, implementation: str | None = None) -> jax.Array:
+  """The MoE layer: :func:`route_tokens`, then :func:`apply_experts`.
+
+  Args:
+    params: :class:`MoeParams` (experts of ``x.dtype``).
+    x: ``(T, H)`` float32 or bfloat16 tokens, ``H`` a multiple of 256; ``T = 0`` allowed.
+    config: :class:`MoeConfig` (static).
+    implementation: passed to every :mod:`jaxkern.moe` op (see :mod:`jaxkern._config`).
+
+  Returns:
+    ``(T, H)`` of ``x.dtype``.
+  """
+  routing = route_tokens(params, x, config=config, implementation=implementation)
+  return apply_experts(params, x, routing, config=config, implementation=implementation)
+
+
+def apply_experts_dense(params: MoeParams, x: jax.Array, routing: TopkRouting, *, config: MoeConfig) -> jax.Array:
+  """:func:`apply_experts` computed densely: every expert on every token, summed with the routing
+  weights scattered into a ``(T, E+S)`` matrix (zero for the experts a token does not use). Costs
+  ``E+S`` times the expert compute of a token: for tests."""
+  weights = jnp.einsum("tk,tke->te", routing.topk_weights,
+                       jax.nn.one_hot(routing.topk_idx, config.num_all_experts, dtype=jnp.float32))
+  f32 = dict(preferred_element_type=jnp.float32)
+  gate = jnp.einsum("th,ehi->eti", x, params.w_gate, **f32).astype(x.dtype).astype(jnp.float32)
+  up = jnp.einsum("th,ehi->eti", x, params.w_up, **f32).astype(x.dtype).astype(jnp.float32)
+  out = jnp.einsum("eti,eih->eth", (jax.nn.silu(gate) * up).astype(x.dtype), params.w_down, **f32)
+  return jnp.einsum("te,eth->th", weights, out.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+
+
+def moe_layer_dense(params: MoeParams, x: jax.Array, *, config: MoeConfig,
+                    implementation: str | None = None) -> jax.Array:
+  """:func:`moe_layer` with :func:`apply_experts_dense`: the same routing, the same function."""
+  routing = route_tokens(params, x, config=config, implementation=implementation)
+  return apply_experts_dense(params, x, routing, config=config)
+
+
+def balance_router_bias(router_bias: jax.Array, tokens_per_expert: jax.Array, rate: float) -> jax.Array:
+  """Aux-loss-free load balancing (DeepSeek-V3): ``bias + rate * sign(mean load - load)``.
+
+  Args:
+    router_bias: ``(E,)`` float32, :attr:`MoeParams.router_bias`.
+    tokens_per_expert: ``(E,)`` routed tokens of each expert in the last step (e.g.
+      ``jaxkern.moe.group_count(routing.topk_idx, E)``).
+    rate: the bias step.
+
+  Returns:
+    ``(E,)`` float32: overloaded experts ranked lower, underloaded ones higher.
+  """
+  load = tokens_per_expert.astype(jnp.float32)
+  return router_bias + rate * jnp.sign(jnp.mean(load) - load)
