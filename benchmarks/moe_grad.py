@@ -7,6 +7,9 @@
   dy[t]>``) on the expand grid's mappings (``x`` has the mapping's ``N`` rows), float32 and bf16;
   bytes = ``dy`` + the used rows of ``x`` read + ``dx`` written (all ``N`` rows) + ``token_topk_to_pos``
   + ``topk_weights`` + ``dw``.
+* ``top2_sum_gate:fwd+bwd`` and ``normalize_weight:fwd+bwd``: ``jax.vjp`` of the weights (forward
+  kernel plus the XLA backward) at the DeepSeek-V3 gate shape (8192 x 256, 8/4 groups, K = 8) and on
+  the routing grid; bytes = the forward's inputs and outputs plus the cotangents in and out.
 * ``moe_routing_path:fwd+bwd``: ``expand -> ragged_dot -> silu -> ragged_dot -> weighted reduce`` and
   the gradients w.r.t. ``x``, the weights and both expert matrices, at DeepSeek-V3-like sizes (256
   experts over 8 EP ranks: 32 local experts, K = 8, H = 7168, expert width 2048; bf16); the XLA
@@ -24,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.moe import _gate_case
 from benchmarks.moe_routing import MOE_PARAMS, _label, _routing
 from benchmarks.registry import BenchOp, Case, register
 from jaxkern import _config, moe
@@ -135,3 +139,46 @@ register(BenchOp(
     functools.partial(_routing_path, ref.expand_to_fused, ref.reduce_fused),
     lambda: [_path_case(32, 8, 8, 7168, 2048)],
     lambda: [_path_case(4, 8, 2, 256, 128, 4)], check=close_check))
+
+
+def _gate_weights_vjp(top2_sum_gate, logits, bias, arrays, cfg, d_weights, **implementation):
+  """Forward and backward of ``topk_weights`` w.r.t. ``logits`` (the forward also yields the logical ids)."""
+  weights = lambda x: top2_sum_gate(x, bias, **dict(cfg.kwargs), **arrays, **implementation).topk_weights
+  return jax.vjp(weights, logits)[1](d_weights)[0]
+
+
+def _gate_grad_case(func, tokens=8192):
+  case = _gate_case(8, 4, 256, 0, 8, func, active=tokens, masked=0)
+
+  def make_args(key):
+    return (*case.make_args(key), jax.random.normal(jax.random.fold_in(key, 1), (tokens, 8), jnp.float32))
+
+  return Case(case.label, make_args, 3 * case.nbytes + tokens * 8 * 4)
+
+
+register(BenchOp(
+    "top2_sum_gate:fwd+bwd",
+    functools.partial(_gate_weights_vjp, moe.top2_sum_gate), functools.partial(_gate_weights_vjp, ref.top2_sum_gate),
+    lambda: [_gate_grad_case(func) for func in ("sigmoid", "sqrtsoftplus", "softmax")],
+    lambda: [_gate_grad_case("softmax", 40)], check=close_check))
+
+
+def _normalize_vjp(normalize_weight, w, d_normalized, **implementation):
+  return jax.vjp(lambda w: normalize_weight(w, **implementation).normalized_weights, w)[1](d_normalized)[0]
+
+
+def _normalize_grad_case(experts, ranks, num_topk, tokens=None):
+  t = tokens or _routing(experts, ranks, num_topk)[0].shape[0]
+
+  def make_args(key):
+    k1, k2 = jax.random.split(key)
+    return jax.random.uniform(k1, (t, num_topk), jnp.float32), jax.random.normal(k2, (t, num_topk), jnp.float32)
+
+  return Case(_label(experts, ranks, num_topk, t), make_args, t * num_topk * 4 * 4 + t * 4)
+
+
+register(BenchOp(
+    "normalize_weight:fwd+bwd",
+    functools.partial(_normalize_vjp, moe.normalize_weight), functools.partial(_normalize_vjp, ref.normalize_weight),
+    lambda: [_normalize_grad_case(*p) for p in MOE_PARAMS],
+    lambda: [_normalize_grad_case(9, 8, 6, 5)], check=close_check))
