@@ -443,7 +443,8 @@ def top2_sum_gate(logits: jax.Array, bias: jax.Array, num_topk: int, *, scoring_
   When differentiated, the forward (the path above) also returns the unmapped output, the logical ids the
   weights belong to (one more ``(T, K)`` int32 store in the kernel). The backward runs XLA under every
   implementation: one ``(T, E)`` elementwise pass with a ``K``-slot one-hot sum, memory-bound work that
-  needs no kernel (to be confirmed by measurement on the GPU). It recomputes the scores from ``logits``:
+  needs no kernel (H200, DeepSeek-V3 shape 8192 x 256: forward kernel plus this backward 25.6-33.4 µs,
+  6.3-7.7x ``jax.vjp`` of the reference; benchmarks/NOTES.md). It recomputes the scores from ``logits``:
   the reference's exact ones under ``implementation="reference"``, plain float32 ones otherwise.
   """
   logits = _checks.as_array("logits", logits)

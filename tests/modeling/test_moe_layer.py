@@ -22,6 +22,13 @@ GROUPED = MoeConfig(num_experts=16, num_topk=4, num_shared_experts=2, num_groups
                     scoring_func="softmax", routed_scaling_factor=2.5, alignment=16)
 
 
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+  """GPUs multiply float32 matrices in TF32 by default; comparing against the dense layer needs float32."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
 def _inputs(key, config=CONFIG, tokens=T, dtype=jnp.float32):
   k_params, k_x = jax.random.split(key)
   return init_moe_params(k_params, config, H, I, dtype), jax.random.normal(k_x, (tokens, H), jnp.float32).astype(dtype)
