@@ -1,10 +1,12 @@
-"""FP8 e4m3 / FP4 e2m1 casts with per-token, per-block and per-channel scales (spec: quant.md).
+"""FP8 e4m3 / FP4 e2m1 casts with per-token, per-block and per-channel scales, and the 12-bit E5M6 per-token
+cast (spec: quant.md).
 
 Casts return a :class:`QuantTensor` ``(data, sf)`` (a NamedTuple; plain 2-tuples are accepted as
 inputs). Scale-factor layouts: see :mod:`jaxkern.reference.quant`.
 """
 
 from jaxkern.quant._cast_back import cast_back, per_token_cast_back, unpack_from_e2m1fn_x2
+from jaxkern.quant._e5m6 import cast_back_e5m6, per_token_cast_to_e5m6
 from jaxkern.quant._per_block_cast import (
     per_block_cast,
     per_block_cast_lossless,
@@ -23,6 +25,7 @@ from jaxkern.types import QuantTensor
 __all__ = [
     "QuantTensor",
     "cast_back",
+    "cast_back_e5m6",
     "per_block_cast",
     "per_block_cast_lossless",
     "per_block_cast_with_precomputed_sf",
@@ -32,6 +35,7 @@ __all__ = [
     "per_channel_cast_fused",
     "per_token_cast",
     "per_token_cast_back",
+    "per_token_cast_to_e5m6",
     "per_token_cast_with_precomputed_sf",
     "per_token_cast_with_sf_only",
     "sf_logical",

@@ -1,4 +1,5 @@
-"""Dequantisation: ``cast_back``, ``per_token_cast_back`` and ``unpack_from_e2m1fn_x2`` (quant.md §9).
+"""Dequantisation: ``cast_back``, ``per_token_cast_back`` and ``unpack_from_e2m1fn_x2`` (quant.md §9); E5M6 data
+(``x_special_fmt="e5m6"``) go to :mod:`jaxkern.quant._e5m6`.
 
 ``out = RN(f32(q) · sf)`` in float32, then one rounding to bf16 for ``fmt="bf16"``.
 
@@ -380,8 +381,13 @@ def _cast_back_unsupported(q, k: int, block_size) -> str | None:
 
 def _cast_back(op, x, fmt, x_block_size, x_special_fmt, col_major, implementation):
   """Checks, then one dispatch: the per-channel, TMA-store or row kernel (chosen as measured), or XLA."""
+  if x_special_fmt == "e5m6":
+    from jaxkern.quant._e5m6 import cast_back_e5m6  # that module imports this one
+
+    return cast_back_e5m6(x, fmt, x_block_size, x_use_tma_aligned_col_major_sf=col_major,
+                          implementation=implementation)
   if x_special_fmt is not None:
-    raise ValueError(f"x_special_fmt must be None (E5M6 is not supported), got {x_special_fmt!r}")
+    raise ValueError(f"x_special_fmt must be None or 'e5m6', got {x_special_fmt!r}")
   if isinstance(x, tuple) and len(x) == 2:
     x = QuantTensor(_checks.as_array("x[0]", x[0]), _checks.as_array("x[1]", x[1]))
   k = validate.check_quant_tensor("x", x, x_block_size, col_major=col_major)
@@ -423,7 +429,8 @@ def cast_back(x, fmt: str, x_block_size, *, x_special_fmt=None, x_use_tma_aligne
       UE8M0 ``(ceil(Kb/4), align(Mb, 4))``), see :mod:`jaxkern.reference.quant`.
     fmt: ``"bf16"`` or ``"fp32"``, the output dtype.
     x_block_size: ``(bm, bk)``, positive ints (a partial last block is allowed).
-    x_special_fmt: must be None (E5M6 is not part of this module).
+    x_special_fmt: None, or ``"e5m6"``: ``q`` is packed E5M6 ``(M, 3K/2)`` uint8, handled by
+      :func:`jaxkern.quant.cast_back_e5m6` (its checks, kernels and XLA cases apply instead of these).
     x_use_tma_aligned_col_major_sf: a float32 ``sf`` is column-major (layout B).
     implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``.
 
@@ -433,7 +440,7 @@ def cast_back(x, fmt: str, x_block_size, *, x_special_fmt=None, x_use_tma_aligne
   Raises:
     ValueError: ``x`` not a pair of arrays, another dtype or rank of ``q`` / ``sf``, an ``sf`` shape
       that does not fit the blocks and layout, logical ``K % 64 != 0``, non-positive block sides,
-      another ``fmt``, an ``x_special_fmt``.
+      another ``fmt``, an ``x_special_fmt`` other than None / ``"e5m6"``.
     KernelUnavailableError: ``implementation="pallas"`` / ``"interpret"`` for the XLA cases below.
 
   Kernels (Mosaic GPU): e4m3 data with ``(bm, 1)`` blocks (``bm % 16 == 0``) the per-channel kernel;

@@ -477,7 +477,8 @@ def per_token_cast(x, fmt: str, num_per_channels: int, *, x_block_size=None,
     x: ``(M, K)`` bfloat16 / float32 array (or nested list), or a QuantTensor ``(data, sf)``: e4m3
       ``(M, K)`` or int8 / uint8 packed e2m1 ``(M, K/2)`` data, float32 sf in layout A ``(Mb, Kb)`` or B
       (with ``x_use_tma_aligned_col_major_sf``), or int32 packed UE8M0 layout C, for blocks ``x_block_size``.
-    fmt: ``"e4m3"`` or ``"e2m1"`` (``K`` even).
+    fmt: ``"e4m3"`` or ``"e2m1"`` (``K`` even); ``"e5m6"`` runs :func:`jaxkern.quant.per_token_cast_to_e5m6`
+      (plain input, ``num_per_channels == K``; its result, checks and XLA cases).
     num_per_channels: group width: 16, 32, 64, 128, or ``K`` (plain input, ``K % 64 == 0``); the last
       group may be partial.
     x_block_size: ``(bm, bk)`` of a QuantTensor input; None for a plain input.
@@ -517,6 +518,8 @@ def per_token_cast(x, fmt: str, num_per_channels: int, *, x_block_size=None,
   flags = dict(use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, round_sf=round_sf,
                use_packed_ue8m0=use_packed_ue8m0)
   npc = num_per_channels
+  if fmt == "e5m6":
+    return _to_e5m6(x, npc, x_block_size, x_use_tma_aligned_col_major_sf, flags, implementation)
   if isinstance(x, tuple):
     x = _check_quant(x, fmt, npc, x_block_size, x_use_tma_aligned_col_major_sf, **flags)
     x = validate.guard("per_token_cast", x)
@@ -546,6 +549,15 @@ def per_token_cast(x, fmt: str, num_per_channels: int, *, x_block_size=None,
 
   return _dispatch.run("per_token_cast", implementation, kernel=kernel, xla=reference, unsupported=unsupported,
                        empty=empty)
+
+
+def _to_e5m6(x, npc, x_block_size, x_col_major, flags, implementation):
+  """``per_token_cast(x, "e5m6", ...)``: :func:`jaxkern.quant.per_token_cast_to_e5m6` of a plain input."""
+  from jaxkern.quant._e5m6 import per_token_cast_to_e5m6  # that module imports this one
+
+  if isinstance(x, tuple) or x_block_size is not None or x_col_major:
+    raise ValueError("fmt='e5m6' needs a plain (M, K) array x (no QuantTensor, x_block_size None)")
+  return per_token_cast_to_e5m6(x, npc, **flags, implementation=implementation)
 
 
 def _plain_only(x, x_block_size):

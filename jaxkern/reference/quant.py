@@ -14,6 +14,9 @@ Scale-factor layouts (quant.md §3.1/3.2), for a logical sf matrix ``S`` of shap
 * C (``use_tma_aligned_col_major_sf`` and ``use_packed_ue8m0``, needs ``round_sf``): ``(ceil(Kb/4), Mp)``
   int32; word ``[w, i]`` holds the UE8M0 bytes of ``S[i, 4w:4w+4]``, block column ``4w`` in the least
   significant byte; padding bytes and rows are zero.
+
+E5M6 (quant.md §2.1, §4.6): 12-bit codes ``s eeeee mmmmmm`` (the top 12 bits of an fp16 pattern), eight
+per three little-endian uint32 words, returned as bytes ``(M, 3K/2)`` uint8.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from jaxkern.types import QuantTensor
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
-MAX_VALUE = {"e4m3": FP8_MAX, "e2m1": FP4_MAX}
-CLAMP_MIN = {"e4m3": float(np.float32(1e-4)), "e2m1": 6.0 * 2.0**-126}
+E5M6_MAX = 65024.0
+MAX_VALUE = {"e4m3": FP8_MAX, "e2m1": FP4_MAX, "e5m6": E5M6_MAX}
+CLAMP_MIN = {"e4m3": float(np.float32(1e-4)), "e2m1": 6.0 * 2.0**-126, "e5m6": float(np.float32(1e-4))}
 # Magnitudes of the e2m1 nibbles 0..7; nibbles 8..15 are their negatives.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -273,8 +277,12 @@ def per_token_cast(x, fmt: str, num_per_channels: int, *, x_block_size=None,
   (UE8M0 byte 0) and sf_inv = -2^127 for NaN, sf = +inf (UE8M0 byte 255) and sf_inv = -inf for inf. The
   data are ``encode(x · sf_inv)`` as always: ±inf products saturate (e4m3 ±448, e2m1 ±6). Every NaN result
   (sf, products) is the GPU's canonical NaN 0x7FFFFFFF (:func:`canonical_nan`), so NaN data encode as
-  e4m3 0x7F and e2m1 +6 (nibble 7), whatever the sign of the input NaN.
+  e4m3 0x7F and e2m1 +6 (nibble 7), whatever the sign of the input NaN. ``fmt="e5m6"``:
+  :func:`per_token_cast_to_e5m6` (plain input only).
   """
+  if fmt == "e5m6":
+    return per_token_cast_to_e5m6(x, num_per_channels, use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+                                  round_sf=round_sf, use_packed_ue8m0=use_packed_ue8m0)
   return QuantTensor(*cast(x, fmt, (1, num_per_channels), x_block_size=x_block_size, round_sf=round_sf,
                            use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0,
                            x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf))
@@ -399,9 +407,12 @@ def cast_back(x, fmt: str, x_block_size, *, x_special_fmt=None, x_use_tma_aligne
   """Dequantises ``(q, sf)`` with blocks ``x_block_size`` to ``fmt`` (``"bf16"`` / ``"fp32"``):
   ``RN(f32(q)·sf)`` in float32, then one rounding to bf16. ``q`` is e4m3 ``(M, K)`` or packed e2m1
   ``(M, K/2)``; ``sf`` in layout A, B or C (see the module docstring). NaN / infinite data or scales
-  follow IEEE multiplication (``0·inf`` is NaN). ``x_special_fmt`` must be None."""
+  follow IEEE multiplication (``0·inf`` is NaN). ``x_special_fmt``: None, or ``"e5m6"`` for
+  :func:`cast_back_e5m6`."""
+  if x_special_fmt == "e5m6":
+    return cast_back_e5m6(x, fmt, x_block_size, x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
   if x_special_fmt is not None:
-    raise ValueError(f"x_special_fmt must be None, got {x_special_fmt!r}")
+    raise ValueError(f"x_special_fmt must be None or 'e5m6', got {x_special_fmt!r}")
   q, sf = x
   v = _decode(q)
   m, k = v.shape
@@ -425,3 +436,92 @@ def unpack_from_e2m1fn_x2(x, *, out_dtype=jnp.float32):
   n = jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(*x.shape[:-1], 2 * x.shape[-1])
   table = jnp.asarray(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), jnp.float32)
   return table[n].astype(out_dtype)
+
+
+# E5M6 (quant.md §4.6, §5.4, §9.3)
+
+
+def fp16_rtz_bits(u):
+  """float32 patterns (int32) -> fp16 patterns rounded toward zero (int32 in 0..0xFFFF), the integer recipe
+  of quant.md §4.6 step 1: exponents above the fp16 range (and inf) give ±inf 0x7C00, NaN 0x7FFF."""
+  sign = lax.shift_right_logical(u, 16) & 0x8000
+  e = (u >> 23) & 0xFF
+  f = u & 0x7FFFFF
+  normal = ((e - 112) << 10) | (f >> 13)
+  subnormal = lax.shift_right_logical(0x800000 | f, jnp.clip(126 - e, 0, 31))
+  special = jnp.where((e == 255) & (f != 0), 0x7FFF, 0x7C00)
+  mag = jnp.where(e >= 143, special, jnp.where(e >= 113, normal, jnp.where(e >= 103, subnormal, 0)))
+  return sign | mag
+
+
+def encode_e5m6(v):
+  """float32 -> 12-bit E5M6 code (int32 in 0..0xFFF), quant.md §4.6 steps 1-4: the fp16 pattern rounded toward
+  zero, its top 12 bits, plus one where ``(code & 1) + (low 17 bits of the float32 pattern) > 0x10000`` (round
+  to nearest even for fp16-normal magnitudes; the spec's literal rule below 2^-14)."""
+  u = _bits(v)
+  t = lax.shift_right_logical(fp16_rtz_bits(u), 4)
+  return jnp.where((t & 1) + (u & 0x1FFFF) > 0x10000, t + 1, t) & 0xFFF
+
+
+def e5m6_words(t):
+  """Eight E5M6 codes ``t0..t7`` (int32 arrays) -> the three int32 words of their 96-bit big-endian
+  concatenation (quant.md §4.6)."""
+  w0 = (t[0] << 20) | (t[1] << 8) | (t[2] >> 4)
+  w1 = (t[2] << 28) | (t[3] << 16) | (t[4] << 4) | (t[5] >> 8)
+  w2 = (t[5] << 24) | (t[6] << 12) | t[7]
+  return w0, w1, w2
+
+
+def e5m6_codes(w0, w1, w2):
+  """The inverse of :func:`e5m6_words`: three int32 words -> the eight codes (int32 in 0..0xFFF)."""
+  srl = lax.shift_right_logical
+  return (srl(w0, 20), (w0 >> 8) & 0xFFF, ((w0 & 0xFF) << 4) | srl(w1, 28), (w1 >> 16) & 0xFFF,
+          (w1 >> 4) & 0xFFF, ((w1 & 0xF) << 8) | srl(w2, 24), (w2 >> 12) & 0xFFF, w2 & 0xFFF)
+
+
+def pack_e5m6(codes):
+  """``(M, K)`` codes -> ``(M, 3K/2)`` uint8: per group of 8 columns the words ``w0, w1, w2``, little-endian."""
+  m, k = codes.shape
+  g = codes.reshape(m, k // 8, 8)
+  words = jnp.stack(e5m6_words([g[..., i] for i in range(8)]), axis=-1)
+  return lax.bitcast_convert_type(words, jnp.uint8).reshape(m, 3 * k // 2)
+
+
+def unpack_e5m6(packed):
+  """``(M, 3K/2)`` uint8 -> ``(M, K)`` E5M6 codes (int32)."""
+  m, n = packed.shape
+  words = lax.bitcast_convert_type(packed.reshape(m, n // 12, 3, 4), jnp.int32)
+  return jnp.stack(e5m6_codes(*(words[..., i] for i in range(3))), axis=-1).reshape(m, 2 * n // 3)
+
+
+def decode_e5m6(t):
+  """E5M6 codes (int32) -> float32: the fp16 with pattern ``t << 4``, widened (exact)."""
+  return lax.bitcast_convert_type((t << 4).astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+
+
+def per_token_cast_to_e5m6(x, num_per_channels: int, *, use_tma_aligned_col_major_sf: bool = False,
+                           round_sf: bool = False, use_packed_ue8m0: bool = False) -> QuantTensor:
+  """Reference of :func:`jaxkern.quant.per_token_cast_to_e5m6` (quant.md §5.4): ``x`` ``(M, K)`` bf16 / float32,
+  one sf per group of ``num_per_channels`` columns (a divisor of ``K``; the op requires ``K``), max value 65024,
+  clamp minimum 1e-4; data ``pack(encode_e5m6(RN(x · sf_inv)))`` ``(M, 3K/2)`` uint8, sf in layout A / B / C.
+  Non-finite inputs as :func:`per_token_cast` (NaN-propagating amax, canonical NaN for every NaN result)."""
+  v = x.astype(jnp.float32)
+  m, k = v.shape
+  amax = abs_max(v.reshape(m, k // num_per_channels, num_per_channels), axis=2)
+  sf, inv = scale_factors(amax, E5M6_MAX, "e5m6", round_sf)
+  q = canonical_nan(v * jnp.repeat(inv, num_per_channels, axis=1))
+  return QuantTensor(pack_e5m6(encode_e5m6(q)),
+                     format_sf(canonical_nan(sf), use_tma_aligned_col_major_sf, use_packed_ue8m0))
+
+
+def cast_back_e5m6(x, fmt: str, x_block_size, *, x_use_tma_aligned_col_major_sf: bool = False):
+  """Reference of :func:`jaxkern.quant.cast_back_e5m6` (quant.md §9.3): ``(packed (M, 3K/2) uint8, sf)`` with
+  blocks ``x_block_size`` -> ``RN(decode(code) · sf)`` as ``fmt`` (``"bf16"`` / ``"fp32"``); NaN results are
+  the canonical NaN (:func:`canonical_nan`)."""
+  q, sf = x
+  v = decode_e5m6(unpack_e5m6(q))
+  m, k = v.shape
+  bm, bk = x_block_size
+  s = sf_to_float(sf, cdiv(m, bm), cdiv(k, bk), use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
+  out = canonical_nan(v * _expand(s, bm, bk, m, k))
+  return out.astype(jnp.bfloat16 if fmt == "bf16" else jnp.float32)

@@ -241,10 +241,10 @@ def test_bad_inputs(q, block, fmt, match):
 
 def test_special_fmt_is_keyword_and_rejected():
   q = (jnp.ones((8, 64), jnp.float8_e4m3fn), jnp.ones((8, 1), jnp.float32))
-  with pytest.raises(ValueError, match="x_special_fmt must be None"):
-    quant.cast_back(q, "bf16", (1, 64), x_special_fmt="e5m6")
-  with pytest.raises(ValueError, match="x_special_fmt must be None"):
-    ref.per_token_cast_back(q, "bf16", 64, x_special_fmt="e5m6")
+  with pytest.raises(ValueError, match="x_special_fmt must be None or 'e5m6'"):
+    quant.cast_back(q, "bf16", (1, 64), x_special_fmt="e4m3")
+  with pytest.raises(ValueError, match="x_special_fmt must be None or 'e5m6'"):
+    ref.per_token_cast_back(q, "bf16", 64, x_special_fmt="e4m3")
   with pytest.raises(TypeError):
     quant.cast_back(q, "bf16", (1, 64), None)  # keyword-only
 

@@ -1,0 +1,250 @@
+"""E5M6: the reference against an independent numpy transcription of quant.md §4.6, the kernels against the
+reference (interpret mode), lowering for an H100, argument checks and differentiation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkern
+from jaxkern import quant
+from jaxkern.quant import _validate as validate
+from jaxkern.reference import quant as ref
+from jaxkern.testing import assert_bitwise_equal, assert_diff_below, lower_for_h100, randn
+
+FLAGS = {"A": (False, False, False), "A_round": (False, True, False), "B": (True, False, False),
+         "B_round": (True, True, False), "C": (True, True, True)}
+
+
+def _flags(name):
+  col, rnd, packed = FLAGS[name]
+  return dict(use_tma_aligned_col_major_sf=col, round_sf=rnd, use_packed_ue8m0=packed)
+
+
+# An independent numpy / Python transcription of the spec's recipe (the oracle of the reference).
+
+def _np_fp16_rtz(u: int) -> int:
+  sign, e, f = (u >> 16) & 0x8000, (u >> 23) & 0xFF, u & 0x7FFFFF
+  if e == 255:
+    return sign | (0x7FFF if f else 0x7C00)
+  if e >= 143:
+    return sign | 0x7C00
+  if e >= 113:
+    return sign | ((e - 112) << 10) | (f >> 13)
+  if e >= 103:
+    return sign | ((0x800000 | f) >> (126 - e))
+  return sign
+
+
+def _np_encode(v) -> np.ndarray:
+  out = []
+  for u in np.asarray(v, np.float32).ravel().view(np.uint32).tolist():
+    t = _np_fp16_rtz(u) >> 4
+    if (t & 1) + (u & 0x1FFFF) > 0x10000:
+      t += 1
+    out.append(t & 0xFFF)
+  return np.array(out, np.int64).reshape(np.shape(v))
+
+
+def _np_pack(codes) -> np.ndarray:
+  """96-bit big-endian groups of 8 codes as three little-endian uint32 words, as bytes."""
+  m, k = codes.shape
+  words = []
+  for row in codes.tolist():
+    for g in range(k // 8):
+      bits = 0
+      for t in row[8 * g:8 * g + 8]:
+        bits = (bits << 12) | t
+      words += [(bits >> 64) & 0xFFFFFFFF, (bits >> 32) & 0xFFFFFFFF, bits & 0xFFFFFFFF]
+  return np.array(words, "<u4").view(np.uint8).reshape(m, 3 * k // 2)
+
+
+def _special_values():
+  tiny = [2.0**-20, 1.5 * 2.0**-20, 2.0**-21, 2.0**-24, 2.0**-25, (63 / 64) * 2.0**-14, 2.0**-14, 2.0**-15,
+          2.0**-14 * (1 + 2.0**-7), 2.0**-14 * (1 + 3 * 2.0**-7)]
+  big = [65024.0, 65024.0 * (1 + 2.0**-23), 65535.0, 65536.0, 1e30, 3.4e38, 1.0, 1.0 + 2.0**-7,
+         1.0 + 3 * 2.0**-7, 1.0 + 2.0**-7 + 2.0**-23, 1.0 + 2.0**-7 - 2.0**-24, 2.0 - 2.0**-8, 1e-40, 1e-45]
+  mags = np.array(tiny + big + [0.0, np.inf, np.nan], np.float32)
+  return np.concatenate([mags, -mags])
+
+
+def test_reference_encoder_matches_numpy_recipe():
+  rng = np.random.default_rng(0)
+  rand = np.concatenate([
+      np.ldexp(rng.standard_normal(2000), rng.integers(-30, 17, 2000)).astype(np.float32),
+      rng.integers(0, 2**32, 2000, dtype=np.uint32).view(np.float32),  # any bit pattern
+  ])
+  v = np.concatenate([rand, _special_values()])
+  assert_bitwise_equal(np.asarray(ref.encode_e5m6(jnp.asarray(v))).astype(np.int64), _np_encode(v))
+
+
+def test_encoder_is_round_to_nearest_even_in_the_normal_range():
+  """Above 2^-14 the recipe is RNE from float32 to E5M6: ties to even, e.g. 1 + 2^-7 -> 1, 1 + 3·2^-7 -> 1 + 2^-5."""
+  v = np.array([1 + 2.0**-7, 1 + 3 * 2.0**-7, 1 + 2.0**-7 + 2.0**-23, -0.0, 65024.0, 2.0**-14, 1.5 * 2.0**-20],
+               np.float32)
+  codes = np.asarray(ref.encode_e5m6(jnp.asarray(v)))
+  assert codes.tolist() == [0x3C0, 0x3C2, 0x3C1, 0x800, 0x7BF, 0x040, 0x001]  # the last: the spec's quirk
+
+
+def test_pack_unpack_and_decode_match_numpy():
+  rng = np.random.default_rng(1)
+  codes = rng.integers(0, 4096, (3, 48))
+  packed = ref.pack_e5m6(jnp.asarray(codes, jnp.int32))
+  assert_bitwise_equal(packed, _np_pack(codes))
+  assert_bitwise_equal(np.asarray(ref.unpack_e5m6(packed)).astype(np.int64), codes)
+  every = np.arange(4096)
+  want = (every << 4).astype(np.uint16).view(np.float16).astype(np.float32)
+  got = np.asarray(ref.decode_e5m6(jnp.asarray(every, jnp.int32)))
+  assert_bitwise_equal(got[~np.isnan(want)], want[~np.isnan(want)])
+  assert np.isnan(got[np.isnan(want)]).all()
+
+
+def _inputs(key, m, k, dtype):
+  """``randn`` rows, then the spec's constant rows (2^-20, (63/64)·2^-14, 2^-14, last column 65024) and a row of
+  special values (signed zeros, rounding boundaries)."""
+  x = randn(key, (m, k), jnp.float32)
+  consts = [2.0**-20, (63 / 64) * 2.0**-14, 2.0**-14]
+  for i, c in enumerate(consts[:m]):
+    x = x.at[i].set(c).at[i, k - 1].set(65024.0)
+  if m > 3:
+    specials = np.resize(_special_values()[np.isfinite(_special_values())], k)
+    x = x.at[3].set(jnp.asarray(specials))
+  return x.astype(dtype)
+
+
+CASES = [  # m, k, dtype, flags
+    (5, 64, jnp.float32, "A"),  # fewer rows than a layout block (padded)
+    (37, 576, jnp.bfloat16, "C"),  # ragged rows: the last CTA moved back
+    (130, 192, jnp.float32, "B_round"),
+    (16, 576, jnp.float32, "A_round"),
+    (20, 128, jnp.bfloat16, "B"),
+]
+
+
+@pytest.mark.parametrize("m, k, dtype, flags", CASES, ids=[f"{c[0]}x{c[1]}-{jnp.dtype(c[2]).name}-{c[3]}" for c in CASES])
+def test_cast_and_cast_back_bit_exact(key, m, k, dtype, flags):
+  x = _inputs(key, m, k, dtype)
+  f = _flags(flags)
+  got = quant.per_token_cast_to_e5m6(x, k, **f)
+  assert got.data.dtype == jnp.uint8 and got.data.shape == (m, 3 * k // 2)
+  assert_bitwise_equal(got, ref.per_token_cast_to_e5m6(x, k, **f))
+  col = f["use_tma_aligned_col_major_sf"]
+  for fmt in ("bf16", "fp32"):
+    back = quant.cast_back_e5m6(got, fmt, (1, k), x_use_tma_aligned_col_major_sf=col)
+    assert_bitwise_equal(back, ref.cast_back_e5m6(got, fmt, (1, k), x_use_tma_aligned_col_major_sf=col))
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 1e-4)])
+def test_round_trip_and_dispatching_ops(key, dtype, tol):
+  x = randn(key, (24, 256), dtype)
+  q = quant.per_token_cast(x, "e5m6", 256, **_flags("C"))
+  assert_bitwise_equal(q, quant.per_token_cast_to_e5m6(x, 256, **_flags("C")))
+  back = quant.cast_back(q, "fp32", (1, 256), x_special_fmt="e5m6", x_use_tma_aligned_col_major_sf=True)
+  assert_bitwise_equal(back, quant.per_token_cast_back(q, "fp32", 256, x_special_fmt="e5m6"))
+  assert_bitwise_equal(back, ref.cast_back(q, "fp32", (1, 256), x_special_fmt="e5m6"))
+  assert_diff_below(back, x.astype(jnp.float32), tol)
+  assert_bitwise_equal(q, ref.per_token_cast(x, "e5m6", 256, **_flags("C")))
+
+
+def test_all_zero_and_non_finite_rows(key):
+  """A zero row (sf 2^-29 with round_sf, data ±0), and NaN / inf rows: same bits from kernel and reference."""
+  x = randn(key, (20, 64), jnp.float32).at[0].set(0.0).at[1].set(-0.0).at[2, 5].set(jnp.nan).at[3, 7].set(-jnp.inf)
+  for flags in ("A", "A_round"):
+    got = quant.per_token_cast_to_e5m6(x, 64, **_flags(flags))
+    assert_bitwise_equal(got, ref.per_token_cast_to_e5m6(x, 64, **_flags(flags)))
+    for fmt in ("bf16", "fp32"):
+      assert_bitwise_equal(quant.cast_back_e5m6(got, fmt, (1, 64)), ref.cast_back_e5m6(got, fmt, (1, 64)))
+  data = np.asarray(ref.unpack_e5m6(got.data))
+  assert float(got.sf[0, 0]) == 2.0**-29 and (data[0] == 0).all() and (data[1] == 0x800).all()
+
+
+def test_other_blocks_run_xla(key):
+  x = randn(key, (8, 64), jnp.float32)
+  q = ref.per_token_cast_to_e5m6(x, 32)  # the reference's npc dividing K: two scales per row
+  with pytest.raises(jaxkern.KernelUnavailableError, match="one sf per row"):
+    quant.cast_back_e5m6(q, "fp32", (1, 32), implementation="interpret")
+  assert_bitwise_equal(quant.cast_back_e5m6(q, "fp32", (1, 32), implementation="xla"),
+                       ref.cast_back_e5m6(q, "fp32", (1, 32)))
+
+
+def test_zero_rows():
+  q = quant.per_token_cast_to_e5m6(jnp.zeros((0, 64), jnp.bfloat16), 64, **_flags("C"))
+  assert q.data.shape == (0, 96) and q.sf.shape == (1, 0) and q.sf.dtype == jnp.int32
+  assert quant.per_token_cast_to_e5m6(jnp.zeros((0, 64), jnp.float32), 64).sf.shape == (0, 1)
+  assert quant.cast_back_e5m6(q, "bf16", (1, 64)).shape == (0, 64)
+  (d,) = jaxkern.explain(lambda x: quant.per_token_cast_to_e5m6(x, 64, implementation="pallas"),
+                         jax.ShapeDtypeStruct((0, 64), jnp.float32))
+  assert d.path == "xla" and "zero-size" in d.reason
+
+
+@pytest.mark.parametrize("args, match", [
+    ((jnp.ones((8, 60), jnp.float32), 60), r"x.shape\[1\] must be a multiple of 8"),
+    ((jnp.ones((8, 64), jnp.float32), 32), "num_per_channels must equal K=64"),
+    ((jnp.ones((8, 64), jnp.float16), 64), "x must have dtype"),
+    ((jnp.ones((64,), jnp.float32), 64), "x must have rank 2"),
+])
+def test_cast_bad_inputs(args, match):
+  with pytest.raises(ValueError, match=match):
+    quant.per_token_cast_to_e5m6(*args)
+
+
+def test_cast_bad_flags_and_dispatch():
+  x = jnp.ones((8, 64), jnp.float32)
+  with pytest.raises(ValueError, match="use_packed_ue8m0 requires"):
+    quant.per_token_cast_to_e5m6(x, 64, use_packed_ue8m0=True)
+  with pytest.raises(ValueError, match="fmt='e5m6' needs a plain"):
+    quant.per_token_cast(x, "e5m6", 64, x_block_size=(1, 64))
+
+
+@pytest.mark.parametrize("x, fmt, block, match", [
+    ((jnp.ones((8, 96), jnp.int8), jnp.ones((8, 1), jnp.float32)), "bf16", (1, 64), r"x\[0\] must have dtype"),
+    ((jnp.ones((8, 90), jnp.uint8), jnp.ones((8, 1), jnp.float32)), "bf16", (1, 60), r"x\[0\].shape\[1\] must be"),
+    ((jnp.ones((8, 96), jnp.uint8), jnp.ones((8, 2), jnp.float32)), "bf16", (1, 64), r"x\[1\] \(sf\) must have shape"),
+    ((jnp.ones((8, 96), jnp.uint8), jnp.ones((8, 1), jnp.float16)), "bf16", (1, 64), r"x\[1\] must have dtype"),
+    ((jnp.ones((8, 96), jnp.uint8), jnp.ones((8, 1), jnp.float32)), "fp16", (1, 64), "fmt"),
+    ((jnp.ones((8, 96), jnp.uint8), jnp.ones((8, 1), jnp.float32)), "bf16", (0, 64), "x_block_size"),
+    ([jnp.ones((8, 96), jnp.uint8), jnp.ones((8, 1), jnp.float32)], "bf16", (1, 64), "QuantTensor"),
+])
+def test_cast_back_bad_inputs(x, fmt, block, match):
+  with pytest.raises(ValueError, match=match):
+    quant.cast_back_e5m6(x, fmt, block)
+
+
+def test_not_differentiable(key):
+  x = randn(key, (8, 64), jnp.float32)
+  with pytest.raises(jaxkern.NotDifferentiableError, match="per_token_cast_to_e5m6"):
+    jax.grad(lambda x: quant.per_token_cast_to_e5m6(x, 64).sf.sum())(x)
+  q = ref.per_token_cast_to_e5m6(x, 64)
+  with pytest.raises(jaxkern.NotDifferentiableError, match="cast_back_e5m6"):
+    jax.grad(lambda s: quant.cast_back_e5m6((q.data, s), "fp32", (1, 64)).sum())(q.sf)
+
+
+@pytest.mark.parametrize("m, k", [(8001, 7168), (4001, 576)])
+@pytest.mark.parametrize("flags", ["A", "C"])
+def test_lowers_for_h100(m, k, flags):
+  f = _flags(flags)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    cast = lambda x: quant.per_token_cast_to_e5m6(x, k, **f, implementation="pallas")
+    assert "mosaic_gpu" in lower_for_h100(cast, jax.ShapeDtypeStruct((m, k), dtype)).as_text()
+  col, packed = f["use_tma_aligned_col_major_sf"], f["use_packed_ue8m0"]
+  sf = jax.ShapeDtypeStruct(validate.sf_shape(m, 1, col_major=col, packed=packed), jnp.int32 if packed else jnp.float32)
+  for fmt in ("bf16", "fp32"):
+    back = lambda q, s: quant.cast_back_e5m6((q, s), fmt, (1, k), implementation="pallas")
+    assert "mosaic_gpu" in lower_for_h100(back, jax.ShapeDtypeStruct((m, 3 * k // 2), jnp.uint8), sf).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("flags", ["A", "C"])
+@pytest.mark.parametrize("m, k", [(8001, 7168), (4001, 576)])
+def test_spec_shapes_gpu(key, m, k, flags, dtype):
+  x = _inputs(key, m, k, dtype)
+  f = _flags(flags)
+  got = jax.jit(lambda x: quant.per_token_cast_to_e5m6(x, k, **f))(x)
+  assert_bitwise_equal(got, jax.jit(lambda x: ref.per_token_cast_to_e5m6(x, k, **f))(x))
+  sf = np.asarray(ref.sf_to_float(got.sf, m, 1))
+  values = np.asarray(ref.decode_e5m6(ref.unpack_e5m6(got.data)))
+  for fmt, out_dtype in (("bf16", jnp.bfloat16), ("fp32", np.float32)):
+    back = jax.jit(lambda q: quant.cast_back_e5m6(q, fmt, (1, k), x_use_tma_aligned_col_major_sf=f[
+        "use_tma_aligned_col_major_sf"]))(got)
+    assert_bitwise_equal(back, (values * sf).astype(out_dtype))
