@@ -8,7 +8,8 @@ e2m1 with npc 32 / 128, flags T, T, T; one op, the static arguments travel as ca
 per_block_cast (e4m3 and e2m1 from float32 and bf16), the per-channel casts, per_token_cast_back of
 e4m3 and e2m1 data (layout-A and packed layout-C input), cast_back with (128, 128) and (128, 1) blocks,
 unpack_from_e2m1fn_x2, per_block_cast_lossless (e2m1 (1, 32) -> e4m3 (128, 128), packed sf) and
-per_channel_cast_fused (plain 4096 tokens and the K=6 MoE gathers, bf16 or QuantTensor input). The
+per_channel_cast_fused (plain 4096 tokens and the K=6 MoE gathers, bf16 or QuantTensor input),
+per_token_cast_to_e5m6 and cast_back_e5m6 (full grid, random input, flags (F, T, F) and (T, T, T)). The
 inputs whose ops fall back to the jnp reference (fewer rows than one register layout block, cast_back
 of e2m1 data with (bm, 1) blocks) are outside these grids.
 """
@@ -235,5 +236,45 @@ register(BenchOp(
     lambda: [_fused_case(e, r, k, qt) for qt in (False, True) for e, r in ((0, 0), (9, 8), (32, 8), (4, 64))
              for k in hidden_sizes(128)],
     lambda: [_fused_case(0, 0, 256, True)]))
+
+_E5M6_FLAGS = {"round": dict(round_sf=True), "packed": _PACKED}  # the spec's flag sets (F, T, F) and (T, T, T)
+
+
+def _e5m6_case(m, k, dtype_name, flags):
+  """Random input only (quant.md §11); bytes: x, packed data (1.5 bytes per value), sf (4 or 1 byte per row)."""
+  nbytes = m * k * jnp.dtype(_DTYPES[dtype_name]).itemsize + m * k * 3 // 2 + m * (1 if flags == "packed" else 4)
+  return Case(f"M={m} K={k} {dtype_name} {flags}", lambda key: (randn(key, (m, k), _DTYPES[dtype_name]),), nbytes,
+              _E5M6_FLAGS[flags])
+
+
+def _e5m6_back_case(m, k, out_name, flags):
+  """The kernel's cast of a ``randn`` in the output dtype; bytes: packed data, sf, output."""
+  nbytes = m * k * 3 // 2 + m * (1 if flags == "packed" else 4) + m * k * jnp.dtype(_DTYPES[out_name]).itemsize
+
+  def make(key):
+    return quant.per_token_cast_to_e5m6(randn(key, (m, k), _DTYPES[out_name]), k, **_E5M6_FLAGS[flags])
+
+  return Case(f"M={m} K={k} {out_name} {flags}", make, nbytes, dict(fmt=out_name, col_major=flags == "packed"))
+
+
+register(BenchOp(
+    "per_token_cast_to_e5m6",
+    lambda x, implementation=None, **flags: quant.per_token_cast_to_e5m6(x, x.shape[1], **flags,
+                                                                          implementation=implementation),
+    lambda x, **flags: ref.per_token_cast_to_e5m6(x, x.shape[1], **flags),
+    lambda: [_e5m6_case(m, k, d, f) for f, d, m, k in itertools.product(
+        _E5M6_FLAGS, ("fp32", "bf16"), num_tokens(), hidden_sizes(64))],
+    lambda: [_e5m6_case(37, 576, "bf16", "packed"), _e5m6_case(20, 128, "fp32", "round")]))
+
+register(BenchOp(
+    "cast_back_e5m6",
+    lambda q, sf, fmt, col_major, implementation=None: quant.cast_back_e5m6(
+        (q, sf), fmt, (1, 2 * q.shape[1] // 3), x_use_tma_aligned_col_major_sf=col_major,
+        implementation=implementation),
+    lambda q, sf, fmt, col_major: ref.cast_back_e5m6((q, sf), fmt, (1, 2 * q.shape[1] // 3),
+                                                     x_use_tma_aligned_col_major_sf=col_major),
+    lambda: [_e5m6_back_case(m, k, o, f) for f, o, m, k in itertools.product(
+        _E5M6_FLAGS, ("bf16", "fp32"), num_tokens(), hidden_sizes(64))],
+    lambda: [_e5m6_back_case(37, 576, "bf16", "packed"), _e5m6_back_case(20, 128, "fp32", "round")]))
 
 del _fmt, _prefix, _dts, _name, _w, _out, _packed, _bm, _bk, _npt, _block
