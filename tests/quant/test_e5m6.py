@@ -121,7 +121,10 @@ CASES = [  # m, k, dtype, flags
 ]
 
 
-@pytest.mark.parametrize("m, k, dtype, flags", CASES, ids=[f"{c[0]}x{c[1]}-{jnp.dtype(c[2]).name}-{c[3]}" for c in CASES])
+CASE_IDS = [f"{m}x{k}-{jnp.dtype(d).name}-{f}" for m, k, d, f in CASES]
+
+
+@pytest.mark.parametrize("m, k, dtype, flags", CASES, ids=CASE_IDS)
 def test_cast_and_cast_back_bit_exact(key, m, k, dtype, flags):
   x = _inputs(key, m, k, dtype)
   f = _flags(flags)
