@@ -1,15 +1,17 @@
-"""Fused SwiGLU forward and per-token e4m3 cast (quant.md §8.1).  Mosaic GPU kernel built like the per-token cast's
-column-segment path (:func:`jaxkern.quant._per_token_cast.row_kernel`): straight GMEM -> registers -> GMEM, no SMEM
-or TMA. Each CTA takes a block of rows (the last block shifted back to end at the last row) and a chunk of
-:data:`SEG_CHUNK` groups of 128 columns (grid axis ``g``), or the whole row when one scale covers it
-(``num_per_channels == h``, whole warps per row). Per group it loads the gate columns ``[c, c + npc)`` and the
-value columns ``[h + c, h + c + npc)`` in the same :func:`jaxkern._layouts.row_layout`, so every value meets its
-partner in the same thread, then computes in float32 registers: the optional clamp and its per-row flag counts, ``e
-= exp(-l)``, ``d = 1 + e``, ``g = l / d`` correctly rounded (:func:`jaxkern._ieee.exact_div`: the GPU's ``/`` is
-approximate), ``act = g · r``, ``act · w``, the group's NaN-propagating abs-max (row reduction), sf and sf_inv
-(:func:`jaxkern.reference.quant.scale_factors` with the kernels' exact division), the saturating e4m3 conversion,
-and stores data and sf (float32 ``(groups, rows)`` turned into layout A by the wrapper, or layouts B / C written
-directly with zeroed padding rows, as the per-token cast does).
+"""Fused SwiGLU forward and per-token e4m3 cast (quant.md §8.1).
+
+Mosaic GPU kernel built like the per-token cast's column-segment path
+(:func:`jaxkern.quant._per_token_cast.row_kernel`): straight GMEM -> registers -> GMEM, no SMEM or TMA. Each CTA
+takes a block of rows (the last block shifted back to end at the last row) and a chunk of :data:`SEG_CHUNK` groups
+of 128 columns (grid axis ``g``), or the whole row when one scale covers it (``num_per_channels == h``, whole warps
+per row). Per group it loads the gate columns ``[c, c + npc)`` and the value columns ``[h + c, h + c + npc)`` in
+the same :func:`jaxkern._layouts.row_layout`, so every value meets its partner in the same thread, then computes in
+float32 registers: the optional clamp and its per-row flag counts, ``e = exp(-l)``, ``d = 1 + e``, ``g = l / d``
+correctly rounded (:func:`jaxkern._ieee.exact_div`: the GPU's ``/`` is approximate), ``act = g · r``, ``act · w``,
+the group's NaN-propagating abs-max (row reduction), sf and sf_inv (:func:`jaxkern.reference.quant.scale_factors`
+with the kernels' exact division), the saturating e4m3 conversion, and stores data and sf (float32 ``(groups,
+rows)`` turned into layout A by the wrapper, or layouts B / C written directly with zeroed padding rows, as the
+per-token cast does).
 
 Steps done outside the kernel, by XLA:
 
