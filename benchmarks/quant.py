@@ -9,7 +9,9 @@ per_block_cast (e4m3 and e2m1 from float32 and bf16), the per-channel casts, per
 e4m3 and e2m1 data (layout-A and packed layout-C input), cast_back with (128, 128) and (128, 1) blocks,
 unpack_from_e2m1fn_x2, per_block_cast_lossless (e2m1 (1, 32) -> e4m3 (128, 128), packed sf) and
 per_channel_cast_fused (plain 4096 tokens and the K=6 MoE gathers, bf16 or QuantTensor input),
-per_token_cast_to_e5m6 and cast_back_e5m6 (full grid, random input, flags (F, T, F) and (T, T, T)). The
+per_token_cast_to_e5m6 and cast_back_e5m6 (full grid, random input, flags (F, T, F) and (T, T, T)),
+swiglu_forward_and_per_token_cast (the 12 MoE configs x 6 h x pos_to_expert or not x clamp 0.5 / None, flags T, T,
+T, npc 128, no weights; the clamp is a case kwarg, counters returned with a clamp). The
 inputs whose ops fall back to the jnp reference (fewer rows than one register layout block, cast_back
 of e2m1 data with (bm, 1) blocks) are outside these grids.
 """
@@ -276,5 +278,45 @@ register(BenchOp(
     lambda: [_e5m6_back_case(m, k, o, f) for f, o, m, k in itertools.product(
         _E5M6_FLAGS, ("bf16", "fp32"), num_tokens(), hidden_sizes(64))],
     lambda: [_e5m6_back_case(37, 576, "bf16", "packed"), _e5m6_back_case(20, 128, "fp32", "round")]))
+
+
+def _swiglu_case(send_tokens, num_topk, experts, ranks, h, with_mapping, clamp):
+  """Upstream's SwiGLU benchmark input: ``expand_to_fused`` of a bf16 ``randn`` ``(T, 2h)`` over the fused
+  mapping of the MoE config (alignment 16, padding rows zero); ``pos_to_expert`` passed or not; flags T, T, T,
+  so npc 128 and no weights. Bytes: x, out, the logical packed sf (mappings not counted, quant.md §11)."""
+  from jaxkern.reference import moe as moe_ref
+  from jaxkern.testing import moe_topk_idx
+
+  idx = moe_topk_idx(jax.random.key(0), send_tokens, num_topk, experts, ranks)
+  counts = [int((idx == e).sum()) for e in range(experts)]
+  n = sum(-(-c // 16) * 16 for c in counts)
+  mapping = moe_ref.get_fused_mapping(jnp.asarray(idx), experts, n, 16)
+  pos_to_token, pos_to_expert = (np.asarray(a) for a in (mapping.pos_to_token, mapping.pos_to_expert))
+  nbytes = n * 2 * h * 2 + n * h + n * (-(-h // 512)) * 4
+  label = f"E={experts}x{ranks} K{num_topk} N={n} h={h}{' pte' if with_mapping else ''} clamp={clamp}"
+
+  def make(key):
+    x = randn(key, (idx.shape[0], 2 * h), jnp.bfloat16)
+    x = jnp.where(pos_to_token[:, None] >= 0, x[np.maximum(pos_to_token, 0)], 0).astype(jnp.bfloat16)
+    return (x, jnp.asarray(pos_to_expert)) if with_mapping else (x,)
+
+  return Case(label, make, nbytes, dict(clamp=clamp))
+
+
+def _swiglu(op):
+  def run(x, pos_to_expert=None, clamp=None, **implementation):  # implementation: only for the jaxkern op
+    count = None if clamp is None else jnp.zeros(3, jnp.int32)
+    return op(x, "e4m3", 128, None, None, pos_to_expert, **_PACKED, swiglu_clamp_value=clamp, clamped_count=count,
+              **implementation)
+  return run
+
+
+register(BenchOp(
+    "swiglu_forward_and_per_token_cast",
+    _swiglu(quant.swiglu_forward_and_per_token_cast),
+    _swiglu(ref.swiglu_forward_and_per_token_cast),
+    lambda: [_swiglu_case(4001, k, e, r, h, pte, c) for k in (2, 6, 8, 9) for e, r in ((9, 8), (32, 8), (4, 64))
+             for h in (1024, 1280, 1536, 2048, 3072, 3584) for pte in (True, False) for c in (0.5, None)],
+    lambda: [_swiglu_case(64, 2, 4, 2, 640, True, 0.5), _swiglu_case(64, 2, 4, 2, 256, False, None)]))
 
 del _fmt, _prefix, _dts, _name, _w, _out, _packed, _bm, _bk, _npt, _block

@@ -18,6 +18,15 @@ class QuantTensor(NamedTuple):
   sf: jax.Array
 
 
+class QuantTensorWithClampedCount(NamedTuple):
+  """A :class:`QuantTensor` and the updated SwiGLU clamp counters
+  (:func:`jaxkern.quant.swiglu_forward_and_per_token_cast` with ``clamped_count``)."""
+
+  data: jax.Array
+  sf: jax.Array
+  clamped_count: jax.Array  # (3,): the given counts plus #(left > C), #(right > C), #(right < -C)
+
+
 class FusedMapping(NamedTuple):
   """The fused (expert-major) row layout of :func:`jaxkern.moe.get_fused_mapping`."""
 

@@ -19,11 +19,13 @@ from jaxkern.quant._per_token_cast import (
     per_token_cast_with_precomputed_sf,
     per_token_cast_with_sf_only,
 )
+from jaxkern.quant._swiglu import swiglu_forward_and_per_token_cast
 from jaxkern.reference.quant import sf_logical, sf_to_float
-from jaxkern.types import QuantTensor
+from jaxkern.types import QuantTensor, QuantTensorWithClampedCount
 
 __all__ = [
     "QuantTensor",
+    "QuantTensorWithClampedCount",
     "cast_back",
     "cast_back_e5m6",
     "per_block_cast",
@@ -40,5 +42,6 @@ __all__ = [
     "per_token_cast_with_sf_only",
     "sf_logical",
     "sf_to_float",
+    "swiglu_forward_and_per_token_cast",
     "unpack_from_e2m1fn_x2",
 ]

@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 
 from jaxkern.reference import ieee
-from jaxkern.types import QuantTensor
+from jaxkern.types import QuantTensor, QuantTensorWithClampedCount
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -49,15 +49,16 @@ def _float(u):
   return lax.bitcast_convert_type(u, jnp.float32)
 
 
-def scale_factors(amax, max_value, fmt: str, round_sf: bool, div=ieee.div):
+def scale_factors(amax, max_value, fmt: str, round_sf: bool, div=ieee.div, clamp_min=None):
   """``(sf, sf_inv)`` from a group's absolute maximum (quant.md §3.3).
 
   ``max_value`` is the format's largest value (a float or an array shaped like ``amax``). ``div`` is
   the correctly rounded division: :func:`jaxkern.reference.ieee.div`, ``jaxkern._ieee.exact_div`` inside
-  the kernels. With ``round_sf`` the sf is the power of two ``2^ceil(log2(a / max_value))`` and
-  ``sf_inv`` its exact inverse.
+  the kernels. ``clamp_min``: the amax clamp minimum (float32), default the format's :data:`CLAMP_MIN`.
+  With ``round_sf`` the sf is the power of two ``2^ceil(log2(a / max_value))`` and ``sf_inv`` its exact
+  inverse.
   """
-  a = jnp.maximum(amax, CLAMP_MIN[fmt])
+  a = jnp.maximum(amax, CLAMP_MIN[fmt] if clamp_min is None else float(np.float32(clamp_min)))
   sf = div(a, max_value)
   if not round_sf:
     return sf, div(max_value, a)
@@ -525,3 +526,91 @@ def cast_back_e5m6(x, fmt: str, x_block_size, *, x_use_tma_aligned_col_major_sf:
   s = sf_to_float(sf, cdiv(m, bm), cdiv(k, bk), use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
   out = canonical_nan(v * _expand(s, bm, bk, m, k))
   return out.astype(jnp.bfloat16 if fmt == "bf16" else jnp.float32)
+# References of the fused SwiGLU ops
+
+
+def _clamp_flags_and_halves(x, swiglu_clamp_value):
+  """float32 halves ``(l', r')`` of ``x`` ``(E, 2h)`` after the optional clamp, and the clamp flags
+  ``(l > C, r > C, r < -C)`` of the unclamped values (None without a clamp) (quant.md §8)."""
+  h = x.shape[1] // 2
+  v = x.astype(jnp.float32)
+  left, right = v[:, :h], v[:, h:]
+  if swiglu_clamp_value is None:
+    return left, right, None
+  c = float(np.float32(swiglu_clamp_value))
+  flags = (left > c, right > c, right < -c)
+  return jnp.minimum(left, c), jnp.clip(right, -c, c), flags
+
+
+def _silu_times(left, right):
+  """``RN(div_rn(l, RN(1 + exp(-l))) · r)`` in this evaluation order (quant.md §8)."""
+  return ieee.div(left, 1.0 + jnp.exp(-left)) * right
+
+
+def row_weights(pos_to_token_topk, topk_weights, num_rows: int):
+  """Per-row weight ``(E,)`` float32: ``topk_weights.reshape(-1)[j]`` for ``j = pos_to_token_topk[p] >= 0``,
+  else 0 (an index past the end is undefined behaviour: clamped here)."""
+  flat = topk_weights.astype(jnp.float32).reshape(-1)
+  if flat.shape[0] == 0:
+    return jnp.zeros((num_rows,), jnp.float32)
+  pos = pos_to_token_topk.astype(jnp.int32)
+  return jnp.where(pos >= 0, flat[jnp.clip(pos, 0, flat.shape[0] - 1)], 0.0)
+
+
+def _add_counts(clamped_count, flags, rows=None):
+  """``clamped_count + [#flag for each flag]``, counting only ``rows`` (a row mask) when given."""
+  keep = (lambda f: f) if rows is None else (lambda f: f & rows[:, None])
+  counts = jnp.stack([jnp.sum(keep(f), dtype=clamped_count.dtype) for f in flags])
+  return clamped_count + counts
+
+
+def swiglu_forward(x, pos_to_token_topk=None, topk_weights=None, swiglu_clamp_value=None, clamped_count=None):
+  """The upstream reference ``swiglu_forward`` (quant.md §8): ``silu(left) · right`` of ``x`` ``(E, 2h)``
+  bf16 / float32 in float32, ``left`` clamped from above and ``right`` to ``[-C, C]`` with a clamp value
+  ``C``, then each row times its top-k weight (:func:`row_weights`: 0 for ``pos_to_token_topk < 0``) when
+  ``pos_to_token_topk`` and ``topk_weights`` ``(T, k)`` are given.
+
+  Returns ``out`` ``(E, h)`` float32, or ``(out, clamped_count_new)`` when ``clamped_count`` (a ``(3,)``
+  integer array) is given: upstream adds the counts of ``l > C``, ``r > C``, ``r < -C`` (unclamped values,
+  every row) into it in place; here they are added to a copy (nothing is added without a clamp).
+  """
+  left, right, flags = _clamp_flags_and_halves(x, swiglu_clamp_value)
+  out = _silu_times(left, right)
+  if pos_to_token_topk is not None:
+    out = out * row_weights(pos_to_token_topk, topk_weights, x.shape[0])[:, None]
+  if clamped_count is None:
+    return out
+  return out, clamped_count if flags is None else _add_counts(clamped_count, flags)
+
+
+def swiglu_forward_and_per_token_cast(x, fmt: str, num_per_channels: int, pos_to_token_topk=None, topk_weights=None,
+                                      pos_to_expert=None, *, use_tma_aligned_col_major_sf: bool = False,
+                                      round_sf: bool = False, use_packed_ue8m0: bool = False,
+                                      swiglu_clamp_value=None, clamped_count=None, sf_clamp_min=None):
+  """Reference of :func:`jaxkern.quant.swiglu_forward_and_per_token_cast` (quant.md §8.1).
+
+  ``a = RN(act · w)`` (:func:`swiglu_forward`; no product without weights), then a per-token e4m3 cast of
+  ``a`` with groups of ``num_per_channels`` (amax clamp minimum ``sf_clamp_min`` or 1e-4). Rows with
+  ``pos_to_expert < 0`` are skipped: e4m3 zeros, sf 0 (0.0 / UE8M0 byte 0), not counted. Returns
+  ``QuantTensor(data (E, h) e4m3, sf)`` in the layout of the flags, or
+  ``QuantTensorWithClampedCount(data, sf, clamped_count + counts)`` when ``clamped_count`` is given.
+  """
+  del fmt  # e4m3 only
+  left, right, flags = _clamp_flags_and_halves(x, swiglu_clamp_value)
+  act = _silu_times(left, right)
+  if pos_to_token_topk is not None:
+    act = act * row_weights(pos_to_token_topk, topk_weights, x.shape[0])[:, None]
+  e, h = act.shape
+  rows = None if pos_to_expert is None else pos_to_expert >= 0
+  if rows is not None:
+    act = jnp.where(rows[:, None], act, 0.0)
+  amax = abs_max(_blocked(act, 1, num_per_channels), axis=(1, 3))
+  sf, inv = scale_factors(amax, FP8_MAX, "e4m3", round_sf, clamp_min=sf_clamp_min)
+  if rows is not None:
+    sf = jnp.where(rows[:, None], sf, 0.0)
+  data = encode_e4m3(canonical_nan(act * _expand(inv, 1, num_per_channels, e, h)))
+  sf = format_sf(canonical_nan(sf), use_tma_aligned_col_major_sf, use_packed_ue8m0)
+  if clamped_count is None:
+    return QuantTensor(data, sf)
+  counts = clamped_count if flags is None else _add_counts(clamped_count, flags, rows)
+  return QuantTensorWithClampedCount(data, sf, counts)

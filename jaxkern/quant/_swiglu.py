@@ -1,0 +1,287 @@
+"""Fused SwiGLU forward and per-token e4m3 cast (quant.md §8.1).
+
+Mosaic GPU kernel built like the per-token cast's column-segment path
+(:func:`jaxkern.quant._per_token_cast.row_kernel`): straight GMEM -> registers -> GMEM, no SMEM or TMA. Each CTA
+takes a block of rows (the last block shifted back to end at the last row) and a chunk of :data:`SEG_CHUNK` groups
+of 128 columns (grid axis ``g``), or the whole row when one scale covers it (``num_per_channels == h``, whole warps
+per row). Per group it loads the gate columns ``[c, c + npc)`` and the value columns ``[h + c, h + c + npc)`` in
+the same :func:`jaxkern._layouts.row_layout`, so every value meets its partner in the same thread, then computes in
+float32 registers: the optional clamp and its per-row flag counts, ``e = exp(-l)``, ``d = 1 + e``, ``g = l / d``
+correctly rounded (:func:`jaxkern._ieee.exact_div`: the GPU's ``/`` is approximate), ``act = g · r``, ``act · w``,
+the group's NaN-propagating abs-max (row reduction), sf and sf_inv (:func:`jaxkern.reference.quant.scale_factors`
+with the kernels' exact division), the saturating e4m3 conversion, and stores data and sf (float32 ``(groups,
+rows)`` turned into layout A by the wrapper, or layouts B / C written directly with zeroed padding rows, as the
+per-token cast does).
+
+Steps done outside the kernel, by XLA:
+
+* the per-row top-k weight ``topk_weights.reshape(-1)[pos_to_token_topk[p]]``: a data-dependent gather of one
+  scalar per row, which a register-layout load cannot express (Mosaic GPU loads whole tiles by static or
+  scalar offsets); the wrapper gathers the ``(E,)`` weights (``4·E`` bytes) and the kernel loads them as a
+  row vector;
+* the clamp counters' final sum: the kernel writes float32 per-row counts of its chunk (exact, at most ``h``)
+  because Mosaic GPU has no global atomics in Pallas; XLA sums them in int32.
+
+Rows with ``pos_to_expert < 0`` get e4m3 zeros and sf 0 and are not counted. In interpret mode ``exp`` is XLA's
+CPU ``exp`` (not CUDA's ``expf``), so interpret-mode results equal the reference run on the CPU, and compiled
+results the reference run on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkern import _checks, _config, _dispatch, _ieee
+from jaxkern._layouts import row_layout
+from jaxkern.quant import _tiling as tiling
+from jaxkern.quant import _validate as validate
+from jaxkern.quant._per_token_cast import SEG_CHUNK, SEGMENT_LANES, abs_key, gpu_nan, key_value, to_e4m3
+from jaxkern.reference import quant as ref
+from jaxkern.types import QuantTensor, QuantTensorWithClampedCount
+
+NUM_COUNTERS = 3  # #(left > C), #(right > C), #(right < -C)
+
+
+def _silu_times(left, right, clamp, count):
+  """``(act, per-row flag counts if count else None)`` of one group's float32 halves (quant.md §8)."""
+  counts = None
+  if count:
+    counts = [jnp.sum(jnp.where(f, 1.0, 0.0), axis=1) for f in (left > clamp, right > clamp, right < -clamp)]
+  if clamp is not None:
+    left, right = jnp.minimum(left, clamp), jnp.minimum(jnp.maximum(right, -clamp), clamp)
+  return _ieee.exact_div(left, 1.0 + jnp.exp(-left)) * right, counts
+
+
+def _sf_type(sf_layout, nseg, rows):
+  mp = ref.cdiv(rows, 4) * 4
+  return {"rows": ((nseg, rows), jnp.float32), "B": ((nseg, mp), jnp.float32),
+          "C": ((ref.cdiv(nseg, 4), mp), jnp.int32)}[sf_layout]
+
+
+def swiglu_kernel(x, weight, pos_to_expert, *, npc, round_sf, sf_layout, clamp, sf_clamp_min, count, interpret):
+  """``x`` ``(R, 2h)`` (``R`` at least one layout block of rows), ``weight`` ``(1, R)`` float32 or None,
+  ``pos_to_expert`` ``(1, R)`` int32 or None -> ``(out (R, h) e4m3, sf, counts | None)``: ``sf`` float32
+  ``(groups, R)`` (``sf_layout="rows"``), layout B or layout C; ``counts`` float32 ``(3·chunks, R)``, the
+  per-row flag counts of each chunk of groups."""
+  r, h = x.shape[0], x.shape[1] // 2
+  nseg = h // npc
+  chunk = min(SEG_CHUNK, nseg)
+  num_chunks = ref.cdiv(nseg, chunk)
+  lay, unit = row_layout(npc, x.dtype.itemsize, 32 if npc == h else SEGMENT_LANES)
+  vec = lay.reduce(1)
+  rt = tiling.tile_rows(r, 2 * chunk * npc, x.dtype.itemsize, unit)
+  num_ctas = pl.cdiv(r, rt)
+  sf_type = _sf_type(sf_layout, nseg, r)
+  out_type = [jax.ShapeDtypeStruct((r, h), jnp.float8_e4m3fn), jax.ShapeDtypeStruct(*sf_type)]
+  if count:
+    out_type.append(jax.ShapeDtypeStruct((NUM_COUNTERS * num_chunks, r), jnp.float32))
+  c = None if clamp is None else float(np.float32(clamp))
+
+  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(num_ctas, num_chunks), grid_names=("i", "g"),
+                     interpret=interpret)
+  def kernel(*refs):
+    x_g, c_g, *rest = refs
+    w_g = rest.pop(0) if weight is not None else None
+    p_g = rest.pop(0) if pos_to_expert is not None else None
+    o_g, sf_g = rest.pop(0), rest.pop(0)
+    cnt_g = rest.pop(0) if count else None
+    rows = pl.ds(jnp.minimum(lax.axis_index("i") * rt, r - rt), rt)
+
+    def body(chunk_index, nlocal):
+      """Groups ``chunk_index·chunk + t`` for ``t < nlocal`` (static)."""
+      seg0 = chunk_index * chunk
+      w = plgpu.load(w_g.at[0, rows], layout=vec, optimized=False) if w_g is not None else None
+      keep = plgpu.load(p_g.at[0, rows], layout=vec, optimized=False) >= 0 if p_g is not None else None
+      totals = None
+      for t in range(nlocal):
+        cols = pl.ds((seg0 + t) * npc, npc)
+        left, right = (plgpu.load(x_g.at[rows, pl.ds((seg0 + t) * npc + off, npc)], layout=lay,
+                                  optimized=False).astype(jnp.float32) for off in (0, h))
+        act, counts = _silu_times(left, right, c, count)
+        if counts is not None:
+          totals = counts if totals is None else [a + b for a, b in zip(totals, counts)]
+        if w is not None:
+          act = act * w[:, None]
+        if keep is not None:
+          act = jnp.where(keep[:, None], act, 0.0)
+        amax = key_value(jnp.max(abs_key(act, interpret), axis=1), interpret)
+        sf, inv = ref.scale_factors(amax, c_g[0], "e4m3", round_sf, div=_ieee.exact_div, clamp_min=sf_clamp_min)
+        sf = gpu_nan(sf, interpret)
+        if keep is not None:
+          sf = jnp.where(keep, sf, 0.0)
+        if sf_layout != "C":
+          sf_g[seg0 + t, rows] = sf
+        else:  # UE8M0 byte of group seg0 + t into byte t % 4 of word (seg0 + t) // 4
+          byte = ((lax.bitcast_convert_type(sf, jnp.int32) >> 23) & 0xFF) << (8 * (t % 4))
+          word = byte if t % 4 == 0 else word | byte
+          if t % 4 == 3 or t == nlocal - 1:
+            sf_g[seg0 // 4 + t // 4, rows] = word
+        o_g[rows, cols] = to_e4m3(gpu_nan(act * inv[:, None], interpret), interpret)
+      for k, n in enumerate(totals or ()):
+        cnt_g[NUM_COUNTERS * chunk_index + k, rows] = n if keep is None else jnp.where(keep, n, 0.0)
+      if sf_layout != "rows" and sf_type[0][1] > r:
+        @pl.when(lax.axis_index("i") == num_ctas - 1)
+        def _():
+          first, words = (seg0, nlocal) if sf_layout == "B" else (seg0 // 4, ref.cdiv(nlocal, 4))
+          for j in range(r, sf_type[0][1]):
+            for t in range(words):
+              sf_g[first + t, j] = jnp.zeros((), sf_type[1])
+
+    g = lax.axis_index("g")
+    tail = nseg - (num_chunks - 1) * chunk
+    if tail == chunk:
+      body(g, chunk)
+    else:
+      pl.when(g < num_chunks - 1)(lambda: body(g, chunk))
+      pl.when(g == num_chunks - 1)(lambda: body(num_chunks - 1, tail))
+
+  # The largest e4m3 value as a one-element host constant, loaded by the kernel (not folded in interpret mode).
+  consts = np.full((1,), ref.FP8_MAX, np.float32)
+  return kernel(x, consts, *(a for a in (weight, pos_to_expert) if a is not None))
+
+
+@functools.partial(jax.jit, static_argnames=("npc", "round_sf", "col_major", "packed", "clamp", "sf_clamp_min",
+                                             "count", "interpret"))
+def _kernel(x, weight, pos_to_expert, *, npc, round_sf, col_major, packed, clamp, sf_clamp_min, count, interpret):
+  """``x`` ``(E, 2h)``, per-row ``weight`` ``(E,)`` or None, ``pos_to_expert`` ``(E,)`` or None ->
+  ``(out (E, h) e4m3, sf in layout A / B / C, counts (3,) int32 | None)``."""
+  e, h = x.shape[0], x.shape[1] // 2
+  unit = row_layout(npc, x.dtype.itemsize, 32 if npc == h else SEGMENT_LANES)[1]
+  rp = max(e, unit)
+
+  def rows(a, fill):  # (E,) -> (1, rp), padded when E is below one layout block
+    return None if a is None else jnp.pad(a, (0, rp - e), constant_values=fill).reshape(1, rp)
+
+  in_kernel = col_major and rp == e
+  sf_layout = ("C" if packed else "B") if in_kernel else "rows"
+  outs = swiglu_kernel(jnp.pad(x, ((0, rp - e), (0, 0))), rows(weight, 0.0), rows(pos_to_expert, -1), npc=npc,
+                       round_sf=round_sf, sf_layout=sf_layout, clamp=clamp, sf_clamp_min=sf_clamp_min, count=count,
+                       interpret=interpret)
+  out, sf = outs[0][:e], outs[1]
+  if not in_kernel:
+    sf = ref.format_sf(sf[:, :e].T, col_major, packed)
+  counts = None
+  if count:
+    counts = outs[2].reshape(-1, NUM_COUNTERS, rp)[:, :, :e].astype(jnp.int32).sum(axis=(0, 2))
+  return out, sf, counts
+
+
+def _check(x, fmt, npc, pos_to_token_topk, topk_weights, pos_to_expert, clamp, clamped_count, flags):
+  """Argument checks (quant.md §8.1); returns the arrays."""
+  x = _checks.as_array("x", x)
+  _checks.check_rank("x", x, 2)
+  _checks.check_dtype("x", x, (jnp.bfloat16, jnp.float32))
+  e, h2 = x.shape
+  if h2 % 256:
+    raise ValueError(f"x must have 2h columns with h % 128 == 0, got x.shape {tuple(x.shape)}")
+  h = h2 // 2
+  validate.check_fmt(fmt, ("e4m3",))
+  if npc not in (128, h):
+    raise ValueError(f"num_per_channels must be 128 or h={h}, got {npc}")
+  validate.check_sf_flags(**flags)
+  if flags["use_tma_aligned_col_major_sf"] and npc != 128:
+    raise ValueError("use_tma_aligned_col_major_sf requires num_per_channels == 128")
+  if (pos_to_token_topk is None) != (topk_weights is None):
+    raise ValueError("pos_to_token_topk and topk_weights must be given together")
+  arrays = {}
+  for name, a, rank, dtypes in (("pos_to_token_topk", pos_to_token_topk, 1, (jnp.int32,)),
+                                ("topk_weights", topk_weights, 2, (jnp.float32,)),
+                                ("pos_to_expert", pos_to_expert, 1, (jnp.int32,)),
+                                ("clamped_count", clamped_count, 1, (jnp.int32, jnp.int64))):
+    if a is not None:
+      a = arrays[name] = _checks.as_array(name, a)
+      _checks.check_rank(name, a, rank)
+      _checks.check_dtype(name, a, dtypes)
+  for name in ("pos_to_token_topk", "pos_to_expert"):
+    if name in arrays and arrays[name].shape != (e,):
+      raise ValueError(f"{name} must have shape ({e},), got {tuple(arrays[name].shape)}")
+  if clamped_count is not None:
+    if arrays["clamped_count"].shape != (NUM_COUNTERS,):
+      raise ValueError(f"clamped_count must have shape (3,), got {tuple(arrays['clamped_count'].shape)}")
+    if clamp is None:
+      raise ValueError("clamped_count requires swiglu_clamp_value")
+  return x, *(arrays.get(n) for n in ("pos_to_token_topk", "topk_weights", "pos_to_expert", "clamped_count"))
+
+
+def swiglu_forward_and_per_token_cast(x, fmt: str, num_per_channels: int, pos_to_token_topk=None, topk_weights=None,
+                                      pos_to_expert=None, *, use_tma_aligned_col_major_sf: bool = False,
+                                      round_sf: bool = False, use_packed_ue8m0: bool = False,
+                                      swiglu_clamp_value: float | None = None, clamped_count=None,
+                                      sf_clamp_min: float | None = None, implementation: str | None = None):
+  """SwiGLU forward of ``x = [left | right]`` fused with a per-token e4m3 cast (quant.md §8.1).
+
+  Per row ``p`` (float32, each step one IEEE rounding): with a clamp ``C``, ``l = min(left, C)``,
+  ``r = clip(right, -C, C)``; ``act = (l / (1 + exp(-l))) · r``; times the row weight ``w`` when weights are
+  given; then groups of ``num_per_channels`` columns get ``sf`` from their abs-max (clamped below by
+  ``sf_clamp_min``, default 1e-4) as :func:`jaxkern.quant.per_token_cast` and ``data = e4m3(act · sf_inv)``.
+
+  Args:
+    x: ``(E, 2h)`` bfloat16 / float32, ``h % 128 == 0``; ``left = x[:, :h]`` (gate), ``right = x[:, h:]``.
+    fmt: ``"e4m3"``.
+    num_per_channels: 128 or ``h`` (one scale per row).
+    pos_to_token_topk: ``(E,)`` int32, with ``topk_weights`` ``(T, k)`` float32 (both or neither): row ``p``
+      is scaled by ``topk_weights.reshape(-1)[pos_to_token_topk[p]]``, or by 0 where the index is negative
+      (an index ``>= T·k`` is undefined behaviour).
+    pos_to_expert: ``(E,)`` int32 or None: rows with a negative entry are skipped (e4m3 zeros, sf 0.0 /
+      UE8M0 byte 0, not counted).
+    use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0: sf layout B / power-of-two sf / packed UE8M0
+      layout C, as :func:`jaxkern.quant.per_token_cast`; column-major needs ``num_per_channels == 128``.
+    swiglu_clamp_value: the clamp ``C`` (a float, taken as float32) or None.
+    clamped_count: ``(3,)`` int32 / int64 counters, only with a clamp: the result holds
+      ``clamped_count + [#(left > C), #(right > C), #(right < -C)]`` over the processed rows (unclamped
+      values); upstream adds them in place.
+    sf_clamp_min: replaces the amax clamp minimum 1e-4 (taken as float32).
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``.
+
+  Returns:
+    ``QuantTensor(data, sf)``, or ``QuantTensorWithClampedCount(data, sf, clamped_count)`` when
+    ``clamped_count`` is given: ``data`` ``(E, h)`` float8_e4m3fn; ``sf`` layout A ``(E, h/npc)`` float32,
+    B ``(h/128, align(E, 4))`` float32 or C ``(ceil(h/512), align(E, 4))`` int32 (zero padding).
+
+  Raises:
+    ValueError (naming the argument): another rank, dtype or shape, ``h % 128 != 0``, ``fmt != "e4m3"``,
+      ``num_per_channels`` not 128 / ``h``, column-major with ``num_per_channels == h``, packed without
+      column-major and ``round_sf``, only one of ``pos_to_token_topk`` / ``topk_weights``, ``clamped_count``
+      without ``swiglu_clamp_value``.
+
+  XLA (the reference) instead of the kernel: zero rows (``E = 0``) only. The top-k weight gather and the final
+  sum of the clamp counters run in XLA around the kernel (see :mod:`jaxkern.quant._swiglu`).
+
+  Numerics: bit-identical to :func:`jaxkern.reference.quant.swiglu_forward_and_per_token_cast` run on the same
+  backend (``exp`` differs between XLA's CPU and CUDA's ``expf``, which the GPU kernel and XLA on GPU share).
+
+  Differentiation: not differentiable; ``jax.grad`` through it raises :class:`jaxkern.NotDifferentiableError`.
+  """
+  flags = dict(use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, round_sf=round_sf,
+               use_packed_ue8m0=use_packed_ue8m0)
+  npc = num_per_channels
+  x, pos_to_token_topk, topk_weights, pos_to_expert, clamped_count = _check(
+      x, fmt, npc, pos_to_token_topk, topk_weights, pos_to_expert, swiglu_clamp_value, clamped_count, flags)
+  x = validate.guard("swiglu_forward_and_per_token_cast", x)
+  if topk_weights is not None:
+    topk_weights = validate.guard("swiglu_forward_and_per_token_cast", topk_weights)
+  options = dict(swiglu_clamp_value=swiglu_clamp_value, clamped_count=clamped_count, sf_clamp_min=sf_clamp_min)
+
+  def kernel(interpret):
+    weight = None if pos_to_token_topk is None else ref.row_weights(pos_to_token_topk, topk_weights, x.shape[0])
+    out, sf, counts = _kernel(x, weight, pos_to_expert, npc=npc, round_sf=round_sf,
+                              col_major=use_tma_aligned_col_major_sf, packed=use_packed_ue8m0,
+                              clamp=swiglu_clamp_value, sf_clamp_min=sf_clamp_min, count=clamped_count is not None,
+                              interpret=_config.mosaic_interpret(interpret))
+    if clamped_count is None:
+      return QuantTensor(out, sf)
+    return QuantTensorWithClampedCount(out, sf, clamped_count + counts.astype(clamped_count.dtype))
+
+  def reference():
+    return ref.swiglu_forward_and_per_token_cast(x, fmt, npc, pos_to_token_topk, topk_weights, pos_to_expert,
+                                                 **flags, **options)
+
+  return _dispatch.run("swiglu_forward_and_per_token_cast", implementation, kernel=kernel, xla=reference,
+                       empty=x.shape[0] == 0)
