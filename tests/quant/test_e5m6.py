@@ -248,6 +248,8 @@ def test_spec_shapes_gpu(key, m, k, flags, dtype):
   sf = np.asarray(ref.sf_to_float(got.sf, m, 1))
   values = np.asarray(ref.decode_e5m6(ref.unpack_e5m6(got.data)))
   for fmt, out_dtype in (("bf16", jnp.bfloat16), ("fp32", np.float32)):
-    back = jax.jit(lambda q: quant.cast_back_e5m6(q, fmt, (1, k), x_use_tma_aligned_col_major_sf=f[
-        "use_tma_aligned_col_major_sf"]))(got)
-    assert_bitwise_equal(back, (values * sf).astype(out_dtype))
+    col_major = f["use_tma_aligned_col_major_sf"]
+    back = jax.jit(lambda q: quant.cast_back_e5m6(q, fmt, (1, k), x_use_tma_aligned_col_major_sf=col_major))(got)
+    assert_bitwise_equal(back, ref.cast_back_e5m6(got, fmt, (1, k), x_use_tma_aligned_col_major_sf=col_major))
+    # NaN results are the canonical NaN (docstring); numpy's product keeps other NaN bits: compare values.
+    np.testing.assert_array_equal(np.asarray(back, np.float32), (values * sf).astype(out_dtype).astype(np.float32))
