@@ -69,7 +69,7 @@ def _bias(key, e):
 
 def _check_weight_grads(weights, reference_weights, logits, rsf):
   """``weights(logits, rsf)`` against finite differences and the VJP of ``reference_weights``."""
-  check_grads(weights, (logits, rsf), order=1, modes=("rev",), eps=EPS, atol=TOL, rtol=TOL)
+  check_grads(jax.jit(weights), (logits, rsf), order=1, modes=("rev",), eps=EPS, atol=TOL, rtol=TOL)
   out, vjp = jax.vjp(weights, logits, rsf)
   want_out, want_vjp = jax.vjp(reference_weights, logits, rsf)
   np.testing.assert_allclose(out, want_out, rtol=1e-6, atol=0)
@@ -169,7 +169,7 @@ def test_normalize_weight(key, implementation, num_topk):
   """Both outputs, rows read directly (K = 2) and through SMEM (K = 6); signed weights."""
   w = jax.random.uniform(key, (20, num_topk), jnp.float32, 0.1, 1.0).at[3, 0].multiply(-1.0)
   f = functools.partial(normalize_weight, implementation=implementation)
-  check_grads(f, (w,), order=1, modes=("rev",), eps=EPS, atol=TOL, rtol=TOL)
+  check_grads(jax.jit(f), (w,), order=1, modes=("rev",), eps=EPS, atol=TOL, rtol=TOL)
   out, vjp = jax.vjp(f, w)
   _, want_vjp = jax.vjp(ref.normalize_weight, w)
   ct = jax.tree.map(lambda o: jax.random.normal(jax.random.key(3), o.shape, jnp.float32), out)

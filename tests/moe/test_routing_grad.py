@@ -32,7 +32,9 @@ def _awkward_pos():
 
 
 def _vjp(f, primals, cotangent):
-  out, vjp = jax.vjp(f, *primals)
+  """``f``'s VJP, jitted: eager interpret-mode kernels mixed with eager XLA ops can deadlock XLA:CPU's
+  executable semaphore (a kernel's host callbacks wait for executions queued behind it)."""
+  out, vjp = jax.vjp(jax.jit(f), *primals)
   return vjp(cotangent)
 
 
@@ -48,7 +50,7 @@ def test_reduce_fused_grads_numerically(key, implementation):
   pos = _awkward_pos()
   x, w, x_sf = randn(k1, (20, 256), jnp.float32), jax.random.uniform(k2, pos.shape), randn(k3, (20,), jnp.float32)
   f = lambda x, w, x_sf: moe.reduce_fused((x, x_sf), w, pos, implementation=implementation)
-  check_grads(f, (x, w, x_sf), order=1, modes=("rev",))
+  check_grads(jax.jit(f), (x, w, x_sf), order=1, modes=("rev",))  # jitted: see _vjp
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -106,7 +108,7 @@ def test_expand_to_fused_grads(key, implementation):
   m = _mapping(key, 6, 3, 4, 2)
   x = randn(key, (m.token_topk_to_pos.shape[0], 256), jnp.float32)
   f = lambda x: moe.expand_to_fused(x, m.token_topk_to_pos, m.pos_to_expert, implementation=implementation)
-  check_grads(f, (x,), order=1, modes=("rev",))
+  check_grads(jax.jit(f), (x,), order=1, modes=("rev",))
 
 
 @pytest.mark.parametrize("dtype, hidden", [(jnp.bfloat16, 256), (jnp.bfloat16, 192), (jnp.float32, 512)])
@@ -139,8 +141,8 @@ def test_expand_to_fused_with_sf_grads(key, implementation, col_major):
   expand = lambda fn, **kw: lambda d, s: fn((d, s), 128, m.token_topk_to_pos, m.pos_to_expert,
                                             use_tma_aligned_col_major_sf=col_major, **kw)
   f = expand(moe.expand_to_fused_with_sf, implementation=implementation)
-  check_grads(f, (data, sf), order=1, modes=("rev",), rtol=1e-2)  # float32 finite differences of long sums
-  out = f(data, sf)
+  check_grads(jax.jit(f), (data, sf), order=1, modes=("rev",), rtol=1e-2)  # float32 finite differences of long sums
+  out = jax.jit(f)(data, sf)
   cotangent = jax.tree.map(lambda o: randn(jax.random.fold_in(key, 1), o.shape, o.dtype), out)
   _assert_close(_vjp(f, (data, sf), cotangent), _vjp(expand(ref.expand_to_fused_with_sf), (data, sf), cotangent))
 
