@@ -85,12 +85,20 @@ CASES = {
                            lambda q, sf: quant.cast_back((q, sf), "bf16", (1, 32))),
     "per_token_cast_back": Case("per_token_cast_back", lambda key: _cast(key, "e4m3", (1, 64)),
                                 lambda q, sf: quant.per_token_cast_back((q, sf), "bf16", 64)),
+    "per_token_cast_to_e5m6": Case("per_token_cast_to_e5m6", lambda key: (_x(key),),
+                                   lambda x: quant.per_token_cast_to_e5m6(x, K)),
+    "cast_back_e5m6": Case("cast_back_e5m6", lambda key: tuple(ref.per_token_cast_to_e5m6(_x(key), K)),
+                           lambda q, sf: quant.cast_back_e5m6((q, sf), "fp32", (1, K))),
+    "swiglu_forward_and_per_token_cast": Case(
+        "swiglu_forward_and_per_token_cast", lambda key: (randn(key, (M, 2 * K), jnp.bfloat16),),
+        lambda x: quant.swiglu_forward_and_per_token_cast(x, "e4m3", 128)),
 }
 
 
 def test_every_quant_op_has_a_case():
   """``unpack_from_e2m1fn_x2`` has no floating-point input (see :func:`test_unpack_has_no_derivative`)."""
-  ops = {name for name in quant.__all__ if name not in ("QuantTensor", "sf_logical", "sf_to_float")}
+  ops = {name for name in quant.__all__
+         if name not in ("QuantTensor", "QuantTensorWithClampedCount", "sf_logical", "sf_to_float")}
   assert {case.op for case in CASES.values()} == ops - {"unpack_from_e2m1fn_x2"}
 
 
