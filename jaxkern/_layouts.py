@@ -43,3 +43,25 @@ def row_layout(width: int, itemsize: int, max_lanes: int = 32):
   tiling = mgpu_fa.Tiling(((warps_r * lanes_r, warps_c * lanes_c * v), (lanes_r, lanes_c * v), (v,)))
   lay = mgpu_fa.TiledLayout(tiling, (-5, -4), (-3, -2), -1, _check_canonical=False).canonicalize()
   return plgpu.Layout.TILED(lay.tiling, lay.warp_dims, lay.lane_dims, lay.vector_dim), warps_r * lanes_r
+
+
+def group_layout(groups: int, group: int, itemsize: int):
+  """Register layout for a ``(rows, groups, group)`` view of rows cut into groups of ``group`` consecutive
+  values, each group held whole by one thread.
+
+  Each thread holds its group as vectors of up to 16 bytes (``itemsize`` is the widest element type
+  involved), so GMEM loads and stores of whole groups are contiguous vectors; consecutive lanes (then
+  warps) take consecutive groups of a row, the remaining lanes / warps consecutive rows (as
+  :func:`row_layout`). Because the group dimension lies in one thread's registers, an iota along it is a
+  compile-time constant per register and vector element: selects on it fold away, and a reduction along
+  it is in-thread. ``layout.reduce(2)`` is the matching layout of one value per group.
+
+  Returns ``(layout, rows)``: the Pallas layout and the number of rows it covers once.
+  """
+  v = math.gcd(16 // itemsize, group)
+  lanes_c = _pow2_divisor(groups, 32)
+  warps_c = _pow2_divisor(groups // lanes_c, 4) if lanes_c == 32 else 1
+  lanes_r, warps_r = 32 // lanes_c, 4 // warps_c
+  tiling = mgpu_fa.Tiling(((warps_r * lanes_r, warps_c * lanes_c, group), (lanes_r, lanes_c, group), (v,)))
+  lay = mgpu_fa.TiledLayout(tiling, (-7, -6), (-4, -3), -1, _check_canonical=False).canonicalize()
+  return plgpu.Layout.TILED(lay.tiling, lay.warp_dims, lay.lane_dims, lay.vector_dim), warps_r * lanes_r
