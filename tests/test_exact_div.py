@@ -112,8 +112,36 @@ def test_reference_rounding_survives_an_inexact_float64_quotient():
   assert_bitwise_equal(got, want)
 
 
-def _gpu_kernel_div(a, b):
-  """``exact_div`` in a compiled Mosaic GPU kernel: ``(R, 128)`` float32 tiles of 64 rows via TMA."""
+def _newton_pairs():
+  """Operands of :func:`jaxkern._ieee.newton_div`: SwiGLU's ``x / (1 + exp(-x))`` (also where ``exp``
+  overflows), hard pairs with ``b >= 1``, divisors above ``2^64`` (scaled) and infinite ones, both signs."""
+  rng = np.random.default_rng(4)
+  n = 1 << 14
+  x = (rng.standard_normal(n) * np.float32(2.0) ** rng.integers(-10, 7, n)).astype(np.float32)
+  x = np.concatenate([x, np.linspace(-89, -43, 4096, dtype=np.float32), [0.0, -0.0, 2.0**-30, -(2.0**-80)]])
+  with np.errstate(over="ignore"):
+    d = (np.float32(1) + np.exp(-x)).astype(np.float32)
+  a1, b1 = _hard_pairs(rng, 4 * n)
+  keep = (b1 >= 1) & (np.abs(a1) >= 2.0**-100)
+  a1, b1 = a1[keep], b1[keep]
+  big = (np.abs(rng.standard_normal(n)) * np.float32(2.0) ** rng.integers(60, 126, n)).astype(np.float32)
+  a2 = (np.sign(rng.standard_normal(n)) * big * np.float32(2.0**-100)).astype(np.float32)  # normal quotients
+  a = np.concatenate([x, a1, -a1, a2, a2[:8]]).astype(np.float32)
+  b = np.concatenate([d, b1, b1, np.maximum(big, 1), np.full(8, np.inf)]).astype(np.float32)
+  return a, b
+
+
+def test_kernel_newton_div_matches_numpy():
+  a, b = _newton_pairs()
+  assert np.isinf(b).sum() > 8 and (b > 2.0**64).sum() > 1000
+  with np.errstate(all="ignore"):
+    want = a / b
+  got = np.asarray(_in_kernel(_ieee.newton_div, a[: a.size // 128 * 128], b[: a.size // 128 * 128])).reshape(-1)
+  assert_bitwise_equal(got, want[: got.size])
+
+
+def _gpu_kernel_div(a, b, div=_ieee.exact_div):
+  """``div`` (:func:`jaxkern._ieee.exact_div`) in a compiled Mosaic GPU kernel: ``(R, 128)`` float32 tiles of 64 rows via TMA."""
   r = a.shape[0]
 
   @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct(a.shape, jnp.float32), grid=(r // 64,),
@@ -126,7 +154,7 @@ def _gpu_kernel_div(a, b):
     plgpu.copy_gmem_to_smem(a_g.at[rows], a_s, bar)
     plgpu.copy_gmem_to_smem(b_g.at[rows], b_s, bar)
     plgpu.barrier_wait(bar)
-    o_s[...] = _ieee.exact_div(plgpu.load(a_s, layout=plgpu.Layout.WGMMA), plgpu.load(b_s, layout=plgpu.Layout.WGMMA))
+    o_s[...] = div(plgpu.load(a_s, layout=plgpu.Layout.WGMMA), plgpu.load(b_s, layout=plgpu.Layout.WGMMA))
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_s, o_g.at[rows])
     plgpu.wait_smem_to_gmem(0)
@@ -137,6 +165,7 @@ def _gpu_kernel_div(a, b):
 def test_gpu_kernel_lowers_for_h100():
   s = jax.ShapeDtypeStruct((1024, 128), jnp.float32)
   assert "mosaic_gpu" in lower_for_h100(_gpu_kernel_div, s, s).as_text()
+  assert "mosaic_gpu" in lower_for_h100(functools.partial(_gpu_kernel_div, div=_ieee.newton_div), s, s).as_text()
 
 
 @pytest.mark.gpu
@@ -144,3 +173,13 @@ def test_gpu_kernel_exact_div_matches_numpy():
   a, b = _pairs()
   got = _gpu_kernel_div(jnp.asarray(a.reshape(-1, 128)), jnp.asarray(b.reshape(-1, 128)))
   assert_bitwise_equal(np.asarray(got).reshape(-1), a / b)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_newton_div_matches_numpy():
+  a, b = _newton_pairs()
+  n = a.size // (64 * 128) * 64 * 128
+  with np.errstate(all="ignore"):
+    want = a[:n] / b[:n]
+  got = _gpu_kernel_div(jnp.asarray(a[:n].reshape(-1, 128)), jnp.asarray(b[:n].reshape(-1, 128)), _ieee.newton_div)
+  assert_bitwise_equal(np.asarray(got).reshape(-1), want)

@@ -7,7 +7,7 @@ of 128 columns (grid axis ``g``), or the whole row when one scale covers it (``n
 per row). Per group it loads the gate columns ``[c, c + npc)`` and the value columns ``[h + c, h + c + npc)`` in
 the same :func:`jaxkern._layouts.row_layout`, so every value meets its partner in the same thread, then computes in
 float32 registers: the optional clamp and its per-row flag counts, ``e = exp(-l)``, ``d = 1 + e``, ``g = l / d``
-correctly rounded (:func:`jaxkern._ieee.exact_div`: the GPU's ``/`` is approximate), ``act = g · r``, ``act · w``,
+correctly rounded (:func:`jaxkern._ieee.newton_div`: the GPU's ``/`` is approximate), ``act = g · r``, ``act · w``,
 the group's NaN-propagating abs-max (row reduction), sf and sf_inv (:func:`jaxkern.reference.quant.scale_factors`
 with the kernels' exact division), the saturating e4m3 conversion, and stores data and sf (float32 ``(groups,
 rows)`` turned into layout A by the wrapper, or layouts B / C written directly with zeroed padding rows, as the
@@ -56,7 +56,7 @@ def _silu_times(left, right, clamp, count):
     counts = [jnp.sum(jnp.where(f, 1.0, 0.0), axis=1) for f in (left > clamp, right > clamp, right < -clamp)]
   if clamp is not None:
     left, right = jnp.minimum(left, clamp), jnp.minimum(jnp.maximum(right, -clamp), clamp)
-  return _ieee.exact_div(left, 1.0 + jnp.exp(-left)) * right, counts
+  return _ieee.newton_div(left, 1.0 + jnp.exp(-left)) * right, counts
 
 
 def _sf_type(sf_layout, nseg, rows):
