@@ -17,6 +17,12 @@ lanes along the columns, the rest of the lanes and the warps down the rows; conf
    (a lane shuffle on the int16-widened bytes, as in :mod:`jaxkern.transpose`) into SMEM and
    TMA-stored as ``(K, M)``, so the data crosses DRAM once.
 
+With ``swiglu=True`` (:func:`jaxkern.quant.swiglu_forward_and_per_channel_cast_and_transpose`) the CTA also
+TMA-loads the value tile (columns ``h + j·c``) and step 1 reads gate and value rows in the same layout, computes
+the float32 SwiGLU activation, rounds it to bf16 and stores it over the gate tile (:func:`_swiglu_rows`; each
+thread overwrites only what it read), so step 3 reads the activation as it would read a bf16 input. The traced
+code of the other ops is unchanged.
+
 H200 (runner, cold L2): bf16 ``8064x7168`` 45.3 µs (90% of copy, 2.4x XLA), ``4096x576`` 5.6 µs (1.9x); the
 previous kernel (WGMMA-layout reductions, 255 registers avoided by the same one-column-per-thread
 step) took 72.1 / 10.8 µs. Walking 2 or 4 column tiles per CTA through a TMA pipeline, 64- or
