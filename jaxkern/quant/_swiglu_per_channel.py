@@ -48,7 +48,7 @@ def swiglu_forward_and_per_channel_cast_and_transpose(x, fmt: str, num_per_token
   of ``b``: ``sf = max(amax, 1e-4) / 448`` (or its power of two up with ``round_sf``), ``data = e4m3(b · sf_inv)``.
 
   Args:
-    x: ``(M, 2h)`` bfloat16 (or nested list), ``M % 128 == 0``, ``h % 64 == 0``; ``left = x[:, :h]`` (gate),
+    x: ``(M, 2h)`` bfloat16, ``M % 128 == 0``, ``h % 64 == 0``; ``left = x[:, :h]`` (gate),
       ``right = x[:, h:]`` (value).
     fmt: ``"e4m3"``.
     num_per_tokens: 32 or 128 (rows per scale).
