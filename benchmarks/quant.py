@@ -11,7 +11,9 @@ unpack_from_e2m1fn_x2, per_block_cast_lossless (e2m1 (1, 32) -> e4m3 (128, 128),
 per_channel_cast_fused (plain 4096 tokens and the K=6 MoE gathers, bf16 or QuantTensor input),
 per_token_cast_to_e5m6 and cast_back_e5m6 (full grid, random input, flags (F, T, F) and (T, T, T)),
 swiglu_forward_and_per_token_cast (the 12 MoE configs x 6 h x pos_to_expert or not x clamp 0.5 / None, flags T, T,
-T, npc 128, no weights; the clamp is a case kwarg, counters returned with a clamp). The
+T, npc 128, no weights; the clamp is a case kwarg, counters returned with a clamp) and
+swiglu_forward_and_per_channel_cast_and_transpose (one op per npt 32 / 128 over tokens {4096, 8064} x 7 hidden sizes
+as h; without_transpose, round_sf and the clamp None / 0.5 are case kwargs). The
 inputs whose ops fall back to the jnp reference (fewer rows than one register layout block, cast_back
 of e2m1 data with (bm, 1) blocks) are outside these grids.
 """
@@ -318,5 +320,26 @@ register(BenchOp(
     lambda: [_swiglu_case(4001, k, e, r, h, pte, c) for k in (2, 6, 8, 9) for e, r in ((9, 8), (32, 8), (4, 64))
              for h in (1024, 1280, 1536, 2048, 3072, 3584) for pte in (True, False) for c in (0.5, None)],
     lambda: [_swiglu_case(64, 2, 4, 2, 640, True, 0.5), _swiglu_case(64, 2, 4, 2, 256, False, None)]))
+
+
+
+def _swiglu_channel_case(m, h, npt, without_transpose, round_sf, clamp):
+  """bf16 ``randn`` ``(M, 2h)``; bytes: x, out, sf (quant.md §11)."""
+  label = (f"M={m} h={h}{' no-transpose' if without_transpose else ''}{' round' if round_sf else ''} "
+           f"clamp={clamp}")
+  return Case(label, lambda key: (randn(key, (m, 2 * h), jnp.bfloat16),), m * 2 * h * 2 + m * h + m // npt * h * 4,
+              dict(round_sf=round_sf, without_transpose=without_transpose, swiglu_clamp_value=clamp))
+
+
+for _npt in (32, 128):
+  register(BenchOp(
+      f"swiglu_forward_and_per_channel_cast_and_transpose_npt{_npt}",
+      lambda x, _npt=_npt, **kw: quant.swiglu_forward_and_per_channel_cast_and_transpose(x, "e4m3", _npt, **kw),
+      lambda x, _npt=_npt, **kw: ref.swiglu_forward_and_per_channel_cast_and_transpose(x, "e4m3", _npt, **kw),
+      lambda _npt=_npt: [_swiglu_channel_case(m, h, _npt, t, r, c)
+                         for m, h, t, r, c in itertools.product(num_tokens(128), hidden_sizes(64), (False, True),
+                                                                (False, True), (None, 0.5))],
+      lambda _npt=_npt: [_swiglu_channel_case(128, 192, _npt, False, True, 0.5),
+                         _swiglu_channel_case(128, 128, _npt, True, False, None)]))
 
 del _fmt, _prefix, _dts, _name, _w, _out, _packed, _bm, _bk, _npt, _block

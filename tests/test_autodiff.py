@@ -92,6 +92,9 @@ CASES = {
     "swiglu_forward_and_per_token_cast": Case(
         "swiglu_forward_and_per_token_cast", lambda key: (randn(key, (M, 2 * K), jnp.bfloat16),),
         lambda x: quant.swiglu_forward_and_per_token_cast(x, "e4m3", 128)),
+    "swiglu_forward_and_per_channel_cast_and_transpose": Case(
+        "swiglu_forward_and_per_channel_cast_and_transpose", lambda key: (randn(key, (M, 2 * K), jnp.bfloat16),),
+        lambda x: quant.swiglu_forward_and_per_channel_cast_and_transpose(x, "e4m3", 32, swiglu_clamp_value=0.5)),
 }
 
 

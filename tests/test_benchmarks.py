@@ -40,6 +40,28 @@ def test_runner_without_gpu_honours_shapes_and_out(capsys, tmp_path):
     run.main(["--ops", "transpose", "--shapes", "no such shape"])
 
 
+SWIGLU_CHANNEL = "swiglu_forward_and_per_channel_cast_and_transpose_npt"
+
+
+def test_swiglu_per_channel_grid():
+  """quant.md §11: tokens {4096, 8064} x 7 h x without_transpose x round_sf x clamp {None, 0.5}, per npt."""
+  for npt in (32, 128):
+    cases = REGISTRY[f"{SWIGLU_CHANNEL}{npt}"].cases()
+    assert len(cases) == 2 * 7 * 2 * 2 * 2 and len({c.label for c in cases}) == len(cases)
+    case = cases[-1]
+    assert case.label == "M=8064 h=7168 no-transpose round clamp=0.5"
+    assert case.nbytes == 8064 * 2 * 7168 * 2 + 8064 * 7168 + 8064 // npt * 7168 * 4
+    assert case.kwargs == dict(round_sf=True, without_transpose=True, swiglu_clamp_value=0.5)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the correctness-only pass is the no-GPU path")
+def test_runner_without_gpu_swiglu_per_channel(tmp_path):
+  out_file = tmp_path / "rows.jsonl"
+  assert run.main(["--ops", f"{SWIGLU_CHANNEL}32,{SWIGLU_CHANNEL}128", "--out", str(out_file)]) == 0
+  rows = [json.loads(line) for line in out_file.read_text().splitlines()]
+  assert len(rows) == 4 and all(r["path"] == "interpret" and r["correct"] for r in rows)
+
+
 @pytest.mark.parametrize("shared", ["threads", "processes"])
 def test_quiet_times_only_after_running_compiles(shared):
   ctx = multiprocessing.get_context("spawn")

@@ -1,5 +1,5 @@
-"""FP8 e4m3 / FP4 e2m1 casts with per-token, per-block and per-channel scales, and the 12-bit E5M6 per-token
-cast (spec: quant.md).
+"""FP8 e4m3 / FP4 e2m1 casts with per-token, per-block and per-channel scales, the 12-bit E5M6 per-token
+cast, and the SwiGLU forward fused with a per-token or a per-channel e4m3 cast (spec: quant.md).
 
 Casts return a :class:`QuantTensor` ``(data, sf)`` (a NamedTuple; plain 2-tuples are accepted as
 inputs). Scale-factor layouts: see :mod:`jaxkern.reference.quant`.
@@ -20,6 +20,7 @@ from jaxkern.quant._per_token_cast import (
     per_token_cast_with_sf_only,
 )
 from jaxkern.quant._swiglu import swiglu_forward_and_per_token_cast
+from jaxkern.quant._swiglu_per_channel import swiglu_forward_and_per_channel_cast_and_transpose
 from jaxkern.reference.quant import sf_logical, sf_to_float
 from jaxkern.types import QuantTensor, QuantTensorWithClampedCount
 
@@ -42,6 +43,7 @@ __all__ = [
     "per_token_cast_with_sf_only",
     "sf_logical",
     "sf_to_float",
+    "swiglu_forward_and_per_channel_cast_and_transpose",
     "swiglu_forward_and_per_token_cast",
     "unpack_from_e2m1fn_x2",
 ]

@@ -614,3 +614,18 @@ def swiglu_forward_and_per_token_cast(x, fmt: str, num_per_channels: int, pos_to
     return QuantTensor(data, sf)
   counts = clamped_count if flags is None else _add_counts(clamped_count, flags, rows)
   return QuantTensorWithClampedCount(data, sf, counts)
+
+
+def swiglu_forward_and_per_channel_cast_and_transpose(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False,
+                                                      without_transpose: bool = False, swiglu_clamp_value=None):
+  """Reference of :func:`jaxkern.quant.swiglu_forward_and_per_channel_cast_and_transpose` (quant.md §8.2).
+
+  ``act`` of ``x`` ``(M, 2h)`` bf16 as :func:`swiglu_forward` (float32, clamp in float32, no weights), rounded to
+  bf16 (round to nearest even; :func:`jax.lax.reduce_precision`, which XLA keeps, where a bf16 round trip inside
+  one jit may be dropped), then :func:`per_channel_cast` of that with blocks ``(num_per_tokens, 1)``. Returns
+  ``QuantTensor(data (h, M) e4m3, or (M, h) with without_transpose, sf (M/num_per_tokens, h) float32)``.
+  """
+  act = lax.reduce_precision(swiglu_forward(x, swiglu_clamp_value=swiglu_clamp_value), exponent_bits=8,
+                             mantissa_bits=7)
+  data, sf = _per_channel(act, fmt, num_per_tokens, round_sf)
+  return QuantTensor(data if without_transpose else data.T, sf)

@@ -1,0 +1,202 @@
+"""swiglu_forward_and_per_channel_cast_and_transpose (quant.md §8.2): kernel (interpret mode, under jit) vs the
+reference bit for bit on the same backend, the reference vs a float64 numpy formulation (bf16 rounding of the
+activation before the cast), argument checks, zero rows, lowering for an H100, the spec grid on a GPU."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxkern
+from jaxkern import quant
+from jaxkern.reference import quant as ref
+from jaxkern.testing import assert_bitwise_equal, hidden_sizes, lower_for_h100
+from jaxkern.types import QuantTensor
+
+OP = quant.swiglu_forward_and_per_channel_cast_and_transpose
+REF = ref.swiglu_forward_and_per_channel_cast_and_transpose
+
+
+def _x(key, m, h, scale=4.0):
+  """bf16 ``(M, 2h)`` ``randn · scale`` (clamps at 0.5 and 10 both bite), with awkward values: a gate column of
+  zeros (an all-zero activation column: amax at the clamp minimum), negative-zero values in a value column
+  (signed zero activations), large gates (``exp(-l)`` 0 or inf: ``act = l·r`` or a signed zero) and large
+  values."""
+  x = scale * jax.random.normal(key, (m, 2 * h), jnp.float32)
+  x = x.at[:, 5].set(0.0).at[:, h + 7].set(-0.0)
+  x = x.at[3, 9].set(150.0).at[4, 9].set(-150.0).at[5, 10].set(-100.0).at[6, h + 11].set(3e4)
+  return x.astype(jnp.bfloat16)
+
+
+def _assert_same(got, want):
+  assert isinstance(got, QuantTensor)
+  chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+  assert_bitwise_equal(got.data, want.data)
+  assert_bitwise_equal(got.sf, want.sf)
+
+
+def _run(m, h, npt, without_transpose, round_sf, clamp, key, implementation):
+  x = _x(key, m, h)
+  kw = dict(round_sf=round_sf, without_transpose=without_transpose, swiglu_clamp_value=clamp)
+  got = jax.jit(lambda x: OP(x, "e4m3", npt, **kw, implementation=implementation))(x)
+  want = jax.jit(lambda x: REF(x, "e4m3", npt, **kw))(x)
+  return x, got, want
+
+
+@pytest.mark.parametrize("m, h, npt, without_transpose, round_sf, clamp", [
+    (256, 192, 32, False, False, None),  # h = 64·3: 64-column tiles, 2 row blocks, 4 groups per block
+    (256, 192, 128, True, True, 0.5),
+    (128, 256, 32, True, False, 10.0),  # 128-column tiles
+    (256, 128, 128, False, True, 10.0),
+    (128, 64, 128, False, False, 0.5),  # one 64-column tile
+    (384, 128, 32, False, True, 0.5),  # 3 row blocks
+    (128, 320, 128, True, False, None),  # h = 64·5
+    (128, 128, 32, True, True, 0.3),  # a clamp that is not a bf16 value: applied in float32 (quant.md §12.14)
+])
+def test_kernel_bit_exact(key, m, h, npt, without_transpose, round_sf, clamp):
+  x, got, want = _run(m, h, npt, without_transpose, round_sf, clamp, key, "interpret")
+  _assert_same(got, want)
+  assert got.data.shape == ((m, h) if without_transpose else (h, m)) and got.sf.shape == (m // npt, h)
+  data = np.asarray(got.data.astype(jnp.float32))
+  data = data if without_transpose else data.T
+  assert not np.isnan(data).any()  # every element written (interpret mode fills unwritten memory with NaN)
+  sf = np.asarray(got.sf)
+  zero_sf = ref.scale_factors(jnp.float32(0.0), ref.FP8_MAX, "e4m3", round_sf)[0]
+  # The all-zero activation columns (gate 0, value -0), signed zeros: +0 · r and g · -0.
+  assert np.all(sf[:, [5, 7]] == zero_sf) and np.all(data[:, [5, 7]] == 0)
+  x_f = np.asarray(x, np.float32)
+  assert_bitwise_equal(np.signbit(data[:, 7]), ~np.signbit(x_f[:, 7]))
+  assert (sf != zero_sf).sum() == sf.size - 2 * sf.shape[0]
+
+
+def test_implementations_agree(key):
+  x = _x(key, 128, 128)
+  outs = [jax.jit(lambda x, i=i: OP(x, "e4m3", 32, swiglu_clamp_value=0.5, implementation=i))(x)
+          for i in ("interpret", "xla", "reference")]
+  for out in outs[1:]:
+    _assert_same(outs[0], out)
+
+
+def _numpy_act(x, clamp):
+  """The activation in float64 numpy (clamp, silu(l)·r), rounded once to bf16 (ml_dtypes, round to nearest
+  even)."""
+  v = np.asarray(x, np.float64)
+  h = v.shape[1] // 2
+  left, right = v[:, :h], v[:, h:]
+  if clamp is not None:
+    left, right = np.minimum(left, clamp), np.clip(right, -clamp, clamp)
+  with np.errstate(over="ignore"):
+    act = left / (1 + np.exp(-left)) * right
+  return act, act.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _numpy_cast(v, npt, round_sf):
+  """Per-channel e4m3 cast of float64 ``v`` (values exact in float32) in numpy: ``(data float32, sf)``."""
+  m, k = v.shape
+  a = np.maximum(np.abs(v).reshape(m // npt, npt, k).max(1), np.float64(np.float32(1e-4)))
+  sf = (a / 448).astype(np.float32)  # one rounding of the exact quotient
+  if round_sf:
+    sf = (2.0 ** np.ceil(np.log2(sf.astype(np.float64)))).astype(np.float32)
+    inv = (1 / sf.astype(np.float64)).astype(np.float32)
+  else:
+    inv = (448 / a).astype(np.float32)
+  q = (v.astype(np.float32) * np.repeat(inv, npt, 0)).astype(np.float32)
+  return np.clip(q, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32), sf
+
+
+@pytest.mark.parametrize("npt, round_sf, clamp", [(32, False, None), (128, True, 0.5), (32, False, 10.0)])
+def test_reference_against_numpy(key, npt, round_sf, clamp):
+  """The reference equals a float64 formulation with the activation rounded to bf16 before the cast (ties of the
+  float32 and float64 activations at a bf16 rounding boundary aside: at most a handful of elements), and differs
+  from the same cast of the unrounded activation."""
+  m, h = 256, 256
+  x = (4.0 * jax.random.normal(key, (m, 2 * h), jnp.float32)).astype(jnp.bfloat16)
+  act, b = _numpy_act(x, clamp)
+  q, sf = _numpy_cast(b, npt, round_sf)
+  got = jax.jit(lambda x: REF(x, "e4m3", npt, round_sf=round_sf, without_transpose=True,
+                              swiglu_clamp_value=clamp))(x)
+  got_q, got_sf = np.asarray(got.data.astype(jnp.float32)), np.asarray(got.sf)
+  assert (got_q != q).sum() <= 4 and (got_sf != sf).sum() <= 2
+  np.testing.assert_allclose(got_sf, sf, rtol=2 ** -7)
+  transposed = jax.jit(lambda x: REF(x, "e4m3", npt, round_sf=round_sf, swiglu_clamp_value=clamp))(x)
+  assert_bitwise_equal(transposed.data, got.data.T)
+  assert_bitwise_equal(transposed.sf, got.sf)
+  # Without the bf16 rounding most scales (round_sf: many data) differ: the test sees the rounding.
+  q_f32, sf_f32 = _numpy_cast(act.astype(np.float32).astype(np.float64), npt, round_sf)
+  if round_sf:
+    assert (got_q != q_f32).sum() > 100
+  else:
+    assert (got_sf != sf_f32).mean() > 0.5
+
+
+def test_zero_rows():
+  x = jnp.zeros((0, 384), jnp.bfloat16)
+  for impl in ("interpret", "reference", "xla"):
+    out = OP(x, "e4m3", 32, implementation=impl)
+    assert out.data.shape == (192, 0) and out.data.dtype == jnp.float8_e4m3fn
+    assert out.sf.shape == (0, 192) and out.sf.dtype == jnp.float32
+    out = OP(x, "e4m3", 128, without_transpose=True, implementation=impl)
+    assert out.data.shape == (0, 192) and out.sf.shape == (0, 192)
+  (d,) = jaxkern.explain(lambda x: OP(x, "e4m3", 128, implementation="pallas"), x)
+  assert d.path == "xla"
+
+
+@pytest.mark.parametrize("args, kw, match", [
+    ((jnp.ones((128, 256), jnp.float32), "e4m3", 128), {}, "x must have dtype"),
+    ((jnp.ones((128, 256), jnp.float16), "e4m3", 128), {}, "x must have dtype"),
+    ((jnp.ones((128, 256), jnp.bool_), "e4m3", 128), {}, "x must have dtype"),
+    ((jnp.ones((100, 256), jnp.bfloat16), "e4m3", 128), {}, r"x.shape\[0\]"),
+    ((jnp.ones((128, 192), jnp.bfloat16), "e4m3", 128), {}, "h % 64"),  # h = 96
+    ((jnp.ones((128, 200), jnp.bfloat16), "e4m3", 128), {}, "h % 64"),
+    ((jnp.ones((128, 256), jnp.bfloat16), "e4m3", 64), {}, "num_per_tokens"),
+    ((jnp.ones((128, 256), jnp.bfloat16), "e4m3", 256), {}, "num_per_tokens"),
+    ((jnp.ones((128, 256), jnp.bfloat16), "e2m1", 128), {}, "fmt"),
+    ((jnp.ones((2, 128, 256), jnp.bfloat16), "e4m3", 128), {}, "x must have rank 2"),
+    (("x", "e4m3", 128), {}, "x must be an array"),
+])
+def test_bad_inputs(args, kw, match):
+  with pytest.raises(ValueError, match=match):
+    OP(*args, **kw)
+
+
+def test_keyword_only_options():
+  with pytest.raises(TypeError):
+    OP(jnp.ones((128, 256), jnp.bfloat16), "e4m3", 128, True)
+
+
+def test_not_differentiable(key):
+  x = _x(key, 128, 64).astype(jnp.float32)
+  loss = lambda x: OP(x.astype(jnp.bfloat16), "e4m3", 32).sf.sum()
+  with pytest.raises(jaxkern.NotDifferentiableError, match="swiglu_forward_and_per_channel_cast_and_transpose"):
+    jax.jit(jax.grad(loss))(x)
+
+
+@pytest.mark.parametrize("h, npt, without_transpose, round_sf, clamp", [
+    (7168, 32, False, False, None), (7168, 128, True, True, 0.5), (576, 32, True, True, 10.0),
+    (576, 128, False, False, 0.5),
+])
+def test_lowers_for_h100(h, npt, without_transpose, round_sf, clamp):
+  f = lambda x: OP(x, "e4m3", npt, round_sf=round_sf, without_transpose=without_transpose,
+                   swiglu_clamp_value=clamp, implementation="pallas")
+  assert "mosaic_gpu" in lower_for_h100(f, jax.ShapeDtypeStruct((8064, 2 * h), jnp.bfloat16)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", hidden_sizes(64))
+@pytest.mark.parametrize("m, npt, without_transpose, round_sf, clamp", [
+    (4096, 32, False, True, None), (8064, 128, False, False, 0.5), (8064, 32, True, False, 10.0),
+    (4096, 128, True, True, 0.5),
+])
+def test_spec_shapes_gpu(key, h, m, npt, without_transpose, round_sf, clamp):
+  """Compiled kernel vs the reference run by XLA on the same GPU (CUDA expf on both sides)."""
+  x = (jax.random.normal(key, (m, 2 * h), jnp.float32)).astype(jnp.bfloat16)
+  kw = dict(round_sf=round_sf, without_transpose=without_transpose, swiglu_clamp_value=clamp)
+  got = jax.jit(functools.partial(OP, fmt="e4m3", num_per_tokens=npt, **kw))(x)
+  want = jax.jit(functools.partial(REF, fmt="e4m3", num_per_tokens=npt, **kw))(x)
+  _assert_same(got, want)
+  _assert_same(jax.jit(functools.partial(OP, fmt="e4m3", num_per_tokens=npt, **kw))(_x(key, m, h)),
+               jax.jit(functools.partial(REF, fmt="e4m3", num_per_tokens=npt, **kw))(_x(key, m, h)))
