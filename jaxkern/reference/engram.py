@@ -109,10 +109,10 @@ def floor_mod(hi, lo, size):
   neg = (hi >> 31) == 1
   hi = jnp.where(neg, ~hi, hi)
   lo = jnp.where(neg, ~lo, lo)
-  r = jnp.zeros(jnp.broadcast_shapes(jnp.shape(hi), jnp.shape(v)), jnp.uint32)
+  r = None
   for word, top in ((hi, 30), (lo, 31)):
     for bit in range(top, -1, -1):
-      r = (r << 1) | ((word >> bit) & 1)
+      r = (word >> bit) & 1 if r is None else (r << 1) | ((word >> bit) & 1)
       r = jnp.where(r >= v, r - v, r)
   r = jnp.where(neg, v - 1 - r, r)
   return lax.bitcast_convert_type(r, jnp.int32)
