@@ -1,6 +1,6 @@
 """jaxkern: Pallas GPU kernels for MoE / FP8 training and inference on NVIDIA Hopper."""
 
-from jaxkern import moe, quant, reference, transpose, types
+from jaxkern import engram, moe, quant, reference, transpose, types
 from jaxkern._config import IMPLEMENTATIONS, get_implementation, set_implementation, use_implementation
 from jaxkern._autodiff import NotDifferentiableError
 from jaxkern._dispatch import Decision, KernelUnavailableError, explain
@@ -14,6 +14,7 @@ __all__ = [
     "KernelUnavailableError",
     "NotDifferentiableError",
     "QuantTensor",
+    "engram",
     "explain",
     "get_implementation",
     "moe",

@@ -65,3 +65,30 @@ def group_layout(groups: int, group: int, itemsize: int):
   tiling = mgpu_fa.Tiling(((warps_r * lanes_r, warps_c * lanes_c, group), (lanes_r, lanes_c, group), (v,)))
   lay = mgpu_fa.TiledLayout(tiling, (-7, -6), (-4, -3), -1, _check_canonical=False).canonicalize()
   return plgpu.Layout.TILED(lay.tiling, lay.warp_dims, lay.lane_dims, lay.vector_dim), warps_r * lanes_r
+
+
+def flat_layout(vec: int):
+  """Register layout of a 1-D array spread over one warpgroup: each thread holds vectors of ``vec``
+  consecutive elements, consecutive lanes (then warps) consecutive vectors, so a warp reads
+  ``32·vec`` contiguous elements (coalesced) and the layout covers ``128·vec`` elements once (the
+  array's length must be a multiple of that; longer arrays repeat over registers). A reduction to a
+  scalar is a vector, warp-shuffle and SMEM reduction."""
+  tiling = mgpu_fa.Tiling(((128 * vec,), (32 * vec,), (vec,)))
+  lay = mgpu_fa.TiledLayout(tiling, (-3,), (-2,), -1, _check_canonical=False).canonicalize()
+  return plgpu.Layout.TILED(lay.tiling, lay.warp_dims, lay.lane_dims, lay.vector_dim)
+
+
+def flat_chunks(width: int, itemsize: int):
+  """Static column chunks ``(offset, length, vec)`` covering ``width`` with :func:`flat_layout`
+  layouts: the widest 16-byte vectors first (``vec = 16 / itemsize``), then halves for the rest.
+  ``width`` must be a multiple of ``128·vec_min`` with ``vec_min = 2`` (a multiple of 256)."""
+  chunks, off, vec = [], 0, 16 // itemsize
+  while off < width:
+    n = (width - off) // (128 * vec) * (128 * vec)
+    if n:
+      chunks.append((off, n, vec))
+      off += n
+    vec //= 2
+    if vec == 0 and off < width:
+      raise ValueError(f"width {width} is not a multiple of 128")
+  return tuple(chunks)

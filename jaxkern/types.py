@@ -60,3 +60,30 @@ class NormalizedWeights(NamedTuple):
 
   denominator: jax.Array  # (T,) float32
   normalized_weights: jax.Array  # (T, K) float32
+
+
+class EngramGateOutput(NamedTuple):
+  """:func:`jaxkern.engram.engram_gate_fwd`: the gated residual and, with ``save_for_backward``, the four
+  float32 ``(T, M)`` intermediates the backward needs (``None`` otherwise)."""
+
+  output: jax.Array  # (T, M, D) bf16: x + g·v
+  dot: jax.Array | None  # (T, M) float32: the unscaled Σ x·wf·k
+  gate_score: jax.Array | None  # (T, M) float32: g
+  rstd_x: jax.Array | None  # (T, M) float32
+  rstd_k: jax.Array | None  # (T, M) float32
+
+
+class EngramGateGrads(NamedTuple):
+  """:func:`jaxkern.engram.engram_gate_bwd`: input cotangents and the partial weight gradient."""
+
+  grad_hidden_states: jax.Array  # (T, M, D) bf16
+  grad_k: jax.Array  # (T, M, D) bf16
+  grad_v: jax.Array  # (T, D) bf16
+  grad_w_partial: jax.Array  # (P, M, D) float32: per token range, the sum of G·x⊙k (gradient of weight_fused)
+
+
+class EngramWeightGrads(NamedTuple):
+  """:func:`jaxkern.engram.grad_w_reduce`: the updated float32 accumulators of both RMSNorm weights."""
+
+  grad_weight_hidden: jax.Array  # (M, D) float32
+  grad_weight_embed: jax.Array  # (M, D) float32

@@ -86,3 +86,19 @@ def test_quiet_times_only_after_running_compiles(shared):
   t.join()
   late.join()
   assert events == ["compile", "compiled", "timing", "timed", "compile", "compiled"]
+
+
+def test_engram_spec_grid_and_byte_counts():
+  assert [c.nbytes for c in REGISTRY["engram_hash"].cases()] == [140 * t + 304 for t in (4001, 8001)]
+  fwd = REGISTRY["engram_gate_fwd"].cases()
+  assert len(fwd) == 2 * 6 * 2 and fwd[0].label == "T=4001 D=2048 save=True"
+  assert fwd[0].nbytes == 26 * 4001 * 2048 + 16 * 2048 + 64 * 4001
+  assert fwd[1].nbytes == 26 * 4001 * 2048 + 16 * 2048
+  assert REGISTRY["engram_gate_bwd"].cases()[-1].nbytes == 44 * 8001 * 7168 + 48 * 7168 + 64 * 8001
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the correctness-only pass is the no-GPU path")
+def test_engram_small_cases_without_gpu(capsys):
+  assert run.main(["--ops", "engram_hash,engram_gate_fwd,engram_gate_bwd,engram_gate:fwd+bwd"]) == 0
+  out = capsys.readouterr().out
+  assert "FAILED" not in out and out.count("ok") >= 5

@@ -1,5 +1,6 @@
 """Trainable layers built from the jaxkern ops; layers land here as they are built."""
 
+from jaxkern.modeling.engram import engram_gate
 from jaxkern.modeling.moe import (MoeConfig, MoeParams, apply_experts, apply_experts_dense, balance_router_bias,
                                   init_moe_params, moe_layer, moe_layer_dense, route_tokens, swiglu_experts)
 
@@ -8,6 +9,7 @@ __all__ = [
     "MoeParams",
     "apply_experts",
     "apply_experts_dense",
+    "engram_gate",
     "balance_router_bias",
     "init_moe_params",
     "moe_layer",

@@ -1,0 +1,131 @@
+"""``make_offsets`` and ``engram_hash`` (engram_mhc.md §3.1, §3.2): checks, dispatch, docstrings; the
+kernel is :mod:`jaxkern.engram._hash_kernel`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkern import _checks, _config, _dispatch
+from jaxkern.engram._hash_kernel import hash_kernel, tile
+from jaxkern.reference import engram as ref
+
+split_multipliers = ref.split_multipliers
+
+
+def make_offsets(vocab_sizes, *, implementation: str | None = None) -> jax.Array:
+  """Exclusive prefix sums of the table sizes per layer (engram_mhc.md §3.1).
+
+  Args:
+    vocab_sizes: ``(L, N-1, E)`` int32.
+    implementation: accepted for uniformity; the op has no kernel (a cumulative sum over a few dozen
+      values per layer) and runs its XLA code (the reference) under every implementation.
+
+  Returns:
+    ``(L, (N-1)·E)`` int32: ``off[l, 0] = 0``, ``off[l, c] = Σ_{c' < c} sizes[l].flat[c']`` (int32 wrap-around).
+
+  Raises:
+    ValueError: ``vocab_sizes`` not rank 3 or not int32.
+
+  Differentiation: integer, no cotangent.
+  """
+  sizes = _checks.as_array("vocab_sizes", vocab_sizes)
+  _checks.check_rank("vocab_sizes", sizes, 3)
+  _checks.check_dtype("vocab_sizes", sizes, (jnp.int32,))
+  run = lambda: ref.make_offsets(sizes)
+  return _dispatch.run("make_offsets", implementation, kernel=None, xla=run)
+
+
+def _multiplier_words(multipliers, num_layers, n):
+  """The ``(L, N, 2)`` uint32 words of ``multipliers`` (see :func:`engram_hash`), checked."""
+  if isinstance(multipliers, (list, tuple)) or isinstance(multipliers, np.ndarray):
+    a = np.asarray(multipliers) if not isinstance(multipliers, np.ndarray) else multipliers
+    if not (a.dtype == object or np.issubdtype(a.dtype, np.integer)):
+      raise ValueError(f"multipliers must hold integers, got dtype {a.dtype}")
+    if a.dtype == np.uint32 and a.shape == (num_layers, n, 2):
+      return jnp.asarray(a)
+    if a.shape != (num_layers, n):
+      raise ValueError(f"multipliers must have shape ({num_layers}, {n}) (or ({num_layers}, {n}, 2) uint32 words), "
+                       f"got {a.shape}")
+    return ref.split_multipliers(a)
+  m = _checks.as_array("multipliers", multipliers)
+  if m.dtype == jnp.uint32 and m.ndim == 3:
+    if m.shape != (num_layers, n, 2):
+      raise ValueError(f"multipliers as uint32 words must have shape ({num_layers}, {n}, 2), got {tuple(m.shape)}")
+    return m
+  if m.dtype not in (jnp.dtype(jnp.int64), jnp.dtype(jnp.uint64)):
+    raise ValueError(f"multipliers as a jax array must be int64 / uint64 (x64 on) or (L, N, 2) uint32 words, got "
+                     f"{m.dtype} {tuple(m.shape)}; with x64 off pass a numpy int64 array, Python ints, or "
+                     "jaxkern.engram.split_multipliers(...)")
+  if m.shape != (num_layers, n):
+    raise ValueError(f"multipliers must have shape ({num_layers}, {n}), got {tuple(m.shape)}")
+  return ref.split_multipliers(m)
+
+
+def engram_hash(ngram_token_ids, multipliers, vocab_sizes, offsets, *,
+                implementation: str | None = None) -> jax.Array:
+  """N-gram hash indices into the per-layer concatenated embedding tables (engram_mhc.md §3.2).
+
+  For layer ``l``, token ``t`` and order ``n = 1..N-1``: ``h_n = XOR_{i <= n} int64(ids[t, i])·mult[l, i]``
+  with int64 two's-complement wrap-around, and ``out[l, t, (n-1)E + j] = int32(h_n mod V[l, n-1, j]) +
+  offsets[l, (n-1)E + j]`` (floor modulo, in ``[0, V)``; the offset add wraps in int32).
+
+  The 64-bit arithmetic is emulated on pairs of uint32 words (kernel and reference), so the op works with
+  ``jax_enable_x64`` off; results are bit-identical to the int64 definition for every id, multiplier and
+  size ``V >= 1`` (sizes ``<= 0`` are out of contract: unspecified result).
+
+  Args:
+    ngram_token_ids: ``(T, N)`` int32, ``N >= 2`` (column 0 starts every n-gram).
+    multipliers: the ``(L, N)`` int64 multipliers as any of: a numpy integer array (e.g. int64 / uint64) or
+      nested lists of Python ints (converted exactly on the host; values in ``[-2^63, 2^64)``), a jax
+      int64 / uint64 array (x64 on; may be traced), or ``(L, N, 2)`` uint32 words ``[lo, hi]`` of the
+      two's complement (:func:`jaxkern.engram.split_multipliers`; the little-endian view
+      ``m.view(np.uint32).reshape(L, N, 2)`` of an int64 array; may be traced with x64 off).
+    vocab_sizes: ``(L, N-1, E)`` int32, each ``>= 1``.
+    offsets: ``(L, (N-1)E)`` int32 (:func:`make_offsets`).
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``.
+
+  Returns:
+    ``(L, T, (N-1)E)`` int32.
+
+  Raises:
+    ValueError (naming the argument): ranks, dtypes or shapes that do not match, a jax int32 ``(L, N)``
+      multiplier array (possibly truncated by x64 being off: pass numpy int64 or the uint32 words), values
+      outside ``[-2^63, 2^64)``.
+
+  XLA (the reference) instead of the kernel: ``T = 0`` or ``E = 0`` only. The kernel reads the ids transposed
+  to ``(N, T)`` (one XLA transpose of ``4·N·T`` bytes) so that every n-gram column is a contiguous vector.
+
+  Differentiation: integer, no cotangent.
+  """
+  ids = _checks.as_array("ngram_token_ids", ngram_token_ids)
+  _checks.check_rank("ngram_token_ids", ids, 2)
+  _checks.check_dtype("ngram_token_ids", ids, (jnp.int32,))
+  sizes = _checks.as_array("vocab_sizes", vocab_sizes)
+  _checks.check_rank("vocab_sizes", sizes, 3)
+  _checks.check_dtype("vocab_sizes", sizes, (jnp.int32,))
+  offsets = _checks.as_array("offsets", offsets)
+  _checks.check_rank("offsets", offsets, 2)
+  _checks.check_dtype("offsets", offsets, (jnp.int32,))
+  t, n = ids.shape
+  num_layers, n1, e = sizes.shape
+  if n < 2 or n1 != n - 1:
+    raise ValueError(f"vocab_sizes must have shape (L, N-1, E) = (L, {n - 1}, E) with N = ngram_token_ids.shape[1] "
+                     f">= 2, got {tuple(sizes.shape)}")
+  if offsets.shape != (num_layers, n1 * e):
+    raise ValueError(f"offsets must have shape ({num_layers}, {n1 * e}), got {tuple(offsets.shape)}")
+  words = _multiplier_words(multipliers, num_layers, n)
+
+  def kernel(interpret):
+    unit = tile(e)[1]
+    tp = max(t, unit)
+    ids_t = jnp.pad(ids, ((0, tp - t), (0, 0))).T
+    out = hash_kernel(ids_t, words, sizes.reshape(num_layers, n1 * e), offsets,
+                      interpret=_config.mosaic_interpret(interpret))
+    return out[:, :t]
+
+  def reference():
+    return ref.engram_hash(ids, words, sizes, offsets)
+
+  return _dispatch.run("engram_hash", implementation, kernel=kernel, xla=reference, empty=t == 0 or e == 0)

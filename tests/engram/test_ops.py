@@ -1,0 +1,236 @@
+"""jaxkern.engram ops: kernels in interpret mode vs the references (bitwise where the spec says upstream is exact,
+else the spec's calc_diff tolerances), H100 lowering, argument checks, zero tokens."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkern
+from jaxkern import engram
+from jaxkern.engram import _gate, _hash_kernel
+from jaxkern.reference import engram as ref
+from jaxkern.testing import assert_bitwise_equal, assert_diff_below, lower_for_h100
+from tests.engram.test_reference import gate_inputs, hash_inputs, python_hash
+
+sds = jax.ShapeDtypeStruct
+
+
+@pytest.mark.parametrize("t, full_range", [(300, True), (37, False)])  # partial last block / fewer than one block
+def test_hash_kernel_bit_exact(t, full_range):
+  rng = np.random.default_rng(t)
+  ids, mult, sizes = hash_inputs(rng, t, full_range=full_range)
+  offsets = engram.make_offsets(jnp.asarray(sizes))
+  got = jax.jit(lambda i, s, o: engram.engram_hash(i, mult, s, o, implementation="interpret"))(ids, sizes, offsets)
+  assert_bitwise_equal(got, ref.engram_hash(ids, mult, sizes, offsets))
+  assert_bitwise_equal(got[:, :12], python_hash(ids[:12], mult, sizes, np.asarray(offsets)))
+
+
+def test_hash_multiplier_forms_and_traced_words():
+  rng = np.random.default_rng(5)
+  ids, mult, sizes = hash_inputs(rng, 20)
+  offsets = ref.make_offsets(sizes)
+  want = ref.engram_hash(ids, mult, sizes, offsets)
+  words = engram.split_multipliers(mult)
+  for m in (mult, mult.astype(np.uint64), [[int(v) for v in r] for r in mult], np.asarray(words)):
+    assert_bitwise_equal(engram.engram_hash(ids, m, sizes, offsets, implementation="reference"), want)
+  traced = jax.jit(lambda w: engram.engram_hash(ids, w, sizes, offsets, implementation="interpret"))(words)
+  assert_bitwise_equal(traced, want)
+  with jax.enable_x64(True):
+    assert_bitwise_equal(engram.engram_hash(ids, jnp.asarray(mult), sizes, offsets, implementation="reference"), want)
+
+
+def test_hash_zero_tokens_and_offsets():
+  sizes = jnp.full((2, 2, 8), 100000, jnp.int32)
+  out = engram.engram_hash(jnp.zeros((0, 3), jnp.int32), np.ones((2, 3), np.int64), sizes,
+                           engram.make_offsets(sizes), implementation="interpret")
+  assert out.shape == (2, 0, 16) and out.dtype == jnp.int32
+  assert_bitwise_equal(engram.make_offsets(sizes), ref.make_offsets(sizes))
+
+
+def test_hash_lowers_for_h100():
+  for t in (4001, 64):
+    f = functools.partial(engram.engram_hash, multipliers=np.arange(6, dtype=np.int64).reshape(2, 3) * 2**40,
+                          implementation="pallas")
+    text = lower_for_h100(lambda i, s, o: f(i, vocab_sizes=s, offsets=o), sds((t, 3), jnp.int32),
+                          sds((2, 2, 8), jnp.int32), sds((2, 16), jnp.int32)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("args, match", [
+    ((jnp.zeros((4, 3), jnp.int64 if jax.config.jax_enable_x64 else jnp.float32), np.ones((2, 3), np.int64),
+      jnp.ones((2, 2, 8), jnp.int32), jnp.zeros((2, 16), jnp.int32)), "ngram_token_ids must have dtype"),
+    ((jnp.zeros((4, 3), jnp.int32), np.ones((2, 4), np.int64), jnp.ones((2, 2, 8), jnp.int32),
+      jnp.zeros((2, 16), jnp.int32)), "multipliers must have shape"),
+    ((jnp.zeros((4, 3), jnp.int32), jnp.ones((2, 3), jnp.int32), jnp.ones((2, 2, 8), jnp.int32),
+      jnp.zeros((2, 16), jnp.int32)), "multipliers as a jax array"),
+    ((jnp.zeros((4, 3), jnp.int32), np.ones((2, 3)), jnp.ones((2, 2, 8), jnp.int32),
+      jnp.zeros((2, 16), jnp.int32)), "multipliers must hold integers"),
+    ((jnp.zeros((4, 3), jnp.int32), np.ones((2, 3), np.int64), jnp.ones((2, 3, 8), jnp.int32),
+      jnp.zeros((2, 16), jnp.int32)), "vocab_sizes must have shape"),
+    ((jnp.zeros((4, 3), jnp.int32), np.ones((2, 3), np.int64), jnp.ones((2, 2, 8), jnp.int32),
+      jnp.zeros((2, 8), jnp.int32)), "offsets must have shape"),
+    ((jnp.zeros((4, 3), jnp.int32), [[2**64, 1, 1], [1, 1, 1]], jnp.ones((2, 2, 8), jnp.int32),
+      jnp.zeros((2, 16), jnp.int32)), r"multipliers must lie in"),
+])
+def test_hash_bad_inputs(args, match):
+  with pytest.raises(ValueError, match=match):
+    engram.engram_hash(*args)
+
+
+def test_fused_weight_bit_exact(key):
+  _, _, _, wh, we = gate_inputs(key, 1, 4, 512)
+  got = engram.fused_weight(wh, we, implementation="interpret")
+  assert_bitwise_equal(got, jnp.asarray(np.asarray(wh, np.float32) * np.asarray(we, np.float32)))
+
+
+def _fwd(x, k, v, wf, save, implementation="interpret", eps=1e-20, clamp=1e-6):
+  return jax.jit(lambda *a: engram.engram_gate_fwd(*a, eps=eps, clamp_value=clamp, save_for_backward=save,
+                                                   implementation=implementation))(x, k, v, wf)
+
+
+@pytest.mark.parametrize("t, d", [(5, 512), (3, 2560)])  # 2560: a 2048-column 16-byte chunk + a 512-column 8-byte one
+def test_gate_fwd_kernel(key, t, d):
+  x, k, v, wh, we = gate_inputs(key, t, 4, d)
+  wf = engram.fused_weight(wh, we)
+  got = _fwd(x, k, v, wf, True)
+  want = ref.engram_gate_fwd(x, k, v, wf, eps=1e-20, clamp_value=1e-6)
+  for a, b in zip(got, want):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert_diff_below(a, b, 2e-10)
+  assert np.mean(np.asarray(got.output, np.float32) == np.asarray(want.output, np.float32)) > 0.98
+  no_save = _fwd(x, k, v, wf, False)
+  assert no_save[1:] == (None,) * 4
+  assert_bitwise_equal(no_save.output, got.output)  # bit-identical with and without the saved intermediates
+
+
+def test_gate_fwd_signed_sqrt_at_zero(key):
+  """raw = ±0 (a zero row): the kernel's copysign gives σ(±sqrt(c)), the reference's sign 0.5 (spec §8.1)."""
+  x, k, v, wh, we = gate_inputs(key, 2, 4, 256)
+  x = x.at[0, 1].set(0).at[1, 2].set(0)
+  wf = engram.fused_weight(wh, we)
+  got, want = _fwd(x, k, v, wf, True, clamp=1e-2), ref.engram_gate_fwd(x, k, v, wf, eps=1e-20, clamp_value=1e-2)
+  assert float(got.gate_score[0, 1]) == pytest.approx(1 / (1 + np.exp(-0.1)), rel=1e-6)
+  assert float(want.gate_score[0, 1]) == 0.5 and float(got.dot[0, 1]) == 0.0
+
+
+def _bwd_inputs(key, t, d, clamp):
+  x, k, v, wh, we = gate_inputs(key, t, 4, d)
+  wf = engram.fused_weight(wh, we)
+  saved = ref.engram_gate_fwd(x, k, v, wf, eps=1e-20, clamp_value=clamp)
+  go = jax.random.normal(jax.random.fold_in(key, 7), x.shape).astype(jnp.bfloat16)
+  return (go, x, k, v, wf, *saved[1:])
+
+
+@pytest.mark.parametrize("t, d, p", [(7, 512, 3), (2, 2560, 4)])  # p = 4 > tokens: CTAs without tokens write zeros
+def test_gate_bwd_kernel(key, t, d, p):
+  clamp = 0.03  # the clamp is active for part of the (token, stream) pairs
+  args = _bwd_inputs(key, t, d, clamp)
+  got = jax.jit(lambda *a: engram.engram_gate_bwd(*a, clamp_value=clamp, num_partials=p,
+                                                  implementation="interpret"))(*args)
+  want = ref.engram_gate_bwd(*args, clamp_value=clamp, num_partials=p)
+  for a, b in zip(got, want):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert_diff_below(a, b, 1e-8)
+  if p > t:
+    assert not np.any(np.asarray(got.grad_w_partial)[t:])
+  active = np.abs(np.asarray(args[5])) * d**-0.5 * np.asarray(args[7] * args[8]) >= clamp
+  assert 0 < active.mean() < 1
+
+
+def test_gate_zero_tokens():
+  x = jnp.zeros((0, 4, 512), jnp.bfloat16)
+  v, wf, s = jnp.zeros((0, 512), jnp.bfloat16), jnp.ones((4, 512)), jnp.zeros((0, 4))
+  out = engram.engram_gate_fwd(x, x, v, wf, eps=1e-6, clamp_value=1e-6, implementation="pallas")
+  assert out.output.shape == (0, 4, 512) and out.dot.shape == (0, 4)
+  g = engram.engram_gate_bwd(x, x, x, v, wf, s, s, s, s, clamp_value=1e-6, num_partials=8, implementation="pallas")
+  assert g.grad_v.shape == (0, 512) and g.grad_w_partial.shape == (8, 4, 512) and not np.any(g.grad_w_partial)
+
+
+@pytest.mark.parametrize("d", [2048, 7168])
+def test_gate_kernels_lower_for_h100(d):
+  t, m = 4001, 4
+  b16, f32 = (sds((t, m, d), jnp.bfloat16), sds((t, m), jnp.float32))
+  args = (b16, b16, sds((t, d), jnp.bfloat16), sds((m, d), jnp.float32))
+  for save in (True, False):
+    f = functools.partial(engram.engram_gate_fwd, eps=1e-20, clamp_value=1e-6, save_for_backward=save,
+                          implementation="pallas")
+    assert "mosaic_gpu" in lower_for_h100(f, *args).as_text()
+  f = functools.partial(engram.engram_gate_bwd, clamp_value=1e-6, implementation="pallas")
+  assert "mosaic_gpu" in lower_for_h100(f, b16, *args, f32, f32, f32, f32).as_text()
+
+
+def test_gate_unsupported_runs_xla():
+  x = jnp.zeros((2, 4, 320), jnp.bfloat16)
+  with pytest.raises(jaxkern.KernelUnavailableError, match="multiple of 256"):
+    engram.engram_gate_fwd(x, x, x[:, 0], jnp.ones((4, 320)), eps=0.0, clamp_value=1e-6, implementation="pallas")
+  d = jaxkern.explain(lambda *a: engram.engram_gate_fwd(*a, eps=0.0, clamp_value=1e-6, implementation="xla"),
+                      x, x, x[:, 0], jnp.ones((4, 320)))
+  assert d[0].path == "xla"
+
+
+B16 = jnp.zeros((2, 4, 256), jnp.bfloat16)
+V16 = jnp.zeros((2, 256), jnp.bfloat16)
+WF = jnp.ones((4, 256))
+
+
+@pytest.mark.parametrize("args, kw, match", [
+    ((B16[0], B16, V16, WF), {}, "hidden_states must have rank 3"),
+    ((B16, B16[:, :3], V16, WF), {}, "k must have shape"),
+    ((B16, B16, V16[:1], WF), {}, "v must have shape"),
+    ((B16, B16, V16, WF[:3]), {}, "weight_fused must have shape"),
+    ((B16.astype(jnp.int32), B16, V16, WF), {}, "hidden_states must have dtype"),
+    ((B16, B16.astype(jnp.float32), V16, WF), {}, "k must have the dtype"),
+    ((B16, B16, V16, WF), dict(eps=-1.0), "eps must be"),
+    ((B16, B16, V16, WF), dict(clamp_value="x"), "clamp_value must be"),
+])
+def test_gate_fwd_bad_inputs(args, kw, match):
+  kw = dict(dict(eps=1e-6, clamp_value=1e-6), **kw)
+  with pytest.raises(ValueError, match=match):
+    engram.engram_gate_fwd(*args, **kw)
+
+
+def test_gate_bwd_bad_inputs():
+  s = jnp.zeros((2, 4))
+  with pytest.raises(ValueError, match="dot must have shape"):
+    engram.engram_gate_bwd(B16, B16, B16, V16, WF, s[:1], s, s, s, clamp_value=1e-6)
+  with pytest.raises(ValueError, match="num_partials"):
+    engram.engram_gate_bwd(B16, B16, B16, V16, WF, s, s, s, s, clamp_value=1e-6, num_partials=0)
+  with pytest.raises(ValueError, match="grad_w_partial must have shape"):
+    engram.grad_w_reduce(jnp.zeros((3, 4, 128)), WF, WF, WF, WF)
+  with pytest.raises(ValueError, match="weight_embed must have the shape"):
+    engram.fused_weight(WF, WF[:2])
+
+
+def test_grad_w_reduce_matches_reference(key):
+  ks = jax.random.split(key, 5)
+  part = jax.random.normal(ks[0], (132, 4, 512))
+  wh, we = (jax.random.normal(kk, (4, 512)).astype(jnp.bfloat16) for kk in ks[1:3])
+  ah, ae = (jax.random.normal(kk, (4, 512)) for kk in ks[3:])
+  got = engram.grad_w_reduce(part, wh, we, ah, ae, implementation="interpret")
+  for a, b in zip(got, ref.grad_w_reduce(part, wh, we, ah, ae)):
+    assert_diff_below(a, b, 1e-10)
+
+
+def test_building_blocks_refuse_grad(key):
+  x, k, v, wh, we = gate_inputs(key, 2, 4, 256)
+  wf = engram.fused_weight(wh, we)
+  with pytest.raises(jaxkern.NotDifferentiableError, match="engram_gate_fwd"):
+    jax.grad(lambda x: engram.engram_gate_fwd(x, k, v, wf, eps=1e-6, clamp_value=1e-6,
+                                              implementation="reference").output.astype(jnp.float32).sum())(x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, d", [(4001, 2048), (8001, 7168), (4001, 2560)])
+def test_spec_shapes_gpu(key, t, d):
+  args = _bwd_inputs(key, t, d, 1e-6)
+  go, x, k, v, wf = args[:5]
+  got = engram.engram_gate_fwd(x, k, v, wf, eps=1e-20, clamp_value=1e-6, implementation="pallas")
+  want = ref.engram_gate_fwd(x, k, v, wf, eps=1e-20, clamp_value=1e-6)
+  for a, b in zip(got, want):
+    assert_diff_below(a, b, 2e-10)
+  g = engram.engram_gate_bwd(*args, clamp_value=1e-6, implementation="pallas")
+  for a, b in zip(g, ref.engram_gate_bwd(*args, clamp_value=1e-6, num_partials=g.grad_w_partial.shape[0])):
+    assert_diff_below(a, b, 1e-8)
