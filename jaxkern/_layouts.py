@@ -67,6 +67,27 @@ def group_layout(groups: int, group: int, itemsize: int):
   return plgpu.Layout.TILED(lay.tiling, lay.warp_dims, lay.lane_dims, lay.vector_dim), warps_r * lanes_r
 
 
+
+def group_vectors_layout(groups: int, group: int, itemsize: int):
+  """Register layout for a ``(rows, groups, parts, vec)`` view of rows cut into groups of ``group = parts·vec``
+  consecutive values, ``vec`` = 16 bytes of ``itemsize``: the ``parts`` vectors of a group lie on consecutive
+  lanes, so one vector access of a warp covers a contiguous 512-byte span (a thread holding whole groups of
+  32 bytes, :func:`group_layout`, would leave every access half-strided). An iota along the last dimension
+  is a compile-time constant per vector element, one along ``parts`` a lane property.
+  ``layout.reduce(3).reduce(2)`` holds one value per group, replicated over the group's lanes.
+
+  Returns ``(layout, rows)``: the Pallas layout and the number of rows it covers once.
+  """
+  vec = min(16 // itemsize, group)
+  parts = group // vec
+  lanes_c = _pow2_divisor(groups, 32 // parts)
+  warps_c = _pow2_divisor(groups // lanes_c, 4) if lanes_c * parts == 32 else 1
+  lanes_r, warps_r = 32 // (lanes_c * parts), 4 // warps_c
+  tiling = mgpu_fa.Tiling(((warps_r * lanes_r, warps_c * lanes_c, parts, vec), (lanes_r, lanes_c, parts, vec),
+                           (vec,)))
+  lay = mgpu_fa.TiledLayout(tiling, (-9, -8), (-5, -4, -3), -1, _check_canonical=False).canonicalize()
+  return plgpu.Layout.TILED(lay.tiling, lay.warp_dims, lay.lane_dims, lay.vector_dim), warps_r * lanes_r
+
 def flat_layout(vec: int):
   """Register layout of a 1-D array spread over one warpgroup: each thread holds vectors of ``vec``
   consecutive elements, consecutive lanes (then warps) consecutive vectors, so a warp reads
