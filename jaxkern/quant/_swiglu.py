@@ -50,10 +50,13 @@ NUM_COUNTERS = 3  # #(left > C), #(right > C), #(right < -C)
 
 
 def _silu_times(left, right, clamp, count):
-  """``(act, per-row flag counts if count else None)`` of one group's float32 halves (quant.md §8)."""
+  """``(act, flags if count else None)`` of one group's float32 halves (quant.md §8): ``flags`` are the
+  elementwise 0 / 1 float32 indicators of ``left > C``, ``right > C``, ``right < -C``, which the caller sums
+  elementwise over its groups and reduces along the row once (a row reduction per group and counter cost
+  cross-lane shuffles)."""
   counts = None
   if count:
-    counts = [jnp.sum(jnp.where(f, 1.0, 0.0), axis=1) for f in (left > clamp, right > clamp, right < -clamp)]
+    counts = [jnp.where(f, 1.0, 0.0) for f in (left > clamp, right > clamp, right < -clamp)]
   if clamp is not None:
     left, right = jnp.minimum(left, clamp), jnp.minimum(jnp.maximum(right, -clamp), clamp)
   return _ieee.newton_div(left, 1.0 + jnp.exp(-left)) * right, counts
@@ -124,7 +127,8 @@ def swiglu_kernel(x, weight, pos_to_expert, *, npc, round_sf, sf_layout, clamp, 
           if t % 4 == 3 or t == nlocal - 1:
             sf_g[seg0 // 4 + t // 4, rows] = word
         o_g[rows, cols] = to_e4m3(gpu_nan(act * inv[:, None], interpret), interpret)
-      for k, n in enumerate(totals or ()):
+      for k, flags in enumerate(totals or ()):
+        n = jnp.sum(flags, axis=1)
         cnt_g[NUM_COUNTERS * chunk_index + k, rows] = n if keep is None else jnp.where(keep, n, 0.0)
       if sf_layout != "rows" and sf_type[0][1] > r:
         @pl.when(lax.axis_index("i") == num_ctas - 1)
