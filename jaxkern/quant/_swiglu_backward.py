@@ -13,13 +13,17 @@ optional clamp, ``t = 1 + exp(-x)``, ``act = (x / t) · y`` and ``s = 1 / t`` co
 (:func:`jaxkern._ieee.exact_div`), ``gw = (g · w) · s``, ``dx = (gw · y) · fma(x, 1 - s, 1)``, ``dy = gw · x``,
 the bf16 ``out = act · w`` and ``x_grad``, the per-token e4m3 cast of the float32 ``dx`` and ``dy`` groups (abs-max
 row reduction, :func:`jaxkern.reference.quant.scale_factors` with the exact division, saturating conversion),
-and the row sums ``Σ g · act`` of the chunk.
+and the row sums ``Σ g · act`` of the chunk. The sf are stored straight into layout A (``(E, 2h/npc)``, one
+strided float32 store per row and group, as the per-token cast loads a QuantTensor's layout-A sf), which spares XLA
+a transpose of ``E·2h/npc`` floats (not yet timed against a contiguous ``(2h/npc, E)`` store plus that
+transpose).
 
 Fused multiply-add: Mosaic GPU has no fma primitive (``jax.lax`` has none either). ``x * (1 - s) + 1`` is written
 as a multiply whose only use is an add; Mosaic GPU emits both with ``fastmath<contract>`` and LLVM's NVPTX backend
 fuses such a pair into ``fma.rn.f32`` (as :mod:`jaxkern.moe._reduce_fused` relies on; a CPU test checks the lowered
 module, the ``gpu`` test the bits). XLA on CPU contracts the pair as well (interpret mode). No other product in the
-kernel feeds an add (``1 + exp(-x)`` adds no product), so nothing else is fused; the weight-gradient row sums may
+kernel feeds an add (``1 + exp(-x)`` adds no product), so nothing else is fused but the exact division's own
+residuals (:func:`jaxkern._ieee.exact_div`, which needs them fused); the weight-gradient row sums may
 be contracted, which their tolerance allows.
 
 Steps done outside the kernel, by XLA:
@@ -28,8 +32,7 @@ Steps done outside the kernel, by XLA:
   per row, :func:`jaxkern.reference.quant.row_weights`), loaded by the kernel as a row vector;
 * ``weight_grad``: Mosaic GPU Pallas has no global atomics, so the kernel writes float32 per-row partial sums of
   each chunk ``(chunks, E)``; XLA adds the chunks and scatters the row sums to the rows' slots
-  (:func:`jaxkern.reference.quant.scatter_weight_grad`);
-* the sf: written as float32 ``(2h/npc, E)`` (one contiguous row store per group) and transposed to layout A.
+  (:func:`jaxkern.reference.quant.scatter_weight_grad`).
 
 In interpret mode ``exp`` is XLA's CPU ``exp`` (not CUDA's ``expf``), so interpret-mode results equal the
 reference run on the CPU, and compiled results the reference run on the GPU.
@@ -56,6 +59,7 @@ from jaxkern.types import QuantTensor, SwigluBackward
 
 CHUNK_COLS = 512  # gate columns per CTA (4 groups of 128 or 16 groups of 32): the forward's chunk width
 NUM_PER_CHANNELS = (32, 128)
+UNROLL_GROUPS = 4  # groups per chunk written out in Python; more run in a fori_loop
 
 
 def _layout(npc):
@@ -66,7 +70,7 @@ def _layout(npc):
 def backward_kernel(q, sf, grad, weight, *, npc, round_sf, clamp, interpret):
   """``q`` ``(R, 2h)`` e4m3, ``sf`` ``(R, 2h/npc)`` float32, ``grad`` ``(R, h)`` bf16, ``weight`` ``(1, R)``
   float32 (``R`` at least one layout block) -> ``(out (R, h) bf16, x_grad (R, 2h) bf16, x_grad_q (R, 2h) e4m3,
-  x_grad_sf (2h/npc, R) float32, row sums (chunks, R) float32)``."""
+  x_grad_sf (R, 2h/npc) float32 (layout A), row sums (chunks, R) float32)``."""
   r, h = grad.shape
   nseg = h // npc  # groups per half
   chunk = min(max(1, CHUNK_COLS // npc), nseg)
@@ -95,42 +99,50 @@ def backward_kernel(q, sf, grad, weight, *, npc, round_sf, clamp, interpret):
       s, inv = ref.scale_factors(amax, maxv, "e4m3", round_sf, div=_ieee.exact_div)
       return to_e4m3(gpu_nan(v * inv[:, None], interpret), interpret), gpu_nan(s, interpret)
 
+    def group(j, w):
+      """Group ``j`` of each half (columns ``j·npc`` and ``h + j·npc``): stores its outputs, returns its row sums."""
+      col = j * npc
+      sx = plgpu.load(sf_g.at[rows, j], layout=vec, optimized=False)
+      sy = plgpu.load(sf_g.at[rows, nseg + j], layout=vec, optimized=False)
+      xv = load(q_g, col) * sx[:, None]
+      yv = load(q_g, h + col) * sy[:, None]
+      g = load(g_g, col)
+      if c is not None:
+        cx, cyu, cyl = xv > c, yv > c, yv < -c
+        xv = jnp.where(cx, c, xv)
+        yv = jnp.where(cyu, c, jnp.where(cyl, -c, yv))
+      d = 1.0 + jnp.exp(-xv)
+      # exact_div assumes a nonzero dividend: 0 / d is the signed zero itself.
+      act = jnp.where(xv == 0, xv, _ieee.exact_div(xv, d)) * yv
+      s = _ieee.exact_div(1.0, d)
+      gw = (g * w) * s
+      dx = (gw * yv) * (xv * (1.0 - s) + 1.0)  # fma: the multiply's only use is the add (module docstring)
+      dy = gw * xv
+      if c is not None:
+        dx = jnp.where(cx, 0.0, dx)
+        dy = jnp.where(cyu | cyl, 0.0, dy)
+      out_g[rows, pl.ds(col, npc)] = (act * w).astype(jnp.bfloat16)
+      for half, v in ((0, dx), (1, dy)):
+        cols = pl.ds(half * h + col, npc)
+        xg_g[rows, cols] = v.astype(jnp.bfloat16)
+        data, s_out = cast(v)
+        xq_g[rows, cols] = data
+        xsf_g[rows, half * nseg + j] = s_out
+      return jnp.sum(g * act, axis=1)
+
     def body(chunk_index, nlocal):
-      """Groups ``chunk_index·chunk + t`` of each half for ``t < nlocal`` (static)."""
+      """Groups ``chunk_index·chunk + t`` of each half for ``t < nlocal`` (static): unrolled up to
+      :data:`UNROLL_GROUPS` (the forward's 4 groups of 128), else the first one peeled (its row sums give the loop
+      carry its layout) and the others in a ``fori_loop`` (16 unrolled groups of 32 columns made a module that
+      took over a minute to lower)."""
       seg0 = chunk_index * chunk
       w = plgpu.load(w_g.at[0, rows], layout=vec, optimized=False)[:, None]
-      total = None
-      for t in range(nlocal):
-        j = seg0 + t
-        col = j * npc
-        sx = plgpu.load(sf_g.at[rows, j], layout=vec, optimized=False)
-        sy = plgpu.load(sf_g.at[rows, nseg + j], layout=vec, optimized=False)
-        xv = load(q_g, col) * sx[:, None]
-        yv = load(q_g, h + col) * sy[:, None]
-        g = load(g_g, col)
-        if c is not None:
-          cx, cyu, cyl = xv > c, yv > c, yv < -c
-          xv = jnp.where(cx, c, xv)
-          yv = jnp.where(cyu, c, jnp.where(cyl, -c, yv))
-        d = 1.0 + jnp.exp(-xv)
-        # exact_div assumes a nonzero dividend: 0 / d is the signed zero itself.
-        act = jnp.where(xv == 0, xv, _ieee.exact_div(xv, d)) * yv
-        s = _ieee.exact_div(1.0, d)
-        gw = (g * w) * s
-        dx = (gw * yv) * (xv * (1.0 - s) + 1.0)  # fma: the multiply's only use is the add (module docstring)
-        dy = gw * xv
-        if c is not None:
-          dx = jnp.where(cx, 0.0, dx)
-          dy = jnp.where(cyu | cyl, 0.0, dy)
-        part = jnp.sum(g * act, axis=1)
-        total = part if total is None else total + part
-        out_g[rows, pl.ds(col, npc)] = (act * w).astype(jnp.bfloat16)
-        for half, v in ((0, dx), (1, dy)):
-          cols = pl.ds(half * h + col, npc)
-          xg_g[rows, cols] = v.astype(jnp.bfloat16)
-          data, s_out = cast(v)
-          xq_g[rows, cols] = data
-          xsf_g[rows, half * nseg + j] = s_out
+      total = group(seg0, w)
+      if nlocal <= UNROLL_GROUPS:
+        for t in range(1, nlocal):
+          total = total + group(seg0 + t, w)
+      else:
+        total = lax.fori_loop(1, nlocal, lambda t, acc: acc + group(seg0 + t, w), total)
       dot_g[chunk_index, rows] = total
 
     gi = lax.axis_index("g")
@@ -147,18 +159,21 @@ def backward_kernel(q, sf, grad, weight, *, npc, round_sf, clamp, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("npc", "round_sf", "clamp", "interpret"))
-def _kernel(q, sf, grad, weight, *, npc, round_sf, clamp, interpret):
-  """``q`` ``(E, 2h)``, ``sf`` ``(E, 2h/npc)``, ``grad`` ``(E, h)``, per-row ``weight`` ``(E,)`` ->
-  ``(out, x_grad, x_grad_q, x_grad_sf (E, 2h/npc), row sums (E,))``."""
+def _kernel(q, sf, grad, weight, pos_to_token_topk, *, npc, round_sf, clamp, interpret):
+  """``q`` ``(E, 2h)``, ``sf`` ``(E, 2h/npc)``, ``grad`` ``(E, h)``, ``weight`` ``(T, k)``, ``pos_to_token_topk``
+  ``(E,)`` -> :class:`SwigluBackward`: the weight gather, the kernel and the weight-gradient scatter in one jit
+  (eager interpret kernels mixed with eager XLA ops can deadlock XLA:CPU)."""
   e = q.shape[0]
   rp = max(e, _layout(npc)[1])
 
   def pad(a):  # fewer rows than one layout block: zero rows (tiny inputs only)
     return jnp.pad(a, ((0, rp - e),) + ((0, 0),) * (a.ndim - 1))
 
-  out, xg, xq, xsf, dots = backward_kernel(pad(q), pad(sf), pad(grad), pad(weight).reshape(1, rp), npc=npc,
+  row_w = ref.row_weights(pos_to_token_topk, weight, e)
+  out, xg, xq, xsf, dots = backward_kernel(pad(q), pad(sf), pad(grad), pad(row_w).reshape(1, rp), npc=npc,
                                            round_sf=round_sf, clamp=clamp, interpret=interpret)
-  return out[:e], xg[:e], xq[:e], xsf[:e], dots[:, :e].sum(axis=0)
+  weight_grad = ref.scatter_weight_grad(dots[:, :e].sum(axis=0), pos_to_token_topk, weight.shape)
+  return SwigluBackward(out[:e], QuantTensor(xq[:e], xsf[:e]), xg[:e], weight_grad)
 
 
 def _check(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, npc):
@@ -265,11 +280,8 @@ def swiglu_backward_and_per_token_cast(x, grad_out, weight, pos_to_token_topk, t
   e = q.shape[0]
 
   def kernel(interpret):
-    row_w = ref.row_weights(pos_to_token_topk, weight, e)
-    out, xg, xq, xsf, dots = _kernel(q, sf, grad_out, row_w, npc=npc, round_sf=round_sf, clamp=swiglu_clamp_value,
-                                     interpret=_config.mosaic_interpret(interpret))
-    return SwigluBackward(out, QuantTensor(xq, xsf), xg,
-                          ref.scatter_weight_grad(dots, pos_to_token_topk, weight.shape))
+    return _kernel(q, sf, grad_out, weight, pos_to_token_topk, npc=npc, round_sf=round_sf, clamp=swiglu_clamp_value,
+                   interpret=_config.mosaic_interpret(interpret))
 
   def reference():
     return ref.swiglu_backward_and_per_token_cast((q, sf), grad_out, weight, pos_to_token_topk, token_topk_to_pos,
