@@ -14,6 +14,9 @@ swiglu_forward_and_per_token_cast (the 12 MoE configs x 6 h x pos_to_expert or n
 T, npc 128, no weights; the clamp is a case kwarg, counters returned with a clamp) and
 swiglu_forward_and_per_channel_cast_and_transpose (one op per npt 32 / 128 over tokens {4096, 8064} x 7 hidden sizes
 as h; without_transpose, round_sf and the clamp None / 0.5 are case kwargs). The
+T, npc 128, no weights; the clamp is a case kwarg, counters returned with a clamp),
+swiglu_backward_and_per_token_cast (the 12 MoE configs x h in {2048, 4096, 7168} (a subset of the spec's 6 hidden
+sizes, to keep the grid at 144 shapes) x npc {32, 128} x clamp 0.5 / None, round_sf=True). The
 inputs whose ops fall back to the jnp reference (fewer rows than one register layout block, cast_back
 of e2m1 data with (bm, 1) blocks) are outside these grids.
 """
@@ -24,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.registry import BenchOp, Case, register
+from benchmarks.registry import BenchOp, Case, bitwise_check, register
 from jaxkern import quant
 from jaxkern.reference import quant as ref
 from jaxkern.testing import hidden_sizes, num_tokens, randn
@@ -322,7 +325,6 @@ register(BenchOp(
     lambda: [_swiglu_case(64, 2, 4, 2, 640, True, 0.5), _swiglu_case(64, 2, 4, 2, 256, False, None)]))
 
 
-
 def _swiglu_channel_case(m, h, npt, without_transpose, round_sf, clamp):
   """bf16 ``randn`` ``(M, 2h)``; bytes: x, out, sf (quant.md §11)."""
   label = (f"M={m} h={h}{' no-transpose' if without_transpose else ''}{' round' if round_sf else ''} "
@@ -341,5 +343,59 @@ for _npt in (32, 128):
                                                                 (False, True), (None, 0.5))],
       lambda _npt=_npt: [_swiglu_channel_case(128, 192, _npt, False, True, 0.5),
                          _swiglu_channel_case(128, 128, _npt, True, False, None)]))
+
+
+def _swiglu_backward_case(send_tokens, num_topk, experts, ranks, h, npc, clamp):
+  """Upstream's SwiGLU-backward benchmark input: ``per_token_cast(expand_to_fused(bf16 randn (T, 2h)), 'e4m3', npc)``
+  over the fused mapping of the MoE config (alignment ``npc``), a bf16 ``randn`` gradient, ``uniform [0, 1)`` top-k
+  weights; ``round_sf=True``. Bytes (quant.md §11): x data and sf, grad_out, weights, both mappings, out, x_grad_q,
+  x_grad_sf, x_grad, weight_grad."""
+  from jaxkern.reference import moe as moe_ref
+  from jaxkern.testing import moe_topk_idx
+
+  idx = moe_topk_idx(jax.random.key(0), send_tokens, num_topk, experts, ranks)
+  t = idx.shape[0]
+  counts = [int((idx == e).sum()) for e in range(experts)]
+  n = sum(-(-c // npc) * npc for c in counts)
+  mapping = moe_ref.get_fused_mapping(jnp.asarray(idx), experts, n, npc)
+  pos_to_token = np.asarray(mapping.pos_to_token)
+  sf_bytes = n * 2 * h // npc * 4
+  nbytes = (n * 2 * h + sf_bytes + n * h * 2 + t * num_topk * 4 + n * 4 + t * num_topk * 4  # inputs
+            + n * h * 2 + n * 2 * h + sf_bytes + n * 2 * h * 2 + t * num_topk * 4)  # outputs
+  label = f"E={experts}x{ranks} K{num_topk} N={n} h={h} npc={npc} clamp={clamp}"
+
+  def make(key):
+    kx, kg, kw = jax.random.split(key, 3)
+    x = randn(kx, (t, 2 * h), jnp.bfloat16)
+    x = jnp.where(pos_to_token[:, None] >= 0, x[np.maximum(pos_to_token, 0)], 0).astype(jnp.bfloat16)
+    q, sf = ref.per_token_cast(x, "e4m3", npc)
+    return (q, sf, randn(kg, (n, h), jnp.bfloat16), jax.random.uniform(kw, (t, num_topk), jnp.float32),
+            mapping.pos_to_token_topk, mapping.token_topk_to_pos)
+
+  return Case(label, make, nbytes, dict(npc=npc, clamp=clamp))
+
+
+def _swiglu_backward(op):
+  def run(q, sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos, npc=128, clamp=None, **implementation):
+    return op((q, sf), grad_out, weight, pos_to_token_topk, token_topk_to_pos, npc, round_sf=True,
+              swiglu_clamp_value=clamp, **implementation)
+  return run
+
+
+def _swiglu_backward_check(out, expected):
+  """Bitwise, except ``weight_grad`` (summed in another order): ``atol = rtol = 1e-4`` (quant.md §10.2)."""
+  bitwise_check(tuple(out)[:3], tuple(expected)[:3])
+  np.testing.assert_allclose(np.asarray(out[3]), np.asarray(expected[3]), atol=1e-4, rtol=1e-4)
+
+
+register(BenchOp(
+    "swiglu_backward_and_per_token_cast",
+    _swiglu_backward(quant.swiglu_backward_and_per_token_cast),
+    _swiglu_backward(ref.swiglu_backward_and_per_token_cast),
+    lambda: [_swiglu_backward_case(4001, k, e, r, h, npc, c) for k in (2, 6, 8, 9)
+             for e, r in ((9, 8), (32, 8), (4, 64)) for h in (2048, 4096, 7168) for npc in (32, 128)
+             for c in (0.5, None)],
+    lambda: [_swiglu_backward_case(64, 2, 4, 2, 256, 32, 0.5), _swiglu_backward_case(64, 2, 4, 2, 128, 128, None)],
+    check=_swiglu_backward_check))
 
 del _fmt, _prefix, _dts, _name, _w, _out, _packed, _bm, _bk, _npt, _block

@@ -27,6 +27,17 @@ class QuantTensorWithClampedCount(NamedTuple):
   clamped_count: jax.Array  # (3,): the given counts plus #(left > C), #(right > C), #(right < -C)
 
 
+class SwigluBackward(NamedTuple):
+  """:func:`jaxkern.quant.swiglu_backward_and_per_token_cast`: the recomputed forward output and the
+  gradients of the SwiGLU input ``x = [left | right]`` and of the top-k weights (upstream returns
+  ``(out, (x_grad_q, x_grad_sf), x_grad, weight_grad)``; the fields unpack in that order)."""
+
+  out: jax.Array  # (E, h) bfloat16: the weighted activation silu(l')·r'·w, recomputed from the FP8 x
+  x_grad_quant: QuantTensor  # ((E, 2h) e4m3, (E, 2h/npc) float32 layout A): per-token cast of [dx | dy]
+  x_grad: jax.Array  # (E, 2h) bfloat16: [dx | dy], the gradient of x
+  weight_grad: jax.Array  # (T, k) float32: the gradient of the top-k weights (zeros for unused slots)
+
+
 class FusedMapping(NamedTuple):
   """The fused (expert-major) row layout of :func:`jaxkern.moe.get_fused_mapping`."""
 

@@ -48,6 +48,13 @@ def _with_block_sf(key):
   return x, ref.per_block_cast_with_sf_only(x, "e4m3", (32, 128))
 
 
+def _swiglu_backward_inputs(key):
+  """``(q, sf)`` of a random ``(M, 2K)`` input cast per token, a bf16 gradient ``(M, K)``, weights ``(M/2, 2)``."""
+  k1, k2, k3 = jax.random.split(key, 3)
+  q, sf = ref.per_token_cast(randn(k1, (M, 2 * K), jnp.bfloat16), "e4m3", 128)
+  return q, sf, randn(k2, (M, K), jnp.bfloat16), jax.random.uniform(k3, (M // 2, 2), jnp.float32)
+
+
 CASES = {
     "per_token_cast": Case("per_token_cast", lambda key: (_x(key),),
                            lambda x: quant.per_token_cast(x, "e4m3", 64)),
@@ -95,13 +102,18 @@ CASES = {
     "swiglu_forward_and_per_channel_cast_and_transpose": Case(
         "swiglu_forward_and_per_channel_cast_and_transpose", lambda key: (randn(key, (M, 2 * K), jnp.bfloat16),),
         lambda x: quant.swiglu_forward_and_per_channel_cast_and_transpose(x, "e4m3", 32, swiglu_clamp_value=0.5)),
+    "swiglu_backward_and_per_token_cast": Case(
+        "swiglu_backward_and_per_token_cast", _swiglu_backward_inputs,
+        lambda q, sf, g, w: quant.swiglu_backward_and_per_token_cast(
+            (q, sf), g, w, jnp.arange(M, dtype=jnp.int32), jnp.arange(M, dtype=jnp.int32).reshape(M // 2, 2), 128)),
 }
 
 
 def test_every_quant_op_has_a_case():
   """``unpack_from_e2m1fn_x2`` has no floating-point input (see :func:`test_unpack_has_no_derivative`)."""
   ops = {name for name in quant.__all__
-         if name not in ("QuantTensor", "QuantTensorWithClampedCount", "sf_logical", "sf_to_float")}
+         if name not in ("QuantTensor", "QuantTensorWithClampedCount", "SwigluBackward", "sf_logical",
+                             "sf_to_float")}
   assert {case.op for case in CASES.values()} == ops - {"unpack_from_e2m1fn_x2"}
 
 

@@ -1,6 +1,7 @@
 """Trainable layers built from the jaxkern ops; layers land here as they are built."""
 
 from jaxkern.modeling.engram import engram_gate
+from jaxkern.modeling._swiglu import swiglu
 from jaxkern.modeling.moe import (MoeConfig, MoeParams, apply_experts, apply_experts_dense, balance_router_bias,
                                   init_moe_params, moe_layer, moe_layer_dense, route_tokens, swiglu_experts)
 
@@ -15,5 +16,6 @@ __all__ = [
     "moe_layer",
     "moe_layer_dense",
     "route_tokens",
+    "swiglu",
     "swiglu_experts",
 ]

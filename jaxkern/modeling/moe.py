@@ -11,7 +11,8 @@ experts, ``K`` routed slots per token:
    contiguous segment of rows, its token count rounded up to ``alignment``;
 3. :func:`jaxkern.moe.expand_to_fused` copies each token into its experts' rows (padding rows zero);
 4. SwiGLU experts on the fused rows, one grouped matmul per projection (``jax.lax.ragged_dot``
-   through :func:`jaxkern.modeling._grouped_matmul.grouped_matmul`): ``silu(x Wg) * (x Wu) @ Wd``;
+   through :func:`jaxkern.modeling._grouped_matmul.grouped_matmul`): ``silu(x Wg) * (x Wu) @ Wd``, the activation
+   in float32 or, with ``MoeConfig.fp8_swiglu``, :func:`jaxkern.modeling.swiglu` (fused FP8 kernels);
 5. :func:`jaxkern.moe.reduce_fused` sums each token's expert outputs times its routing weights.
 
 All functions are plain functions of a params pytree (:class:`MoeParams`) and a static
@@ -36,6 +37,7 @@ from jax import lax
 
 from jaxkern import moe
 from jaxkern.modeling._grouped_matmul import grouped_matmul
+from jaxkern.modeling._swiglu import swiglu
 from jaxkern.types import TopkRouting
 
 
@@ -53,6 +55,9 @@ class MoeConfig:
     routed_scaling_factor: multiplies the routed weights.
     alignment: rows per expert segment are rounded up to this (128 matches the GPU grouped GEMMs'
       tiles; small values waste fewer padding rows on a CPU).
+    fp8_swiglu: the experts' activation is :func:`jaxkern.modeling.swiglu` (the fused FP8 forward and backward
+      kernels, e4m3 numerics: the activation and its gradient carry e4m3 rounding errors of up to 2^-4 relative)
+      instead of ``silu(gate) * up`` in float32; needs the intermediate width ``I % 128 == 0``.
   """
 
   num_experts: int
@@ -63,6 +68,7 @@ class MoeConfig:
   scoring_func: str = "sigmoid"
   routed_scaling_factor: float = 1.0
   alignment: int = 128
+  fp8_swiglu: bool = False
 
   @property
   def num_all_experts(self) -> int:
@@ -143,20 +149,28 @@ def _group_sizes(mapping: moe.FusedMapping) -> jax.Array:
   return mapping.num_tokens_per_expert.at[-1].add(tail)
 
 
-def swiglu_experts(xf: jax.Array, params: MoeParams, group_sizes: jax.Array) -> jax.Array:
+def swiglu_experts(xf: jax.Array, params: MoeParams, group_sizes: jax.Array, *, fp8_swiglu: bool = False,
+                   implementation: str | None = None) -> jax.Array:
   """``silu(x Wg) * (x Wu) @ Wd`` of each fused row with its expert's weights.
 
   Args:
     xf: ``(N, H)`` fused rows, expert-major.
     params: :class:`MoeParams` (the expert weights, of ``xf.dtype``).
     group_sizes: ``(E+S,)`` int32 rows of each expert's segment, summing to ``N``.
+    fp8_swiglu: the activation is :func:`jaxkern.modeling.swiglu` of ``[x Wg | x Wu]`` (FP8 e4m3 numerics, fused
+      kernels; ``I % 128 == 0``); otherwise the SwiGLU product in float32.
+    implementation: passed to :func:`jaxkern.modeling.swiglu`.
 
   Returns:
-    ``(N, H)`` of ``xf.dtype`` (the SwiGLU product in float32).
+    ``(N, H)`` of ``xf.dtype``.
   """
-  gate = grouped_matmul(xf, params.w_gate, group_sizes).astype(jnp.float32)
-  up = grouped_matmul(xf, params.w_up, group_sizes).astype(jnp.float32)
-  return grouped_matmul((jax.nn.silu(gate) * up).astype(xf.dtype), params.w_down, group_sizes)
+  gate = grouped_matmul(xf, params.w_gate, group_sizes)
+  up = grouped_matmul(xf, params.w_up, group_sizes)
+  if fp8_swiglu:
+    act = swiglu(jnp.concatenate([gate, up], axis=1), implementation=implementation)
+  else:
+    act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(xf.dtype)
+  return grouped_matmul(act, params.w_down, group_sizes)
 
 
 def apply_experts(params: MoeParams, x: jax.Array, routing: TopkRouting, *, config: MoeConfig,
@@ -176,7 +190,7 @@ def apply_experts(params: MoeParams, x: jax.Array, routing: TopkRouting, *, conf
   mapping = moe.get_fused_mapping(routing.topk_idx, config.num_all_experts, 0, config.alignment,
                                   force_no_sync=True, implementation=implementation)
   xf = moe.expand_to_fused(x, mapping.token_topk_to_pos, mapping.pos_to_expert, implementation=implementation)
-  yf = swiglu_experts(xf, params, _group_sizes(mapping))
+  yf = swiglu_experts(xf, params, _group_sizes(mapping), fp8_swiglu=config.fp8_swiglu, implementation=implementation)
   return moe.reduce_fused(yf, routing.topk_weights, mapping.token_topk_to_pos, implementation=implementation)
 
 

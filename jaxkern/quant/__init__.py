@@ -21,12 +21,14 @@ from jaxkern.quant._per_token_cast import (
 )
 from jaxkern.quant._swiglu import swiglu_forward_and_per_token_cast
 from jaxkern.quant._swiglu_per_channel import swiglu_forward_and_per_channel_cast_and_transpose
+from jaxkern.quant._swiglu_backward import swiglu_backward_and_per_token_cast
 from jaxkern.reference.quant import sf_logical, sf_to_float
-from jaxkern.types import QuantTensor, QuantTensorWithClampedCount
+from jaxkern.types import QuantTensor, QuantTensorWithClampedCount, SwigluBackward
 
 __all__ = [
     "QuantTensor",
     "QuantTensorWithClampedCount",
+    "SwigluBackward",
     "cast_back",
     "cast_back_e5m6",
     "per_block_cast",
@@ -44,6 +46,7 @@ __all__ = [
     "sf_logical",
     "sf_to_float",
     "swiglu_forward_and_per_channel_cast_and_transpose",
+    "swiglu_backward_and_per_token_cast",
     "swiglu_forward_and_per_token_cast",
     "unpack_from_e2m1fn_x2",
 ]

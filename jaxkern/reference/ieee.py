@@ -5,8 +5,11 @@ a broadcast divisor into a reciprocal multiply on every backend, so the referenc
 float64 and round to float32 with an exact midpoint test. Independent of the kernels' helpers
 (:mod:`jaxkern._ieee`), which this module serves as the oracle for.
 
-Both are differentiable (``jax.custom_jvp``) with the derivatives of ``a / b`` and ``sqrt(x)``: the
-rounding steps in between would otherwise give a zero derivative whenever they pick a neighbour.
+Also the single-rounding fused multiply-add :func:`fma` (XLA never contracts ``a*b + c`` on GPU and always
+does on CPU, so the references spell the FMA out where the spec asks for one).
+
+All are differentiable (``jax.custom_jvp``) with the derivatives of ``a / b``, ``sqrt(x)`` and ``a*b + c``:
+the rounding steps in between would otherwise give a zero derivative whenever they pick a neighbour.
 """
 
 from __future__ import annotations
@@ -83,3 +86,32 @@ def _pick(v, other, beyond, tie, mid):
   odd = (lax.bitcast_convert_type(v, jnp.int32) & 1) == 1
   take_other = (beyond | (tie & odd)) & jnp.isfinite(mid) & jnp.isfinite(v) & (v != other)
   return jnp.where(take_other, other, v)
+
+
+@jax.custom_jvp
+def fma(a, b, c):
+  """Single-rounding float32 ``a*b + c``, exact on every backend.
+
+  The product of two float32 values is exact in float64; the float64 sum is made
+  round-to-odd (TwoSum error term, then nudge an even result one ulp towards the
+  error), which makes the final float64 -> float32 rounding correct. Its derivative
+  (``jax.custom_jvp``) is that of ``a*b + c``: the nudge step alone would have none.
+  """
+  with jax.enable_x64(True):
+    a, b, c = (jnp.asarray(v, jnp.float32).astype(jnp.float64) for v in (a, b, c))
+    p = a * b
+    s = p + c
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)
+    bits = lax.bitcast_convert_type(s, jnp.int64)
+    inexact_even = (err != 0) & ((bits & 1) == 0) & jnp.isfinite(err)
+    step = jnp.where((err > 0) == (s > 0), 1, -1).astype(jnp.int64)
+    s = jnp.where(inexact_even, lax.bitcast_convert_type(bits + step, jnp.float64), s)
+    return s.astype(jnp.float32)
+
+
+@fma.defjvp
+def _fma_jvp(primals, tangents):
+  a, b, c = (jnp.asarray(v, jnp.float32) for v in primals)
+  da, db, dc = (jnp.asarray(v, jnp.float32) for v in tangents)
+  return fma(a, b, c), da * b + a * db + dc

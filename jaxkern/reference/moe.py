@@ -338,33 +338,7 @@ def expand_sf(x_sf, token_topk_to_pos, pos_to_expert, use_tma_aligned_col_major_
   return out_sf
 
 
-@jax.custom_jvp
-def fma(a, b, c):
-  """Single-rounding float32 ``a*b + c``, exact on every backend.
-
-  The product of two float32 values is exact in float64; the float64 sum is made
-  round-to-odd (TwoSum error term, then nudge an even result one ulp towards the
-  error), which makes the final float64 -> float32 rounding correct. Its derivative
-  (``jax.custom_jvp``) is that of ``a*b + c``: the nudge step alone would have none.
-  """
-  with jax.enable_x64(True):
-    a, b, c = (jnp.asarray(v, jnp.float32).astype(jnp.float64) for v in (a, b, c))
-    p = a * b
-    s = p + c
-    bb = s - p
-    err = (p - (s - bb)) + (c - bb)
-    bits = lax.bitcast_convert_type(s, jnp.int64)
-    inexact_even = (err != 0) & ((bits & 1) == 0) & jnp.isfinite(err)
-    step = jnp.where((err > 0) == (s > 0), 1, -1).astype(jnp.int64)
-    s = jnp.where(inexact_even, lax.bitcast_convert_type(bits + step, jnp.float64), s)
-    return s.astype(jnp.float32)
-
-
-@fma.defjvp
-def _fma_jvp(primals, tangents):
-  a, b, c = (jnp.asarray(v, jnp.float32) for v in primals)
-  da, db, dc = (jnp.asarray(v, jnp.float32) for v in tangents)
-  return fma(a, b, c), da * b + a * db + dc
+fma = ieee.fma  # single-rounding float32 a*b + c (moved to jaxkern.reference.ieee, shared with quant)
 
 
 def reduce_fused(x, topk_weights, token_topk_to_pos, *, fp8_format: str = "", sf=None) -> jax.Array:

@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 
 from jaxkern.reference import ieee
-from jaxkern.types import QuantTensor, QuantTensorWithClampedCount
+from jaxkern.types import QuantTensor, QuantTensorWithClampedCount, SwigluBackward
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -629,3 +629,82 @@ def swiglu_forward_and_per_channel_cast_and_transpose(x, fmt: str, num_per_token
                              mantissa_bits=7)
   data, sf = _per_channel(act, fmt, num_per_tokens, round_sf)
   return QuantTensor(data if without_transpose else data.T, sf)
+
+
+def swiglu_rows(x, num_per_channels: int):
+  """The float32 rows ``(E, 2h)`` of the SwiGLU backward input: a QuantTensor ``(q, sf)`` (``q`` e4m3
+  ``(..., 2h)`` flattened to rows, ``sf`` float32 layout A ``(E, 2h/npc)``) dequantised as
+  ``RN(f32(q) · sf)``, or a plain float array ``(..., 2h)`` widened to float32."""
+  if isinstance(x, tuple):
+    q, sf = x
+    q = q.reshape(-1, q.shape[-1])
+    return q.astype(jnp.float32) * jnp.repeat(sf.astype(jnp.float32), num_per_channels, axis=1)
+  return x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+
+
+def scatter_weight_grad(dots, pos_to_token_topk, shape):
+  """``weight_grad`` ``shape`` float32: zeros, plus ``dots[p]`` at flat slot ``pos_to_token_topk[p]`` for every
+  row with a non-negative slot (rows naming the same slot add up; an index past the end is dropped)."""
+  size = int(np.prod(shape))
+  pos = pos_to_token_topk.astype(jnp.int32)
+  idx = jnp.where(pos >= 0, pos, size)
+  return jnp.zeros((size,), jnp.float32).at[idx].add(dots.astype(jnp.float32), mode="drop").reshape(shape)
+
+
+def swiglu_backward(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels: int,
+                    swiglu_clamp_value=None):
+  """The upstream reference ``swiglu_backward`` (quant.md §8.3): the SwiGLU backward in float32.
+
+  Args:
+    x: QuantTensor ``(q, sf)``: ``q`` float8_e4m3fn ``(E, 2h)`` (or ``(..., 2h)``, flattened to rows), ``sf``
+      float32 layout A ``(E, 2h/num_per_channels)``; or a plain ``(E, 2h)`` float array (the dequantised values).
+    grad_out: ``(E, h)`` (or ``(..., h)``) cotangent of the weighted activation.
+    weight: ``(T, k)`` float32 top-k weights; row ``p`` uses ``weight.reshape(-1)[pos_to_token_topk[p]]``, 0 where
+      that index is negative.
+    pos_to_token_topk: ``(E,)`` int32.
+    token_topk_to_pos: ``(T, k)`` int32; only its shape is used (the mapping pair is assumed mutually inverse).
+    num_per_channels: the columns per sf of ``x`` (a QuantTensor).
+    swiglu_clamp_value: the clamp ``C`` or None.
+
+  Returns:
+    ``(out, x_grad, weight_grad)``: ``out`` ``(E, h)`` float32 = ``RN(act · w)``; ``x_grad`` ``(E, 2h)`` float32
+    ``[dx | dy]``; ``weight_grad`` ``(T, k)`` float32, ``Σ_c f32(grad_out) · act`` (unweighted act) scattered to
+    each row's slot (:func:`scatter_weight_grad`), zero elsewhere. Per element, each step one IEEE rounding:
+    ``t = 1 + exp(-x)``, ``act = (x / t) · y``, ``s = 1 / t``, ``gw = (g · w) · s``,
+    ``dx = (gw · y) · fma(x, 1 - s, 1)`` (0 where ``x > C``), ``dy = gw · x`` (0 where ``|y| > C``), with ``x``,
+    ``y`` the left and right halves after the clamp (``x`` to ``C`` from above, ``y`` to ``[-C, C]``).
+  """
+  del token_topk_to_pos  # only its shape matters (the checks of the op)
+  v = swiglu_rows(x, num_per_channels)
+  e, h = v.shape[0], v.shape[1] // 2
+  xv, yv = v[:, :h], v[:, h:]
+  g = grad_out.reshape(-1, h).astype(jnp.float32)
+  if swiglu_clamp_value is not None:
+    c = float(np.float32(swiglu_clamp_value))
+    cx, cyu, cyl = xv > c, yv > c, yv < -c
+    xv = jnp.where(cx, c, xv)
+    yv = jnp.where(cyu, c, jnp.where(cyl, -c, yv))
+  w = row_weights(pos_to_token_topk, weight, e)[:, None]
+  t = 1.0 + jnp.exp(-xv)
+  act = ieee.div(xv, t) * yv
+  s = ieee.div(1.0, t)
+  gw = (g * w) * s
+  dx = (gw * yv) * ieee.fma(xv, 1.0 - s, 1.0)
+  dy = gw * xv
+  if swiglu_clamp_value is not None:
+    dx = jnp.where(cx, 0.0, dx)
+    dy = jnp.where(cyu | cyl, 0.0, dy)
+  weight_grad = scatter_weight_grad(jnp.sum(g * act, axis=1), pos_to_token_topk, weight.shape)
+  return act * w, jnp.concatenate([dx, dy], axis=1), weight_grad
+
+
+def swiglu_backward_and_per_token_cast(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos,
+                                       num_per_channels: int, *, round_sf: bool = False,
+                                       swiglu_clamp_value=None) -> SwigluBackward:
+  """Reference of :func:`jaxkern.quant.swiglu_backward_and_per_token_cast` (quant.md §8.3): :func:`swiglu_backward`,
+  then ``out`` and ``x_grad`` rounded to bfloat16 and the per-token e4m3 cast (groups of ``num_per_channels``,
+  layout A, ``round_sf``) of the float32 ``x_grad``."""
+  out, x_grad, weight_grad = swiglu_backward(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos,
+                                             num_per_channels, swiglu_clamp_value=swiglu_clamp_value)
+  q, sf = cast(x_grad, "e4m3", (1, num_per_channels), round_sf=round_sf)
+  return SwigluBackward(out.astype(jnp.bfloat16), QuantTensor(q, sf), x_grad.astype(jnp.bfloat16), weight_grad)

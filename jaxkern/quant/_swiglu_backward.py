@@ -1,0 +1,289 @@
+"""Fused SwiGLU backward and per-token e4m3 cast of the input gradient (quant.md §8.3).
+
+Mosaic GPU kernel built like the forward (:mod:`jaxkern.quant._swiglu`): straight GMEM -> registers -> GMEM, no
+SMEM or TMA. Each CTA takes a block of rows (the last block shifted back to end at the last row; the overlap is
+written twice with equal values) and a chunk of :data:`CHUNK_COLS` columns of the ``h`` gate columns (grid axis
+``g``), walked one scale group of ``num_per_channels`` columns at a time. Per group it loads the FP8 gate columns
+``[c, c + npc)``, the FP8 value columns ``[h + c, h + c + npc)``, their two sf (strided loads of the layout-A sf
+columns ``c / npc`` and ``(h + c) / npc``) and the bf16 ``grad_out`` columns ``[c, c + npc)``, all in the same
+:func:`jaxkern._layouts.row_layout` (``npc`` wide, 8-element vectors, at most :data:`SEGMENT_LANES` lanes per row,
+as the per-token cast's column segments; 32-column groups get 4 lanes and 32-row layout blocks), so that every
+value meets its partner and its gradient in the same thread. Then in float32 registers: dequantisation, the
+optional clamp, ``t = 1 + exp(-x)``, ``act = (x / t) · y`` and ``s = 1 / t`` correctly rounded
+(:func:`jaxkern._ieee.newton_div`), ``gw = (g · w) · s``, ``dx = (gw · y) · fma(x, 1 - s, 1)``, ``dy = gw · x``,
+the bf16 ``out = act · w`` and ``x_grad``, the per-token e4m3 cast of the float32 ``dx`` and ``dy`` groups (abs-max
+row reduction, :func:`jaxkern.reference.quant.scale_factors` with the exact division, saturating conversion),
+and the row sums ``Σ g · act`` of the chunk. The sf are stored straight into layout A (``(E, 2h/npc)``, one
+strided float32 store per row and group, as the per-token cast loads a QuantTensor's layout-A sf), which spares XLA
+a transpose of ``E·2h/npc`` floats (not yet timed against a contiguous ``(2h/npc, E)`` store plus that
+transpose).
+
+Fused multiply-add: Mosaic GPU has no fma primitive (``jax.lax`` has none either). ``x * (1 - s) + 1`` is written
+as a multiply whose only use is an add; Mosaic GPU emits both with ``fastmath<contract>`` and LLVM's NVPTX backend
+fuses such a pair into ``fma.rn.f32`` (as :mod:`jaxkern.moe._reduce_fused` relies on; a CPU test checks the lowered
+module, the ``gpu`` test the bits). XLA on CPU contracts the pair as well (interpret mode). No other product in the
+kernel feeds an add (``1 + exp(-x)`` adds no product), so nothing else is fused but the exact division's own
+residuals (:func:`jaxkern._ieee.exact_div`, which needs them fused); the weight-gradient row sums may
+be contracted, which their tolerance allows.
+
+Steps done outside the kernel, by XLA:
+
+* the per-row top-k weight ``weight.reshape(-1)[pos_to_token_topk[p]]`` (a data-dependent gather of one scalar
+  per row, :func:`jaxkern.reference.quant.row_weights`), loaded by the kernel as a row vector;
+* ``weight_grad``: Mosaic GPU Pallas has no global atomics, so the kernel writes float32 per-row partial sums of
+  each chunk ``(chunks, E)``; XLA adds the chunks and scatters the row sums to the rows' slots
+  (:func:`jaxkern.reference.quant.scatter_weight_grad`).
+
+In interpret mode ``exp`` is XLA's CPU ``exp`` (not CUDA's ``expf``), so interpret-mode results equal the
+reference run on the CPU, and compiled results the reference run on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkern import _checks, _config, _dispatch, _ieee
+from jaxkern._layouts import row_layout
+from jaxkern.quant import _tiling as tiling
+from jaxkern.quant import _validate as validate
+from jaxkern.quant._per_token_cast import SEGMENT_LANES, abs_key, gpu_nan, key_value, to_e4m3
+from jaxkern.reference import quant as ref
+from jaxkern.types import QuantTensor, SwigluBackward
+
+CHUNK_COLS = 512  # gate columns per CTA (4 groups of 128 or 16 groups of 32): the forward's chunk width
+NUM_PER_CHANNELS = (32, 128)
+UNROLL_GROUPS = 4  # groups per chunk written out in Python; more run in a fori_loop
+
+
+def _layout(npc):
+  """``(layout, rows per layout block)`` of one group: bf16 (the widest stored type) sets 8-element vectors."""
+  return row_layout(npc, 2, SEGMENT_LANES)
+
+
+def backward_kernel(q, sf, grad, weight, *, npc, round_sf, clamp, interpret):
+  """``q`` ``(R, 2h)`` e4m3, ``sf`` ``(R, 2h/npc)`` float32, ``grad`` ``(R, h)`` bf16, ``weight`` ``(1, R)``
+  float32 (``R`` at least one layout block) -> ``(out (R, h) bf16, x_grad (R, 2h) bf16, x_grad_q (R, 2h) e4m3,
+  x_grad_sf (R, 2h/npc) float32 (layout A), row sums (chunks, R) float32)``."""
+  r, h = grad.shape
+  nseg = h // npc  # groups per half
+  chunk = min(max(1, CHUNK_COLS // npc), nseg)
+  num_chunks = ref.cdiv(nseg, chunk)
+  lay, unit = _layout(npc)
+  vec = lay.reduce(1)
+  rt = tiling.tile_rows(r, 2 * chunk * npc, 2, unit)
+  num_ctas = pl.cdiv(r, rt)
+  out_type = (jax.ShapeDtypeStruct((r, h), jnp.bfloat16), jax.ShapeDtypeStruct((r, 2 * h), jnp.bfloat16),
+              jax.ShapeDtypeStruct((r, 2 * h), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((r, 2 * nseg), jnp.float32),
+              jax.ShapeDtypeStruct((num_chunks, r), jnp.float32))
+  c = None if clamp is None else float(np.float32(clamp))
+
+  @functools.partial(plgpu.kernel, out_type=out_type, grid=(num_ctas, num_chunks), grid_names=("i", "g"),
+                     interpret=interpret)
+  def kernel(q_g, sf_g, g_g, w_g, c_g, out_g, xg_g, xq_g, xsf_g, dot_g):
+    rows = pl.ds(jnp.minimum(lax.axis_index("i") * rt, r - rt), rt)
+    maxv = c_g[0]
+
+    def load(ref_, col):
+      return plgpu.load(ref_.at[rows, pl.ds(col, npc)], layout=lay, optimized=False).astype(jnp.float32)
+
+    def cast(v):
+      """Per-token e4m3 cast of one float32 group: ``(data, sf)``."""
+      amax = key_value(jnp.max(abs_key(v, interpret), axis=1), interpret)
+      s, inv = ref.scale_factors(amax, maxv, "e4m3", round_sf, div=_ieee.exact_div)
+      return to_e4m3(gpu_nan(v * inv[:, None], interpret), interpret), gpu_nan(s, interpret)
+
+    def group(j, w):
+      """Group ``j`` of each half (columns ``j·npc`` and ``h + j·npc``): stores its outputs, returns its row sums."""
+      col = j * npc
+      sx = plgpu.load(sf_g.at[rows, j], layout=vec, optimized=False)
+      sy = plgpu.load(sf_g.at[rows, nseg + j], layout=vec, optimized=False)
+      xv = load(q_g, col) * sx[:, None]
+      yv = load(q_g, h + col) * sy[:, None]
+      g = load(g_g, col)
+      if c is not None:
+        cx, cyu, cyl = xv > c, yv > c, yv < -c
+        xv = jnp.where(cx, c, xv)
+        yv = jnp.where(cyu, c, jnp.where(cyl, -c, yv))
+      d = 1.0 + jnp.exp(-xv)
+      act = _ieee.newton_div(xv, d) * yv  # d = 1 + exp(-x) >= 1
+      s = _ieee.newton_div(jnp.ones_like(d), d)
+      gw = (g * w) * s
+      dx = (gw * yv) * (xv * (1.0 - s) + 1.0)  # fma: the multiply's only use is the add (module docstring)
+      dy = gw * xv
+      if c is not None:
+        dx = jnp.where(cx, 0.0, dx)
+        dy = jnp.where(cyu | cyl, 0.0, dy)
+      out_g[rows, pl.ds(col, npc)] = (act * w).astype(jnp.bfloat16)
+      for half, v in ((0, dx), (1, dy)):
+        cols = pl.ds(half * h + col, npc)
+        xg_g[rows, cols] = v.astype(jnp.bfloat16)
+        data, s_out = cast(v)
+        xq_g[rows, cols] = data
+        xsf_g[rows, half * nseg + j] = s_out
+      return jnp.sum(g * act, axis=1)
+
+    def body(chunk_index, nlocal):
+      """Groups ``chunk_index·chunk + t`` of each half for ``t < nlocal`` (static): unrolled up to
+      :data:`UNROLL_GROUPS` (the forward's 4 groups of 128), else the first one peeled (its row sums give the loop
+      carry its layout) and the others in a ``fori_loop`` (16 unrolled groups of 32 columns made a module that
+      took over a minute to lower)."""
+      seg0 = chunk_index * chunk
+      w = plgpu.load(w_g.at[0, rows], layout=vec, optimized=False)[:, None]
+      total = group(seg0, w)
+      if nlocal <= UNROLL_GROUPS:
+        for t in range(1, nlocal):
+          total = total + group(seg0 + t, w)
+      else:
+        total = lax.fori_loop(1, nlocal, lambda t, acc: acc + group(seg0 + t, w), total)
+      dot_g[chunk_index, rows] = total
+
+    gi = lax.axis_index("g")
+    tail = nseg - (num_chunks - 1) * chunk
+    if tail == chunk:
+      body(gi, chunk)
+    else:
+      pl.when(gi < num_chunks - 1)(lambda: body(gi, chunk))
+      pl.when(gi == num_chunks - 1)(lambda: body(num_chunks - 1, tail))
+
+  # The largest e4m3 value as a one-element host constant, loaded by the kernel (not folded in interpret mode).
+  consts = np.full((1,), ref.FP8_MAX, np.float32)
+  return kernel(q, sf, grad, weight, consts)
+
+
+@functools.partial(jax.jit, static_argnames=("npc", "round_sf", "clamp", "interpret"))
+def _kernel(q, sf, grad, weight, pos_to_token_topk, *, npc, round_sf, clamp, interpret):
+  """``q`` ``(E, 2h)``, ``sf`` ``(E, 2h/npc)``, ``grad`` ``(E, h)``, ``weight`` ``(T, k)``, ``pos_to_token_topk``
+  ``(E,)`` -> :class:`SwigluBackward`: the weight gather, the kernel and the weight-gradient scatter in one jit
+  (eager interpret kernels mixed with eager XLA ops can deadlock XLA:CPU)."""
+  e = q.shape[0]
+  rp = max(e, _layout(npc)[1])
+
+  def pad(a):  # fewer rows than one layout block: zero rows (tiny inputs only)
+    return jnp.pad(a, ((0, rp - e),) + ((0, 0),) * (a.ndim - 1))
+
+  row_w = ref.row_weights(pos_to_token_topk, weight, e)
+  out, xg, xq, xsf, dots = backward_kernel(pad(q), pad(sf), pad(grad), pad(row_w).reshape(1, rp), npc=npc,
+                                           round_sf=round_sf, clamp=clamp, interpret=interpret)
+  weight_grad = ref.scatter_weight_grad(dots[:, :e].sum(axis=0), pos_to_token_topk, weight.shape)
+  return SwigluBackward(out[:e], QuantTensor(xq[:e], xsf[:e]), xg[:e], weight_grad)
+
+
+def _check(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, npc):
+  """Argument checks (quant.md §8.3, §12.8); returns ``(q (E, 2h), sf, grad_out (E, h), weight, pos, t2p)``."""
+  if not (isinstance(x, tuple) and len(x) == 2):
+    raise ValueError("x must be a QuantTensor (data, sf)")
+  q, sf = (_checks.as_array(n, a) for n, a in (("x[0]", x[0]), ("x[1]", x[1])))
+  if q.ndim not in (2, 3):
+    raise ValueError(f"x[0] must have rank 2 or 3, got rank {q.ndim}")
+  _checks.check_dtype("x[0]", q, (jnp.float8_e4m3fn,))
+  if npc not in NUM_PER_CHANNELS:
+    raise ValueError(f"num_per_channels must be 32 or 128, got {npc}")
+  h2 = q.shape[-1]
+  if h2 % (2 * npc):
+    raise ValueError(f"x[0] must have 2h columns with h % num_per_channels == 0 (num_per_channels={npc}), "
+                     f"got x[0].shape {tuple(q.shape)}")
+  h = h2 // 2
+  e = int(np.prod(q.shape[:-1]))
+  q = q.reshape(e, h2)
+  _checks.check_rank("x[1]", sf, 2)
+  _checks.check_dtype("x[1]", sf, (jnp.float32,))
+  if tuple(sf.shape) != (e, h2 // npc):
+    raise ValueError(f"x[1] (sf) must have shape {(e, h2 // npc)} (layout A), got {tuple(sf.shape)}")
+  grad_out = _checks.as_array("grad_out", grad_out)
+  _checks.check_dtype("grad_out", grad_out, (jnp.bfloat16,))
+  if grad_out.ndim not in (2, 3) or grad_out.shape[-1] != h or int(np.prod(grad_out.shape[:-1])) != e:
+    raise ValueError(f"grad_out must have {e} rows of h={h} columns, got shape {tuple(grad_out.shape)}")
+  grad_out = grad_out.reshape(e, h)
+  arrays = []
+  for name, a, rank, dtype in (("weight", weight, 2, jnp.float32), ("pos_to_token_topk", pos_to_token_topk, 1,
+                                                                    jnp.int32),
+                               ("token_topk_to_pos", token_topk_to_pos, 2, jnp.int32)):
+    a = _checks.as_array(name, a)
+    _checks.check_rank(name, a, rank)
+    _checks.check_dtype(name, a, (dtype,))
+    arrays.append(a)
+  weight, pos_to_token_topk, token_topk_to_pos = arrays
+  if pos_to_token_topk.shape != (e,):
+    raise ValueError(f"pos_to_token_topk must have shape ({e},), got {tuple(pos_to_token_topk.shape)}")
+  if weight.shape != token_topk_to_pos.shape:
+    raise ValueError(f"weight must have the shape of token_topk_to_pos {tuple(token_topk_to_pos.shape)}, "
+                     f"got {tuple(weight.shape)}")
+  return q, sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos
+
+
+def swiglu_backward_and_per_token_cast(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos,
+                                       num_per_channels: int, *, round_sf: bool = False,
+                                       swiglu_clamp_value: float | None = None,
+                                       implementation: str | None = None) -> SwigluBackward:
+  """SwiGLU backward from the FP8 forward input, fused with a per-token e4m3 cast of the input gradient (quant.md §8.3).
+
+  Per element (row ``p``, column ``c < h``; float32, each step one IEEE rounding): ``x = q[p, c] · sf``,
+  ``y = q[p, h + c] · sf`` (their groups' sf); with a clamp ``C``, ``x`` clamped to ``C`` from above and ``y`` to
+  ``[-C, C]``; ``w`` the row's top-k weight (0 where ``pos_to_token_topk < 0``); ``t = 1 + exp(-x)``,
+  ``act = (x / t) · y``, ``s = 1 / t``, ``gw = (g · w) · s``, ``dx = (gw · y) · fma(x, 1 - s, 1)`` (one rounding
+  of ``x·(1 - s) + 1``; 0 where ``x > C``), ``dy = gw · x`` (0 where ``|y| > C``).
+
+  Args:
+    x: QuantTensor ``(q, sf)``: ``q`` float8_e4m3fn ``(E, 2h)`` (a 3-D ``(B, S, 2h)`` is flattened to rows),
+      ``sf`` float32 layout A ``(E, 2h/num_per_channels)`` (the forward input cast per token, e.g.
+      :func:`jaxkern.quant.per_token_cast` with ``fmt="e4m3"``).
+    grad_out: bfloat16 ``(E, h)`` (or ``q``'s leading shape by ``h``): the cotangent of the weighted activation.
+    weight: float32 ``(T, k)`` top-k weights; row ``p`` uses ``weight.reshape(-1)[pos_to_token_topk[p]]``.
+    pos_to_token_topk: int32 ``(E,)``: each row's flat slot, negative for padding rows (weight 0, no
+      ``weight_grad``). An index ``>= T·k`` is undefined behaviour (the reference drops it).
+    token_topk_to_pos: int32 ``(T, k)``: only its shape is used (with ``pos_to_token_topk`` a mutually inverse
+      pair, as :func:`jaxkern.moe.get_fused_mapping` makes them).
+    num_per_channels: 32 or 128, dividing ``h``: the group width of ``x``'s sf and of the output cast.
+    round_sf: power-of-two output sf (quant.md §3.3).
+    swiglu_clamp_value: the clamp ``C`` (a float, taken as float32) or None.
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``.
+
+  Returns:
+    :class:`jaxkern.types.SwigluBackward` ``(out, x_grad_quant, x_grad, weight_grad)``: ``out`` ``(E, h)`` bf16
+    (``act · w`` rounded), ``x_grad_quant`` a QuantTensor of ``(E, 2h)`` e4m3 and its ``(E, 2h/npc)`` float32
+    layout-A sf: the per-token cast (amax clamp minimum 1e-4, ``round_sf``) of the **float32** ``[dx | dy]``;
+    ``x_grad`` ``(E, 2h)`` bf16 ``[dx | dy]`` rounded; ``weight_grad`` ``(T, k)`` float32: zeros, plus for each row
+    with a slot ``j >= 0`` the float32 sum ``Σ_c f32(grad_out[p, c]) · act[p, c]`` (unweighted activation) at
+    ``j`` (rows sharing a slot add up). ``E = 0``: empty arrays and a zero ``weight_grad``.
+
+  Raises:
+    ValueError (naming the argument): ``x`` not a QuantTensor of e4m3 data of rank 2 or 3 and a float32 layout-A
+    sf of the matching shape, ``num_per_channels`` not 32 / 128 or not dividing ``h``, ``grad_out`` not bf16 with
+    ``E`` rows of ``h``, ``weight`` / ``token_topk_to_pos`` / ``pos_to_token_topk`` of another rank, dtype or shape.
+
+  XLA (the reference) instead of the kernel: zero rows (``E = 0``) only. The top-k weight gather, the
+  ``weight_grad`` chunk sums and scatter and the sf transpose run in XLA around the kernel (see
+  :mod:`jaxkern.quant._swiglu_backward`).
+
+  Numerics: ``out``, ``x_grad`` and ``x_grad_quant`` bit-identical to
+  :func:`jaxkern.reference.quant.swiglu_backward_and_per_token_cast` run on the same backend (``exp`` differs
+  between XLA's CPU and CUDA's ``expf``, which the GPU kernel and XLA on GPU share); ``weight_grad`` sums in
+  another order (quant.md: compared with ``atol = rtol = 1e-4``). Exactness assumes finite inputs with
+  ``x > -87`` (below that ``s`` is subnormal, outside the exact division's domain).
+
+  Differentiation: not differentiable (it is itself a backward pass; :func:`jaxkern.modeling.swiglu` uses it as
+  one); ``jax.grad`` through it raises :class:`jaxkern.NotDifferentiableError`.
+  """
+  npc = num_per_channels
+  q, sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos = _check(x, grad_out, weight, pos_to_token_topk,
+                                                                         token_topk_to_pos, npc)
+  op = "swiglu_backward_and_per_token_cast"
+  q, sf, grad_out, weight = validate.guard(op, q, sf, grad_out, weight)
+  e = q.shape[0]
+
+  def kernel(interpret):
+    return _kernel(q, sf, grad_out, weight, pos_to_token_topk, npc=npc, round_sf=round_sf, clamp=swiglu_clamp_value,
+                   interpret=_config.mosaic_interpret(interpret))
+
+  def reference():
+    return ref.swiglu_backward_and_per_token_cast((q, sf), grad_out, weight, pos_to_token_topk, token_topk_to_pos,
+                                                  npc, round_sf=round_sf, swiglu_clamp_value=swiglu_clamp_value)
+
+  return _dispatch.run(op, implementation, kernel=kernel, xla=reference, empty=e == 0)
