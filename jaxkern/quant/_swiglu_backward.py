@@ -22,8 +22,8 @@ Fused multiply-add: Mosaic GPU has no fma primitive (``jax.lax`` has none either
 as a multiply whose only use is an add; Mosaic GPU emits both with ``fastmath<contract>`` and LLVM's NVPTX backend
 fuses such a pair into ``fma.rn.f32`` (as :mod:`jaxkern.moe._reduce_fused` relies on; a CPU test checks the lowered
 module, the ``gpu`` test the bits). XLA on CPU contracts the pair as well (interpret mode). No other product in the
-kernel feeds an add (``1 + exp(-x)`` adds no product), so nothing else is fused but the exact division's own
-residuals (:func:`jaxkern._ieee.exact_div`, which needs them fused); the weight-gradient row sums may
+kernel feeds an add (``1 + exp(-x)`` adds no product), so nothing else is fused but the correctly rounded division's
+own residuals (:func:`jaxkern._ieee.newton_div`, which needs them fused); the weight-gradient row sums may
 be contracted, which their tolerance allows.
 
 Steps done outside the kernel, by XLA:
