@@ -383,9 +383,13 @@ def _swiglu_backward(op):
 
 
 def _swiglu_backward_check(out, expected):
-  """Bitwise, except ``weight_grad`` (summed in another order): ``atol = rtol = 1e-4`` (quant.md §10.2)."""
+  """Bitwise, except ``weight_grad`` (summed in another order): ``atol = rtol = 1e-4`` (quant.md §10.2) or, where
+  a slot's sum cancels, a few float32 ulps of the largest slot (the runner has no inputs here to bound each slot by
+  the sum of its terms' magnitudes, as tests/quant/test_swiglu_backward.py does): ``2^-20 · max |weight_grad|``."""
   bitwise_check(tuple(out)[:3], tuple(expected)[:3])
-  np.testing.assert_allclose(np.asarray(out[3]), np.asarray(expected[3]), atol=1e-4, rtol=1e-4)
+  got, want = np.asarray(out[3]), np.asarray(expected[3])
+  tol = 1e-4 + 1e-4 * np.abs(want) + 2.0**-20 * np.abs(want).max(initial=0.0)
+  assert (np.abs(got - want) <= tol).all(), f"weight_grad off by up to {np.abs(got - want).max()}"
 
 
 register(BenchOp(
