@@ -206,6 +206,10 @@ def test_gate_unsupported_runs_xla():
   d = jaxkern.explain(lambda *a: engram.engram_gate_fwd(*a, eps=0.0, clamp_value=1e-6, implementation="xla"),
                       x, x, x[:, 0], jnp.ones((4, 320)))
   assert d[0].path == "xla"
+  x9, s9 = jnp.zeros((2, 9, 256), jnp.bfloat16), jnp.zeros((2, 9))
+  with pytest.raises(jaxkern.KernelUnavailableError, match="hc_mult 9 > 8"):
+    engram.engram_gate_bwd(x9, x9, x9, x9[:, 0], jnp.ones((9, 256)), s9, s9, s9, s9, clamp_value=1e-6,
+                           implementation="pallas")
 
 
 B16 = jnp.zeros((2, 4, 256), jnp.bfloat16)
