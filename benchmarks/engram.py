@@ -3,10 +3,18 @@ D in {2048, 2560, 3072, 4096, 6144, 7168}; hash N = 3, L = 2, E = 8. Byte counts
 
 * ``engram_hash``: ``140·T + 304``;
 * ``engram_gate_fwd``: ``26·T·D + 16·D`` (+ ``64·T`` with ``save_for_backward``);
-* ``engram_gate_bwd``: ``44·T·D + 48·D + 64·T`` (the partial buffer is not counted; ``P = 132``);
+* ``engram_gate_bwd``: ``44·T·D + 48·D + 64·T`` (the partial buffer is not counted; ``P`` = the op's
+  default token chunks, e.g. 150 at ``D = 7168``, ``T = 8001``; the kernels move ``52·T·D``: ``go`` is
+  read by both passes); the check compares ``grad_x``, ``grad_k``, ``grad_v`` and the partials' sum over ``P`` (the reference's
+  default ``P`` differs from the kernel's);
 * ``engram_gate:fwd+bwd``: ``jax.vjp`` of :func:`jaxkern.modeling.engram_gate` (forward with the saved
-  intermediates, backward kernel, weight-gradient reduction) vs the same of the ``jnp`` composite compiled
-  by XLA; bytes = the forward's plus the backward's.
+  intermediates, backward kernels, weight-gradient reduction) vs the same of the ``jnp`` composite compiled
+  by XLA; bytes = the forward's plus the backward's. Its cotangent is zeroed on the (token, stream) rows
+  with ``|d| < 1e-3`` (:func:`conditioned_grad_out`): there ``G ∝ |d|^-1/2`` amplifies the float32
+  rounding of either forward's ``raw`` (``δG/G = δraw/(2·raw)``), so two correct float32 pipelines differ
+  by more than the tolerance (one such row of randn data gave ``calc_diff`` 4.6e-6 of grad_k between the
+  float32 and the float64 reference at ``T = 1000``); the spec's backward test avoids it by feeding the
+  kernel the reference's intermediates, which ``engram_gate_bwd``'s rows do.
 
 ``fused_weight`` and ``grad_w_reduce`` are XLA code (no kernel), so they have no rows. Checks use the
 spec's ``calc_diff`` thresholds (2e-10 forward, 1e-8 backward), the hash is bitwise.
@@ -60,20 +68,38 @@ register(BenchOp(
     lambda: [_fwd_case(3, 512, True), _fwd_case(2, 2560, False)], check=diff_check(2e-10)))
 
 
-def _bwd_case(t, d, p=132):
+def _bwd_case(t, d, p=None):
   def make_args(key):
     x, k, v, wh, we, go = _gate_args(key, t, d)
     wf = ref.fused_weight(wh, we)
     saved = ref.engram_gate_fwd(x, k, v, wf, eps=EPS, clamp_value=CLAMP)
     return (go, x, k, v, wf, *saved[1:])
 
-  return Case(f"T={t} D={d}", make_args, 44 * t * d + 48 * d + 64 * t, dict(clamp_value=CLAMP, num_partials=p))
+  kwargs = dict(clamp_value=CLAMP) if p is None else dict(clamp_value=CLAMP, num_partials=p)
+  return Case(f"T={t} D={d}", make_args, 44 * t * d + 48 * d + 64 * t, kwargs)
+
+
+def _bwd_check(out, expected):
+  """grad_x, grad_k, grad_v, and the weight gradient ``Σ_p grad_w_partial[p]`` at the spec's 1e-8."""
+  for a, b in zip(out[:3], expected[:3], strict=True):
+    assert_diff_below(a, b, 1e-8)
+  assert_diff_below(jnp.sum(out[3], axis=0), jnp.sum(expected[3], axis=0), 1e-8)
 
 
 register(BenchOp(
     "engram_gate_bwd", engram.engram_gate_bwd, ref.engram_gate_bwd,
     lambda: [_bwd_case(t, d) for t in TOKENS for d in hidden_sizes(128)],
-    lambda: [_bwd_case(3, 512, 4)], check=diff_check(1e-8)))
+    lambda: [_bwd_case(3, 512, 4), _bwd_case(2, 1024)], check=_bwd_check))
+
+
+def conditioned_grad_out(x, k, wh, we, go, *, min_abs_d=1e-3):
+  """``go`` with the (token, stream) rows zeroed where the reference forward's ``|d| < min_abs_d``: the
+  backward's ``G ∝ |d|^-1/2`` makes those rows' gradients ill-conditioned in the float32 ``raw`` (see the
+  module docstring); elsewhere ``go`` is unchanged."""
+  wf = ref.fused_weight(wh, we)
+  saved = ref.engram_gate_fwd(x, k, x[:, 0], wf, eps=EPS, clamp_value=CLAMP)
+  d = saved.dot * saved.rstd_x * saved.rstd_k * np.float32(np.float64(x.shape[-1]) ** -0.5)
+  return jnp.where((jnp.abs(d) < min_abs_d)[..., None], jnp.zeros_like(go), go)
 
 
 def _gate_vjp(gate, x, k, v, wh, we, go, **implementation):
@@ -83,7 +109,11 @@ def _gate_vjp(gate, x, k, v, wh, we, go, **implementation):
 
 def _grad_case(t, d):
   nbytes = (26 * t * d + 16 * d + 64 * t) + (44 * t * d + 48 * d + 64 * t)
-  return Case(f"T={t} D={d}", lambda key: _gate_args(key, t, d), nbytes)
+  def make_args(key):
+    x, k, v, wh, we, go = _gate_args(key, t, d)
+    return x, k, v, wh, we, conditioned_grad_out(x, k, wh, we, go)
+
+  return Case(f"T={t} D={d}", make_args, nbytes)
 
 
 register(BenchOp(

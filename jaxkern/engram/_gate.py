@@ -1,6 +1,6 @@
 """Engram gate forward and backward (engram_mhc.md §3.4, §3.5): Mosaic GPU kernels.
 
-Both kernels move each hidden row straight GMEM -> registers -> GMEM in 16-byte vectors
+The forward and the backward's row pass move each hidden row straight GMEM -> registers -> GMEM in 16-byte vectors
 (:func:`jaxkern._layouts.flat_layout`: one ``D``-row spread over the warpgroup's 128 threads, a warp
 reading contiguous 512-byte segments; ``D = 2560`` runs a 2048-column chunk of 16-byte vectors and a
 512-column chunk of 8-byte ones, :func:`jaxkern._layouts.flat_chunks`). All arithmetic is float32;
@@ -10,13 +10,25 @@ row reductions are per-thread vector sums, then warp shuffles and an SMEM step a
   and ``Σx·wf·k`` of the row, the gate as scalars, then ``out = bf16(x + g·v)`` from the registers
   (``v`` is loaded once per token and shared by the streams). ``wf`` (``4·M·D`` bytes) is re-read
   by every CTA from L2. The saved ``(T, M)`` intermediates are scalar stores.
-* Backward: ``P`` persistent CTAs (default: the SM count), CTA ``p`` taking the token range
-  ``[p·ceil(T/P), min((p+1)·ceil(T/P), T))`` (spec §3.5). Per token: pass 1 forms ``dldg = Σ go·v`` per
-  stream and the common factor ``G``; pass 2 re-reads ``go`` (an L1/L2 hit) with ``x``, ``k``, ``wf``,
-  writes ``grad_x``, ``grad_k``, accumulates ``G·x⊙k`` into a float32 ``(M, D)`` SMEM accumulator
-  (``16·D`` bytes for ``M = 4``: registers cannot hold ``M·D`` float32 per CTA) and writes
-  ``grad_v = bf16(Σ_m go_m·g_m)`` (``m`` in order). At the end the CTA copies its accumulator to
-  ``grad_w_partial[p]`` (zeros for a CTA without tokens).
+* Backward: two kernels, bandwidth first (the first version's persistent CTAs, each with a float32
+  ``(M, D)`` SMEM accumulator, reached 37-66% of copy bandwidth on an H100).
+
+  1. Row pass, one token per CTA (grid ``T``, like the forward): ``v`` and the ``M`` rows of ``go`` in
+     16-byte vectors, ``dldg = Σ go·v`` per stream (float32 row reductions), then ``G`` (spec §3.5) and
+     the scalars of the column pass: a ``(T, M, 4)`` float32 array ``[g, G, raw·rx²/D, raw·rk²/D]``.
+  2. Column pass, grid ``(D / w column blocks) × (P token chunks)``: CTA ``(c, p)`` takes columns
+     ``[c·w, (c+1)·w)`` (``w = 128·vec``, :func:`column_block`: each thread ``vec`` consecutive columns of
+     every stream, 16-byte bf16 vectors for ``w = 1024``) of the tokens
+     ``[p·ceil(T/P), min((p+1)·ceil(T/P), T))``. Per token it loads ``go``, ``x``, ``k`` of the ``M``
+     streams (the loads of :data:`TOKENS_PER_STEP` tokens issued together) and writes ``grad_x``,
+     ``grad_k`` and ``grad_v = bf16(Σ_m go_m·g_m)`` (``m`` in order, float32) from the registers. No
+     thread exchanges data with another: the weight-gradient partial ``Σ_t G·x⊙k`` of the CTA's
+     ``(M, w)`` block is a ``lax.fori_loop`` carry (``M·vec`` float32 registers per thread), stored once
+     into ``grad_w_partial[p, :, cols]`` (zeros for an empty chunk); ``wf``'s block is loaded once.
+     :func:`default_num_partials` picks ``P`` for about :data:`CTAS_PER_SM` CTAs per SM.
+
+  Traffic: ``10·T·D`` bytes (row pass) + ``42·T·D`` (column pass) = ``52·T·D`` against the spec's
+  ``44·T·D`` count (``go`` is read twice: ``G`` needs a whole row before any column can be finished).
 
 Signed square root at ``d = ±0`` (spec §8.1): the kernel uses ``copysign`` (``u = ±sqrt(c)``, so the gate is
 ``σ(±sqrt(c))``), the ``jnp`` reference upstream's ``sign`` (``u = 0``, gate 0.5).
@@ -33,9 +45,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxkern import _config
 from jaxkern._layouts import flat_chunks, flat_layout
 
-SMEM_LIMIT = 200 * 1024  # bytes of the backward's float32 (M, D) accumulator
+CTAS_PER_SM = 8  # column-pass CTAs per SM that the default token chunking aims at (over all waves)
+MIN_CHUNK = 16  # tokens per chunk at least, by default
+TOKENS_PER_STEP = 2  # tokens whose loads the column pass issues together
+MAX_STREAMS = 8  # hc_mult the backward's column pass takes (registers: 5·M·vec float32 per thread)
 
 
 def _f32(a):
@@ -60,8 +76,8 @@ def unsupported(d: int, m: int, x_dtype, wf_dtype, backward: bool) -> str | None
            f"(got {jnp.dtype(wf_dtype).name})"
   if d % 256:
     return f"hidden_size {d} is not a multiple of 256"
-  if backward and 4 * m * d > SMEM_LIMIT:
-    return f"the float32 weight-gradient accumulator of {4 * m * d} bytes exceeds {SMEM_LIMIT} bytes of SMEM"
+  if backward and m > MAX_STREAMS:
+    return f"hc_mult {m} > {MAX_STREAMS}: the column pass keeps M·(2 + 3·TOKENS_PER_STEP) row pieces in registers"
   return None
 
 
@@ -101,66 +117,115 @@ def gate_fwd_kernel(x, k, v, wf, *, eps, clamp_value, save, interpret):
   return kernel(x, k, v, wf)
 
 
-@functools.partial(jax.jit, static_argnames=("clamp_value", "num_partials", "interpret"))
-def gate_bwd_kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k, *, clamp_value, num_partials, interpret):
-  """The backward's kernel (``T >= 1``) -> ``(grad_x, grad_k, grad_v, grad_w_partial (P, M, D) float32)``."""
-  t, m, d = x.shape
-  p = num_partials
-  per = -(-t // p)
+def column_block(d: int) -> int:
+  """Columns per CTA of the backward's column pass: ``128·vec`` with the widest ``vec`` in {8, 4, 2} (16-,
+  8-, 4-byte bf16 vectors) dividing ``D`` (1024 for 2048, 3072, 4096, 6144, 7168; 512 for 2560)."""
+  for vec in (8, 4, 2):
+    if d % (128 * vec) == 0:
+      return 128 * vec
+  raise ValueError(f"hidden_size {d} is not a multiple of 256")
+
+
+def default_num_partials(t: int, d: int) -> int:
+  """Token chunks of the column pass (the rows of ``grad_w_partial``) when the caller gives none:
+  ``CTAS_PER_SM·SMs // (D / w)`` (about :data:`CTAS_PER_SM` CTAs per SM over the column blocks, several
+  waves so that the last one's quantisation costs little), at most one chunk per :data:`MIN_CHUNK` tokens
+  (the partials' ``16·P·D`` bytes, written here and read by ``grad_w_reduce``, stay a few % of the
+  traffic), at least 1. A tuning knob: ``num_partials=`` overrides it."""
+  blocks = d // column_block(d) if d % 256 == 0 else 1
+  return max(1, min(CTAS_PER_SM * _config.num_sms() // blocks, -(-t // MIN_CHUNK)))
+
+
+@functools.partial(jax.jit, static_argnames=("clamp_value", "interpret"))
+def gate_bwd_rows_kernel(go, v, dot, gate, rstd_x, rstd_k, *, clamp_value, interpret):
+  """Row pass of the backward (``T >= 1``): ``(T, M, 4)`` float32 factors ``[g, G, raw·rx²/D, raw·rk²/D]``
+  per (token, stream), ``G`` from ``dldg = Σ go·v`` (spec §3.5)."""
+  t, m, d = go.shape
   chunks = [(off, n, flat_layout(vec)) for off, n, vec in flat_chunks(d, 2)]
   s = float(np.float32(np.float64(d) ** -0.5))
   inv_d, c = float(np.float32(1.0 / d)), float(np.float32(clamp_value))
+
+  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((t, m, 4), jnp.float32), grid=(t,),
+                     grid_names=("t",), interpret=interpret)
+  def kernel(go_g, v_g, dot_g, gate_g, rx_g, rk_g, f_g):
+    i = lax.axis_index("t")
+    vs = [_f32(plgpu.load(v_g.at[i, pl.ds(off, n)], layout=lay, optimized=False)) for off, n, lay in chunks]
+    for j in range(m):
+      dldg = 0.0
+      for (off, n, lay), vc in zip(chunks, vs):
+        dldg = dldg + jnp.sum(_f32(plgpu.load(go_g.at[i, j, pl.ds(off, n)], layout=lay, optimized=False)) * vc)
+      raw, g, rx, rk = dot_g[i, j], gate_g[i, j], rx_g[i, j], rk_g[i, j]
+      a = jnp.abs(raw)
+      active = a * s * rx * rk >= c
+      big_g = jnp.where(active, dldg * g * (1.0 - g) * 0.5 * lax.sqrt(s * rx * rk / jnp.where(active, a, 1.0)), 0.0)
+      f_g[i, j, 0], f_g[i, j, 1] = g, big_g
+      f_g[i, j, 2], f_g[i, j, 3] = raw * rx * rx * inv_d, raw * rk * rk * inv_d
+
+  return kernel(go, v, dot, gate, rstd_x, rstd_k)
+
+
+@functools.partial(jax.jit, static_argnames=("num_partials", "interpret"))
+def gate_bwd_cols_kernel(go, x, k, wf, factors, *, num_partials, interpret):
+  """Column pass of the backward (``T >= 1``): ``(grad_x, grad_k, grad_v, grad_w_partial (P, M, D) float32)``
+  from the row pass's ``factors``; CTA ``(c, p)`` takes column block ``c`` of the tokens
+  ``[p·ceil(T/P), min((p+1)·ceil(T/P), T))``."""
+  t, m, d = x.shape
+  p = num_partials
+  per = -(-t // p)
+  w = column_block(d)
+  lay = flat_layout(w // 128)
   out_type = (jax.ShapeDtypeStruct((t, m, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, m, d), jnp.bfloat16),
               jax.ShapeDtypeStruct((t, d), jnp.bfloat16), jax.ShapeDtypeStruct((p, m, d), jnp.float32))
 
-  @functools.partial(plgpu.kernel, out_type=out_type, grid=(p,), grid_names=("p",), interpret=interpret,
-                     scratch_types=(plgpu.SMEM((m, d), jnp.float32),))
-  def kernel(go_g, x_g, k_g, v_g, w_g, dot_g, gate_g, rx_g, rk_g, gx_g, gk_g, gv_g, gw_g, acc_s):
+  @functools.partial(plgpu.kernel, out_type=out_type, grid=(d // w, p), grid_names=("c", "p"), interpret=interpret)
+  def kernel(go_g, x_g, k_g, w_g, f_g, gx_g, gk_g, gv_g, gw_g):
     pid = lax.axis_index("p")
-    for j in range(m):
-      for off, n, lay in chunks:
-        acc_s[j, pl.ds(off, n)] = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), lay)
+    cols = pl.ds(lax.axis_index("c") * w, w)
+    wfs = [plgpu.load(w_g.at[j, cols], layout=lay, optimized=False) for j in range(m)]
 
-    def load(ref, lay):
-      return _f32(plgpu.load(ref, layout=lay, optimized=False))
+    def load(ref):
+      return plgpu.load(ref, layout=lay, optimized=False)
 
-    def token(i, carry):
-      vs = [load(v_g.at[i, pl.ds(off, n)], lay) for off, n, lay in chunks]
-      factors = []
-      for j in range(m):  # pass 1: dldg and the common factor G per stream
-        dldg = 0.0
-        for (off, n, lay), vc in zip(chunks, vs):
-          dldg = dldg + jnp.sum(load(go_g.at[i, j, pl.ds(off, n)], lay) * vc)
-        raw, g, rx, rk = dot_g[i, j], gate_g[i, j], rx_g[i, j], rk_g[i, j]
-        a = jnp.abs(raw)
-        active = a * s * rx * rk >= c
-        big_g = jnp.where(active, dldg * g * (1.0 - g) * 0.5 * lax.sqrt(s * rx * rk / jnp.where(active, a, 1.0)), 0.0)
-        factors.append((g, big_g, raw * rx * rx * inv_d, raw * rk * rk * inv_d))
-      for off, n, lay in chunks:  # pass 2: grad_x, grad_k, the weight-gradient sum, grad_v
+    def step(tokens, acc):
+      # every load of the group first (TOKENS_PER_STEP tokens in flight per thread), then the arithmetic
+      rows = [[(load(go_g.at[i, j, cols]), load(x_g.at[i, j, cols]), load(k_g.at[i, j, cols])) for j in range(m)]
+              for i in tokens]
+      facs = [[[f_g[i, j, q] for q in range(4)] for j in range(m)] for i in tokens]
+      acc = list(acc)
+      for i, row, fac in zip(tokens, rows, facs):
         gv = None
-        for j, (g, big_g, cx, ck) in enumerate(factors):
-          cols = pl.ds(off, n)
-          goc, xc, kc = (load(r.at[i, j, cols], lay) for r in (go_g, x_g, k_g))
-          wc = plgpu.load(w_g.at[j, cols], layout=lay, optimized=False)
-          gx_g[i, j, cols] = (goc + big_g * (kc * wc - xc * cx)).astype(jnp.bfloat16)
-          gk_g[i, j, cols] = (big_g * (xc * wc - kc * ck)).astype(jnp.bfloat16)
-          acc_s[j, cols] = plgpu.load(acc_s.at[j, cols], layout=lay, optimized=False) + big_g * xc * kc
-          gv = goc * g if gv is None else gv + goc * g
-        gv_g[i, pl.ds(off, n)] = gv.astype(jnp.bfloat16)
-      return carry
+        for j, ((goc, xc, kc), (g, big_g, cx, ck)) in enumerate(zip(row, fac)):
+          goc, xc, kc = _f32(goc), _f32(xc), _f32(kc)
+          gx_g[i, j, cols] = (goc + big_g * (kc * wfs[j] - xc * cx)).astype(jnp.bfloat16)
+          gk_g[i, j, cols] = (big_g * (xc * wfs[j] - kc * ck)).astype(jnp.bfloat16)
+          acc[j] = acc[j] + big_g * xc * kc
+          gv = goc * g if gv is None else gv + goc * g  # m = 0..M-1 in order (spec §3.5)
+        gv_g[i, cols] = gv.astype(jnp.bfloat16)
+      return tuple(acc)
 
-    lax.fori_loop(jnp.minimum(pid * per, t), jnp.minimum((pid + 1) * per, t), token, 0)
+    start = jnp.minimum(pid * per, t)
+    end = jnp.minimum(start + per, t)
+    groups = (end - start) // TOKENS_PER_STEP
+    acc = tuple(plgpu.layout_cast(jnp.zeros((w,), jnp.float32), lay) for _ in range(m))
+    acc = lax.fori_loop(0, groups, lambda q, acc: step(
+        [start + q * TOKENS_PER_STEP + u for u in range(TOKENS_PER_STEP)], acc), acc)
+    acc = lax.fori_loop(start + groups * TOKENS_PER_STEP, end, lambda i, acc: step([i], acc), acc)
     for j in range(m):
-      for off, n, lay in chunks:
-        gw_g[pid, j, pl.ds(off, n)] = plgpu.load(acc_s.at[j, pl.ds(off, n)], layout=lay, optimized=False)
+      gw_g[pid, j, cols] = acc[j]
 
-  return kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k)
+  return kernel(go, x, k, wf, factors)
+
+
+def gate_bwd_kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k, *, clamp_value, num_partials, interpret):
+  """The backward's two kernels (``T >= 1``) -> ``(grad_x, grad_k, grad_v, grad_w_partial (P, M, D) float32)``."""
+  factors = gate_bwd_rows_kernel(go, v, dot, gate, rstd_x, rstd_k, clamp_value=clamp_value, interpret=interpret)
+  return gate_bwd_cols_kernel(go, x, k, wf, factors, num_partials=num_partials, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------
 # Public ops.
 
-from jaxkern import _autodiff, _checks, _config, _dispatch  # noqa: E402
+from jaxkern import _autodiff, _checks, _dispatch  # noqa: E402
 from jaxkern.reference import engram as ref  # noqa: E402
 from jaxkern.types import EngramGateGrads, EngramGateOutput  # noqa: E402
 
@@ -273,8 +338,12 @@ def engram_gate_bwd(grad_out, hidden_states, k, v, weight_fused, dot, gate_score
     hidden_states, k, v, weight_fused: the forward's inputs (see :func:`engram_gate_fwd`).
     dot, gate_score, rstd_x, rstd_k: ``(T, M)`` float32, as saved by the forward (any consistent values).
     clamp_value: the forward's clamp.
-    num_partials: ``P``, the rows of ``grad_w_partial`` (the kernel's persistent CTAs); default the GPU's SM
-      count (132 when tracing off a GPU). A static int >= 1.
+    num_partials: ``P``, the rows of ``grad_w_partial``: the kernel's token chunks (spec §3.5 / §9.4 fix the
+      token-range structure, not ``P``; :func:`jaxkern.engram.grad_w_reduce` sums any number of rows). A
+      static int >= 1; default (``jaxkern.engram._gate.default_num_partials``):
+      ``max(1, min(8·SMs // (D / w), ceil(T / 16)))`` with the column block ``w`` (1024, or 512 / 256 where
+      1024 does not divide ``D``), e.g. 150 at ``D = 7168``, ``T = 8001`` on 132 SMs (132 assumed when
+      tracing off a GPU).
     implementation: as :func:`engram_gate_fwd`.
 
   Returns:
@@ -285,7 +354,11 @@ def engram_gate_bwd(grad_out, hidden_states, k, v, weight_fused, dot, gate_score
     ValueError (naming the argument): shapes or dtypes as :func:`engram_gate_fwd`, ``num_partials < 1``.
 
   XLA (the reference) instead of the kernel: ``T = 0`` (zero partials); under ``"auto"`` also other dtypes,
-  ``D % 256 != 0`` and an accumulator ``4·M·D`` above 200 KiB of SMEM (``D > 12800`` at ``M = 4``).
+  ``D % 256 != 0`` and ``M > 8`` (``"pallas"`` raises :class:`jaxkern.KernelUnavailableError` for those).
+
+  Kernels (module docstring): a row pass (``G`` per token and stream) and a column pass (everything else,
+  the weight-gradient partial of each token chunk kept in registers); ``52·T·D`` bytes of traffic against
+  the spec's ``44·T·D`` count (``go`` is read by both).
 
   Numerics: float32, other summation orders than the reference (spec tolerance ``calc_diff < 1e-8``);
   the weight-gradient partials are deterministic for a fixed ``P``.
@@ -297,12 +370,12 @@ def engram_gate_bwd(grad_out, hidden_states, k, v, weight_fused, dot, gate_score
       grad_out=grad_out, hidden_states=hidden_states, k=k, v=v, weight_fused=weight_fused, dot=dot,
       gate_score=gate_score, rstd_x=rstd_x, rstd_k=rstd_k)
   clamp_value = _check_scalar("clamp_value", clamp_value)
-  p = _config.num_sms() if num_partials is None else num_partials
+  t, m, d = x.shape
+  p = default_num_partials(t, d) if num_partials is None else num_partials
   if not isinstance(p, (int, np.integer)) or isinstance(p, bool) or p < 1:
     raise ValueError(f"num_partials must be an int >= 1, got {num_partials!r}")
   p = int(p)
   go, x, k, v, wf, dot, gate, rx, rk = _autodiff.guard("engram_gate_bwd", ADVICE, go, x, k, v, wf, dot, gate, rx, rk)
-  t, m, d = x.shape
   bad = unsupported(d, m, x.dtype, wf.dtype, backward=True)
   if bad is None and any(a.dtype != jnp.float32 for a in (dot, gate, rx, rk)):
     bad = "the saved intermediates must be float32"

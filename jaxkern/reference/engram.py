@@ -5,7 +5,7 @@ needs no ``jax_enable_x64``: a 64-bit value is ``(hi, lo)`` with ``value = hi·2
 :func:`split_multipliers` turns int64 multipliers (numpy, Python ints, or a traced int64 / uint64
 array under x64) into the ``(L, N, 2)`` uint32 word pairs ``[..., 0] = lo``, ``[..., 1] = hi`` (the
 little-endian view of an int64 array). The pair arithmetic (:func:`mul_wide`, :func:`floor_mod`) uses
-only 32-bit multiplies, shifts, masks, compares and selects, so the Pallas kernel reuses it.
+only 32-bit multiplies, shifts, masks, compares and selects.
 
 Gate (§3.3-§3.7): written for any floating dtype. Inputs are widened to ``promote(x.dtype, float32)``
 (float32 for the spec's bf16 inputs, float64 when the caller passes float64, which the gradient tests

@@ -10,7 +10,9 @@ import pytest
 
 import jaxkern
 from jaxkern import engram
-from jaxkern.engram import _gate, _hash_kernel
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkern.engram import _gate
 from jaxkern.reference import engram as ref
 from jaxkern.testing import assert_bitwise_equal, assert_diff_below, lower_for_h100
 from tests.engram.test_reference import gate_inputs, hash_inputs, python_hash
@@ -18,14 +20,18 @@ from tests.engram.test_reference import gate_inputs, hash_inputs, python_hash
 sds = jax.ShapeDtypeStruct
 
 
-@pytest.mark.parametrize("t, full_range", [(300, True), (37, False)])  # partial last block / fewer than one block
-def test_hash_kernel_bit_exact(t, full_range):
+@pytest.mark.parametrize("t, full_range", [(300, True), (37, False)])
+def test_hash_bit_exact_every_implementation(t, full_range):
   rng = np.random.default_rng(t)
   ids, mult, sizes = hash_inputs(rng, t, full_range=full_range)
   offsets = engram.make_offsets(jnp.asarray(sizes))
-  got = jax.jit(lambda i, s, o: engram.engram_hash(i, mult, s, o, implementation="interpret"))(ids, sizes, offsets)
-  assert_bitwise_equal(got, ref.engram_hash(ids, mult, sizes, offsets))
-  assert_bitwise_equal(got[:, :12], python_hash(ids[:12], mult, sizes, np.asarray(offsets)))
+  want = python_hash(ids[:12], mult, sizes, np.asarray(offsets))
+  for impl in ("pallas", "xla", "auto"):  # no kernel: XLA code everywhere
+    got = jax.jit(lambda i, s, o: engram.engram_hash(i, mult, s, o, implementation=impl))(ids, sizes, offsets)
+    assert_bitwise_equal(got, ref.engram_hash(ids, mult, sizes, offsets))
+    assert_bitwise_equal(got[:, :12], want)
+  d = jaxkern.explain(lambda i: engram.engram_hash(i, mult, sizes, offsets, implementation="pallas"), ids)
+  assert d[0].path == "xla" and "no Pallas kernel" in d[0].reason
 
 
 def test_hash_multiplier_forms_and_traced_words():
@@ -48,15 +54,6 @@ def test_hash_zero_tokens_and_offsets():
                            engram.make_offsets(sizes), implementation="interpret")
   assert out.shape == (2, 0, 16) and out.dtype == jnp.int32
   assert_bitwise_equal(engram.make_offsets(sizes), ref.make_offsets(sizes))
-
-
-def test_hash_lowers_for_h100():
-  for t in (4001, 64):
-    f = functools.partial(engram.engram_hash, multipliers=np.arange(6, dtype=np.int64).reshape(2, 3) * 2**40,
-                          implementation="pallas")
-    text = lower_for_h100(lambda i, s, o: f(i, vocab_sizes=s, offsets=o), sds((t, 3), jnp.int32),
-                          sds((2, 2, 8), jnp.int32), sds((2, 16), jnp.int32)).as_text()
-    assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("args, match", [
@@ -124,20 +121,60 @@ def _bwd_inputs(key, t, d, clamp):
   return (go, x, k, v, wf, *saved[1:])
 
 
-@pytest.mark.parametrize("t, d, p", [(7, 512, 3), (2, 2560, 4)])  # p = 4 > tokens: CTAs without tokens write zeros
+def _median_clamp(key, t, d):
+  """A clamp just above the median ``|d|`` of :func:`_bwd_inputs`' data (the same key gives the same data)."""
+  _, x, k, v, wf, dot, _, rx, rk = _bwd_inputs(key, t, d, 1e-6)
+  return float(np.median(np.abs(np.asarray(dot * rx * rk, np.float64))) * d**-0.5) * 1.0001
+
+
+# column blocks: D = 512, 2560 -> 512 wide (8-byte vectors), 1024 / 2048 -> 1024 (16-byte), 768 -> 256 (4-byte);
+# chunks of 3 tokens (a pair + a tail token), 1 (tail only), 5 (two pairs + tail); p > t: empty chunks write zeros
+@pytest.mark.parametrize("t, d, p", [(7, 512, 3), (2, 2560, 4), (5, 1024, 1), (3, 2048, 3), (4, 768, 2)])
 def test_gate_bwd_kernel(key, t, d, p):
-  clamp = 0.03  # the clamp is active for part of the (token, stream) pairs
+  clamp = _median_clamp(key, t, d)  # the clamp is active for about half the (token, stream) pairs
   args = _bwd_inputs(key, t, d, clamp)
   got = jax.jit(lambda *a: engram.engram_gate_bwd(*a, clamp_value=clamp, num_partials=p,
                                                   implementation="interpret"))(*args)
   want = ref.engram_gate_bwd(*args, clamp_value=clamp, num_partials=p)
-  for a, b in zip(got, want):
-    assert a.dtype == b.dtype and a.shape == b.shape
+  for name, a, b in zip(got._fields, got, want):
+    assert a.dtype == b.dtype and a.shape == b.shape, name
     assert_diff_below(a, b, 1e-8)
+    if name != "grad_w_partial":  # same formulas, other summation orders: nearly all values bit-identical
+      assert np.mean(np.asarray(a, np.float32) == np.asarray(b, np.float32)) > 0.95, name
+  # each chunk's partial is its own token range's sum (not only the total)
+  np.testing.assert_allclose(np.asarray(got.grad_w_partial), np.asarray(want.grad_w_partial), rtol=1e-4, atol=1e-4)
   if p > t:
     assert not np.any(np.asarray(got.grad_w_partial)[t:])
   active = np.abs(np.asarray(args[5])) * d**-0.5 * np.asarray(args[7] * args[8]) >= clamp
   assert 0 < active.mean() < 1
+
+
+def test_gate_bwd_row_pass_factors(key):
+  """The row pass alone: ``[g, G, raw·rx²/D, raw·rk²/D]`` per (token, stream) vs the reference's formulas."""
+  clamp = _median_clamp(key, 3, 2560)
+  go, x, k, v, wf, dot, gate, rx, rk = _bwd_inputs(key, 3, 2560, clamp)
+  got = _gate.gate_bwd_rows_kernel(go, v, dot, gate, rx, rk, clamp_value=clamp,
+                                   interpret=plgpu.InterpretGPUParams())
+  dldg = jnp.sum(go.astype(jnp.float32) * v.astype(jnp.float32)[:, None], axis=-1)
+  big_g = ref.gate_factor(dldg, dot, gate, rx, rk, clamp, 2560)
+  assert_bitwise_equal(got[..., 0], gate)
+  np.testing.assert_allclose(np.asarray(got[..., 1]), np.asarray(big_g), rtol=2e-5, atol=1e-5 * float(jnp.max(jnp.abs(big_g))))
+  np.testing.assert_allclose(np.asarray(got[..., 2]), np.asarray(dot * rx * rx / 2560), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(got[..., 3]), np.asarray(dot * rk * rk / 2560), rtol=1e-6)
+  assert np.any(np.asarray(big_g) == 0) and np.any(np.asarray(big_g) != 0)
+
+
+def test_gate_bwd_default_partials():
+  assert _gate.column_block(7168) == 1024 and _gate.column_block(2560) == 512 and _gate.column_block(768) == 256
+  assert _gate.default_num_partials(8001, 7168) == 8 * 132 // 7 == 150  # 7 column blocks x 150 chunks
+  assert _gate.default_num_partials(8001, 2560) == 8 * 132 // 5
+  assert _gate.default_num_partials(4001, 2048) == -(-4001 // 16)  # 16 tokens per chunk at least
+  assert _gate.default_num_partials(40, 7168) == 3 and _gate.default_num_partials(0, 2048) == 1
+  s = jnp.zeros((0, 4))
+  x = jnp.zeros((0, 4, 7168), jnp.bfloat16)
+  g = engram.engram_gate_bwd(x, x, x, x[:, 0], jnp.ones((4, 7168)), s, s, s, s, clamp_value=1e-6,
+                             implementation="pallas")
+  assert g.grad_w_partial.shape == (1, 4, 7168) and not np.any(g.grad_w_partial)
 
 
 def test_gate_zero_tokens():
@@ -149,9 +186,9 @@ def test_gate_zero_tokens():
   assert g.grad_v.shape == (0, 512) and g.grad_w_partial.shape == (8, 4, 512) and not np.any(g.grad_w_partial)
 
 
-@pytest.mark.parametrize("d", [2048, 7168])
-def test_gate_kernels_lower_for_h100(d):
-  t, m = 4001, 4
+@pytest.mark.parametrize("t, d", [(4001, 2048), (8001, 7168), (4001, 2560), (1, 768)])
+def test_gate_kernels_lower_for_h100(t, d):
+  m = 4
   b16, f32 = (sds((t, m, d), jnp.bfloat16), sds((t, m), jnp.float32))
   args = (b16, b16, sds((t, d), jnp.bfloat16), sds((m, d), jnp.float32))
   for save in (True, False):
@@ -169,6 +206,10 @@ def test_gate_unsupported_runs_xla():
   d = jaxkern.explain(lambda *a: engram.engram_gate_fwd(*a, eps=0.0, clamp_value=1e-6, implementation="xla"),
                       x, x, x[:, 0], jnp.ones((4, 320)))
   assert d[0].path == "xla"
+  x9, s9 = jnp.zeros((2, 9, 256), jnp.bfloat16), jnp.zeros((2, 9))
+  with pytest.raises(jaxkern.KernelUnavailableError, match="hc_mult 9 > 8"):
+    engram.engram_gate_bwd(x9, x9, x9, x9[:, 0], jnp.ones((9, 256)), s9, s9, s9, s9, clamp_value=1e-6,
+                           implementation="pallas")
 
 
 B16 = jnp.zeros((2, 4, 256), jnp.bfloat16)

@@ -1,0 +1,94 @@
+"""Engram gate backward on the GPU at the spec's largest shapes, every output leaf compared on its own (the
+benchmark's fwd+bwd check failed at T=8001 D=7168 with calc_diff 3.4e-5 without saying which leaf).
+
+* ``engram_gate_bwd`` fed the reference forward's intermediates (upstream's bwd test): grad_x, grad_k,
+  grad_v, the weight-fused gradient ``Σ_p grad_w_partial[p]``, and grad_w_reduce's grad_wh, grad_we, each
+  at the spec's ``calc_diff < 1e-8``.
+* ``jax.vjp(modeling.engram_gate)`` vs ``jax.vjp`` of the ``jnp`` composite: the output at 2e-10 and each
+  cotangent at 1e-8, with the cotangent zeroed on the ill-conditioned (token, stream) rows
+  (``|d| < 1e-3``, :func:`benchmarks.engram.conditioned_grad_out`). The unconditioned cotangent's diffs are
+  printed next to each side's distance from a float64 evaluation of the composite, with the smallest
+  ``|d|``: a large diff there with both sides equally far from float64 is float32 conditioning, not a bug.
+
+Run with ``pytest -s`` to see the per-leaf table.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks.engram import conditioned_grad_out
+from jaxkern import engram, modeling
+from jaxkern.reference import engram as ref
+from jaxkern.testing import calc_diff
+from tests.engram.test_reference import gate_inputs
+
+EPS, CLAMP = 1e-20, 1e-6
+SHAPES = [(8001, 7168), (8001, 2560)]
+
+
+def _report(title, rows):
+  print(f"\n{title}")
+  for name, diff, tol in rows:
+    print(f"  {name:>16}: calc_diff {diff:.3e} (tol {tol:.0e}) {'ok' if diff < tol else 'FAIL'}")
+  failed = [name for name, diff, tol in rows if not diff < tol]
+  assert not failed, f"{title}: leaves above tolerance: {failed}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, d", SHAPES)
+def test_gate_bwd_each_leaf(key, t, d):
+  x, k, v, wh, we = gate_inputs(key, t, 4, d)
+  wf = engram.fused_weight(wh, we)
+  saved = ref.engram_gate_fwd(x, k, v, wf, eps=EPS, clamp_value=CLAMP)
+  go = jax.random.normal(jax.random.fold_in(key, 7), x.shape).astype(jnp.bfloat16)
+  args = (go, x, k, v, wf, *saved[1:])
+  got = jax.jit(lambda *a: engram.engram_gate_bwd(*a, clamp_value=CLAMP, implementation="pallas"))(*args)
+  want = jax.jit(lambda *a: ref.engram_gate_bwd(*a, clamp_value=CLAMP))(*args)
+  zero = jnp.zeros((4, d), jnp.float32)
+  gw_got = engram.grad_w_reduce(got.grad_w_partial, wh, we, zero, zero, implementation="xla")
+  gw_want = ref.grad_w_reduce(want.grad_w_partial, wh, we, zero, zero)
+  rows = [(name, float(calc_diff(a, b)), 1e-8) for name, a, b in zip(got._fields[:3], got[:3], want[:3])]
+  rows.append(("grad_wf (Σ_p)", float(calc_diff(got.grad_w_partial.sum(0), want.grad_w_partial.sum(0))), 1e-8))
+  rows += [(name, float(calc_diff(a, b)), 1e-8) for name, a, b in zip(("grad_wh", "grad_we"), gw_got, gw_want)]
+  print(f"\nP = {got.grad_w_partial.shape[0]} token chunks")
+  _report(f"engram_gate_bwd T={t} D={d} (kernel fed the reference intermediates)", rows)
+
+
+def _vjp(gate, x, k, v, wh, we, go):
+  out, vjp = jax.vjp(lambda *a: gate(*a, clamp_value=CLAMP, eps=EPS), x, k, v, wh, we)
+  return (out, *vjp(go))
+
+
+NAMES = ("output", "grad_x", "grad_k", "grad_v", "grad_wh", "grad_we")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, d", SHAPES)
+def test_gate_vjp_each_leaf(key, t, d):
+  x, k, v, wh, we = gate_inputs(key, t, 4, d, weight_dtype=jnp.float32)  # fp32 leaves, as upstream's bwd test
+  wh, we = (w.astype(jnp.bfloat16).astype(jnp.float32) for w in (wh, we))
+  go = jax.random.normal(jax.random.fold_in(key, 3), x.shape).astype(jnp.bfloat16)
+  ours = jax.jit(lambda *a: _vjp(lambda *b, **kw: modeling.engram_gate(*b, **kw, implementation="pallas"), *a))
+  plain = jax.jit(lambda *a: _vjp(ref.engram_gate, *a))
+  wf = ref.fused_weight(wh, we)
+  saved = ref.engram_gate_fwd(x, k, v, wf, eps=EPS, clamp_value=CLAMP)
+  dd = np.abs(np.asarray(saved.dot * saved.rstd_x * saved.rstd_k)) * d**-0.5
+
+  # diagnostics on the raw randn cotangent (not asserted): kernel vs reference, each vs float64
+  got, want = ours(x, k, v, wh, we, go), plain(x, k, v, wh, we, go)
+  with jax.enable_x64(True):
+    exact = jax.jit(lambda *a: _vjp(ref.engram_gate, *(b.astype(jnp.float64) for b in a)))(x, k, v, wh, we, go)
+    print(f"\nvjp T={t} D={d}, randn cotangent: smallest |d| {np.sort(dd.ravel())[:3]}; "
+          "calc_diff kernel-vs-ref / kernel-vs-f64 / ref-vs-f64:")
+    for name, a, b, e in zip(NAMES, got, want, exact):
+      e = e.astype(a.dtype)
+      print(f"  {name:>8}: {float(calc_diff(a, b)):.3e} / {float(calc_diff(a, e)):.3e} / {float(calc_diff(b, e)):.3e}")
+    del exact
+
+  go = conditioned_grad_out(x, k, wh, we, go)
+  print(f"rows with |d| < 1e-3 (cotangent zeroed below): {int((dd < 1e-3).sum())} of {dd.size}")
+  got, want = ours(x, k, v, wh, we, go), plain(x, k, v, wh, we, go)
+  rows = [(name, float(calc_diff(a, b)), 2e-10 if name == "output" else 1e-8) for name, a, b in zip(NAMES, got, want)]
+  _report(f"jax.vjp(modeling.engram_gate) T={t} D={d}, conditioned cotangent", rows)
