@@ -36,7 +36,7 @@ def _sigmoid(z):
 # ----------------------------------------------------------------------------------------------
 # M1 expand (§4.1)
 
-def expand_to_mhc(hidden, *, mhc_mult: int):
+def expand_to_mhc(hidden, *, mhc_mult: int) -> jax.Array:
   """``(..., H)`` -> ``(..., M, H)``: ``M`` exact copies of each row."""
   hidden = jnp.asarray(hidden)
   return jnp.broadcast_to(hidden[..., None, :], (*hidden.shape[:-1], mhc_mult, hidden.shape[-1]))
@@ -61,8 +61,8 @@ def _scale_per_mix(mhc_scale, mhc_mult):
                           jnp.broadcast_to(mhc_scale[2], (m * m,))])
 
 
-def pre_split_mixes(input_mixes, mhc_scale, mhc_base, *, mhc_mult: int, mhc_post_mult_value: float,
-                    mhc_pre_eps: float) -> PreSplitMixes:
+def pre_split_mixes(input_mixes, mhc_scale, mhc_base, *, mhc_mult: int, mhc_post_mult_value: float = 1.0,
+                    mhc_pre_eps: float = 1e-6) -> PreSplitMixes:
   """``(..., J)`` logits -> ``(pre (..., M, 1), post (..., M, 1), comb (..., M, M))`` with
   ``a = z·scale[grp] + base``, ``pre = σ(a) + pre_eps``, ``post = σ(a)·post_mult_value``, ``comb = a``."""
   z, scale, base = _wide(input_mixes, mhc_scale, mhc_base)
@@ -197,7 +197,7 @@ def post_bwd(d_o, x, residual, post_layer_mix, comb_res_mix) -> PostGrads:
 # ----------------------------------------------------------------------------------------------
 # M8 head mix (§4.8)
 
-def head_compute_mix(input_mix, mhc_scale, mhc_base, *, mhc_pre_eps: float):
+def head_compute_mix(input_mix, mhc_scale, mhc_base, *, mhc_pre_eps: float = 1e-6):
   """``(..., M)`` -> ``σ(z·scale + base) + pre_eps`` (``scale (1,)``, ``base (M,)``)."""
   z, scale, base = _wide(input_mix, mhc_scale, mhc_base)
   return _sigmoid(z * scale[0] + base) + mhc_pre_eps
