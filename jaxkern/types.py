@@ -98,3 +98,45 @@ class EngramWeightGrads(NamedTuple):
 
   grad_weight_hidden: jax.Array  # (M, D) float32
   grad_weight_embed: jax.Array  # (M, D) float32
+
+
+# ---- mHC (engram_mhc.md §4.4-§4.8): split / apply / post mixes (branch mhc-a) ----
+
+class PreSplitMixes(NamedTuple):
+  """:func:`jaxkern.mhc.pre_split_mixes`: the three per-token mixes, float32."""
+
+  pre_layer_mix: jax.Array  # (..., M, 1): σ(a) + pre_eps
+  post_layer_mix: jax.Array  # (..., M, 1): σ(a)·post_mult_value
+  comb_res_mix: jax.Array  # (..., M, M): the comb logits (before Sinkhorn)
+
+
+class PreSplitMixesGrads(NamedTuple):
+  """:func:`jaxkern.mhc.pre_split_mixes_bwd`: cotangents of the inputs."""
+
+  input_mixes_grad: jax.Array  # (..., J) float32
+  mhc_scale_grad: jax.Array  # (3,) float32
+  mhc_base_grad: jax.Array  # (J,) float32
+
+
+class PreApplyMixGrads(NamedTuple):
+  """:func:`jaxkern.mhc.pre_apply_mix_bwd`: cotangents of the residual and of the mix."""
+
+  x_grad: jax.Array  # (..., M, H), x's dtype (accumulated onto x_grad_acc when given)
+  mix_grad: jax.Array  # (..., M, 1) float32
+
+
+class PostGrads(NamedTuple):
+  """:func:`jaxkern.mhc.post_bwd`: cotangents of the four inputs of :func:`jaxkern.mhc.post`."""
+
+  d_x: jax.Array  # (..., H), x's dtype
+  d_residual: jax.Array  # (..., M, H), residual's dtype
+  d_post_layer_mix: jax.Array  # (..., M, 1) float32
+  d_comb_res_mix: jax.Array  # (..., M, M) float32
+
+
+class HeadComputeMixGrads(NamedTuple):
+  """:func:`jaxkern.mhc.head_compute_mix_bwd`: cotangents of the inputs."""
+
+  input_mix_grad: jax.Array  # (..., M) float32
+  mhc_scale_grad: jax.Array  # (1,) float32
+  mhc_base_grad: jax.Array  # (M,) float32

@@ -102,3 +102,23 @@ def test_engram_small_cases_without_gpu(capsys):
   assert run.main(["--ops", "engram_hash,engram_gate_fwd,engram_gate_bwd,engram_gate:fwd+bwd"]) == 0
   out = capsys.readouterr().out
   assert "FAILED" not in out and out.count("ok") >= 5
+
+
+MHC_OPS = ("expand_to_mhc,expand_to_mhc_bwd,pre_apply_mix,pre_apply_mix_bwd,post,post_bwd,sinkhorn_normalize,"
+           "sinkhorn_normalize_bwd")
+
+
+def test_mhc_grid_and_byte_counts():
+  post = REGISTRY["post"].cases()
+  assert len(post) == 8 and post[-1].label == "T=8192 H=7168"
+  t, h, m = 8192, 7168, 4
+  assert post[-1].nbytes == 2 * t * h + 2 * t * m * h + 4 * t * m + 4 * t * m * m + 2 * t * m * h  # io_post, §6.4
+  assert REGISTRY["post_bwd"].cases()[-1].nbytes == 2 * t * m * h + 2 * post[-1].nbytes
+  assert REGISTRY["sinkhorn_normalize"].cases()[-1].nbytes == 2 * 4 * t * m * m
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the correctness-only pass is the no-GPU path")
+def test_mhc_small_cases_without_gpu(capsys):
+  assert run.main(["--ops", MHC_OPS]) == 0
+  out = capsys.readouterr().out
+  assert "FAILED" not in out and out.count("ok") >= 8

@@ -1,0 +1,137 @@
+"""``pre_apply_mix`` (engram_mhc.md §4.6): the sublayer input as the ``pre``-weighted sum of the streams."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxkern import _autodiff, _config, _dispatch
+from jaxkern.mhc import _common, _stream_kernels as sk
+from jaxkern.reference import mhc as ref
+from jaxkern.types import PreApplyMixGrads
+
+MAX_M = 8
+
+
+def _unsupported(x, mix, others=()):
+  if x.dtype != jnp.bfloat16 or mix.dtype != jnp.float32 or any(a.dtype != jnp.bfloat16 for a in others):
+    return "the kernels take bfloat16 streams / gradients and a float32 mix"
+  if x.shape[-2] > MAX_M:
+    return f"M = {x.shape[-2]} > {MAX_M}"
+  return sk.unsupported_hidden(x.shape[-1])
+
+
+def _check(x, mix):
+  x, lead, m, h = _common.streams("x", x)
+  mix = _common.array("mix", mix, 2)
+  _common.shape("mix", mix, (*lead, m, 1))
+  return x, mix, lead, m, h
+
+
+def pre_apply_mix_bwd(o_grad, x, mix, x_grad_acc=None, *, implementation: str | None = None) -> PreApplyMixGrads:
+  """Backward of :func:`pre_apply_mix` (spec §4.6), optionally accumulated onto a residual gradient.
+
+  ``x_grad[m, h] = bf16(f32(x_grad_acc[m, h]) + mix[m]·f32(og[h]))`` (without ``x_grad_acc``:
+  ``bf16(mix[m]·og[h])``); ``mix_grad[m] = Σ_h og[h]·x[m, h]`` in float32. ``x_grad_acc`` is the functional
+  form of upstream's in-place accumulation into the ``grad_from_mhc_post`` buffer (spec §4.11, §9.5): pass
+  ``post_bwd``'s ``d_residual`` to get ``bf16(d_post + d_apply)`` in one pass.
+
+  Args:
+    o_grad: ``(..., H)``, the cotangent of the output (``x``'s dtype for the kernel).
+    x: ``(..., M, H)`` the residual streams (bfloat16 for the kernel).
+    mix: ``(..., M, 1)`` float32.
+    x_grad_acc: optional ``(..., M, H)``, added to ``x_grad``.
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``.
+
+  Returns:
+    ``PreApplyMixGrads(x_grad (..., M, H) in x's dtype, mix_grad (..., M, 1) float32)`` (the widened dtype for
+    float64 inputs).
+
+  Raises:
+    ValueError (naming the argument): shapes that do not match ``x``, non-floating dtypes.
+
+  XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also dtypes other than bfloat16
+  streams / gradients with a float32 mix, ``M > 8``, ``H`` not a multiple of 128 of at least 1024.
+  Kernel: Mosaic GPU, 16-byte vectors, per-token float32 reductions (row sums of ``(8, 128)`` tiles, then
+  one warpgroup sum); the summation order differs from the reference's (float32 rounding only).
+
+  Differentiation: none (a backward pass): :class:`jaxkern.NotDifferentiableError`.
+  """
+  x, mix, lead, m, h = _check(x, mix)
+  og = _common.array("o_grad", o_grad, 1)
+  _common.shape("o_grad", og, (*lead, h))
+  others = [og]
+  if x_grad_acc is not None:
+    x_grad_acc = _common.array("x_grad_acc", x_grad_acc, 2)
+    _common.shape("x_grad_acc", x_grad_acc, x.shape)
+    others.append(x_grad_acc)
+  og, x, mix, x_grad_acc = _autodiff.guard("pre_apply_mix_bwd", _common.BWD_ADVICE, og, x, mix, x_grad_acc)
+  t = _common.tokens(lead)
+
+  def kernel(interpret):
+    acc = None if x_grad_acc is None else x_grad_acc.reshape(t, m, h)
+    xg, mg = sk.apply_mix_bwd_kernel(og.reshape(t, h), x.reshape(t, m, h), mix.reshape(t, m), acc,
+                                     interpret=_config.mosaic_interpret(interpret))
+    return PreApplyMixGrads(xg.reshape(x.shape), mg.reshape(mix.shape))
+
+  return _dispatch.run("pre_apply_mix_bwd", implementation, kernel=kernel,
+                       xla=lambda: ref.pre_apply_mix_bwd(og, x, mix, x_grad_acc), empty=t == 0,
+                       unsupported=_unsupported(x, mix, others))
+
+
+def _fwd_op(x, mix, implementation):
+  lead, (m, h) = x.shape[:-2], x.shape[-2:]
+  t = _common.tokens(lead)
+
+  def kernel(interpret):
+    out = sk.apply_mix_fwd_kernel(x.reshape(t, m, h), mix.reshape(t, m), interpret=_config.mosaic_interpret(interpret))
+    return out.reshape(*lead, h)
+
+  return _dispatch.run("pre_apply_mix", implementation, kernel=kernel, xla=lambda: ref.pre_apply_mix(x, mix),
+                       empty=t == 0, unsupported=_unsupported(x, mix))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _apply(x, mix, implementation):
+  return _fwd_op(x, mix, implementation)
+
+
+def _apply_fwd(x, mix, implementation):
+  return _fwd_op(x, mix, implementation), (x, mix)
+
+
+def _apply_bwd(implementation, residuals, og):
+  x, mix = residuals
+  xg, mg = pre_apply_mix_bwd(og.astype(x.dtype), x, mix, implementation=implementation)
+  return xg.astype(x.dtype), mg.astype(mix.dtype)
+
+
+_apply.defvjp(_apply_fwd, _apply_bwd)
+
+
+def pre_apply_mix(x, mix, *, implementation: str | None = None) -> jax.Array:
+  """``out[..., h] = bf16(Σ_m mix[..., m, 0]·f32(x[..., m, h]))`` (float32, ``m = 0..M-1`` in order).
+
+  Args:
+    x: ``(..., M, H)`` residual streams, floating (bfloat16 for the kernel); any leading dims.
+    mix: ``(..., M, 1)`` float32 (upstream's trailing 1 is required).
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``.
+
+  Returns:
+    ``(..., H)`` in ``x``'s dtype.
+
+  Raises:
+    ValueError (naming the argument): rank < 2, ``mix`` not ``(..., M, 1)``, non-floating dtypes, ``M`` or ``H`` 0.
+
+  XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also dtypes other than bfloat16
+  ``x`` with a float32 ``mix``, ``M > 8``, ``H`` not a multiple of 128 of at least 1024.
+  Kernel: Mosaic GPU (see :mod:`jaxkern.mhc._stream_kernels`), bandwidth-bound; the products are summed
+  as ``mix[0]·x[0] + mix[1]·x[1] + ...`` (the GPU contracts each add into an FMA).
+
+  Differentiation: ``jax.custom_vjp``; residuals ``x, mix``; backward :func:`pre_apply_mix_bwd` (a kernel)
+  with the same implementation.
+  """
+  x, mix, _, _, _ = _check(x, mix)
+  return _apply(x, mix, _config.get_implementation(implementation))

@@ -1,0 +1,60 @@
+"""Argument checks shared by the mHC mix ops (each raises ``ValueError`` naming the argument)."""
+
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+
+from jaxkern import _checks
+
+FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+BWD_ADVICE = ("it is a backward pass; differentiate the forward op (its jax.custom_vjp runs this backward)")
+
+
+def array(name, a, min_rank=1):
+  a = _checks.as_array(name, a)
+  if a.ndim < min_rank:
+    raise ValueError(f"{name} must have rank >= {min_rank}, got shape {tuple(a.shape)}")
+  _checks.check_dtype(name, a, FLOATS)
+  return a
+
+
+def shape(name, a, want):
+  if tuple(a.shape) != tuple(want):
+    raise ValueError(f"{name} must have shape {tuple(want)}, got {tuple(a.shape)}")
+
+
+def mhc_mult(value, name="mhc_mult"):
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+  return int(value)
+
+
+def scalar(name, value, *, nonzero=False, nonnegative=False):
+  try:
+    value = float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f"{name} must be a Python float, got {type(value).__name__}") from None
+  if not np.isfinite(value) or (nonzero and value == 0) or (nonnegative and value < 0):
+    cond = "finite" + (" and non-zero" if nonzero else "") + (" and >= 0" if nonnegative else "")
+    raise ValueError(f"{name} must be {cond}, got {value}")
+  return value
+
+
+def repeat(value):
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"repeat must be an int >= 1, got {value!r}")
+  return int(value)
+
+
+def tokens(lead) -> int:
+  return int(np.prod(lead, dtype=np.int64))
+
+
+def streams(name, x, min_rank=2):
+  """A ``(..., M, H)`` stream array: returns ``(x, lead, M, H)``."""
+  x = array(name, x, min_rank)
+  m, h = x.shape[-2:]
+  if m == 0 or h == 0:
+    raise ValueError(f"{name} must have non-empty M and H, got shape {tuple(x.shape)}")
+  return x, x.shape[:-2], m, h

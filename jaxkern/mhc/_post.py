@@ -1,0 +1,141 @@
+"""``post`` (engram_mhc.md §4.7): write the sublayer output into the streams and recombine them."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxkern import _autodiff, _config, _dispatch
+from jaxkern.mhc import _common, _stream_kernels as sk
+from jaxkern.reference import mhc as ref
+from jaxkern.types import PostGrads
+
+MAX_M = 4
+
+
+def _unsupported(residual, mixes, others):
+  if residual.dtype != jnp.bfloat16 or any(a.dtype != jnp.bfloat16 for a in others) or any(
+      a.dtype != jnp.float32 for a in mixes):
+    return "the kernels take bfloat16 x / residual / gradients and float32 mixes"
+  if residual.shape[-2] > MAX_M:
+    return f"M = {residual.shape[-2]} > {MAX_M}"
+  return sk.unsupported_hidden(residual.shape[-1])
+
+
+def _check(x, residual, post_layer_mix, comb_res_mix):
+  residual, lead, m, h = _common.streams("residual", residual)
+  x = _common.array("x", x, 1)
+  _common.shape("x", x, (*lead, h))
+  post_layer_mix = _common.array("post_layer_mix", post_layer_mix, 2)
+  _common.shape("post_layer_mix", post_layer_mix, (*lead, m, 1))
+  comb_res_mix = _common.array("comb_res_mix", comb_res_mix, 2)
+  _common.shape("comb_res_mix", comb_res_mix, (*lead, m, m))
+  return x, residual, post_layer_mix, comb_res_mix, lead, m, h
+
+
+def post_bwd(d_o, x, residual, post_layer_mix, comb_res_mix, *, implementation: str | None = None) -> PostGrads:
+  """Backward of :func:`post` (spec §4.7).
+
+  ``d_residual[m] = bf16(Σ_n comb[m, n]·dO[n])``, ``d_x = bf16(Σ_n post[n]·dO[n])`` (float32, ``n`` in order),
+  ``d_comb[m, n] = Σ_h residual[m]·dO[n]``, ``d_post[n] = Σ_h x·dO[n]`` (float32).
+
+  Args:
+    d_o: ``(..., M, H)`` cotangent of the output (bfloat16 for the kernel).
+    x, residual, post_layer_mix, comb_res_mix: the forward's inputs (see :func:`post`).
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``.
+
+  Returns:
+    ``PostGrads(d_x, d_residual, d_post_layer_mix (..., M, 1), d_comb_res_mix (..., M, M))`` (upstream's order);
+    the first two in the dtypes of ``x`` / ``residual``, the mix gradients float32 (wider for float64 inputs).
+
+  Raises:
+    ValueError (naming the argument): shapes that do not match ``residual``, non-floating dtypes.
+
+  XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also other dtypes, ``M > 4`` and
+  ``H`` not a multiple of 128 of at least 1024. Kernel: Mosaic GPU, one pass over ``dO``, ``x``, ``residual``
+  (20 per-token float32 reductions for ``M = 4``: row sums of ``(8, 128)`` tiles, then one warpgroup sum each).
+
+  Differentiation: none (a backward pass): :class:`jaxkern.NotDifferentiableError`.
+  """
+  x, residual, post_layer_mix, comb_res_mix, lead, m, h = _check(x, residual, post_layer_mix, comb_res_mix)
+  d_o = _common.array("d_o", d_o, 2)
+  _common.shape("d_o", d_o, residual.shape)
+  d_o, x, residual, post_layer_mix, comb_res_mix = _autodiff.guard(
+      "post_bwd", _common.BWD_ADVICE, d_o, x, residual, post_layer_mix, comb_res_mix)
+  t = _common.tokens(lead)
+
+  def kernel(interpret):
+    dx, dr, dp, dc = sk.post_bwd_kernel(d_o.reshape(t, m, h), x.reshape(t, h), residual.reshape(t, m, h),
+                                        post_layer_mix.reshape(t, m), comb_res_mix.reshape(t, m, m),
+                                        interpret=_config.mosaic_interpret(interpret))
+    return PostGrads(dx.reshape(x.shape), dr.reshape(residual.shape), dp.reshape(post_layer_mix.shape),
+                     dc.reshape(comb_res_mix.shape))
+
+  return _dispatch.run("post_bwd", implementation, kernel=kernel,
+                       xla=lambda: ref.post_bwd(d_o, x, residual, post_layer_mix, comb_res_mix), empty=t == 0,
+                       unsupported=_unsupported(residual, (post_layer_mix, comb_res_mix), (x, d_o)))
+
+
+def _fwd_op(x, residual, post_layer_mix, comb_res_mix, implementation):
+  lead, (m, h) = residual.shape[:-2], residual.shape[-2:]
+  t = _common.tokens(lead)
+
+  def kernel(interpret):
+    out = sk.post_fwd_kernel(x.reshape(t, h), residual.reshape(t, m, h), post_layer_mix.reshape(t, m),
+                             comb_res_mix.reshape(t, m, m), interpret=_config.mosaic_interpret(interpret))
+    return out.reshape(residual.shape)
+
+  return _dispatch.run("post", implementation, kernel=kernel,
+                       xla=lambda: ref.post(x, residual, post_layer_mix, comb_res_mix), empty=t == 0,
+                       unsupported=_unsupported(residual, (post_layer_mix, comb_res_mix), (x,)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _post(x, residual, post_layer_mix, comb_res_mix, implementation):
+  return _fwd_op(x, residual, post_layer_mix, comb_res_mix, implementation)
+
+
+def _post_fwd(x, residual, post_layer_mix, comb_res_mix, implementation):
+  return _fwd_op(x, residual, post_layer_mix, comb_res_mix, implementation), (x, residual, post_layer_mix,
+                                                                               comb_res_mix)
+
+
+def _post_bwd(implementation, residuals, d_o):
+  g = post_bwd(d_o.astype(residuals[1].dtype), *residuals, implementation=implementation)
+  return tuple(a.astype(p.dtype) for a, p in zip(g, residuals))
+
+
+_post.defvjp(_post_fwd, _post_bwd)
+
+
+def post(x, residual, post_layer_mix, comb_res_mix, *, implementation: str | None = None) -> jax.Array:
+  """The new residual ``out[..., n, h] = bf16(post[n]·x[h] + Σ_m comb[m, n]·residual[m, h])`` (spec §4.7).
+
+  float32: the post term first, then ``m = 0..M-1`` in order (input stream ``m`` is the *row* of ``comb``).
+
+  Args:
+    x: ``(..., H)`` the sublayer output (bfloat16 for the kernel); any leading dims (upstream: exactly two).
+    residual: ``(..., M, H)`` the streams, ``x``'s dtype for the kernel.
+    post_layer_mix: ``(..., M, 1)`` float32.
+    comb_res_mix: ``(..., M, M)`` float32 (after Sinkhorn).
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``.
+
+  Returns:
+    ``(..., M, H)`` in ``residual``'s dtype.
+
+  Raises:
+    ValueError (naming the argument): shapes that do not match ``residual``, non-floating dtypes, ``M`` or
+    ``H`` 0.
+
+  XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also dtypes other than bfloat16
+  ``x`` / ``residual`` with float32 mixes, ``M > 4`` (upstream's backward supports only 4) and ``H`` not a
+  multiple of 128 of at least 1024. Kernel: Mosaic GPU (see :mod:`jaxkern.mhc._stream_kernels`),
+  bandwidth-bound (``2·H·(2M+1)`` bytes per token).
+
+  Differentiation: ``jax.custom_vjp``; residuals ``x, residual, post_layer_mix, comb_res_mix``; backward
+  :func:`post_bwd` (a kernel) with the same implementation. Cotangents come back in the inputs' dtypes.
+  """
+  args = _check(x, residual, post_layer_mix, comb_res_mix)[:4]
+  return _post(*args, _config.get_implementation(implementation))
