@@ -87,3 +87,18 @@ class EngramWeightGrads(NamedTuple):
 
   grad_weight_hidden: jax.Array  # (M, D) float32
   grad_weight_embed: jax.Array  # (M, D) float32
+
+
+class PreNormFnFwd(NamedTuple):
+  """:func:`jaxkern.mhc.pre_norm_fn_fwd`: the mixing logits and the two sums the backward needs."""
+
+  mixes: jax.Array  # (…, J) float32: out_mul · rsqrt(sqrsum / K + eps)
+  out_mul: jax.Array  # (…, J) float32: vec(R) @ tf32(fn)^T
+  sqrsum: jax.Array  # (…,) float32: Σ vec(R)²
+
+
+class PreNormFnGrads(NamedTuple):
+  """:func:`jaxkern.mhc.pre_norm_fn_bwd`: cotangents of the residual and of the (merged) weight."""
+
+  grad_residual: jax.Array  # (…, M, H), the residual's dtype
+  grad_fn: jax.Array  # (J, K) float32
