@@ -99,7 +99,7 @@ def fwd_mul_kernel(x, fhi, flo, *, splits, interpret):
 
     def scope(acc):
       def body(_, x_s, hi_s, lo_s, sq):
-        xr = plgpu.load(x_s, (), layout=WG, optimized=False)
+        xr = plgpu.load(x_s, layout=WG, optimized=False)
         xt_s[...] = xr
         plgpu.commit_smem()
         plgpu.wgmma(acc, xt_s, hi_s.T)
@@ -186,8 +186,8 @@ def bwd_mul_kernel(x, qx, sqg2, fb1, fb2, *, chunks, interpret):
         g = first + n
         slot = n % 2
         plgpu.barrier_wait(bar.at[slot])
-        xr = plgpu.load(x_s.at[slot], (), layout=WG, optimized=False)
-        sqg = plgpu.load(sqg_g.at[pl.ds(g * BT, BT)], (), layout=WG.reduce(1), optimized=False)
+        xr = plgpu.load(x_s.at[slot], layout=WG, optimized=False)
+        sqg = plgpu.load(sqg_g.at[pl.ds(g * BT, BT)], layout=WG.reduce(1), optimized=False)
 
         def xg_scope(acc):
           plgpu.wgmma(acc, q_s.at[slot], f1_s)
@@ -197,7 +197,7 @@ def bwd_mul_kernel(x, qx, sqg2, fb1, fb2, *, chunks, interpret):
         xg = pl.run_scoped(xg_scope, plgpu.ACC((BT, KB), jnp.float32))
         xg = xg + xr.astype(jnp.float32) * lax.broadcast_in_dim(sqg, (BT, KB), (0,))
         # fn gradient: rows that an earlier tile already covered (the overlapping last tile) count once.
-        qr = plgpu.load(q_s.at[slot], (), layout=WG, optimized=False)
+        qr = plgpu.load(q_s.at[slot], layout=WG, optimized=False)
         row = plgpu.broadcasted_iota(jnp.int32, (BT, JP), 0, layout=WG) + start(g)
         qm_s[...] = jnp.where(row >= g * BT, qr, jnp.zeros_like(qr))
         xt_s[...] = xr
@@ -233,7 +233,7 @@ ADVICE = ("it is a building block of pre_norm_fn; differentiate jaxkern.mhc.pre_
           "runs pre_norm_fn_bwd")
 
 
-def round_to_tf32(x, *, implementation: str | None = None):
+def round_to_tf32(x, *, implementation: str | None = None) -> jax.Array:
   """``tf32_rna(x) = bitcast_f32((bitcast_u32(x) + 0x1000) & 0xFFFFE000)`` (spec §4.3.4), elementwise.
 
   Round to nearest TF32 (10 explicit mantissa bits), ties away from zero, with the low 13 bits cleared
@@ -248,12 +248,14 @@ def round_to_tf32(x, *, implementation: str | None = None):
   return ref.round_to_tf32(x)
 
 
-def fn_normw_merge(fn, normw):
+def fn_normw_merge(fn, normw, *, implementation: str | None = None) -> jax.Array:
   """``fn * normw`` (spec §4.2): ``fn (J, K)`` float32 times the RMSNorm weight ``normw (K,)`` on every row.
 
   Plain ``jnp`` (spec §9.1): autodiff gives upstream's backward ``grad_fn = g·normw``,
   ``grad_normw = Σ_j g·fn``. Raises ValueError (naming the argument) for other ranks or a length mismatch.
+  ``implementation`` is accepted for the common signature; every choice runs the same ``jnp`` product.
   """
+  del implementation
   fn = _checks.as_array("fn", fn)
   normw = _checks.as_array("normw", normw)
   _checks.check_rank("fn", fn, 2)

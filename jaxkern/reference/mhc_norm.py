@@ -25,7 +25,7 @@ from jaxkern.types import PreNormFnFwd, PreNormFnGrads
 HIGHEST = lax.Precision.HIGHEST
 
 
-def round_to_tf32(x):
+def round_to_tf32(x) -> jax.Array:
   """``tf32_rna`` of a float32 array (spec §4.3.4); other dtypes are returned unchanged."""
   x = jnp.asarray(x)
   if x.dtype != jnp.float32:
@@ -34,7 +34,7 @@ def round_to_tf32(x):
   return lax.bitcast_convert_type((u + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000), jnp.float32)
 
 
-def fn_normw_merge(fn, normw):
+def fn_normw_merge(fn, normw) -> jax.Array:
   """``fn (J, K) * normw (K,)`` broadcast over rows (spec §4.2)."""
   return fn * normw[None, :]
 
@@ -48,11 +48,13 @@ def _compute_dtype(residual, fn):
   return jnp.promote_types(jnp.promote_types(residual.dtype, fn.dtype), jnp.float32)
 
 
-def pre_norm_fn_fwd(residual, fn, *, norm_eps: float = 1e-6) -> PreNormFnFwd:
+def pre_norm_fn_fwd(residual, fn, *, norm_eps: float = 1e-6, n_splits: int = 16) -> PreNormFnFwd:
   """``residual (…, M, H)``, merged ``fn (J, M·H)`` -> ``PreNormFnFwd(mixes (…, J), out_mul (…, J), sqrsum (…,))``.
 
   ``fn`` is rounded with :func:`round_to_tf32` here (idempotent, so an already rounded weight is fine).
+  ``n_splits`` (the kernels' split-K knob) does not change the math and is ignored.
   """
+  del n_splits
   j, k = fn.shape
   dt = _compute_dtype(residual, fn)
   r, lead = _flat(residual, k)
@@ -64,12 +66,15 @@ def pre_norm_fn_fwd(residual, fn, *, norm_eps: float = 1e-6) -> PreNormFnFwd:
   return PreNormFnFwd(mixes.reshape(*lead, j), out_mul.reshape(*lead, j), sqrsum.reshape(lead))
 
 
-def pre_norm_fn(residual, fn, norm_weight=None, *, norm_eps: float = 1e-6):
+def pre_norm_fn(residual, fn, norm_weight=None, *, norm_eps: float = 1e-6, fuse_grad_acc: bool = True,
+                n_splits: int = 16) -> jax.Array:
   """Upstream ``mhc_pre_norm_fn_ref`` with the TF32 rounding of the merged weight: ``(…, M, H)`` -> ``(…, J)``.
 
   Differentiable by plain autodiff (the rounding has a zero derivative for float32; use float64 inputs to
-  get the exact-math gradients that the hand backward is checked against).
+  get the exact-math gradients that the hand backward is checked against). ``fuse_grad_acc`` and ``n_splits``
+  do not change the math and are ignored.
   """
+  del fuse_grad_acc, n_splits
   if norm_weight is not None:
     fn = fn_normw_merge(fn, norm_weight)
   return pre_norm_fn_fwd(residual, fn, norm_eps=norm_eps).mixes
