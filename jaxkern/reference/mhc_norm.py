@@ -26,12 +26,27 @@ HIGHEST = lax.Precision.HIGHEST
 
 
 def round_to_tf32(x) -> jax.Array:
-  """``tf32_rna`` of a float32 array (spec §4.3.4); other dtypes are returned unchanged."""
+  """``tf32_rna`` of a float32 array (spec §4.3.4); other dtypes are returned unchanged.
+
+  Differentiable as the identity (straight-through): upstream passes the weight gradient through the
+  rounding unchanged (§4.3.3), so ``jax.grad`` of :func:`pre_norm_fn` in float32 gives the same kind of
+  gradient as the op's backward.
+  """
   x = jnp.asarray(x)
   if x.dtype != jnp.float32:
     return x
+  return _tf32(x)
+
+
+@jax.custom_jvp
+def _tf32(x):
   u = lax.bitcast_convert_type(x, jnp.uint32)
   return lax.bitcast_convert_type((u + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000), jnp.float32)
+
+
+@_tf32.defjvp
+def _tf32_jvp(primals, tangents):
+  return _tf32(primals[0]), tangents[0]
 
 
 def fn_normw_merge(fn, normw) -> jax.Array:
@@ -70,8 +85,8 @@ def pre_norm_fn(residual, fn, norm_weight=None, *, norm_eps: float = 1e-6, fuse_
                 n_splits: int = 16) -> jax.Array:
   """Upstream ``mhc_pre_norm_fn_ref`` with the TF32 rounding of the merged weight: ``(…, M, H)`` -> ``(…, J)``.
 
-  Differentiable by plain autodiff (the rounding has a zero derivative for float32; use float64 inputs to
-  get the exact-math gradients that the hand backward is checked against). ``fuse_grad_acc`` and ``n_splits``
+  Differentiable by plain autodiff (the rounding passes gradients unchanged; float64 inputs skip it and give
+  the exact-math gradients that the hand backward is checked against). ``fuse_grad_acc`` and ``n_splits``
   do not change the math and are ignored.
   """
   del fuse_grad_acc, n_splits

@@ -250,3 +250,12 @@ def test_gpu_split_k_correctness(key, t, h):
   x, fn, _, _ = inputs(key, (1, t), h)
   out = jax.jit(functools.partial(mhc.pre_norm_fn, n_splits=16, implementation="pallas"))(x, fn)
   close(out, jax.jit(ref.pre_norm_fn)(x, fn), atol=1e-3, rtol=1e-3)
+
+
+def test_float32_reference_autodiff_passes_fn_gradient_through_rounding(key):
+  x, fn, _, g = inputs(key, (9,), 64)
+  got = jax.grad(lambda f: jnp.sum(ref.pre_norm_fn(x, f) * g))(fn)
+  fwd = ref.pre_norm_fn_fwd(x, fn)
+  want = ref.pre_norm_fn_bwd(g, x, fn, fwd.out_mul, fwd.sqrsum).grad_fn
+  close(got, want, atol=1e-6 * float(jnp.max(jnp.abs(want))), rtol=1e-3)  # want rounds q to TF32
+  assert float(jnp.max(jnp.abs(want))) > 0
