@@ -257,5 +257,5 @@ def test_float32_reference_autodiff_passes_fn_gradient_through_rounding(key):
   got = jax.grad(lambda f: jnp.sum(ref.pre_norm_fn(x, f) * g))(fn)
   fwd = ref.pre_norm_fn_fwd(x, fn)
   want = ref.pre_norm_fn_bwd(g, x, fn, fwd.out_mul, fwd.sqrsum).grad_fn
-  close(got, want, atol=1e-6 * float(jnp.max(jnp.abs(want))), rtol=1e-3)  # want rounds q to TF32
+  close(got, want, atol=2e-3 * float(jnp.max(jnp.abs(want))), rtol=1e-3)  # want rounds q to TF32 (2^-11)
   assert float(jnp.max(jnp.abs(want))) > 0
