@@ -140,3 +140,18 @@ class HeadComputeMixGrads(NamedTuple):
   input_mix_grad: jax.Array  # (..., M) float32
   mhc_scale_grad: jax.Array  # (1,) float32
   mhc_base_grad: jax.Array  # (M,) float32
+
+
+class PreNormFnFwd(NamedTuple):
+  """:func:`jaxkern.mhc.pre_norm_fn_fwd`: the mixing logits and the two sums the backward needs."""
+
+  mixes: jax.Array  # (…, J) float32: out_mul · rsqrt(sqrsum / K + eps)
+  out_mul: jax.Array  # (…, J) float32: vec(R) @ tf32(fn)^T
+  sqrsum: jax.Array  # (…,) float32: Σ vec(R)²
+
+
+class PreNormFnGrads(NamedTuple):
+  """:func:`jaxkern.mhc.pre_norm_fn_bwd`: cotangents of the residual and of the (merged) weight."""
+
+  grad_residual: jax.Array  # (…, M, H), the residual's dtype
+  grad_fn: jax.Array  # (J, K) float32

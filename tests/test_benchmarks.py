@@ -122,3 +122,17 @@ def test_mhc_small_cases_without_gpu(capsys):
   assert run.main(["--ops", MHC_OPS]) == 0
   out = capsys.readouterr().out
   assert "FAILED" not in out and out.count("ok") >= 8
+def test_pre_norm_fn_grid_and_byte_counts():
+  k = 4 * 7168
+  fwd = REGISTRY["pre_norm_fn"].cases()
+  assert len(fwd) == 6 + 12 and fwd[2].label == "T=4096 H=7168"
+  assert fwd[2].nbytes == 2 * 4096 * k + 4 * 24 * k + 4 * 4096 * 24
+  assert REGISTRY["pre_norm_fn_bwd"].cases()[2].nbytes == 4 * 4096 * k + 8 * 24 * k + 8 * 4096 * 24 + 4 * 4096
+  assert len(REGISTRY["pre_norm_fn:fwd+bwd"].cases()) == 6
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the correctness-only pass is the no-GPU path")
+def test_pre_norm_fn_small_cases_without_gpu(capsys):
+  assert run.main(["--ops", "pre_norm_fn,pre_norm_fn_bwd,pre_norm_fn:fwd+bwd"]) == 0
+  out = capsys.readouterr().out
+  assert "FAILED" not in out and out.count("ok") >= 4
