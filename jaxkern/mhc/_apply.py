@@ -15,6 +15,13 @@ from jaxkern.types import PreApplyMixGrads
 MAX_M = 8
 
 
+
+# "auto" runs XLA (H100, 2026-11-26, runner with CUPTI, 8 shapes T 4096/8192 x H 1280-7168): the forward kernel
+# ran at 0.93-0.98x XLA and differed from the reference on 2 of the 8 shapes (T=4096 H=7168, T=8192 H=2560);
+# the backward kernel at 0.83-0.96x XLA.
+_FWD_UNVERIFIED = "kernel 0.93-0.98x XLA and wrong on 2 of 8 shapes on an H100 (2026-11-26)"
+_BWD_SLOWER = "kernel 0.83-0.96x XLA on an H100 (2026-11-26)"
+
 def _unsupported(x, mix, others=()):
   if x.dtype != jnp.bfloat16 or mix.dtype != jnp.float32 or any(a.dtype != jnp.bfloat16 for a in others):
     return "the kernels take bfloat16 streams / gradients and a float32 mix"
@@ -78,7 +85,7 @@ def pre_apply_mix_bwd(o_grad, x, mix, x_grad_acc=None, *, implementation: str | 
 
   return _dispatch.run("pre_apply_mix_bwd", implementation, kernel=kernel,
                        xla=lambda: ref.pre_apply_mix_bwd(og, x, mix, x_grad_acc), empty=t == 0,
-                       unsupported=_unsupported(x, mix, others))
+                       unsupported=_unsupported(x, mix, others), xla_faster=_BWD_SLOWER)
 
 
 def _fwd_op(x, mix, implementation):
@@ -90,7 +97,7 @@ def _fwd_op(x, mix, implementation):
     return out.reshape(*lead, h)
 
   return _dispatch.run("pre_apply_mix", implementation, kernel=kernel, xla=lambda: ref.pre_apply_mix(x, mix),
-                       empty=t == 0, unsupported=_unsupported(x, mix))
+                       empty=t == 0, unsupported=_unsupported(x, mix), xla_faster=_FWD_UNVERIFIED)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
