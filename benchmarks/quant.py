@@ -21,6 +21,7 @@ inputs whose ops fall back to the jnp reference (fewer rows than one register la
 of e2m1 data with (bm, 1) blocks) are outside these grids.
 """
 
+import functools
 import itertools
 
 import jax
@@ -285,17 +286,24 @@ register(BenchOp(
     lambda: [_e5m6_back_case(37, 576, "bf16", "packed"), _e5m6_back_case(20, 128, "fp32", "round")]))
 
 
-def _swiglu_case(send_tokens, num_topk, experts, ranks, h, with_mapping, clamp):
-  """Upstream's SwiGLU benchmark input: ``expand_to_fused`` of a bf16 ``randn`` ``(T, 2h)`` over the fused
-  mapping of the MoE config (alignment 16, padding rows zero); ``pos_to_expert`` passed or not; flags T, T, T,
-  so npc 128 and no weights. Bytes: x, out, the logical packed sf (mappings not counted, quant.md §11)."""
+@functools.lru_cache(maxsize=None)
+def _moe_mapping(send_tokens, num_topk, experts, ranks, alignment):
+  """``(topk_idx, expanded rows, get_fused_mapping(...))`` of an upstream MoE benchmark config, computed once per
+  config (the SwiGLU grids repeat each config over hidden sizes and flags)."""
   from jaxkern.reference import moe as moe_ref
   from jaxkern.testing import moe_topk_idx
 
   idx = moe_topk_idx(jax.random.key(0), send_tokens, num_topk, experts, ranks)
   counts = [int((idx == e).sum()) for e in range(experts)]
-  n = sum(-(-c // 16) * 16 for c in counts)
-  mapping = moe_ref.get_fused_mapping(jnp.asarray(idx), experts, n, 16)
+  n = sum(-(-c // alignment) * alignment for c in counts)
+  return idx, n, moe_ref.get_fused_mapping(jnp.asarray(idx), experts, n, alignment)
+
+
+def _swiglu_case(send_tokens, num_topk, experts, ranks, h, with_mapping, clamp):
+  """Upstream's SwiGLU benchmark input: ``expand_to_fused`` of a bf16 ``randn`` ``(T, 2h)`` over the fused
+  mapping of the MoE config (alignment 16, padding rows zero); ``pos_to_expert`` passed or not; flags T, T, T,
+  so npc 128 and no weights. Bytes: x, out, the logical packed sf (mappings not counted, quant.md §11)."""
+  idx, n, mapping = _moe_mapping(send_tokens, num_topk, experts, ranks, 16)
   pos_to_token, pos_to_expert = (np.asarray(a) for a in (mapping.pos_to_token, mapping.pos_to_expert))
   nbytes = n * 2 * h * 2 + n * h + n * (-(-h // 512)) * 4
   label = f"E={experts}x{ranks} K{num_topk} N={n} h={h}{' pte' if with_mapping else ''} clamp={clamp}"
@@ -350,14 +358,8 @@ def _swiglu_backward_case(send_tokens, num_topk, experts, ranks, h, npc, clamp):
   over the fused mapping of the MoE config (alignment ``npc``), a bf16 ``randn`` gradient, ``uniform [0, 1)`` top-k
   weights; ``round_sf=True``. Bytes (quant.md §11): x data and sf, grad_out, weights, both mappings, out, x_grad_q,
   x_grad_sf, x_grad, weight_grad."""
-  from jaxkern.reference import moe as moe_ref
-  from jaxkern.testing import moe_topk_idx
-
-  idx = moe_topk_idx(jax.random.key(0), send_tokens, num_topk, experts, ranks)
+  idx, n, mapping = _moe_mapping(send_tokens, num_topk, experts, ranks, npc)
   t = idx.shape[0]
-  counts = [int((idx == e).sum()) for e in range(experts)]
-  n = sum(-(-c // npc) * npc for c in counts)
-  mapping = moe_ref.get_fused_mapping(jnp.asarray(idx), experts, n, npc)
   pos_to_token = np.asarray(mapping.pos_to_token)
   sf_bytes = n * 2 * h // npc * 4
   nbytes = (n * 2 * h + sf_bytes + n * h * 2 + t * num_topk * 4 + n * 4 + t * num_topk * 4  # inputs
