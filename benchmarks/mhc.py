@@ -66,9 +66,15 @@ register(BenchOp("expand_to_mhc_bwd", mhc.expand_to_mhc_bwd, ref.expand_to_mhc_b
 # pre_apply_mix -------------------------------------------------------------------------------
 
 def _apply(t, h):
+  # The spec's test data (engram_mhc.md §6.2: x = sigmoid(randn) bf16, mix = softmax over M), for which its
+  # tolerance (atol 1e-2, rtol 1e-3) is made: with x ~ N(0, 1) (until 2026-11-26) |out| reaches 4, where one
+  # bf16 ulp (2^-6 at |out| >= 2) exceeds atol 1e-2, and the kernel's FMA-contracted sums (GPU compiler)
+  # round to the other bf16 neighbour of XLA's unfused sums on ~1e-4 of the outputs: "wrong" on 2 of 8 shapes
+  # on the H100 by chance. tests/mhc/test_gpu_regressions.py bounds that difference by one ulp on N(0, 1) data.
   def make(key):
     k1, k2 = jax.random.split(key)
-    return _streams(k1, t, h)[0], jax.nn.softmax(_mixes(k2, t)[0], axis=-2)
+    x = jax.nn.sigmoid(jax.random.normal(k1, (t, M, h))).astype(jnp.bfloat16)
+    return x, jax.nn.softmax(_mixes(k2, t)[0], axis=-2)
   return _case(t, h, 2 * t * M * h + 4 * t * M + 2 * t * h, make)
 
 

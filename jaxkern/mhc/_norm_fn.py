@@ -16,8 +16,9 @@ Kernels (Mosaic GPU, ``BT = 64`` tokens per tile, ``KB = 64`` columns per step):
   ``C · K/64`` fills the GPU (``C = 1`` for ``K >= 8448``).
 
 Why bf16 wgmma and not tf32: the spec's products are exact (``x`` is bf16, ``fn_r`` = ``tf32_rna(fn)`` has 11
-significant bits). ``fn_r = hi + lo`` with ``hi = bf16(fn_r)`` and ``lo = fn_r - hi`` is an exact split into
-two bfloat16 values (``lo`` has at most 3 significant bits), so ``x·fn_r = x·hi + x·lo`` with both products exact
+significant bits). ``fn_r = hi + lo`` with ``hi`` = ``fn_r`` truncated to bf16 and ``lo = fn_r - hi`` is an exact
+split into two bfloat16 values (``lo`` has at most 3 significant bits; :func:`split_bf16`, made with integer
+bit operations because XLA:GPU removes an ``f32 -> bf16 -> f32`` round trip), so ``x·fn_r = x·hi + x·lo`` with both products exact
 in the float32 accumulator: the same numbers as the TF32 MMA up to float32 summation order (what the spec's
 1e-3 tolerance allows), while the residual tile stays bf16 in SMEM (no float32 conversion pass, half the SMEM
 bytes of a tf32 operand, and bf16 wgmma runs at twice the tf32 rate). The backward's ``q = tf32(G·ρ)`` is
@@ -60,13 +61,27 @@ WG = plgpu.Layout.WGMMA
 # "auto" runs XLA: on an H100 (2026-11-26, runner with CUPTI) the forward kernel's results differed from the
 # reference beyond the benchmark's tolerance (rtol 1e-3 of the largest value) on every benchmark shape, while
 # the backward kernel and value_and_grad matched; to be found before "auto" takes the kernel again.
+# Cause found (mhc-fix): XLA:GPU removed the f32 -> bf16 -> f32 round trip of split_bf16, so fn's low part was
+# 0 on the GPU; fixed with an integer split, to be confirmed by tests/mhc/test_gpu_regressions.py.
 _KERNEL_UNVERIFIED = "forward kernel wrong on an H100 (2026-11-26): under investigation"
 
 def split_bf16(v):
-  """float32 ``v`` (TF32-representable) -> ``(hi, lo)`` bfloat16 with ``hi + lo == v`` exactly."""
-  hi = v.astype(jnp.bfloat16)
-  lo = (v - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-  return hi, lo
+  """float32 ``v`` (TF32-representable) -> ``(hi, lo)`` bfloat16 with ``hi + lo == v`` exactly.
+
+  ``hi`` is ``v`` truncated to bfloat16 by clearing the low 16 bits (integer ops), ``lo = v - hi`` the
+  remaining (at most 3) significant bits of the TF32 value; both float32 -> bfloat16 conversions are exact.
+
+  Fixed bug (wrong forward on the H100, 2026-11-26): this was ``hi = bf16(v)``,
+  ``lo = bf16(v - f32(hi))``. XLA:GPU (``xla_allow_excess_precision``, on by default) removes the
+  ``f32 -> bf16 -> f32`` round trip inside one jit (openxla/xla#41605; XLA:CPU keeps it), so on the GPU
+  ``lo`` was ``bf16(v - v) = 0`` and the kernels multiplied by ``bf16(fn_r)`` alone: relative errors up to
+  2^-9 per product, about 1e-3 of the mixes, beyond the forward's 1e-3 check but inside the backward's
+  2e-2 (so only the forward benchmark failed). Interpret mode on CPU could not show it. The split is
+  now made with integer bit operations, which no floating-point simplification can remove.
+  """
+  v = jnp.asarray(v, jnp.float32)
+  hi32 = lax.bitcast_convert_type(lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32)
+  return hi32.astype(jnp.bfloat16), (v - hi32).astype(jnp.bfloat16)
 
 
 def num_splits(t: int, k: int, n_splits: int, sms: int) -> int:

@@ -259,3 +259,70 @@ def test_float32_reference_autodiff_passes_fn_gradient_through_rounding(key):
   want = ref.pre_norm_fn_bwd(g, x, fn, fwd.out_mul, fwd.sqrsum).grad_fn
   close(got, want, atol=2e-3 * float(jnp.max(jnp.abs(want))), rtol=1e-3)  # want rounds q to TF32 (2^-11)
   assert float(jnp.max(jnp.abs(want))) > 0
+
+
+# ---------------------------------------------------------------------------------------------- XLA:GPU round trips
+
+_WALK = ("pjit", "jit", "closed_call", "custom_jvp_call", "custom_vjp_call", "remat", "checkpoint")
+
+
+def narrowing_round_trips(jaxpr):
+  """``convert_element_type`` chains ``wide float -> narrower float -> wide float`` in the XLA code of a jaxpr
+  (nested jit / custom_jvp / custom_vjp jaxprs included, kernel bodies not): XLA:GPU removes such a round
+  trip (``xla_allow_excess_precision``, openxla/xla#41605) while XLA:CPU keeps it, so code that relies on it
+  is right in CPU tests and wrong on the GPU."""
+  found, narrowed = [], {}
+
+  def walk(jx):
+    for e in jx.eqns:
+      if e.primitive.name == "convert_element_type":
+        src, dst = e.invars[0], e.outvars[0]
+        sd, dd = getattr(src.aval, "dtype", None), dst.aval.dtype
+        if sd is not None and jnp.issubdtype(sd, jnp.floating) and jnp.issubdtype(dd, jnp.floating):
+          if jnp.finfo(dd).bits < jnp.finfo(sd).bits:
+            narrowed[dst] = sd
+          elif src in narrowed and jnp.finfo(dd).bits > jnp.finfo(sd).bits:
+            found.append(f"{narrowed[src]} -> {sd} -> {dd}")
+      if e.primitive.name in _WALK:
+        for p in e.params.values():
+          inner = getattr(p, "jaxpr", p)
+          if hasattr(inner, "eqns"):
+            walk(inner)
+
+  walk(jaxpr.jaxpr)
+  return found
+
+
+def test_narrowing_round_trip_detector_flags_the_old_split():
+  def old_split(v):  # the split that lost `lo` on the H100 (2026-11-26)
+    hi = v.astype(jnp.bfloat16)
+    return hi, (v - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+  v = jnp.zeros((4, 8), jnp.float32)
+  assert narrowing_round_trips(jax.make_jaxpr(jax.jit(old_split))(v)) == ["float32 -> bfloat16 -> float32"]
+  assert narrowing_round_trips(jax.make_jaxpr(_norm_fn.split_bf16)(v)) == []
+
+
+def test_split_bf16_is_exact_without_float_round_trips():
+  """``hi + lo == v`` for TF32 values over the whole exponent range, ``hi`` = ``v`` truncated to bf16."""
+  rng = np.random.default_rng(1)
+  v = rng.standard_normal(20000).astype(np.float32) * np.float32(10.0) ** rng.integers(-30, 30, 20000)
+  v = np_tf32(np.concatenate([v, np.float32([0, -0.0, 1, -1, 1 + 2**-10, 3 * 2**-10, 65504, -1e-30])]))
+  hi, lo = jax.jit(_norm_fn.split_bf16)(jnp.asarray(v))
+  assert hi.dtype == lo.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(hi, np.float64) + np.asarray(lo, np.float64), v.astype(np.float64))
+  np.testing.assert_array_equal(np.asarray(hi, np.float32).view(np.uint32), v.view(np.uint32) & 0xFFFF0000)
+  assert np.count_nonzero(np.asarray(lo, np.float32)) > 10000  # the low part is really there
+
+
+def test_xla_code_of_the_kernel_paths_has_no_float_round_trips(key):
+  """The XLA code around the pre_norm_fn kernels (hi/lo splits, partial sums) must not depend on a
+  ``float32 -> bfloat16 -> float32`` round trip: the H100 forward was wrong because XLA:GPU removed one."""
+  x, fn, _, g = inputs(key, (70,), 64)
+  fwd = jax.make_jaxpr(functools.partial(mhc.pre_norm_fn_fwd, implementation="interpret"))(x, fn)
+  saved = ref.pre_norm_fn_fwd(x, fn)
+  bwd = jax.make_jaxpr(functools.partial(mhc.pre_norm_fn_bwd, implementation="interpret"))(
+      g, x, fn, saved.out_mul, saved.sqrsum)
+  vg = jax.make_jaxpr(jax.value_and_grad(
+      lambda x, fn: jnp.sum(mhc.pre_norm_fn(x, fn, implementation="interpret") * g), argnums=(0, 1)))(x, fn)
+  assert narrowing_round_trips(fwd) == [] and narrowing_round_trips(bwd) == [] and narrowing_round_trips(vg) == []
