@@ -4,18 +4,21 @@ except multilayer_recompute) plus the issue-20 target shape T = 8192, H = 7168, 
 Byte counts: every input read and output written once (``count_bytes``), ``T`` tokens, ``M`` streams, bf16
 streams / hidden rows and float32 mixes, e.g. ``post``: ``x 2TH + residual 2TMH + post 4TM + comb 4TM² + out
 2TMH`` (the spec's ``io_post``, §6.4). Checks use the spec's tolerances (§6.2); the expand forward is bitwise.
-``pre_split_mixes`` and ``head_compute_mix`` are XLA code (no kernel), so they have no rows.
+``pre_split_mixes`` and ``head_compute_mix`` are XLA code (no kernel), so they have no rows. ``pre_big_fuse`` and
+``mhc_pre->mhc_post:fwd+bwd`` (end of the module) say their own shapes and byte counts.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.registry import BenchOp, Case, bitwise_check, register
-from jaxkern import mhc
-from jaxkern.reference import mhc as ref
+from jaxkern import mhc, modeling
+from jaxkern.reference import mhc as ref, mhc_norm as ref_norm
 
 M = 4
 SHAPES = [(t, h) for t in (4096, 8192) for h in (1280, 2560, 4096, 7168)]
@@ -143,3 +146,99 @@ register(BenchOp("sinkhorn_normalize", mhc.sinkhorn_normalize, ref.sinkhorn_norm
 register(BenchOp("sinkhorn_normalize_bwd", mhc.sinkhorn_normalize_bwd, ref.sinkhorn_normalize_bwd,
                  lambda: [_sinkhorn(t, True) for t in SINKHORN_TOKENS], lambda: [_sinkhorn(5, True)],
                  check=tol_check(1.3e-6, 1e-5)))
+
+
+# pre_big_fuse (§4.9) -------------------------------------------------------------------------
+# Shapes: upstream's test grid T ∈ {512, 1024, 2048, 8192} × H ∈ {1280, 2560, 4096} plus the issue-20 target
+# T = 8192, H = 7168 (M = 4, J = 24, K = 4H; no norm weight, all eps 1e-6, post_mult_value 1, repeat 10).
+# Bytes (count_bytes: each array once): residual 2TK + fn 4JK + scale 12 + base 4J + post_mix 4TM + comb_mix 4TM²
+# + layer_input 2TH. First version: the composition of the unfused ops (the residual is read twice, by the GEMM
+# and by pre_apply_mix), so it cannot reach copy speed by this count; the issue's target is >= 80% of copy at
+# T = 8192, H = 7168 for a fused kernel. The XLA column times the composed jnp reference.
+
+J = M * (M + 2)
+BIG_FUSE_SHAPES = [(t, h) for t in (512, 1024, 2048, 8192) for h in (1280, 2560, 4096)] + [(8192, 7168)]
+BIG_FUSE_OPTS = dict(rms_eps=1e-6, mhc_pre_eps=1e-6, mhc_sinkhorn_eps=1e-6, mhc_post_mult_value=1.0, sinkhorn_repeat=10)
+
+
+def _fuse_args(key, t, h):
+  ks = jax.random.split(key, 4)
+  r = (jax.random.normal(ks[0], (t, M, h)) * (1 + 0.01 * jnp.arange(M))[:, None]).astype(jnp.bfloat16)
+  fn = jax.random.normal(ks[1], (J, M * h)) * 1e-4 * (1 + 0.01 * jnp.repeat(jnp.arange(M), h))[None, :]
+  return r, fn, jax.random.normal(ks[2], (3,)) * 0.1, jax.random.normal(ks[3], (J,)) * 0.1
+
+
+def _fuse_bytes(t, h):
+  k = M * h
+  return 2 * t * k + 4 * J * k + 12 + 4 * J + 4 * t * M + 4 * t * M * M + 2 * t * h
+
+
+def _fuse_case(t, h):
+  return Case(f"T={t} H={h}", lambda key: _fuse_args(key, t, h), _fuse_bytes(t, h), BIG_FUSE_OPTS)
+
+
+def _big_fuse(r, fn, scale, base, **kw):
+  return jax.jit(functools.partial(mhc.pre_big_fuse, **kw))(r, fn, scale, base)
+
+
+def _fuse_check(out, expected):
+  tol_check(1e-3, 1e-3)(out[:2], expected[:2])  # mixes: pre_norm_fn's tolerance carried through (spec §6.2)
+  tol_check(1.6e-2, 1e-2)(out[2], expected[2])
+
+
+register(BenchOp("pre_big_fuse", _big_fuse, ref.pre_big_fuse, lambda: [_fuse_case(t, h) for t, h in BIG_FUSE_SHAPES],
+                 lambda: [_fuse_case(5, 1024), _fuse_case(70, 64)], check=_fuse_check))
+
+
+# mhc_pre -> mhc_post: forward + backward (§4.12) ---------------------------------------------
+# jax.value_and_grad (w.r.t. residual, fn, scale, base) of sum(mhc_post(layer_input, R, post, comb) · G) with
+# (layer_input, (post, comb)) = mhc_pre(R, fn, scale, base) (the sublayer is the identity), against the same of the
+# jnp reference composition compiled by XLA. Bytes: the I/O of an ideal fused forward + backward: R read by the
+# forward and the backward (2·2TK), the output written and its cotangent read (2·2TK), the residual gradient
+# written (2TK), fn read and its gradient written (2·4JK) = 10TK + 8JK (the small mixes are not counted).
+# Shapes: T ∈ {4096, 8192} × H ∈ {2560, 7168}.
+
+def _pair_loss(pre_fn, post_fn, r, fn, scale, base, g):
+  x, (post_mix, comb) = pre_fn(r, fn, scale, base)
+  return jnp.sum(post_fn(x, r, post_mix, comb).astype(jnp.float32) * g)
+
+
+def _pair(r, fn, scale, base, g, **kw):
+  pre = functools.partial(modeling.mhc_pre, **kw)
+  post_fn = functools.partial(modeling.mhc_post, **kw)
+  return jax.jit(jax.value_and_grad(functools.partial(_pair_loss, pre, post_fn), argnums=(0, 1, 2, 3)))(
+      r, fn, scale, base, g)
+
+
+def _ref_pre(r, fn, scale, base):
+  mixes = ref_norm.pre_norm_fn(r, fn)
+  pre, post_mix, comb = ref.pre_split_mixes(mixes, scale, base, mhc_mult=M)
+  return ref.pre_apply_mix(r, pre), (post_mix, ref.sinkhorn_normalize(comb))
+
+
+def _pair_ref(r, fn, scale, base, g):
+  return jax.value_and_grad(functools.partial(_pair_loss, _ref_pre, ref.post), argnums=(0, 1, 2, 3))(
+      r, fn, scale, base, g)
+
+
+def _pair_case(t, h):
+  def make(key):
+    k1, k2 = jax.random.split(key)
+    r, fn, scale, base = _fuse_args(k1, t, h)
+    return r, fn * 100, scale, base, jax.random.normal(k2, (t, M, h))
+  return Case(f"T={t} H={h}", make, 10 * t * M * h + 8 * J * M * h)
+
+
+def _pair_check(out, expected):
+  value, grads = out
+  want_value, want_grads = expected
+  np.testing.assert_allclose(float(value), float(want_value), rtol=1e-2, atol=1e-2 * np.sqrt(np.size(grads[0])))
+  for a, b in zip(grads, want_grads, strict=True):  # bf16 / pre_norm_fn tolerances, relative to each gradient's scale
+    assert a.shape == b.shape and a.dtype == b.dtype
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    np.testing.assert_allclose(a, b, rtol=3e-2, atol=3e-2 * max(float(np.max(np.abs(b), initial=0.0)), 1e-30))
+
+
+register(BenchOp("mhc_pre->mhc_post:fwd+bwd", _pair, _pair_ref,
+                 lambda: [_pair_case(t, h) for t in (4096, 8192) for h in (2560, 7168)],
+                 lambda: [_pair_case(3, 1024), _pair_case(9, 64)], check=_pair_check))

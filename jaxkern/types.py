@@ -155,3 +155,18 @@ class PreNormFnGrads(NamedTuple):
 
   grad_residual: jax.Array  # (…, M, H), the residual's dtype
   grad_fn: jax.Array  # (J, K) float32
+
+
+class PreBigFuse(NamedTuple):
+  """:func:`jaxkern.mhc.pre_big_fuse` (upstream's output order)."""
+
+  post_mix: jax.Array  # (…, M, 1) float32: σ(a_post)·post_mult_value
+  comb_mix: jax.Array  # (…, M, M) float32: after Sinkhorn
+  layer_input: jax.Array  # (…, H), the residual's dtype: Σ_m pre[m]·R[m]
+
+
+class MultilayerRecompute(NamedTuple):
+  """:func:`jaxkern.mhc.multilayer_recompute`: the rebuilt sublayer inputs and residuals."""
+
+  layer_input_list: tuple  # L arrays (…, H), the residual's dtype
+  residual_list: tuple  # Lp arrays (…, M, H), the residual's dtype: R_1 .. R_Lp

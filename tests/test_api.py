@@ -4,24 +4,29 @@ keyword-only flags, return annotations, references independent of the kernels.""
 import ast
 import inspect
 import pathlib
+import types
 
 import pytest
 
 import jaxkern
-from jaxkern import engram, moe, quant, reference, transpose
+from jaxkern import engram, mhc, moe, quant, reference, transpose
+from jaxkern.reference import mhc_norm
 
-AREAS = {"engram": (engram, reference.engram), "moe": (moe, reference.moe), "quant": (quant, reference.quant),
-         "transpose": (transpose, reference.transpose)}
+# jaxkern.mhc's references live in two modules: reference.mhc and (the RMS-normalised projection) reference.mhc_norm.
+MHC_REFERENCES = types.SimpleNamespace(**{n: getattr(m, n) for m in (reference.mhc, mhc_norm) for n in dir(m)
+                                          if not n.startswith("_")})
+AREAS = {"engram": (engram, reference.engram), "mhc": (mhc, MHC_REFERENCES), "moe": (moe, reference.moe),
+         "quant": (quant, reference.quant), "transpose": (transpose, reference.transpose)}
 # Public utilities that are not ops (no kernel, no implementation switch).
 NOT_OPS = {"sf_logical", "sf_to_float", "split_multipliers"}
 # Flags whose upstream default is True (kept: the spec's signature).
-TRUE_FLAGS = {("engram_gate_fwd", "save_for_backward")}
+TRUE_FLAGS = {("engram_gate_fwd", "save_for_backward"), ("pre_norm_fn", "fuse_grad_acc")}
 OPS = [(area, name) for area, (mod, _) in AREAS.items() for name in mod.__all__
        if callable(getattr(mod, name)) and not isinstance(getattr(mod, name), type) and name not in NOT_OPS]
 
 
 def test_every_area_has_ops():
-  assert {area for area, _ in OPS} == set(AREAS) and len(OPS) == 38
+  assert {area for area, _ in OPS} == set(AREAS) and len(OPS) == 38 + 19
 
 
 @pytest.mark.parametrize("area, name", OPS, ids=lambda v: v)

@@ -253,3 +253,97 @@ def test_topk_group_idx_gradient_is_the_one_hot_mask(key, implementation, num_to
   group_scores = jnp.sum(jax.lax.top_k(scores, num_topk_sum)[0], axis=2)
   want = _one_hot(scores.shape, jnp.arange(8), jax.lax.top_k(group_scores, 2)[1])
   assert_bitwise_equal(jax.grad(picked_groups_sum)(scores), want)
+
+
+# ---------------------------------------------------------------------------------------------- mHC
+# The backward passes and building blocks of jaxkern.mhc raise NotDifferentiableError (their forward ops are
+# custom_vjps; pre_big_fuse is the inference path of jaxkern.modeling.mhc_pre, multilayer_recompute the
+# checkpoint recompute of pre_apply_mix / post).
+
+from jaxkern import mhc  # noqa: E402
+
+T_MHC, M_MHC, H_MHC = 3, 4, 64
+J_MHC = M_MHC * (M_MHC + 2)
+
+
+def _mhc_arrays(key, *shapes):
+  """Random arrays; shapes given as (shape, dtype)."""
+  ks = jax.random.split(key, len(shapes))
+  return tuple(jax.random.normal(k, s).astype(d) for k, (s, d) in zip(ks, shapes))
+
+
+BF, F32 = jnp.bfloat16, jnp.float32
+_R = ((T_MHC, M_MHC, H_MHC), BF)
+_X = ((T_MHC, H_MHC), BF)
+_MIX = ((T_MHC, M_MHC, 1), F32)
+_COMB = ((T_MHC, M_MHC, M_MHC), F32)
+_FN = ((J_MHC, M_MHC * H_MHC), F32)
+
+
+def _norm_bwd_inputs(key):
+  r, fn, g = _mhc_arrays(key, _R, _FN, ((T_MHC, J_MHC), F32))
+  saved = jax.lax.stop_gradient(mhc.pre_norm_fn_fwd(r, fn, implementation="reference"))
+  return g, r, fn, saved.out_mul, saved.sqrsum
+
+
+MHC_CASES = {
+    "expand_to_mhc_bwd": Case("expand_to_mhc_bwd", lambda key: _mhc_arrays(key, _R), mhc.expand_to_mhc_bwd),
+    "pre_apply_mix_bwd": Case("pre_apply_mix_bwd", lambda key: _mhc_arrays(key, _X, _R, _MIX, _R),
+                              mhc.pre_apply_mix_bwd),
+    "post_bwd": Case("post_bwd", lambda key: _mhc_arrays(key, _R, _X, _R, _MIX, _COMB), mhc.post_bwd),
+    "sinkhorn_normalize_bwd": Case("sinkhorn_normalize_bwd", lambda key: _mhc_arrays(key, _COMB, _COMB),
+                                   mhc.sinkhorn_normalize_bwd),
+    "pre_split_mixes_bwd": Case(
+        "pre_split_mixes_bwd",
+        lambda key: _mhc_arrays(key, _MIX, _MIX, _COMB, ((T_MHC, J_MHC), F32), _MIX, ((3,), F32), ((J_MHC,), F32)),
+        functools.partial(mhc.pre_split_mixes_bwd, mhc_mult=M_MHC, mhc_post_mult_value=1.0)),
+    "head_compute_mix_bwd": Case(
+        "head_compute_mix_bwd",
+        lambda key: _mhc_arrays(key, ((T_MHC, M_MHC), F32), ((T_MHC, M_MHC), F32), ((1,), F32), ((M_MHC,), F32)),
+        mhc.head_compute_mix_bwd),
+    "pre_norm_fn_fwd": Case("pre_norm_fn_fwd", lambda key: _mhc_arrays(key, _R, _FN), mhc.pre_norm_fn_fwd),
+    "pre_norm_fn_bwd": Case("pre_norm_fn_bwd", _norm_bwd_inputs, mhc.pre_norm_fn_bwd),
+    "pre_big_fuse": Case("pre_big_fuse", lambda key: _mhc_arrays(key, _R, _FN, ((3,), F32), ((J_MHC,), F32)),
+                         mhc.pre_big_fuse),
+    "multilayer_recompute": Case(
+        "multilayer_recompute", lambda key: _mhc_arrays(key, _R, _MIX, _MIX, _X, _MIX, _COMB),
+        lambda r, p0, p1, y, post, comb: mhc.multilayer_recompute(r, [p0, p1], [y], [post], [comb])),
+}
+
+
+def test_every_non_differentiable_mhc_op_has_a_case():
+  """The other jaxkern.mhc ops are custom_vjps (or plain jnp: fn_normw_merge, round_to_tf32)."""
+  differentiable = {"expand_to_mhc", "pre_apply_mix", "post", "sinkhorn_normalize", "pre_split_mixes",
+                    "head_compute_mix", "pre_norm_fn", "fn_normw_merge", "round_to_tf32"}
+  assert {case.op for case in MHC_CASES.values()} == set(mhc.__all__) - differentiable
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla"])
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("case", MHC_CASES)
+def test_mhc_op_raises_under_differentiation(key, case, transform, implementation):
+  case = MHC_CASES[case]
+  inputs = case.inputs(key)
+  for i in _floating(inputs):
+    with jaxkern.use_implementation(implementation), pytest.raises(
+        jaxkern.NotDifferentiableError, match=rf"^jaxkern op '{case.op}' is not differentiable: "):
+      TRANSFORMS[transform](_of_one(case, inputs, i), inputs[i])
+
+
+@pytest.mark.parametrize("case", MHC_CASES)
+def test_mhc_op_on_stopped_gradient_inputs(key, case):
+  case = MHC_CASES[case]
+  inputs = case.inputs(key)
+  floating = _floating(inputs)
+
+  def loss(*xs):
+    with jaxkern.use_implementation("xla"):
+      out = case.call(*map(jax.lax.stop_gradient, xs))
+    return 2 * sum(jnp.sum(xs[i].astype(jnp.float32)) for i in floating) + _total(out), out
+
+  grads, out = jax.jit(jax.grad(loss, argnums=floating, has_aux=True))(*inputs)
+  with jaxkern.use_implementation("xla"):
+    want = jax.jit(case.call)(*inputs)
+  assert_bitwise_equal(out, want)
+  for i, g in zip(floating, grads):
+    assert_bitwise_equal(g, jnp.full_like(inputs[i], 2))

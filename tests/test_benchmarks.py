@@ -136,3 +136,19 @@ def test_pre_norm_fn_small_cases_without_gpu(capsys):
   assert run.main(["--ops", "pre_norm_fn,pre_norm_fn_bwd,pre_norm_fn:fwd+bwd"]) == 0
   out = capsys.readouterr().out
   assert "FAILED" not in out and out.count("ok") >= 4
+
+
+def test_mhc_fused_grid_and_byte_counts():
+  fuse = REGISTRY["pre_big_fuse"].cases()
+  assert len(fuse) == 4 * 3 + 1 and fuse[-1].label == "T=8192 H=7168"
+  t, h, m, j = 8192, 7168, 4, 24
+  assert fuse[-1].nbytes == 2 * t * m * h + 4 * j * m * h + 12 + 4 * j + 4 * t * m + 4 * t * m * m + 2 * t * h
+  pair = REGISTRY["mhc_pre->mhc_post:fwd+bwd"].cases()
+  assert len(pair) == 4 and pair[-1].nbytes == 10 * t * m * h + 8 * j * m * h
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the correctness-only pass is the no-GPU path")
+def test_mhc_fused_small_cases_without_gpu(capsys):
+  assert run.main(["--ops", "pre_big_fuse,mhc_pre->mhc_post:fwd+bwd"]) == 0
+  out = capsys.readouterr().out
+  assert "FAILED" not in out and out.count("ok") >= 4

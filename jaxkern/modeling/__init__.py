@@ -2,6 +2,7 @@
 
 from jaxkern.modeling.engram import engram_gate
 from jaxkern.modeling._swiglu import swiglu
+from jaxkern.modeling.mhc import expand_from_embedding, mhc_block, mhc_head, mhc_post, mhc_pre
 from jaxkern.modeling.moe import (MoeConfig, MoeParams, apply_experts, apply_experts_dense, balance_router_bias,
                                   init_moe_params, moe_layer, moe_layer_dense, route_tokens, swiglu_experts)
 
@@ -11,8 +12,13 @@ __all__ = [
     "apply_experts",
     "apply_experts_dense",
     "engram_gate",
+    "expand_from_embedding",
     "balance_router_bias",
     "init_moe_params",
+    "mhc_block",
+    "mhc_head",
+    "mhc_post",
+    "mhc_pre",
     "moe_layer",
     "moe_layer_dense",
     "route_tokens",

@@ -12,7 +12,8 @@ matmul precision, spec §9.7) is involved. Backward formulas (``*_bwd``) are the
 (not autodiff); the tests check them against ``jax.grad`` of the forward references in float64.
 
 The RMS-normalised projection (``pre_norm_fn``, ``fn_normw_merge``) lives in
-:mod:`jaxkern.reference.mhc_norm`.
+:mod:`jaxkern.reference.mhc_norm`. The fused inference path (``pre_big_fuse``, §4.9) and the multilayer
+recompute (§4.10) are written here as the compositions that define them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkern.types import HeadComputeMixGrads, PostGrads, PreApplyMixGrads, PreSplitMixes, PreSplitMixesGrads
+from jaxkern.reference import mhc_norm
+from jaxkern.types import (HeadComputeMixGrads, MultilayerRecompute, PostGrads, PreApplyMixGrads, PreBigFuse,
+                           PreSplitMixes, PreSplitMixesGrads)
 
 
 def _wide(*arrays):
@@ -211,3 +214,41 @@ def head_compute_mix_bwd(output_mix_grad, input_mix, mhc_scale, mhc_base) -> Hea
   dz = go * s * (1 - s)
   flat_dz, flat_z = dz.reshape(-1, dz.shape[-1]), z.reshape(-1, z.shape[-1])
   return HeadComputeMixGrads(dz * scale[0], jnp.sum(flat_dz * flat_z).reshape(1), jnp.sum(flat_dz, axis=0))
+
+
+# ----------------------------------------------------------------------------------------------
+# M9 fused inference path (§4.9)
+
+def pre_big_fuse(residual, fn, mhc_scale, mhc_base, norm_weight=None, *, rms_eps: float = 1e-6,
+                 mhc_pre_eps: float = 1e-6, mhc_sinkhorn_eps: float = 1e-6, mhc_post_mult_value: float = 1.0,
+                 sinkhorn_repeat: int = 10, n_splits: int = 16) -> PreBigFuse:
+  """``pre_norm_fn`` (``norm_weight`` merged into ``fn`` if given, spec §8.3) -> ``pre_split_mixes`` ->
+  ``sinkhorn_normalize`` of the comb logits -> ``pre_apply_mix`` with the pre mix, as
+  ``PreBigFuse(post_mix (…, M, 1), comb_mix (…, M, M), layer_input (…, H))``. ``n_splits`` is ignored."""
+  del n_splits
+  residual = jnp.asarray(residual)
+  m = residual.shape[-2]
+  mixes = mhc_norm.pre_norm_fn(residual, fn, norm_weight, norm_eps=rms_eps)
+  pre, post_mix, comb = pre_split_mixes(mixes, mhc_scale, mhc_base, mhc_mult=m, mhc_post_mult_value=mhc_post_mult_value,
+                                        mhc_pre_eps=mhc_pre_eps)
+  comb = sinkhorn_normalize(comb, repeat=sinkhorn_repeat, eps=mhc_sinkhorn_eps)
+  return PreBigFuse(post_mix, comb, pre_apply_mix(residual, pre))
+
+
+# ----------------------------------------------------------------------------------------------
+# M10 multilayer recompute (§4.10)
+
+def multilayer_recompute(initial_residual, pre_mix_list, layer_output_list, post_mix_list,
+                         comb_mix_list) -> MultilayerRecompute:
+  """``R_0 = initial_residual``; for ``i < L``: ``layer_input[i] = pre_apply_mix(R_i, pre_mix[i])`` and, for
+  ``i < Lp``, ``R_{i+1} = post(layer_output[i], R_i, post_mix[i], comb_mix[i])`` (each residual rounded to
+  the residual's dtype before the next layer reads it). Returns
+  ``MultilayerRecompute(layer_input_list (L,), residual_list (Lp,))`` as tuples."""
+  r = jnp.asarray(initial_residual)
+  inputs, residuals = [], []
+  for i, pre in enumerate(pre_mix_list):
+    inputs.append(pre_apply_mix(r, pre))
+    if i < len(layer_output_list):
+      r = post(layer_output_list[i], r, post_mix_list[i], comb_mix_list[i])
+      residuals.append(r)
+  return MultilayerRecompute(tuple(inputs), tuple(residuals))
