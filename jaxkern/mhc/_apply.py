@@ -17,12 +17,10 @@ MAX_M = 8
 
 
 # "auto" runs XLA (H100, 2026-11-26, runner with CUPTI, 8 shapes T 4096/8192 x H 1280-7168): the forward kernel
-# ran at 0.93-0.98x XLA and differed from the reference on 2 of the 8 shapes (T=4096 H=7168, T=8192 H=2560);
-# the backward kernel at 0.83-0.96x XLA.
-# Diagnosis (mhc-fix, 2026-11-26, to be confirmed on the GPU by tests/mhc/test_gpu_regressions.py): no indexing
-# bug; the benchmark's x ~ N(0, 1) gives |out| up to 4, where one bf16 ulp (FMA vs XLA's unfused rounding,
-# ~1e-4 of the outputs) exceeds its atol 1e-2. The benchmark now uses the spec's sigmoid data.
-_FWD_UNVERIFIED = "kernel 0.93-0.98x XLA and wrong on 2 of 8 shapes on an H100 (2026-11-26)"
+# ran at 0.93-0.98x XLA, the backward kernel at 0.83-0.96x. (The forward's two benchmark mismatches on N(0, 1)
+# data were rounding order, FMA-contracted sums against XLA's separate products, beyond that check's atol where
+# outputs reach 4: tests/mhc/test_gpu_regressions.py bounds the difference on the GPU; the spec's data pass.)
+_FWD_SLOWER = "kernel 0.93-0.98x XLA on an H100 (2026-11-26)"
 _BWD_SLOWER = "kernel 0.83-0.96x XLA on an H100 (2026-11-26)"
 
 def _unsupported(x, mix, others=()):
@@ -100,7 +98,7 @@ def _fwd_op(x, mix, implementation):
     return out.reshape(*lead, h)
 
   return _dispatch.run("pre_apply_mix", implementation, kernel=kernel, xla=lambda: ref.pre_apply_mix(x, mix),
-                       empty=t == 0, unsupported=_unsupported(x, mix), xla_faster=_FWD_UNVERIFIED)
+                       empty=t == 0, unsupported=_unsupported(x, mix), xla_faster=_FWD_SLOWER)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

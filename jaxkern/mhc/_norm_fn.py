@@ -58,12 +58,6 @@ WG = plgpu.Layout.WGMMA
 
 
 
-# "auto" runs XLA: on an H100 (2026-11-26, runner with CUPTI) the forward kernel's results differed from the
-# reference beyond the benchmark's tolerance (rtol 1e-3 of the largest value) on every benchmark shape, while
-# the backward kernel and value_and_grad matched; to be found before "auto" takes the kernel again.
-# Cause found (mhc-fix): XLA:GPU removed the f32 -> bf16 -> f32 round trip of split_bf16, so fn's low part was
-# 0 on the GPU; fixed with an integer split, to be confirmed by tests/mhc/test_gpu_regressions.py.
-_KERNEL_UNVERIFIED = "forward kernel wrong on an H100 (2026-11-26): under investigation"
 
 def split_bf16(v):
   """float32 ``v`` (TF32-representable) -> ``(hi, lo)`` bfloat16 with ``hi + lo == v`` exactly.
@@ -435,7 +429,7 @@ def _fwd(residual, fn, eps, n_splits, implementation) -> PreNormFnFwd:
     return ref.pre_norm_fn_fwd(residual, fn, norm_eps=eps)
 
   return _dispatch.run("pre_norm_fn_fwd", implementation, kernel=kernel, xla=reference, empty=t == 0,
-                       unsupported=_unsupported(residual, fn), xla_faster=_KERNEL_UNVERIFIED)
+                       unsupported=_unsupported(residual, fn))
 
 
 def pre_norm_fn_bwd(grad_mixes, residual, fn, out_mul, sqrsum, *, norm_eps: float = 1e-6,

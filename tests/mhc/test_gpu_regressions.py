@@ -141,7 +141,7 @@ def _fma_chains(x, mix):
 
 
 @pytest.mark.parametrize("t, h", MIX_SHAPES)
-def test_pre_apply_mix_benchmark_data_within_one_bf16_ulp(t, h):
+def test_pre_apply_mix_benchmark_data_within_rounding_order(t, h):
   x, mix = _mix_args(_key("mix", t, h), t, h, spec_data=False)
   got = jax.jit(functools.partial(mhc.pre_apply_mix, implementation="pallas"))(x, mix)
   want = jax.jit(ref_mix.pre_apply_mix)(x, mix)
@@ -156,8 +156,11 @@ def test_pre_apply_mix_benchmark_data_within_one_bf16_ulp(t, h):
         f"\n  vs FMA order A (fma(w1,x1,w0*x0), ...): differing {int(np.count_nonzero(g != np.asarray(fa)))}"
         f";  vs FMA order B (fma(w0,x0,w1*x1), ...): differing {int(np.count_nonzero(g != np.asarray(fb)))}")
   assert not np.isnan(a).any()
-  assert int(ulps.max()) <= 1, "more than one bf16 ulp from the reference: a real kernel bug, not FMA rounding"
-  assert np.count_nonzero(ulps) <= ulps.size // 1000
+  # Rounding-order differences (FMA contraction on the GPU, separate products in XLA) are bounded by a few float32
+  # ulps of the terms' magnitudes plus one bf16 ulp of the result; counting bf16 ulps alone is meaningless where
+  # the mix cancels to near zero (seen on an H100: up to 25686 "ulps" between tiny values of opposite sign).
+  terms = np.abs(np.asarray(x, np.float64) * np.asarray(mix, np.float64)).sum(axis=-2)
+  assert (np.abs(a - b) <= 2.0**-8 * np.abs(b) + 2.0**-20 * terms).all(), "beyond rounding-order differences"
 
 
 @pytest.mark.parametrize("t, h", MIX_SHAPES)
