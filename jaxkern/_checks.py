@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import jax.numpy as jnp
+import numpy as np
 
 
 def check_rank(name: str, x, ndim: int) -> None:
@@ -36,3 +37,16 @@ def as_array(name: str, x):
     except (TypeError, ValueError) as e:
       raise ValueError(f"{name}: cannot convert the list to an array ({e})") from None
   raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+
+
+def check_float(name: str, value, *, nonzero: bool = False, nonnegative: bool = False) -> float:
+  """A static float option (a Python or numpy number): finite, optionally non-zero / non-negative; returns it as a
+  Python float."""
+  try:
+    value = float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f"{name} must be a Python float, got {type(value).__name__}") from None
+  if not np.isfinite(value) or (nonzero and value == 0) or (nonnegative and value < 0):
+    cond = "finite" + (" and non-zero" if nonzero else "") + (" and >= 0" if nonnegative else "")
+    raise ValueError(f"{name} must be {cond}, got {value}")
+  return value

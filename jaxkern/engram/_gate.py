@@ -256,14 +256,6 @@ def check_gate_arrays(**arrays):
   return tuple(out.values())
 
 
-def _check_scalar(name, value):
-  try:
-    value = float(value)
-  except (TypeError, ValueError):
-    raise ValueError(f"{name} must be a Python float, got {type(value).__name__}") from None
-  if not np.isfinite(value) or value < 0:
-    raise ValueError(f"{name} must be finite and >= 0, got {value}")
-  return value
 
 
 def engram_gate_fwd(hidden_states, k, v, weight_fused, *, eps: float, clamp_value: float,
@@ -304,7 +296,8 @@ def engram_gate_fwd(hidden_states, k, v, weight_fused, *, eps: float, clamp_valu
   ``jax.grad`` through this op raises :class:`jaxkern.NotDifferentiableError`.
   """
   x, k, v, wf = check_gate_arrays(hidden_states=hidden_states, k=k, v=v, weight_fused=weight_fused)
-  eps, clamp_value = _check_scalar("eps", eps), _check_scalar("clamp_value", clamp_value)
+  eps = _checks.check_float("eps", eps, nonnegative=True)
+  clamp_value = _checks.check_float("clamp_value", clamp_value, nonnegative=True)
   x, k, v, wf = _autodiff.guard("engram_gate_fwd", ADVICE, x, k, v, wf)
   t, m, d = x.shape
   save = bool(save_for_backward)
@@ -369,7 +362,7 @@ def engram_gate_bwd(grad_out, hidden_states, k, v, weight_fused, dot, gate_score
   go, x, k, v, wf, dot, gate, rx, rk = check_gate_arrays(
       grad_out=grad_out, hidden_states=hidden_states, k=k, v=v, weight_fused=weight_fused, dot=dot,
       gate_score=gate_score, rstd_x=rstd_x, rstd_k=rstd_k)
-  clamp_value = _check_scalar("clamp_value", clamp_value)
+  clamp_value = _checks.check_float("clamp_value", clamp_value, nonnegative=True)
   t, m, d = x.shape
   p = default_num_partials(t, d) if num_partials is None else num_partials
   if not isinstance(p, (int, np.integer)) or isinstance(p, bool) or p < 1:

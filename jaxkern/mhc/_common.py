@@ -30,17 +30,6 @@ def mhc_mult(value, name="mhc_mult"):
   return int(value)
 
 
-def scalar(name, value, *, nonzero=False, nonnegative=False):
-  try:
-    value = float(value)
-  except (TypeError, ValueError):
-    raise ValueError(f"{name} must be a Python float, got {type(value).__name__}") from None
-  if not np.isfinite(value) or (nonzero and value == 0) or (nonnegative and value < 0):
-    cond = "finite" + (" and non-zero" if nonzero else "") + (" and >= 0" if nonnegative else "")
-    raise ValueError(f"{name} must be {cond}, got {value}")
-  return value
-
-
 def repeat(value):
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
     raise ValueError(f"repeat must be an int >= 1, got {value!r}")

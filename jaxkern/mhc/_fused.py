@@ -25,11 +25,11 @@ from collections.abc import Sequence
 
 import jax
 
-from jaxkern import _autodiff, _config
+from jaxkern import _autodiff, _checks, _config
 from jaxkern.mhc import _common
 from jaxkern.mhc._apply import pre_apply_mix
 from jaxkern.mhc._mixes import pre_split_mixes
-from jaxkern.mhc._norm_fn import _check_eps, _check_residual_fn, _check_splits, pre_norm_fn
+from jaxkern.mhc._norm_fn import _check_residual_fn, _check_splits, pre_norm_fn
 from jaxkern.mhc._post import post
 from jaxkern.mhc._sinkhorn import sinkhorn_normalize
 from jaxkern.types import MultilayerRecompute, PreBigFuse
@@ -83,12 +83,12 @@ def pre_big_fuse(residual, fn, mhc_scale, mhc_base, norm_weight=None, *, rms_eps
   """
   residual, fn = _check_residual_fn(residual, fn)
   m = residual.shape[-2]
-  rms_eps = _check_eps(rms_eps)
+  rms_eps = _checks.check_float("rms_eps", rms_eps, nonnegative=True)
   n_splits = _check_splits(n_splits)
   sinkhorn_repeat = _common.repeat(sinkhorn_repeat)
-  mhc_sinkhorn_eps = _common.scalar("mhc_sinkhorn_eps", mhc_sinkhorn_eps, nonnegative=True)
-  mhc_pre_eps = _common.scalar("mhc_pre_eps", mhc_pre_eps)
-  mhc_post_mult_value = _common.scalar("mhc_post_mult_value", mhc_post_mult_value, nonzero=True)
+  mhc_sinkhorn_eps = _checks.check_float("mhc_sinkhorn_eps", mhc_sinkhorn_eps, nonnegative=True)
+  mhc_pre_eps = _checks.check_float("mhc_pre_eps", mhc_pre_eps)
+  mhc_post_mult_value = _checks.check_float("mhc_post_mult_value", mhc_post_mult_value, nonzero=True)
   scale = _common.array("mhc_scale", mhc_scale, 1)
   _common.shape("mhc_scale", scale, (3,))
   base = _common.array("mhc_base", mhc_base, 1)

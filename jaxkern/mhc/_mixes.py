@@ -16,7 +16,7 @@ import functools
 
 import jax
 
-from jaxkern import _autodiff, _config, _dispatch
+from jaxkern import _autodiff, _checks, _config, _dispatch
 from jaxkern.mhc import _common
 from jaxkern.reference import mhc as ref
 from jaxkern.types import HeadComputeMixGrads, PreSplitMixes, PreSplitMixesGrads
@@ -63,7 +63,7 @@ def pre_split_mixes_bwd(pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_gr
   """
   z, scale, base, m = _check_split(input_mixes, mhc_scale, mhc_base, mhc_mult)
   lead = z.shape[:-1]
-  pmv = _common.scalar("mhc_post_mult_value", mhc_post_mult_value, nonzero=True)
+  pmv = _checks.check_float("mhc_post_mult_value", mhc_post_mult_value, nonzero=True)
   arrays = {"pre_layer_mix_grad": (pre_layer_mix_grad, (*lead, m, 1)),
             "post_layer_mix_grad": (post_layer_mix_grad, (*lead, m, 1)),
             "comb_res_mix_grad": (comb_res_mix_grad, (*lead, m, m)), "post_layer_mix": (post_layer_mix, (*lead, m, 1))}
@@ -130,8 +130,8 @@ def pre_split_mixes(input_mixes, mhc_scale, mhc_base, *, mhc_mult: int, mhc_post
   :func:`pre_split_mixes_bwd`.
   """
   z, scale, base, m = _check_split(input_mixes, mhc_scale, mhc_base, mhc_mult)
-  pmv = _common.scalar("mhc_post_mult_value", mhc_post_mult_value, nonzero=True)
-  pre_eps = _common.scalar("mhc_pre_eps", mhc_pre_eps)
+  pmv = _checks.check_float("mhc_post_mult_value", mhc_post_mult_value, nonzero=True)
+  pre_eps = _checks.check_float("mhc_pre_eps", mhc_pre_eps)
   return _split(z, scale, base, m, pmv, pre_eps, _config.get_implementation(implementation))
 
 
@@ -215,5 +215,5 @@ def head_compute_mix(input_mix, mhc_scale, mhc_base, *, mhc_pre_eps: float = 1e-
   :func:`head_compute_mix_bwd`.
   """
   z, scale, base = _check_head(input_mix, mhc_scale, mhc_base)
-  pre_eps = _common.scalar("mhc_pre_eps", mhc_pre_eps)
+  pre_eps = _checks.check_float("mhc_pre_eps", mhc_pre_eps)
   return _head(z, scale, base, pre_eps, _config.get_implementation(implementation))

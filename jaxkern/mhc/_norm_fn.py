@@ -282,16 +282,6 @@ def fn_normw_merge(fn, normw, *, implementation: str | None = None) -> jax.Array
   return ref.fn_normw_merge(fn, normw)
 
 
-def _check_eps(norm_eps):
-  try:
-    v = float(norm_eps)
-  except (TypeError, ValueError):
-    raise ValueError(f"norm_eps must be a Python float, got {type(norm_eps).__name__}") from None
-  if not np.isfinite(v) or v < 0:
-    raise ValueError(f"norm_eps must be finite and >= 0, got {v}")
-  return v
-
-
 def _check_splits(n_splits):
   if not isinstance(n_splits, (int, np.integer)) or isinstance(n_splits, bool) or n_splits < 1:
     raise ValueError(f"n_splits must be an int >= 1, got {n_splits!r}")
@@ -410,7 +400,7 @@ def pre_norm_fn_fwd(residual, fn, *, norm_eps: float = 1e-6, n_splits: int = 16,
   Differentiation: none (building block); ``jax.grad`` raises :class:`jaxkern.NotDifferentiableError`.
   """
   residual, fn = _check_residual_fn(residual, fn)
-  eps = _check_eps(norm_eps)
+  eps = _checks.check_float("norm_eps", norm_eps, nonnegative=True)
   n_splits = _check_splits(n_splits)
   residual, fn = _autodiff.guard("pre_norm_fn_fwd", ADVICE, residual, fn)
   return _fwd(residual, fn, eps, n_splits, implementation)
@@ -467,7 +457,7 @@ def pre_norm_fn_bwd(grad_mixes, residual, fn, out_mul, sqrsum, *, norm_eps: floa
   Differentiation: none (it is the backward).
   """
   residual, fn = _check_residual_fn(residual, fn)
-  eps = _check_eps(norm_eps)
+  eps = _checks.check_float("norm_eps", norm_eps, nonnegative=True)
   j = fn.shape[0]
   lead = residual.shape[:-2]
   g = _checks.as_array("grad_mixes", grad_mixes)
@@ -558,7 +548,7 @@ def pre_norm_fn(residual, fn, norm_weight=None, *, norm_eps: float = 1e-6, fuse_
   """
   del fuse_grad_acc
   residual, fn = _check_residual_fn(residual, fn)
-  eps = _check_eps(norm_eps)
+  eps = _checks.check_float("norm_eps", norm_eps, nonnegative=True)
   n_splits = _check_splits(n_splits)
   if norm_weight is not None:
     norm_weight = _checks.as_array("norm_weight", norm_weight)

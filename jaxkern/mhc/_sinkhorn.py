@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxkern import _autodiff, _config, _dispatch
+from jaxkern import _autodiff, _checks, _config, _dispatch
 from jaxkern.mhc import _common, _sinkhorn_kernel as kern
 from jaxkern.reference import mhc as ref
 
@@ -59,7 +59,7 @@ def sinkhorn_normalize_bwd(grad_output, x, *, repeat: int = 10, eps: float = 1e-
   x, lead, m = _check("x", x)
   g, _, _ = _check("grad_output", grad_output)
   _common.shape("grad_output", g, x.shape)
-  repeat, eps = _common.repeat(repeat), _common.scalar("eps", eps, nonnegative=True)
+  repeat, eps = _common.repeat(repeat), _checks.check_float("eps", eps, nonnegative=True)
   g, x = _autodiff.guard("sinkhorn_normalize_bwd", _common.BWD_ADVICE, g, x)
   t = _common.tokens(lead)
 
@@ -132,5 +132,5 @@ def sinkhorn_normalize(x, *, repeat: int = 10, eps: float = 1e-6, implementation
   that recomputes the chain).
   """
   x, _, _ = _check("x", x)
-  repeat, eps = _common.repeat(repeat), _common.scalar("eps", eps, nonnegative=True)
+  repeat, eps = _common.repeat(repeat), _checks.check_float("eps", eps, nonnegative=True)
   return _sinkhorn(x, repeat, eps, _config.get_implementation(implementation))

@@ -36,9 +36,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxkern import _config, mhc
+from jaxkern import _checks, _config, mhc
 from jaxkern.mhc import _common
-from jaxkern.mhc._norm_fn import _check_eps, _check_residual_fn, _check_splits
+from jaxkern.mhc._norm_fn import _check_residual_fn, _check_splits
 
 
 class _Cfg(NamedTuple):
@@ -78,9 +78,11 @@ def _check_pre(residual, fn, scale, base, norm_weight, mhc_mult, norm_eps, post_
   if norm_weight is not None:
     norm_weight = _common.array("norm_weight", norm_weight, 1)
     _common.shape("norm_weight", norm_weight, (fn.shape[1],))
-  cfg = _Cfg(_check_eps(norm_eps), int(mhc_mult), _common.scalar("post_mult_value", post_mult_value, nonzero=True),
-             _common.scalar("pre_eps", pre_eps), _common.scalar("sinkhorn_eps", sinkhorn_eps, nonnegative=True),
-             _common.repeat(sinkhorn_repeat), _check_splits(n_splits))
+  check = _checks.check_float
+  cfg = _Cfg(check("norm_eps", norm_eps, nonnegative=True), int(mhc_mult),
+             check("post_mult_value", post_mult_value, nonzero=True), check("pre_eps", pre_eps),
+             check("sinkhorn_eps", sinkhorn_eps, nonnegative=True), _common.repeat(sinkhorn_repeat),
+             _check_splits(n_splits))
   return residual, fn, scale, base, norm_weight, cfg
 
 

@@ -138,13 +138,7 @@ def swiglu_kernel(x, weight, pos_to_expert, *, npc, round_sf, sf_layout, clamp, 
             for t in range(words):
               sf_g[first + t, j] = jnp.zeros((), sf_type[1])
 
-    g = lax.axis_index("g")
-    tail = nseg - (num_chunks - 1) * chunk
-    if tail == chunk:
-      body(g, chunk)
-    else:
-      pl.when(g < num_chunks - 1)(lambda: body(g, chunk))
-      pl.when(g == num_chunks - 1)(lambda: body(num_chunks - 1, tail))
+    tiling.over_chunks(body, lax.axis_index("g"), nseg, chunk)
 
   # The largest e4m3 value as a one-element host constant, loaded by the kernel (not folded in interpret mode).
   consts = np.full((1,), ref.FP8_MAX, np.float32)

@@ -144,13 +144,7 @@ def backward_kernel(q, sf, grad, weight, *, npc, round_sf, clamp, interpret):
         total = lax.fori_loop(1, nlocal, lambda t, acc: acc + group(seg0 + t, w), total)
       dot_g[chunk_index, rows] = total
 
-    gi = lax.axis_index("g")
-    tail = nseg - (num_chunks - 1) * chunk
-    if tail == chunk:
-      body(gi, chunk)
-    else:
-      pl.when(gi < num_chunks - 1)(lambda: body(gi, chunk))
-      pl.when(gi == num_chunks - 1)(lambda: body(num_chunks - 1, tail))
+    tiling.over_chunks(body, lax.axis_index("g"), nseg, chunk)
 
   # The largest e4m3 value as a one-element host constant, loaded by the kernel (not folded in interpret mode).
   consts = np.full((1,), ref.FP8_MAX, np.float32)

@@ -3,6 +3,7 @@ an ``(M, K)`` array is viewed as rows of whole scale groups."""
 
 from __future__ import annotations
 
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 BM = 64  # rows of the WGMMA register layout (per-channel kernel)
@@ -36,3 +37,15 @@ def tile_rows(num_rows: int, width: int, itemsize: int, unit: int, thread_bytes:
   at most ``num_rows`` (the caller pads arrays with fewer than ``unit`` rows)."""
   rows = max(1, thread_bytes * 128 // (width * itemsize) // unit) * unit
   return max(unit, min(rows, num_rows // unit * unit))
+
+
+def over_chunks(body, chunk_index, num_items: int, chunk: int) -> None:
+  """Inside a kernel: ``body(chunk_index, n)`` for the CTA's chunk of ``chunk`` items (``n`` static), the last of
+  ``cdiv(num_items, chunk)`` chunks covering only the ``num_items - (chunks - 1)·chunk`` that remain."""
+  num_chunks = -(-num_items // chunk)
+  tail = num_items - (num_chunks - 1) * chunk
+  if tail == chunk:
+    body(chunk_index, chunk)
+  else:
+    pl.when(chunk_index < num_chunks - 1)(lambda: body(chunk_index, chunk))
+    pl.when(chunk_index == num_chunks - 1)(lambda: body(num_chunks - 1, tail))

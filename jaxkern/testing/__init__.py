@@ -3,13 +3,14 @@ cross-lowering for an H100 on CPU, and a CUPTI device timer (imported lazily: GP
 
 from jaxkern.testing.generators import (HIDDEN_SIZES, NUM_TOKENS, align, hidden_sizes, moe_topk_idx, num_tokens,
                                        randn, random_bits)
-from jaxkern.testing.lowering import lower_for_h100
+from jaxkern.testing.lowering import capture_mosaic_modules, lower_for_h100
 from jaxkern.testing.numeric import assert_bitwise_equal, assert_diff_below, calc_diff
 
 __all__ = [
     "HIDDEN_SIZES",
     "NUM_TOKENS",
     "align",
+    "capture_mosaic_modules",
     "assert_bitwise_equal",
     "assert_diff_below",
     "calc_diff",

@@ -118,7 +118,7 @@ def test_pre_big_fuse_argument_checks(key):
     f(r, fn, scale, base, sinkhorn_repeat=0)
   with pytest.raises(ValueError, match="mhc_sinkhorn_eps"):
     f(r, fn, scale, base, mhc_sinkhorn_eps=-1.0)
-  with pytest.raises(ValueError, match="norm_eps"):
+  with pytest.raises(ValueError, match="rms_eps"):
     f(r, fn, scale, base, rms_eps=float("nan"))
   with pytest.raises(jaxkern.KernelUnavailableError, match="pre_apply_mix"):  # H = 64: no pre_apply_mix kernel
     jax.jit(lambda *a: mhc.pre_big_fuse(*a, implementation="interpret"))(r, fn, scale, base)

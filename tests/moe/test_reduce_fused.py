@@ -12,7 +12,7 @@ from jax.experimental import checkify
 
 from jaxkern import moe
 from jaxkern.reference import moe as ref
-from jaxkern.testing import assert_bitwise_equal, lower_for_h100, moe_topk_idx, randn
+from jaxkern.testing import assert_bitwise_equal, capture_mosaic_modules, lower_for_h100, moe_topk_idx, randn
 from jaxkern.types import QuantTensor
 from tests.moe.routing_checks import assert_checks_compile_away, checkify_error
 
@@ -171,17 +171,7 @@ def test_lowered_accumulation_is_contractable(monkeypatch):
   handed to the Mosaic GPU compiler; the ``gpu`` test checks the resulting bits."""
   import re
 
-  import jax.experimental.mosaic.gpu.core as mgpu_core
-
-  modules = []
-  serde = mgpu_core._run_serde_pass
-
-  def spy(module, serialize, ir_version):
-    if serialize:
-      modules.append(str(module))
-    return serde(module, serialize=serialize, ir_version=ir_version)
-
-  monkeypatch.setattr(mgpu_core, "_run_serde_pass", spy)
+  modules = capture_mosaic_modules(monkeypatch)
   spec = jax.ShapeDtypeStruct
   lower_for_h100(lambda x, w, p: moe.reduce_fused(x, w, p, implementation="pallas"),
                  spec((64, 256), jnp.float32), spec((4, 2), jnp.float32), spec((4, 2), jnp.int32))

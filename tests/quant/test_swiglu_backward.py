@@ -15,7 +15,7 @@ import pytest
 import jaxkern
 from jaxkern import quant
 from jaxkern.reference import quant as ref
-from jaxkern.testing import assert_bitwise_equal, lower_for_h100
+from jaxkern.testing import assert_bitwise_equal, capture_mosaic_modules, lower_for_h100
 from jaxkern.types import QuantTensor, SwigluBackward
 
 OP = quant.swiglu_backward_and_per_token_cast
@@ -181,17 +181,7 @@ def test_kernel_fma_is_contractable(monkeypatch):
   """The Mosaic GPU module computes ``x·(1 - s) + 1`` as a ``fastmath<contract>`` multiply whose only use is an
   add of 1.0 (LLVM fuses the pair into ``fma.rn.f32``), in the peeled first group and in the loop over the others.
   (The other contracted pairs are the correctly rounded division's residuals, :func:`jaxkern._ieee.newton_div`.) Checked on the MLIR handed to the Mosaic GPU compiler; the ``gpu`` test checks the resulting bits."""
-  import jax.experimental.mosaic.gpu.core as mgpu_core
-
-  modules = []
-  serde = mgpu_core._run_serde_pass
-
-  def spy(module, serialize, ir_version):
-    if serialize:
-      modules.append(str(module))
-    return serde(module, serialize=serialize, ir_version=ir_version)
-
-  monkeypatch.setattr(mgpu_core, "_run_serde_pass", spy)
+  modules = capture_mosaic_modules(monkeypatch)
   s = jax.ShapeDtypeStruct
   e, h, npc = 64, 256, 32  # 8 groups, one chunk
   lower_for_h100(lambda q, sf, g, w, p, t: OP((q, sf), g, w, p, t, npc, implementation="pallas"),
