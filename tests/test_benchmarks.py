@@ -152,3 +152,18 @@ def test_mhc_fused_small_cases_without_gpu(capsys):
   assert run.main(["--ops", "pre_big_fuse,mhc_pre->mhc_post:fwd+bwd"]) == 0
   out = capsys.readouterr().out
   assert "FAILED" not in out and out.count("ok") >= 4
+
+
+def test_multilayer_recompute_grid_and_byte_counts():
+  cases = REGISTRY["multilayer_recompute"].cases()
+  assert len(cases) == 8 and cases[-1].label == "L=10 Lp=10 S=8192 H=8192"
+  n, h, m, l, lp = 8192, 8192, 4, 10, 10  # upstream's io_fused (spec §6.4)
+  assert cases[-1].nbytes == 2 * n * m * h + l * (4 * n * m + 2 * n * h) + lp * (
+      2 * n * h + 4 * n * m + 4 * n * m * m + 2 * n * m * h)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the correctness-only pass is the no-GPU path")
+def test_multilayer_recompute_small_cases_without_gpu(capsys):
+  assert run.main(["--ops", "multilayer_recompute"]) == 0
+  out = capsys.readouterr().out
+  assert "FAILED" not in out and out.count("ok") >= 2

@@ -1,0 +1,50 @@
+"""``multilayer_recompute`` (engram_mhc.md §4.10) on upstream's own benchmark grid (§6.2 / §6.4): the one mHC
+op TileKernels benchmarks, so these rows compare directly with its published cases.
+
+Shapes: ``(L, Lp) ∈ {(10, 9), (10, 10)} × H ∈ {2560, 4096, 7168, 8192}``, ``B = 1``, ``S = 8192`` tokens,
+``M = 4``; mixes are random normal (not activations), as upstream's test draws them. Bytes: upstream's
+``io_fused = 2nMH + L(4nM + 2nH) + Lp(2nH + 4nM + 4nM² + 2nMH)`` (§6.4), the I/O of a kernel that keeps the
+running residual on chip; jaxkern's ``multilayer_recompute`` is the layer-by-layer composition of
+``pre_apply_mix`` and ``post`` today, which moves ``io_ref = L·io_pre + Lp·io_post`` bytes, so its "% of copy"
+by this count is bounded by ``io_fused / io_ref``. The XLA column times the reference's loop compiled by XLA.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.registry import BenchOp, Case, register
+from jaxkern import mhc
+from jaxkern.reference import mhc as ref
+
+M = 4
+TOKENS = 8192
+LAYERS = [(10, 9), (10, 10)]
+HIDDEN = [2560, 4096, 7168, 8192]
+
+
+def io_fused(n: int, h: int, layers: int, post_layers: int, m: int = M) -> int:
+  """Upstream's byte count of a fused recompute (spec §6.4)."""
+  return (2 * n * m * h + layers * (4 * n * m + 2 * n * h)
+          + post_layers * (2 * n * h + 4 * n * m + 4 * n * m * m + 2 * n * m * h))
+
+
+def _args(key, n, h, layers, post_layers):
+  ks = iter(jax.random.split(key, 1 + layers + 3 * post_layers))
+  residual = jax.random.normal(next(ks), (n, M, h)).astype(jnp.bfloat16)
+  pres = [jax.random.normal(next(ks), (n, M, 1)) for _ in range(layers)]
+  outs = [jax.random.normal(next(ks), (n, h)).astype(jnp.bfloat16) for _ in range(post_layers)]
+  posts = [jax.random.normal(next(ks), (n, M, 1)) for _ in range(post_layers)]
+  combs = [jax.random.normal(next(ks), (n, M, M)) for _ in range(post_layers)]
+  return residual, pres, outs, posts, combs
+
+
+def _case(n, h, layers, post_layers):
+  return Case(f"L={layers} Lp={post_layers} S={n} H={h}", lambda key: _args(key, n, h, layers, post_layers),
+              io_fused(n, h, layers, post_layers))
+
+
+register(BenchOp("multilayer_recompute", mhc.multilayer_recompute, ref.multilayer_recompute,
+                 lambda: [_case(TOKENS, h, l, lp) for l, lp in LAYERS for h in HIDDEN],
+                 lambda: [_case(5, 1024, 2, 1), _case(3, 1280, 1, 1)]))
