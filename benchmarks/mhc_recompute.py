@@ -7,6 +7,9 @@ Shapes: ``(L, Lp) ∈ {(10, 9), (10, 10)} × H ∈ {2560, 4096, 7168, 8192}``, `
 running residual on chip; jaxkern's ``multilayer_recompute`` is the layer-by-layer composition of
 ``pre_apply_mix`` and ``post`` today, which moves ``io_ref = L·io_pre + Lp·io_post`` bytes, so its "% of copy"
 by this count is bounded by ``io_fused / io_ref``. The XLA column times the reference's loop compiled by XLA.
+Check: bf16 tolerances (``post``'s, §6.2) — upstream's exact-equality test compares against its own unfused
+kernels (tests/mhc/test_fused.py does that on the GPU); XLA's reference rounds differently (separate products
+where the kernels contract to FMAs: ~1e-5 of the outputs differ by one bf16 ulp on an H100).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from benchmarks.mhc import tol_check
 from benchmarks.registry import BenchOp, Case, register
 from jaxkern import mhc
 from jaxkern.reference import mhc as ref
@@ -47,4 +51,4 @@ def _case(n, h, layers, post_layers):
 
 register(BenchOp("multilayer_recompute", mhc.multilayer_recompute, ref.multilayer_recompute,
                  lambda: [_case(TOKENS, h, l, lp) for l, lp in LAYERS for h in HIDDEN],
-                 lambda: [_case(5, 1024, 2, 1), _case(3, 1280, 1, 1)]))
+                 lambda: [_case(5, 1024, 2, 1), _case(3, 1280, 1, 1)], check=tol_check(1.6e-2, 1e-5)))
