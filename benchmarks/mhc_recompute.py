@@ -6,9 +6,11 @@ Shapes: ``(L, Lp) ∈ {(10, 9), (10, 10)} × H ∈ {2560, 4096, 7168, 8192}``, `
 ``io_fused = 2nMH + L(4nM + 2nH) + Lp(2nH + 4nM + 4nM² + 2nMH)`` (§6.4), the I/O of a kernel that keeps the
 running residual on chip, as jaxkern's kernel does (the layer-by-layer chain moves ``io_ref = L·io_pre +
 Lp·io_post`` bytes). The XLA column times the reference's loop compiled by XLA.
-Check: bf16 tolerances (``post``'s, §6.2) — upstream's exact-equality test compares against its own unfused
-kernels (tests/mhc/test_fused.py does that on the GPU); XLA's reference rounds differently (separate products
-where the kernels contract to FMAs: ~1e-5 of the outputs differ by one bf16 ulp on an H100).
+Check: upstream's ``calc_diff < 1e-6`` per output (a global, scale-free similarity, §6.1). Exact equality holds
+only against jaxkern's own kernels layer by layer (tests/mhc/test_fused.py checks that on the GPU); XLA's
+reference rounds differently (separate products where the kernels contract to FMAs: ~1e-5 of the outputs of
+the first layer differ by one bf16 ulp on an H100), and randn mixes amplify those differences layer after
+layer, so no elementwise bf16 tolerance holds at layer 10.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from benchmarks.mhc import tol_check
 from benchmarks.registry import BenchOp, Case, register
 from jaxkern import mhc
 from jaxkern.reference import mhc as ref
+from jaxkern.testing.numeric import calc_diff
 
 M = 4
 TOKENS = 8192
@@ -48,6 +50,13 @@ def _case(n, h, layers, post_layers):
               io_fused(n, h, layers, post_layers))
 
 
+def _check(out, expected):
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(expected), strict=True):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    diff = float(calc_diff(a, b))
+    assert diff < 1e-6, f"calc_diff {diff:.2e} >= 1e-6"
+
+
 register(BenchOp("multilayer_recompute", mhc.multilayer_recompute, ref.multilayer_recompute,
                  lambda: [_case(TOKENS, h, l, lp) for l, lp in LAYERS for h in HIDDEN],
-                 lambda: [_case(5, 1024, 2, 1), _case(3, 1280, 1, 1)], check=tol_check(1.6e-2, 1e-5)))
+                 lambda: [_case(5, 1024, 2, 1), _case(3, 1280, 1, 1)], check=_check))
