@@ -13,11 +13,10 @@ What a fused kernel would fuse (later performance work):
   (in registers) and the pre-mix application, which reads the residual a second time. The unfused chain
   additionally writes and reads the ``(T, 24)`` mixes, the split mixes and the Sinkhorn output (a few hundred
   bytes per token, against ``2·M·H`` bytes per residual read) and launches five kernels or fusions instead of two.
-
-``multilayer_recompute`` has its own kernel (:mod:`jaxkern.mhc._recompute_kernel`): one pass that keeps the
-running residual in registers (spec §6.4: ``io_fused = 2nMH + L(4nM + 2nH) + Lp(2nH + 4nM + 4nM² + 2nMH)``
-bytes against the layer-by-layer ``io_ref = L·io_pre + Lp·io_post``), bit-identical to the ``pre_apply_mix``
-and ``post`` kernels called layer by layer.
+* ``multilayer_recompute``: one pass that keeps the running residual in registers and streams each layer's
+  small inputs (spec §6.4: ``io_fused = 2nMH + L(4nM + 2nH) + Lp(2nH + 4nM + 4nM² + 2nMH)`` against
+  ``io_ref = L·io_pre + Lp·io_post``); the composition re-reads every residual ``R_i`` once for
+  ``pre_apply_mix`` and once for ``post``.
 """
 
 from __future__ import annotations
@@ -25,16 +24,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 
-from jaxkern import _autodiff, _checks, _config, _dispatch
-from jaxkern.mhc import _common, _recompute_kernel as rk, _stream_kernels as sk
+from jaxkern import _autodiff, _checks, _config
+from jaxkern.mhc import _common
 from jaxkern.mhc._apply import pre_apply_mix
 from jaxkern.mhc._mixes import pre_split_mixes
 from jaxkern.mhc._norm_fn import _check_residual_fn, _check_splits, pre_norm_fn
-from jaxkern.mhc._post import MAX_M, post
+from jaxkern.mhc._post import post
 from jaxkern.mhc._sinkhorn import sinkhorn_normalize
-from jaxkern.reference import mhc as ref
 from jaxkern.types import MultilayerRecompute, PreBigFuse
 
 BIG_FUSE_ADVICE = ("it is the inference (no-gradient) path; differentiate jaxkern.modeling.mhc_pre, whose "
@@ -120,11 +117,10 @@ def multilayer_recompute(initial_residual, pre_mix_list, layer_output_list, post
   """Rebuild the sublayer inputs and residuals of ``L`` mHC layers from the first residual (spec §4.10).
 
   ``R_0 = initial_residual``; for ``i = 0..L-1``: ``layer_input[i] = pre_apply_mix(R_i, pre_mix[i])`` and, if
-  ``i < Lp``, ``R_{i+1} = post(layer_output[i], R_i, post_mix[i], comb_mix[i])``. The kernel does all layers
-  in one pass with ``R_i`` in registers and is bit-identical to the :func:`pre_apply_mix` and :func:`post`
-  kernels (``implementation="pallas"``) called layer by layer, as upstream's test demands of its kernel; the
-  XLA path is the reference's loop. Upstream writes into preallocated output lists; here the outputs are
-  returned.
+  ``i < Lp``, ``R_{i+1} = post(layer_output[i], R_i, post_mix[i], comb_mix[i])``. First version: exactly that
+  loop of jaxkern's :func:`pre_apply_mix` and :func:`post` (bit-identical to calling them layer by layer, as
+  upstream's test demands); a fused kernel keeping ``R_i`` in registers is later work (module docstring).
+  Upstream writes into preallocated output lists; here the outputs are returned.
 
   Args:
     initial_residual: ``(..., M, H)`` bfloat16 (for the kernels); any leading dims.
@@ -132,7 +128,8 @@ def multilayer_recompute(initial_residual, pre_mix_list, layer_output_list, post
     layer_output_list: ``Lp`` arrays ``(..., H)`` (the residual's dtype), ``Lp`` in ``{L - 1, L}``.
     post_mix_list: ``Lp`` arrays ``(..., M, 1)`` float32; comb_mix_list: ``Lp`` arrays ``(..., M, M)`` float32
       (after Sinkhorn).
-    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``.
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``, passed to
+      every :func:`pre_apply_mix` / :func:`post`.
 
   Returns:
     ``MultilayerRecompute(layer_input_list, residual_list)``: tuples of ``L`` arrays ``(..., H)`` and ``Lp``
@@ -142,13 +139,10 @@ def multilayer_recompute(initial_residual, pre_mix_list, layer_output_list, post
     ValueError (naming the argument, e.g. ``post_mix_list[2]``): empty ``pre_mix_list``, ``Lp`` not in
       ``{L - 1, L}``, lists of different lengths, shapes that do not match ``initial_residual``, non-floating
       dtypes, arguments that are not lists / tuples.
-    :class:`jaxkern.KernelUnavailableError` under ``"pallas"`` / ``"interpret"`` where the kernel cannot run
-      (``H`` not a multiple of 128 of at least 1024, ``M > 4``, dtypes other than bfloat16 streams and layer
-      outputs with float32 mixes).
+    :class:`jaxkern.KernelUnavailableError` under ``"pallas"`` / ``"interpret"`` where the parts' kernels cannot
+      run (``H`` not a multiple of 128 of at least 1024, ``M > 4`` for ``post``).
 
-  XLA (the reference's loop) instead of the kernel: zero tokens; under ``"auto"`` also the cases the kernel
-  cannot run. On an H100 the kernel ran upstream's benchmark grid at ~90% of copy by ``io_fused``
-  (benchmarks/mhc_recompute.py; figures in benchmarks/RESULTS.md).
+  XLA instead of kernels: as :func:`pre_apply_mix` and :func:`post` decide; zero tokens run XLA.
 
   Differentiation: none (activation recompute): :class:`jaxkern.NotDifferentiableError`.
   """
@@ -170,26 +164,12 @@ def multilayer_recompute(initial_residual, pre_mix_list, layer_output_list, post
   r, *rest = _autodiff.guard("multilayer_recompute", RECOMPUTE_ADVICE, r, *pres, *outs, *posts, *combs)
   pres, rest = rest[:n], rest[n:]
   outs, posts, combs = rest[:np_], rest[np_:2 * np_], rest[2 * np_:]
-  t = _common.tokens(lead)
-
-  def kernel(interpret):
-    inputs, residuals = rk.recompute_kernel(
-        r.reshape(t, m, h), tuple(a.reshape(t, m) for a in pres), tuple(a.reshape(t, h) for a in outs),
-        tuple(a.reshape(t, m) for a in posts), tuple(a.reshape(t, m, m) for a in combs),
-        interpret=_config.mosaic_interpret(interpret))
-    return MultilayerRecompute(tuple(a.reshape(*lead, h) for a in inputs),
-                               tuple(a.reshape(*lead, m, h) for a in residuals))
-
-  return _dispatch.run("multilayer_recompute", implementation, kernel=kernel,
-                       xla=lambda: ref.multilayer_recompute(r, pres, outs, posts, combs), empty=t == 0,
-                       unsupported=_recompute_unsupported(r, pres + posts + combs, outs))
-
-
-def _recompute_unsupported(residual, mixes, layer_outputs) -> str | None:
-  if residual.dtype != jnp.bfloat16 or any(a.dtype != jnp.bfloat16 for a in layer_outputs) or any(
-      a.dtype != jnp.float32 for a in mixes):
-    return "the kernel takes bfloat16 streams / layer outputs and float32 mixes"
-  if residual.shape[-2] > MAX_M:
-    return f"M = {residual.shape[-2]} > {MAX_M}"
-  return sk.unsupported_hidden(residual.shape[-1])
+  impl = _config.get_implementation(implementation)
+  inputs, residuals = [], []
+  for i in range(n):
+    inputs.append(pre_apply_mix(r, pres[i], implementation=impl))
+    if i < np_:
+      r = post(outs[i], r, posts[i], combs[i], implementation=impl)
+      residuals.append(r)
+  return MultilayerRecompute(tuple(inputs), tuple(residuals))
 
