@@ -53,11 +53,13 @@ def peak_bytes(arg_bytes: int, out_bytes: tuple[int, int], temp_bytes: tuple[int
   return max(check, timing)
 
 
-def estimate_peak(nbytes: int, pool: int, iterations: int = 30) -> int:
-  """Upper estimate of a case's peak from its registry byte count (inputs + outputs): the peak grows
-  with the outputs' share of ``nbytes``, so all of it is counted as outputs (held twice while
-  checking); temporaries are not known (the check of the compiled case catches them)."""
-  return peak_bytes(FLUSH_BYTES, (FLUSH_BYTES + nbytes,) * 2, (0, 0), pool, iterations)
+def estimate_peak(nbytes: int, pool: int) -> int:
+  """Upper bound of a case's peak from its registry byte count ``nbytes`` = inputs + outputs, however
+  they split (temporaries are not known: the check of the compiled case catches them). Checking:
+  flush + inputs + 2 x (flush + outputs) <= 3 flush + 2 nbytes; timing: flush + inputs + the outputs
+  held at once, which are one call's or at most ``live`` bytes, <= flush + nbytes + max(flush, live)."""
+  live = min(LIVE_BYTES, pool // 4)
+  return max(3 * FLUSH_BYTES + 2 * nbytes, FLUSH_BYTES + nbytes + max(FLUSH_BYTES, live))
 
 
 def lower_bound(nbytes: int) -> int:
@@ -102,7 +104,7 @@ def pools(total: int, parent_pool: int, workers: int) -> tuple[int, int]:
   return worker_pool, usable - CONTEXT_BYTES
 
 
-def plan(total: int, parent_pool: int, workers: int, nbytes: list[int], iterations: int = 30) -> Plan:
+def plan(total: int, parent_pool: int, workers: int, nbytes: list[int]) -> Plan:
   """Assigns cases (registry byte counts ``nbytes``) to ``workers`` phase-1 processes round-robin,
   in order, where their estimate fits a worker's pool; the others to phase 2 or, where even their
   :func:`lower_bound` cannot fit its pool, to ``skipped`` (between the two, the check of the
@@ -110,7 +112,7 @@ def plan(total: int, parent_pool: int, workers: int, nbytes: list[int], iteratio
   worker_pool, big_pool = pools(total, parent_pool, workers)
   small, big, skipped = [], [], {}
   for i, n in enumerate(nbytes):
-    if fits(estimate_peak(n, worker_pool, iterations), worker_pool):
+    if fits(estimate_peak(n, worker_pool), worker_pool):
       small.append(i)
     elif fits(lower_bound(n), big_pool):
       big.append(i)

@@ -354,7 +354,7 @@ def _phased_rows(items, nbytes, iterations: int, jobs: int, workers: int, env: d
   total = device_memory or int(parent_pool / memory.PARENT_FRACTION)
   if not total:
     raise SystemExit("cannot read the device's memory (no XLA pool limit): pass --device-memory GIB")
-  plan = memory.plan(total, parent_pool, workers, nbytes, iterations)
+  plan = memory.plan(total, parent_pool, workers, nbytes)
   print(f"device memory {memory.gib(total)}: {workers} workers with {memory.gib(plan.worker_pool)} each, then "
         f"{len(plan.big)} larger cases in one process with {memory.gib(plan.big_pool)}; {len(plan.skipped)} too large")
   for i, reason in plan.skipped.items():
