@@ -181,7 +181,13 @@ def _compile_all(todo, jobs: int, quiet: _Quiet):
     def produce():
       try:
         for op, case, key, item in todo:
-          avals = _avals(case, key, quiet)
+          try:
+            avals = _avals(case, key, quiet)  # may build the arrays on the GPU
+          except Exception as e:
+            if not memory.is_out_of_memory(e):
+              raise
+            ready.put(_TooLargeCase(op, case, item, _oom_reason(e)))
+            continue
           fns = (functools.partial(op.fn, **case.kwargs), functools.partial(op.reference, **case.kwargs))
           with jaxkern._dispatch.recording() as decisions:  # the paths the timed kernel call takes
             lowered = [lower_timed(f, *avals) for f in fns]
@@ -195,12 +201,36 @@ def _compile_all(todo, jobs: int, quiet: _Quiet):
     while (item := ready.get()) is not None:
       if isinstance(item, BaseException):
         raise item
+      if isinstance(item, _TooLargeCase):
+        yield item
+        continue
       op, case, key, todo_item, avals, decisions, futures = item
-      yield op, case, key, todo_item, avals, decisions, *(f.result() for f in futures)
+      try:
+        compiled = [f.result() for f in futures]  # XLA may autotune on the GPU while compiling
+      except Exception as e:
+        if not memory.is_out_of_memory(e):
+          raise
+        yield _TooLargeCase(op, case, todo_item, _oom_reason(e))
+        continue
+      yield op, case, key, todo_item, avals, decisions, *compiled
 
 
 class _TooLarge(Exception):
   """A case that does not fit its process's device memory (the message: the reason)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _TooLargeCase:
+  """A case that ran out of device memory before it was measured (building its inputs, compiling)."""
+
+  op: object
+  case: object
+  item: tuple
+  reason: str
+
+
+def _oom_reason(error: BaseException) -> str:
+  return f"ran out of device memory: {str(error).splitlines()[0][:200]}"
 
 
 def _pool_bytes() -> int:
@@ -211,8 +241,10 @@ def _pool_bytes() -> int:
 def _check_fits(kernel, ref, iterations: int) -> None:
   """Raises :class:`_TooLarge` where the compiled case's buffers cannot fit this process's pool."""
   pool = _pool_bytes()
+  if not pool:
+    return
   stats = [c.memory_analysis() for c in (kernel, ref)]
-  if not pool or None in stats:
+  if None in stats:
     return
   k, r = stats
   peak = memory.peak_bytes(max(k.argument_size_in_bytes, r.argument_size_in_bytes),
@@ -230,7 +262,7 @@ def _measure(op, case, key, avals, decisions, kernel, ref, iterations: int, quie
     return _check_and_time(op, case, key, avals, decisions, kernel, ref, iterations, quiet, env)
   except Exception as e:
     if memory.is_out_of_memory(e):
-      raise _TooLarge(f"ran out of device memory: {str(e).splitlines()[0][:200]}") from None
+      raise _TooLarge(_oom_reason(e)) from None
     raise
 
 
@@ -291,11 +323,17 @@ def _rows(todo_items, iterations: int, jobs: int, quiet: _Quiet, env: dict, defe
   ``defer``, else a skipped row."""
   with quiet.timing():  # the keys are made on the GPU
     todo = list(_cases(todo_items))
-  for op, case, key, item, avals, decisions, kernel, ref in _compile_all(todo, jobs, quiet):
-    try:
-      yield _measure(op, case, key, avals, decisions, kernel, ref, iterations, quiet, env)
-    except _TooLarge as e:
-      yield _Deferred(item, str(e)) if defer else _skipped_row(op.name, case.label, case.nbytes, str(e), env)
+  for ready in _compile_all(todo, jobs, quiet):
+    if isinstance(ready, _TooLargeCase):
+      op, case, item, reason = ready.op, ready.case, ready.item, ready.reason
+    else:
+      op, case, key, item, avals, decisions, kernel, ref = ready
+      try:
+        yield _measure(op, case, key, avals, decisions, kernel, ref, iterations, quiet, env)
+        continue
+      except _TooLarge as e:
+        reason = str(e)
+    yield _Deferred(item, reason) if defer else _skipped_row(op.name, case.label, case.nbytes, reason, env)
 
 
 def _worker(todo_items, iterations, jobs, shared, env, rows, defer):
@@ -337,7 +375,7 @@ def _parallel_rows(shares, iterations: int, jobs: int, env: dict, mem_fraction: 
     elif isinstance(row, BaseException):
       for p in procs:
         p.terminate()
-      raise row
+      raise SystemExit(f"benchmark run stopped: {row}")
     elif isinstance(row, _Deferred):
       print(f"{row.item[0]} {row.item[1]}: deferred to the large-memory process: {row.reason}", flush=True)
       deferred.append(row)

@@ -6,6 +6,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -187,6 +188,67 @@ def test_phased_run_sizes_pools_and_runs_deferred_cases_in_the_large_pool(monkey
   assert rows[0]["skipped"] and rows[0]["op"] == "op3"
   assert [r["op"] for r in rows[1:]] == ["op0", "op4", "op1", "op0", "op2"]
   assert "device memory 80.0 GiB: 2 workers with" in capsys.readouterr().out
+
+
+class _Compiled:
+  def __init__(self, args, out, temp):
+    self.stats = types.SimpleNamespace(argument_size_in_bytes=args, output_size_in_bytes=out, temp_size_in_bytes=temp)
+
+  def memory_analysis(self):
+    return self.stats
+
+
+def test_compiled_case_too_large_for_the_pool(monkeypatch):
+  monkeypatch.setattr(run, "_pool_bytes", lambda: 10 * GiB)
+  run._check_fits(_Compiled(GiB, 2 * GiB, 0), _Compiled(GiB, 2 * GiB, GiB), 30)  # 6 GiB: fits
+  run._check_fits(_Compiled(GiB, 2 * GiB, 0), _Compiled(GiB, 2 * GiB, 4 * GiB), 30)  # 9 GiB: just fits
+  with pytest.raises(run._TooLarge, match=r"needs 10.0 GiB of device memory \(its compiled buffers\), more than 90% "
+                                          r"of the 10.0 GiB"):
+    run._check_fits(_Compiled(GiB, 2 * GiB, 0), _Compiled(GiB, 2 * GiB, 5 * GiB), 30)
+
+
+def test_out_of_memory_while_measuring_is_too_large(monkeypatch):
+  monkeypatch.setattr(run, "_pool_bytes", lambda: 0)  # no pool figure: no compiled check
+
+  def oom(*args):
+    raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4617089024 bytes.\nmore")
+
+  monkeypatch.setattr(run, "_check_and_time", oom)
+  with pytest.raises(run._TooLarge, match=r"^ran out of device memory: RESOURCE_EXHAUSTED: Out of memory while trying "
+                                          r"to allocate 4617089024 bytes.$"):
+    run._measure(*[None] * 10)
+  monkeypatch.setattr(run, "_check_and_time", lambda *args: 1 / 0)
+  with pytest.raises(ZeroDivisionError):
+    run._measure(*[None] * 10)
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_rows_defer_or_skip_cases_too_large(monkeypatch, defer):
+  op = REGISTRY["transpose"]
+  labels = [c.label for c in op.cases()[:3]]
+  items = [("transpose", label, i, 3) for i, label in enumerate(labels)]
+
+  def fake_compile_all(todo, jobs, quiet):
+    (op0, case0, _, item0), *rest = todo
+    yield run._TooLargeCase(op0, case0, item0, "ran out of device memory: compiling")
+    for op_, case, key, item in rest:
+      yield op_, case, key, item, None, [], "kernel", "ref"
+
+  def fake_measure(op_, case, *args):
+    if case.label == labels[1]:
+      raise run._TooLarge("needs 99 GiB")
+    return dict(op=op_.name, shape=case.label)
+
+  monkeypatch.setattr(run, "_compile_all", fake_compile_all)
+  monkeypatch.setattr(run, "_measure", fake_measure)
+  rows = list(run._rows(items, 30, 1, run._Quiet(), ENV, defer))
+  assert rows[2] == dict(op="transpose", shape=labels[2])
+  if defer:
+    assert rows[:2] == [run._Deferred(items[0], "ran out of device memory: compiling"),
+                        run._Deferred(items[1], "needs 99 GiB")]
+  else:
+    assert [(r["shape"], r["skipped"], r["gpu"]) for r in rows[:2]] == [
+        (labels[0], "ran out of device memory: compiling", H100), (labels[1], "needs 99 GiB", H100)]
 
 
 def test_benchmark_table_and_skipped_rows(monkeypatch, tmp_path, capsys):
