@@ -49,7 +49,8 @@ def peak_bytes(arg_bytes: int, out_bytes: tuple[int, int], temp_bytes: tuple[int
   ``arg_bytes`` include the flush buffer, ``out_bytes`` the flushed buffer the call returns)."""
   (out_k, out_r), (temp_k, temp_r) = out_bytes, temp_bytes
   check = arg_bytes + out_k + out_r + max(temp_k, temp_r)
-  timing = arg_bytes + max(_timing_bytes(out_k, pool, iterations) + temp_k, _timing_bytes(out_r, pool, iterations) + temp_r)
+  timing = arg_bytes + max(_timing_bytes(out_k, pool, iterations) + temp_k,
+                           _timing_bytes(out_r, pool, iterations) + temp_r)
   return max(check, timing)
 
 

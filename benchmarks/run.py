@@ -7,8 +7,8 @@ lower in parallel), and for each, in order, checks the kernel against the refere
 device-to-device copy bandwidth measured in the same run, the speed-up over
 XLA and, where ``benchmarks/anchors/tilekernels_targets.jsonl`` has the shape, that speed-up against
 TileKernels' (``vs_tilekernels`` = speed-up / ``tilekernels_target_speedup``, > 1: faster than
-TileKernels; only on the card the targets were measured on, an H100 80GB HBM3). Every row records the path the op call took (``pallas`` or ``xla``, from
-:func:`jaxkern.explain`; ``path_reason`` says why where it is not the kernel). Rows go to a JSONL
+TileKernels; only on the card the targets were measured on, an H100 80GB HBM3). Every row records
+the path the op call took (``pallas`` or ``xla``, from :func:`jaxkern.explain`; ``path_reason`` says why where it is not the kernel). Rows go to a JSONL
 file under ``benchmarks/results/``; regenerate the summary with ``python -m benchmarks.summarize``.
 
 Device memory (``benchmarks/memory.py``): a case whose inputs, outputs and temporaries cannot fit the
@@ -389,9 +389,10 @@ def _phased_rows(items, nbytes, iterations: int, jobs: int, workers: int, env: d
   """``--workers N``: the pools sized from the device's memory (:func:`benchmarks.memory.plan`); rows of
   the skipped cases, then of N worker processes, then of one process with the large pool."""
   parent_pool = _pool_bytes()
-  total = device_memory or int(parent_pool / memory.PARENT_FRACTION)
-  if not total:
-    raise SystemExit("cannot read the device's memory (no XLA pool limit): pass --device-memory GIB")
+  if not parent_pool:
+    raise SystemExit("cannot read the device's memory (no XLA pool limit in memory_stats()): use --workers 1")
+  xla_total = int(parent_pool / memory.PARENT_FRACTION)  # XLA's pool limit is the device's memory x the fraction
+  total = min(device_memory or xla_total, xla_total)
   plan = memory.plan(total, parent_pool, workers, nbytes)
   print(f"device memory {memory.gib(total)}: {workers} workers with {memory.gib(plan.worker_pool)} each, then "
         f"{len(plan.big)} larger cases in one process with {memory.gib(plan.big_pool)}; {len(plan.skipped)} too large")
@@ -399,11 +400,12 @@ def _phased_rows(items, nbytes, iterations: int, jobs: int, workers: int, env: d
     yield _skipped_row(items[i][0], items[i][1], nbytes[i], reason, env)
   deferred = []
   yield from _parallel_rows([[items[i] for i in share] for share in plan.shares], iterations,
-                            max(1, jobs // workers), env, memory.fraction(plan.worker_pool, total), deferred)
+                            max(1, jobs // workers), env, memory.fraction(plan.worker_pool, xla_total), deferred)
   big = sorted(set(plan.big) | {d.item[2] for d in deferred})
   if big:
     print(f"{len(big)} cases in one process with a {memory.gib(plan.big_pool)} pool", flush=True)
-    yield from _parallel_rows([[items[i] for i in big]], iterations, jobs, env, memory.fraction(plan.big_pool, total))
+    yield from _parallel_rows([[items[i] for i in big]], iterations, jobs, env,
+                              memory.fraction(plan.big_pool, xla_total))
 
 
 def _single_rows(items, nbytes, iterations: int, jobs: int, env: dict):
@@ -413,7 +415,8 @@ def _single_rows(items, nbytes, iterations: int, jobs: int, env: dict):
   todo = []
   for item, n in zip(items, nbytes, strict=True):
     if pool and not memory.fits(memory.lower_bound(n), pool):
-      yield _skipped_row(item[0], item[1], n, memory.too_large(memory.lower_bound(n), pool, "inputs and outputs alone"), env)
+      reason = memory.too_large(memory.lower_bound(n), pool, "inputs and outputs alone")
+      yield _skipped_row(item[0], item[1], n, reason, env)
     else:
       todo.append(item)
   yield from _rows(todo, iterations, jobs, _Quiet(), env)
@@ -458,7 +461,8 @@ def _benchmark(ops, out_path: pathlib.Path, iterations: int, shapes: str | None,
       f.flush()
       if "skipped" not in row:
         print(f"{row['op']:20s} {row['shape']:26s} {row['path']:7s} {row['device_us']:9.2f} {row['gbps']:7.0f} "
-              f"{row['pct_copy']:6.1f} {row['xla_us']:9.2f} {row['speedup']:8.2f} {_fmt(row['vs_tilekernels'], '.2f', 6)}"
+              f"{row['pct_copy']:6.1f} {row['xla_us']:9.2f} {row['speedup']:8.2f} "
+              f"{_fmt(row['vs_tilekernels'], '.2f', 6)}"
               f"{'' if row['correct'] else '  WRONG'}", flush=True)
   print(f"wrote {out_path}")
   if skipped:
@@ -478,7 +482,8 @@ def main(argv=None) -> int:
                       help="processes that lower and compile in parallel (tracing is GIL-bound); timings never "
                            "overlap; at most 6")
   parser.add_argument("--device-memory", type=float, metavar="GIB",
-                      help="with --workers: the device's memory in GiB (default: from the parent's XLA pool limit)")
+                      help="with --workers: the device memory the run may use, in GiB (default: all of it, as "
+                           "the parent's XLA pool limit tells)")
   args = parser.parse_args(argv)
   if not 1 <= args.workers <= 6:
     parser.error("--workers must be in [1, 6]")

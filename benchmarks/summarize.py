@@ -85,7 +85,9 @@ def summary_table(measured: list[dict]) -> list[str]:
     vs = [v for r in rs if (v := vs_tilekernels(r)) is not None]
     wrong = sum(not r["correct"] for r in rs)
     shapes = f"{len(rs)}" + (f" ({wrong} wrong)" if wrong else "")
-    tk = (f"{_median(vs):.2f} / {min(vs):.2f}", f"{sum(v < 1 - targets.TIE for v in vs)} of {len(vs)}") if vs else ("—", "—")
+    tk = ("—", "—")
+    if vs:
+      tk = (f"{_median(vs):.2f} / {min(vs):.2f}", f"{sum(v < 1 - targets.TIE for v in vs)} of {len(vs)}")
     lines.append(f"| {op} | {gpu} | {shapes} | {_median([r['gbps'] for r in rs]):.0f} | "
                  f"{_median([r['pct_copy'] for r in rs]):.0f} | {min(speedups):.2f} / {_median(speedups):.2f} / "
                  f"{max(speedups):.2f} | {tk[0]} | {tk[1]} |")
@@ -140,7 +142,8 @@ def summarize(paths) -> str:
               f"{r['pct_copy']:.1f} | {r['xla_us']:.2f} | {r['speedup']:.2f} |")
       if with_tk:
         anchor = targets.target(op, r["shape"])
-        line += (f" {anchor['target_speedup_over_xla']:.2f} |" if anchor else " — |") + (f" {v:.2f} |" if v else " — |")
+        line += f" {anchor['target_speedup_over_xla']:.2f} |" if anchor else " — |"
+        line += f" {v:.2f} |" if v else " — |"
       lines.append(line)
     lines.append("")
   return "\n".join(lines)

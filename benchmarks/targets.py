@@ -62,7 +62,8 @@ _MAPS = {
     "per_block_cast": ("M K in fmt block", lambda f: (
         f"per_block_cast_{'e2m1_' if f['fmt'] == 'e2m1' else ''}{f['block']}", f"M={f['M']} K={f['K']} {f['in']}")),
     "cast_back": ("M K out block round", lambda f: (
-        f"cast_back_{f['block']}_{f['out']}", f"M={f['M']} K={f['K']} {f['out']}{' round' if f['round'] == 'True' else ''}")),
+        f"cast_back_{f['block']}_{f['out']}",
+        f"M={f['M']} K={f['K']} {f['out']}{' round' if f['round'] == 'True' else ''}")),
     "per_channel_cast": ("M K in npt round", _per_channel_cast),
 }
 

@@ -188,6 +188,12 @@ def test_phased_run_sizes_pools_and_runs_deferred_cases_in_the_large_pool(monkey
   assert rows[0]["skipped"] and rows[0]["op"] == "op3"
   assert [r["op"] for r in rows[1:]] == ["op0", "op4", "op1", "op0", "op2"]
   assert "device memory 80.0 GiB: 2 workers with" in capsys.readouterr().out
+  # --device-memory 24: pools sized from 24 GiB, fractions of the device XLA sees
+  calls.clear()
+  list(run._phased_rows(items, nbytes, 30, 12, 2, ENV, 24 * GiB))
+  worker, big = memory.pools(24 * GiB, int(0.04 * 80 * GiB), 2)
+  assert float(calls[0][2]) * total <= worker < (float(calls[0][2]) + 2e-4) * total
+  assert float(calls[1][2]) * total <= big < (float(calls[1][2]) + 2e-4) * total
 
 
 class _Compiled:
