@@ -28,9 +28,14 @@ MOE_PARAMS = [(e, r, k) for (e, r), k in itertools.product(((9, 8), (32, 8), (4,
 SEND_TOKENS = 4001
 
 
-@functools.lru_cache(maxsize=None)
 def _routing(experts: int, ranks: int, num_topk: int, send_tokens: int = SEND_TOKENS, alignment: int = 16):
-  """``(topk_idx, token_topk_to_pos, pos_to_expert)`` as NumPy arrays."""
+  """``(topk_idx, token_topk_to_pos, pos_to_expert)`` as NumPy arrays, computed once per config (however
+  the arguments are spelled)."""
+  return _routing_of(experts, ranks, num_topk, send_tokens, alignment)
+
+
+@functools.lru_cache(maxsize=None)
+def _routing_of(experts, ranks, num_topk, send_tokens, alignment):
   idx = moe_topk_idx(jax.random.key(0), send_tokens, num_topk, experts, ranks)
   m = ref.get_fused_mapping(jnp.asarray(idx), experts, 0, alignment)
   return idx, np.asarray(m.token_topk_to_pos), np.asarray(m.pos_to_expert)

@@ -1,56 +1,150 @@
 """Writes ``benchmarks/RESULTS.md`` from the JSONL files in ``benchmarks/results/``.
 
-``python -m benchmarks.summarize [FILES...]``: the newest row of each (op, shape, gpu) wins, by its
-``time`` (UTC, written by the runner; rows measured before that field existed carry the time of the
-commit that added them) and then by file order. The text
-of ``benchmarks/NOTES.md`` (facts the rows cannot carry: which commit a row predates, measurements
-outside the runner) follows the introduction.
+``python -m benchmarks.summarize [FILES...]``: the newest row of each shape wins, by its ``time``
+(UTC, written by the runner; rows measured before that field existed carry the time of the commit
+that added them) and then by file order. RESULTS.md opens with one table: per op (its benchmark
+variants — dtypes, block sizes, layouts — together, forward and backward apart) and card, over the
+newest row of each shape: the shape count, median GB/s and % of copy, the speed-ups over XLA (min /
+median / max) and, on the card TileKernels' targets were measured on, against TileKernels (median,
+min, shapes behind by more than 3%). ``vs_tilekernels`` is taken from the row or, for rows measured
+before the runner wrote it, computed from the row's speed-up and ``benchmarks/anchors/``. Per-shape
+tables per (benchmark op, card) follow. The narrative of experiments is ``benchmarks/NOTES.md``.
+Builds no benchmark case (no op module is imported).
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import re
 import statistics
 import sys
 
-from benchmarks.registry import REGISTRY
-from benchmarks.run import RESULTS
+from benchmarks import targets
 
-OUT = pathlib.Path(__file__).parent / "RESULTS.md"
-NOTES = pathlib.Path(__file__).parent / "NOTES.md"
+HERE = pathlib.Path(__file__).parent
+RESULTS = HERE / "results"
+OUT = HERE / "RESULTS.md"
+
+# variant suffixes of benchmark op names: (group width / block / layout / dtype) variants of one public op
+_VARIANT = re.compile(r"_(npc\d+|row|npt\d+|\d+x\d+|e2m1|packed|bf16|fp32|quant_input)$")
+
+
+def family(op: str) -> str:
+  """The public op a benchmark op measures, its variants folded: ``per_token_cast_e2m1_npc32`` and
+  ``per_token_cast_quant_input`` -> ``per_token_cast``, ``reduce_fused:e4m3:x_sf`` -> ``reduce_fused``;
+  backward and composite benchmarks (``_bwd``, ``.bwd``, ``:fwd+bwd``) stay apart."""
+  if op.endswith(":fwd+bwd"):
+    return op
+  op = op.split(":")[0]
+  while (shorter := _VARIANT.sub("", op)) != op:
+    op = shorter
+  return op
+
+
+def card(gpu: str) -> str:
+  """``NVIDIA H100 80GB HBM3`` -> ``H100``."""
+  return gpu.removeprefix("NVIDIA ").split()[0]
+
+
+def vs_tilekernels(row: dict) -> float | None:
+  if "vs_tilekernels" in row:
+    return row["vs_tilekernels"]
+  return targets.vs_tilekernels(row.get("speedup"), targets.target(row["op"], row["shape"]), row["gpu"])
+
+
+def _load(paths) -> list[dict]:
+  found = [json.loads(line) for path in sorted(paths)
+           for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+  return sorted(found, key=lambda r: (r["date"], r.get("time", "")))  # stable: file order breaks ties
+
+
+def _newest(rows, key) -> dict:
+  newest = {}
+  for r in rows:
+    newest[key(r)] = r
+  return newest
+
+
+def _median(xs):
+  return statistics.median(xs) if xs else None
+
+
+def summary_table(measured: list[dict]) -> list[str]:
+  """One line per (op family, card) over that card's newest row of each (benchmark op, shape); a card
+  gets a line where it ran the newest row of at least one of the family's shapes."""
+  shown = {(family(r["op"]), card(r["gpu"])) for r in _newest(measured, lambda r: (r["op"], r["shape"])).values()}
+  groups = {}
+  for r in _newest(measured, lambda r: (r["op"], r["shape"], r["gpu"])).values():
+    if (key := (family(r["op"]), card(r["gpu"]))) in shown:
+      groups.setdefault(key, []).append(r)
+  lines = ["| op | card | shapes | GB/s | % copy | × XLA min / median / max | vs TileKernels median / min | "
+           "behind TileKernels > 3% |", "|---|---|---:|---:|---:|---|---|---|"]
+  for (op, gpu), rs in sorted(groups.items()):
+    speedups = [r["speedup"] for r in rs]
+    vs = [v for r in rs if (v := vs_tilekernels(r)) is not None]
+    wrong = sum(not r["correct"] for r in rs)
+    shapes = f"{len(rs)}" + (f" ({wrong} wrong)" if wrong else "")
+    tk = ("—", "—")
+    if vs:
+      tk = (f"{_median(vs):.2f} / {min(vs):.2f}", f"{sum(v < 1 - targets.TIE for v in vs)} of {len(vs)}")
+    lines.append(f"| {op} | {gpu} | {shapes} | {_median([r['gbps'] for r in rs]):.0f} | "
+                 f"{_median([r['pct_copy'] for r in rs]):.0f} | {min(speedups):.2f} / {_median(speedups):.2f} / "
+                 f"{max(speedups):.2f} | {tk[0]} | {tk[1]} |")
+  return lines
 
 
 def summarize(paths) -> str:
-  found = [json.loads(line) for path in sorted(paths)
-           for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
-  rows = {}
-  for r in sorted(found, key=lambda r: (r["date"], r.get("time", ""))):  # stable: file order breaks ties
-    rows[(r["op"], r["shape"], r["gpu"])] = r
+  rows = _load(paths)
+  measured = [r for r in rows if "skipped" not in r]
+  gpus = sorted({r["gpu"] for r in measured})
+  anchor_gpus = sorted({row["device"] for row in targets.load()[0].values()})
   lines = ["# Benchmark results", "",
-           "Device time measured with CUPTI (`jax.experimental.mosaic.gpu.profiler`), cold L2 (a 256 MiB",
-           "flush before every call), median of the stated iterations. GB/s counts each input read and",
-           "each output written once; % copy is against the device-to-device copy bandwidth measured in",
-           "the same run; speed-up is over the XLA-compiled `jnp` reference. Generated by",
-           "`python -m benchmarks.summarize` from `benchmarks/results/*.jsonl`. Path: what the op call ran",
-           "(`pallas` kernel or `xla` path, recorded from 2026-11-25's API rework on; — in older rows).", ""]
-  if NOTES.exists():
-    lines += [NOTES.read_text().strip(), ""]
+           "Per op (its benchmark variants together) and card, the newest row of each shape; GB/s and % of",
+           "copy: medians over shapes; × XLA: speed-up over the XLA-compiled `jnp` reference; vs TileKernels:",
+           "that speed-up / TileKernels' on the same shape ([anchors](anchors/README.md); > 1: faster, within",
+           f"3%: a tie), on {', '.join(card(g) for g in anchor_gpus) or 'no'} rows only, the card the targets "
+           "were measured on. Cards: " + "; ".join(f"{card(g)} = {g}" for g in gpus) + ".",
+           "Method and per-shape tables below; experiments and their narrative in [NOTES.md](NOTES.md).", ""]
+  lines += summary_table(measured)
+  lines += ["", "## Method", "",
+            "Device time measured with CUPTI (`jax.experimental.mosaic.gpu.profiler`), cold L2 (a 256 MiB",
+            "flush before every call), median of the stated iterations. GB/s counts each input read and",
+            "each output written once; % copy is against the device-to-device copy bandwidth measured in",
+            "the same run; speed-up is over the XLA-compiled `jnp` reference; vs TK is the speed-up over",
+            "TileKernels' speed-up on the same shape (H100 rows). Generated by `python -m benchmarks.summarize`",
+            "from `benchmarks/results/*.jsonl`. Path: what the op call ran (`pallas` kernel or `xla` path,",
+            "recorded from 2026-11-25's API rework on; — in older rows). Below, per benchmark op and card,",
+            "the newest row of each shape measured on that card.", ""]
+  newest = _newest(rows, lambda r: (r["op"], r["shape"], r["gpu"]))
   by_op = {}
-  for r in rows.values():
+  for r in _newest(measured, lambda r: (r["op"], r["shape"], r["gpu"])).values():
     by_op.setdefault((r["op"], r["gpu"]), []).append(r)
   for (op, gpu), rs in sorted(by_op.items()):
     dates = sorted({r["date"] for r in rs})
-    total = len(REGISTRY[op].cases()) if op in REGISTRY else len(rs)
+    vs = [vs_tilekernels(r) for r in rs]
+    with_tk = any(targets.target(op, r["shape"]) for r in rs)
     lines += [f"## {op} — {gpu}, {', '.join(dates)}, jax {rs[0]['jax']}, copy {rs[0]['copy_gbps']:.0f} GB/s", "",
               f"Median over shapes: {statistics.median(r['gbps'] for r in rs):.0f} GB/s, "
               f"speed-up over XLA {statistics.median(r['speedup'] for r in rs):.2f}× "
               f"(min {min(r['speedup'] for r in rs):.2f}×); all correct: {all(r['correct'] for r in rs)}; "
-              f"{len(rs)} of {total} spec shapes measured.", "",
-              "| shape | path | µs | GB/s | % copy | XLA µs | speed-up |", "|---|---|---:|---:|---:|---:|---:|"]
-    for r in rs:
-      lines.append(f"| {r['shape']} | {r.get('path', '—')} | {r['device_us']:.2f} | {r['gbps']:.0f} | "
-                   f"{r['pct_copy']:.1f} | {r['xla_us']:.2f} | {r['speedup']:.2f} |")
+              f"{len(rs)} shapes measured.", ""]
+    skipped = [r for (o, _, g), r in newest.items() if o == op and g == gpu and "skipped" in r]
+    for r in skipped:
+      lines += [f"Skipped in its newest run: {r['shape']} ({r['skipped']}).", ""]
+    head = "| shape | path | µs | GB/s | % copy | XLA µs | speed-up |"
+    rule = "|---|---|---:|---:|---:|---:|---:|"
+    if with_tk:
+      head, rule = head + " TK target | vs TK |", rule + "---:|---:|"
+    lines += [head, rule]
+    for r, v in zip(rs, vs):
+      line = (f"| {r['shape']} | {r.get('path', '—')} | {r['device_us']:.2f} | {r['gbps']:.0f} | "
+              f"{r['pct_copy']:.1f} | {r['xla_us']:.2f} | {r['speedup']:.2f} |")
+      if with_tk:
+        anchor = targets.target(op, r["shape"])
+        line += f" {anchor['target_speedup_over_xla']:.2f} |" if anchor else " — |"
+        line += f" {v:.2f} |" if v else " — |"
+      lines.append(line)
     lines.append("")
   return "\n".join(lines)
 
