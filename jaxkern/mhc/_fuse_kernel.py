@@ -121,7 +121,13 @@ def epilogue_kernel(parts, params, x, *, k, rms_eps, pre_eps, post_mult, sinkhor
     z = [o * rho for o in om]
     base = [prm_g[j] for j in range(J)]
     scale = [prm_g[J + g] for g in range(3)]
-    a = [z[j] * scale[min(2, j // mm)] + base[j] for j in range(J)]
+    # XLA on a GPU rounds z·scale before adding base (pre_split_mixes is XLA code), Mosaic GPU would contract
+    # the two into an FMA: the select keeps the product a separate, rounded value (XLA on CPU, which runs the
+    # kernel body in interpret mode, contracts like the unfused XLA code, so nothing is needed there)
+    prod = [z[j] * scale[min(2, j // mm)] for j in range(J)]
+    if not interpret:
+      prod = [jnp.where(p == p, p, jnp.float32(0)) for p in prod]  # (not foldable into p)
+    a = [p + base[j] for j, p in enumerate(prod)]
     pre = [_sigmoid(v) + pre_eps for v in a[:mm]]
     post = [_sigmoid(v) * post_mult for v in a[mm:2 * mm]]
     comb = skn.forward([a[2 * mm + q * mm:2 * mm + (q + 1) * mm] for q in range(mm)], repeat, sinkhorn_eps)
