@@ -152,10 +152,9 @@ register(BenchOp("sinkhorn_normalize_bwd", mhc.sinkhorn_normalize_bwd, ref.sinkh
 # Shapes: upstream's test grid T ∈ {512, 1024, 2048, 8192} × H ∈ {1280, 2560, 4096} plus the issue-20 target
 # T = 8192, H = 7168 (M = 4, J = 24, K = 4H; no norm weight, all eps 1e-6, post_mult_value 1, repeat 10).
 # Bytes (count_bytes: each array once): residual 2TK + fn 4JK + scale 12 + base 4J + post_mix 4TM + comb_mix 4TM²
-# + layer_input 2TH. Kernel path: the pre_norm_fn GEMM kernel, then one fused epilogue kernel (mixes, Sinkhorn,
-# pre-mix application); the residual is still read twice (by the GEMM and by the epilogue), so it cannot reach
-# copy speed by this count (bounded near 55%); the issue's target is >= 80% of copy at T = 8192, H = 7168 (a
-# single-pass kernel: jaxkern/mhc/_fused.py's module docstring). The XLA column times the composed jnp reference.
+# + layer_input 2TH. First version: the composition of the unfused ops (the residual is read twice, by the GEMM
+# and by pre_apply_mix), so it cannot reach copy speed by this count; the issue's target is >= 80% of copy at
+# T = 8192, H = 7168 for a fused kernel. The XLA column times the composed jnp reference.
 
 J = M * (M + 2)
 BIG_FUSE_SHAPES = [(t, h) for t in (512, 1024, 2048, 8192) for h in (1280, 2560, 4096)] + [(8192, 7168)]
