@@ -3,6 +3,7 @@ kernels (interpret mode) against the references for loss and gradients, a short 
 the FP8 expand of the MoE layer, and the H100 lowering of the whole training step."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -196,3 +197,20 @@ def test_train_step_lowers_for_h100():
   step = functools.partial(block.train_step, config=CONFIG, optimizer=optimizer, implementation="pallas")
   text = lower_for_h100(step, *shapes).as_text()
   assert "mosaic_gpu" in text or "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU smoke run of the benchmark")
+def test_train_step_benchmark_small(tmp_path, capsys):
+  from benchmarks import train_step
+
+  out = tmp_path / "rows.jsonl"
+  assert train_step.main(["--small", "--implementations", "auto", "--iterations", "1", "--out", str(out)]) == 0
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r["component"] for r in rows] == ["step", "engram", "mhc", "mhc_ends", "gating", "routing", "casts",
+                                            "gemms", "swiglu"]
+  assert all(r["wall_ms"] > 0 and r["implementation"] == "auto" for r in rows) and np.isfinite(rows[0]["loss"])
+  printed = capsys.readouterr().out
+  assert "| rest |" in printed and "| step |" in printed
+  with pytest.raises(SystemExit) as exc:
+    train_step.main(["--small", "--devices", "2", "--no-split"])
+  assert exc.value.code == 2 and "jaxkern.modeling.sharding" in capsys.readouterr().err
