@@ -176,19 +176,22 @@ def _mesh_step(args, config, optimizer, implementation):
                                    implementation=implementation))
   if not args.devices:
     return step, lambda tree: tree
+  sharding = None
+  if args.devices > 1:
+    try:
+      sharding = importlib.import_module("jaxkern.modeling.sharding")
+    except ImportError:
+      print(f"--devices {args.devices} needs jaxkern.modeling.sharding (the expert-parallel MoE layer), which this "
+            "checkout lacks; run with --devices 1 or without --devices", file=sys.stderr)
+      raise SystemExit(2) from None
   if args.devices > len(jax.devices()):
-    raise SystemExit(f"--devices {args.devices}: only {len(jax.devices())} devices here")
+    print(f"--devices {args.devices}: only {len(jax.devices())} devices here", file=sys.stderr)
+    raise SystemExit(2)
   mesh = jax.make_mesh((args.devices,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,),
                        devices=jax.devices()[:args.devices])
-  if args.devices == 1:
+  if sharding is None:
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return step, lambda tree: jax.device_put(tree, replicated)
-  try:
-    sharding = importlib.import_module("jaxkern.modeling.sharding")
-  except ImportError:
-    print(f"--devices {args.devices} needs jaxkern.modeling.sharding (the expert-parallel MoE layer), which this "
-          "checkout lacks; run with --devices 1 or without --devices", file=sys.stderr)
-    raise SystemExit(2) from None
   return sharded_step(sharding, mesh, config, optimizer, implementation)
 
 
