@@ -105,8 +105,9 @@ md(r"""
 ## Loss curves and expert load
 
 Left: the training loss of both runs (`ln 32 ≈ 3.47` is a uniform guess; the random tokens between phrases cannot be
-predicted, the phrase tokens can). The curves agree to rounding: the FP8 casts and the bf16 outputs of kernels and
-references are bit-exact for most ops, float32 sums in a different order for others. Right: the routed tokens of
+predicted, the phrase tokens can). On a GPU the kernel curve follows the reference to rounding (the FP8 casts and
+most bf16 outputs are bit-exact, some float32 sums run in another order); on a CPU the two curves coincide exactly,
+as the XLA paths of most ops are their references. Right: the routed tokens of
 each expert of layer 0 per step relative to the mean load (`tokens · K / E`), as the balancing bias evens them out.
 """)
 code(r"""
