@@ -187,7 +187,8 @@ def _mesh_step(args, config, optimizer, implementation):
   if args.devices > len(jax.devices()):
     print(f"--devices {args.devices}: only {len(jax.devices())} devices here", file=sys.stderr)
     raise SystemExit(2)
-  mesh = jax.make_mesh((args.devices,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,),
+  # Auto axes: under an Explicit one (jax 0.11's default) ragged_dot has no sharding rule.
+  mesh = jax.make_mesh((args.devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:args.devices])
   if sharding is None:
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AbstractMesh, AxisType, use_abstract_mesh
 
 import jaxkern
 from jaxkern import moe
 from jaxkern.modeling import MoeConfig, block, init_moe_params, moe_layer
 from jaxkern.modeling.moe import expand_fp8
-from jaxkern.testing import lower_for_h100
+from jaxkern.testing.lowering import H100
 
 # The smallest model every kernel runs: H >= 1024 for the mHC stream kernels, I % 128 == 0 for the FP8 SwiGLU.
 CONFIG = block.BlockConfig(num_layers=1, vocab_size=32, engram_table_size=61, engram_embed_dim=8)
@@ -94,7 +95,7 @@ def test_kernel_model_runs_the_kernels():
 def test_kernels_match_reference_loss_and_gradients():
   """Interpret mode against the references on the same backend, forward and backward of the whole model."""
   params = block.init_block_params(jax.random.key(1), CONFIG)
-  batch = _batch(1)
+  batch = _batch(1, seq_len=8)
   loss_k, grads_k = _value_and_grad(params, batch, config=CONFIG, implementation="interpret")
   loss_r, grads_r = _value_and_grad(params, batch, config=CONFIG, implementation="reference")
   np.testing.assert_allclose(float(loss_k), float(loss_r), rtol=2e-3)
@@ -111,7 +112,7 @@ def test_kernels_match_reference_loss_and_gradients():
 
 
 def test_training_loss_falls_and_router_bias_balances():
-  config = block.BlockConfig(num_layers=1, vocab_size=32, engram_table_size=61, engram_embed_dim=8,
+  config = block.BlockConfig(num_layers=1, vocab_size=32, hidden=256, engram_table_size=61, engram_embed_dim=8,
                              router_bias_rate=1e-2)
   params = block.init_block_params(jax.random.key(2), config)
   optimizer = optax.adam(3e-3)
@@ -195,7 +196,11 @@ def test_train_step_lowers_for_h100():
   optimizer = optax.adam(1e-3)
   shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, optimizer.init(params), _batch()))
   step = functools.partial(block.train_step, config=CONFIG, optimizer=optimizer, implementation="pallas")
-  text = lower_for_h100(step, *shapes).as_text()
+  # lower_for_h100's abstract mesh, with an Auto axis: under an Explicit one (jax 0.11's default) ragged_dot has no
+  # sharding rule ("Explicit sharding inference for ragged_dot_general is not currently implemented").
+  mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,), abstract_device=H100)
+  with use_abstract_mesh(mesh):
+    text = jax.jit(step).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text or "__gpu$xla.gpu.triton" in text
 
 
@@ -211,6 +216,10 @@ def test_train_step_benchmark_small(tmp_path, capsys):
   assert all(r["wall_ms"] > 0 and r["implementation"] == "auto" for r in rows) and np.isfinite(rows[0]["loss"])
   printed = capsys.readouterr().out
   assert "| rest |" in printed and "| step |" in printed
+  assert train_step.main(["--small", "--devices", "1", "--no-split", "--implementations", "xla", "--iterations", "1",
+                          "--out", str(out)]) == 0
+  last = json.loads(out.read_text().splitlines()[-1])
+  assert (last["component"], last["devices"], last["implementation"]) == ("step", 1, "xla")
   with pytest.raises(SystemExit) as exc:
     train_step.main(["--small", "--devices", "2", "--no-split"])
   assert exc.value.code == 2 and "jaxkern.modeling.sharding" in capsys.readouterr().err
