@@ -35,7 +35,6 @@ module, ``--devices`` > 1 is an error (exit status 2). ``--small``: a tiny model
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
 import importlib
