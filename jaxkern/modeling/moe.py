@@ -9,7 +9,10 @@ experts, ``K`` routed slots per token:
 2. :func:`jaxkern.moe.get_fused_mapping` with the static upper bound of fused rows
    (``force_no_sync=True``, so it runs under ``jax.jit``): every one of the ``E+S`` experts owns a
    contiguous segment of rows, its token count rounded up to ``alignment``;
-3. :func:`jaxkern.moe.expand_to_fused` copies each token into its experts' rows (padding rows zero);
+3. :func:`jaxkern.moe.expand_to_fused` copies each token into its experts' rows (padding rows zero); with
+   ``MoeConfig.fp8_expand`` the tokens are first cast per token to FP8 e4m3 (:func:`jaxkern.quant.per_token_cast`,
+   groups of 128), the FP8 rows and their scales expanded (:func:`jaxkern.moe.expand_to_fused_with_sf`) and
+   dequantised for the matmuls (:func:`jaxkern.quant.per_token_cast_back`), a straight-through ``custom_vjp``;
 4. SwiGLU experts on the fused rows, one grouped matmul per projection (``jax.lax.ragged_dot``
    through :func:`jaxkern.modeling._grouped_matmul.grouped_matmul`): ``silu(x Wg) * (x Wu) @ Wd``, the activation
    in float32 or, with ``MoeConfig.fp8_swiglu``, :func:`jaxkern.modeling.swiglu` (fused FP8 kernels);
@@ -29,16 +32,20 @@ by the routing weights, zero for unrouted experts) from the same routing: the ch
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkern import moe
+from jaxkern import _config, moe, quant
 from jaxkern.modeling._grouped_matmul import grouped_matmul
 from jaxkern.modeling._swiglu import swiglu
-from jaxkern.types import TopkRouting
+from jaxkern.moe._expand_to_fused import _sum_slots
+from jaxkern.types import QuantTensor, TopkRouting
+
+FP8_EXPAND_GROUP = 128  # columns per scale of the FP8 tokens (upstream's per-token activation cast)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +65,10 @@ class MoeConfig:
     fp8_swiglu: the experts' activation is :func:`jaxkern.modeling.swiglu` (the fused FP8 forward and backward
       kernels, e4m3 numerics: the activation and its gradient carry e4m3 rounding errors of up to 2^-4 relative)
       instead of ``silu(gate) * up`` in float32; needs the intermediate width ``I % 128 == 0``.
+    fp8_expand: the experts see FP8 e4m3 per-token activations: :func:`expand_fp8` (cast per token with groups
+      of 128, expand data and scales, dequantise to the tokens' dtype) instead of :func:`jaxkern.moe.expand_to_fused`;
+      each expanded element carries the e4m3 rounding of its group (relative error at most 2^-4); the backward
+      is straight-through (the slot sums of ``expand_to_fused``'s backward). Needs ``H % 128 == 0``.
   """
 
   num_experts: int
@@ -69,6 +80,7 @@ class MoeConfig:
   routed_scaling_factor: float = 1.0
   alignment: int = 128
   fp8_swiglu: bool = False
+  fp8_expand: bool = False
 
   @property
   def num_all_experts(self) -> int:
@@ -173,6 +185,59 @@ def swiglu_experts(xf: jax.Array, params: MoeParams, group_sizes: jax.Array, *, 
   return grouped_matmul(act, params.w_down, group_sizes)
 
 
+def _fp8_expanded(x, token_topk_to_pos, pos_to_expert, implementation):
+  q = quant.per_token_cast(x, "e4m3", FP8_EXPAND_GROUP, implementation=implementation)
+  qf = moe.expand_to_fused_with_sf(q, FP8_EXPAND_GROUP, token_topk_to_pos, pos_to_expert,
+                                   implementation=implementation)
+  fmt = "bf16" if x.dtype == jnp.bfloat16 else "fp32"
+  return quant.per_token_cast_back(QuantTensor(*qf), fmt, FP8_EXPAND_GROUP, implementation=implementation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _expand_fp8(x, token_topk_to_pos, pos_to_expert, implementation):
+  return _fp8_expanded(x, token_topk_to_pos, pos_to_expert, implementation)
+
+
+def _expand_fp8_fwd(x, token_topk_to_pos, pos_to_expert, implementation):
+  return _fp8_expanded(x, token_topk_to_pos, pos_to_expert, implementation), token_topk_to_pos
+
+
+def _expand_fp8_bwd(implementation, token_topk_to_pos, d_out):
+  return _sum_slots("expand_fp8.bwd", d_out, token_topk_to_pos, implementation), None, None
+
+
+_expand_fp8.defvjp(_expand_fp8_fwd, _expand_fp8_bwd)
+
+
+def expand_fp8(x: jax.Array, token_topk_to_pos: jax.Array, pos_to_expert: jax.Array, *,
+               implementation: str | None = None) -> jax.Array:
+  """The fused rows of FP8 e4m3 per-token activations, dequantised: a trainable ``expand_to_fused``.
+
+  Forward: :func:`jaxkern.quant.per_token_cast` of ``x`` (e4m3, one float32 scale per 128 columns), then
+  :func:`jaxkern.moe.expand_to_fused_with_sf` (the FP8 rows and their scale rows copied to the fused rows,
+  padding rows zero), then :func:`jaxkern.quant.per_token_cast_back` to ``x.dtype``: the matmul input an FP8
+  grouped GEMM would see, in ``x``'s dtype (``jax.lax.ragged_dot`` has no FP8 path here). Each element is
+  ``RN(e4m3(x / s) · s)``: relative error at most 2^-4 (plus underflow below 2^-9 of its group's scale).
+
+  Backward (``jax.custom_vjp``): straight-through, the cotangent of :func:`jaxkern.moe.expand_to_fused`
+  (``dx[t] = Σ_k dy[token_topk_to_pos[t, k]]``, float32 sums rounded once: its ``reduce_fused`` kernel).
+
+  Args:
+    x: ``(T, H)`` bfloat16 or float32, ``H % 128 == 0``.
+    token_topk_to_pos, pos_to_expert: as :func:`jaxkern.moe.expand_to_fused`.
+    implementation: passed to every op, forward and backward.
+
+  Returns:
+    ``(N, H)`` of ``x.dtype``.
+
+  Raises:
+    ValueError: ``H % 128 != 0``, and as the ops.
+  """
+  if x.ndim != 2 or x.shape[1] % FP8_EXPAND_GROUP:
+    raise ValueError(f"x must be (T, H) with H % {FP8_EXPAND_GROUP} == 0 for the FP8 expand, got {tuple(x.shape)}")
+  return _expand_fp8(x, token_topk_to_pos, pos_to_expert, _config.get_implementation(implementation))
+
+
 def apply_experts(params: MoeParams, x: jax.Array, routing: TopkRouting, *, config: MoeConfig,
                   implementation: str | None = None) -> jax.Array:
   """The routing-weighted sum of each token's expert outputs, through the fused layout.
@@ -189,7 +254,8 @@ def apply_experts(params: MoeParams, x: jax.Array, routing: TopkRouting, *, conf
   """
   mapping = moe.get_fused_mapping(routing.topk_idx, config.num_all_experts, 0, config.alignment,
                                   force_no_sync=True, implementation=implementation)
-  xf = moe.expand_to_fused(x, mapping.token_topk_to_pos, mapping.pos_to_expert, implementation=implementation)
+  expand = expand_fp8 if config.fp8_expand else moe.expand_to_fused
+  xf = expand(x, mapping.token_topk_to_pos, mapping.pos_to_expert, implementation=implementation)
   yf = swiglu_experts(xf, params, _group_sizes(mapping), fp8_swiglu=config.fp8_swiglu, implementation=implementation)
   return moe.reduce_fused(yf, routing.topk_weights, mapping.token_topk_to_pos, implementation=implementation)
 

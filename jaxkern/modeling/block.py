@@ -1,0 +1,369 @@
+"""A small trainable model built only from public jaxkern ops and ``jax.lax.ragged_dot``, and its training step.
+
+Per layer ``l`` (``L`` layers), on ``T = B·S`` tokens with ``M = 4`` mHC residual streams of width ``H``:
+
+1. **Engram** (:func:`engram_memory`): the n-grams ending at each token (``N`` tokens, the current one first) are
+   hashed into ``(N-1)·E`` rows of layer ``l``'s embedding table (:func:`jaxkern.engram.engram_hash` with
+   :func:`jaxkern.engram.make_offsets`, x64 off); the fetched rows, concatenated, are projected to a key per stream
+   ``k (T, M, H)`` and a value ``v (T, H)``, and :func:`jaxkern.modeling.engram_gate` adds the gated value to every
+   stream: ``R <- R + σ(signed_sqrt(<RMSNorm(R), RMSNorm(k)>/√H))·v``.
+2. :func:`jaxkern.modeling.mhc_pre`: the sublayer input ``x (T, H)`` and the mixes.
+3. **MoE FFN** (:func:`moe_ffn`, i.e. :func:`jaxkern.modeling.moe_layer`): router logits ->
+   :func:`jaxkern.moe.top2_sum_gate` -> :func:`jaxkern.moe.get_fused_mapping` -> FP8 per-token activations expanded
+   to the fused layout (``MoeConfig(fp8_expand=True)``: :func:`jaxkern.modeling.moe.expand_fp8`) -> grouped
+   matmuls (``jax.lax.ragged_dot``) -> the fused FP8 SwiGLU (``MoeConfig(fp8_swiglu=True)``:
+   :func:`jaxkern.modeling.swiglu`) -> down projection -> :func:`jaxkern.moe.reduce_fused`.
+4. :func:`jaxkern.modeling.mhc_post`: the new residual streams.
+
+Below the layers the token embedding is copied into the streams (:func:`jaxkern.modeling.expand_from_embedding`);
+above them :func:`jaxkern.modeling.mhc_head` mixes the streams into one hidden state, which is RMS-normalised (no
+weight) and read out linearly to the logits. The model has no attention: the context a token sees is its n-gram memory (Engram), so a next-token
+task on sequences with repeated phrases (:func:`synthetic_batch`) is one where Engram helps.
+
+Everything is a plain function of a params pytree (NamedTuples of float32 master weights, cast to bfloat16 where
+the kernels take bfloat16) and a static :class:`BlockConfig`. ``implementation=`` is passed to every jaxkern op,
+forward and backward: ``"reference"`` is the same model with every jaxkern op replaced by its ``jnp`` reference
+(:mod:`jaxkern.reference`), ``"xla"`` the ops' XLA paths, ``"interpret"`` the Pallas kernels in interpret mode
+(ops without a kernel run their XLA code), ``"pallas"`` / ``"auto"`` the compiled kernels on a GPU. ``jax.lax.ragged_dot``
+(the expert matmuls) and the plain ``jnp`` glue (embedding gathers, projections, readout, loss) are the same in
+all of them. :func:`jaxkern.explain` lists what each op call runs.
+
+``moe_fn`` (keyword of :func:`model_apply`, :func:`loss_fn`, :func:`train_step`) replaces the MoE FFN of every
+layer: any ``moe_fn(params: MoeParams, x (T, H) bf16, *, config: MoeConfig, implementation) -> (T, H)`` with the
+semantics of :func:`moe_ffn` (e.g. an expert-parallel version that runs under a mesh).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxkern import _config, engram, moe
+from jaxkern.modeling.engram import engram_gate
+from jaxkern.modeling.mhc import expand_from_embedding, mhc_head, mhc_post, mhc_pre
+from jaxkern.modeling.moe import MoeConfig, MoeParams, balance_router_bias, init_moe_params, moe_layer, route_tokens
+
+MoeFn = Callable[..., jax.Array]
+
+
+def _default_moe() -> MoeConfig:
+  return MoeConfig(num_experts=8, num_topk=2, num_shared_experts=1, alignment=16, fp8_swiglu=True, fp8_expand=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+  """Static sizes and options of the model (hashable: a static argument of ``jax.jit``).
+
+  Attributes:
+    vocab_size: token ids ``[0, V)``.
+    hidden: ``H``; the kernels need ``H % 256 == 0`` and (mHC stream kernels) ``H >= 1024``.
+    intermediate: the experts' width ``I`` (``I % 128 == 0`` with ``moe.fp8_swiglu``).
+    num_layers: ``L``.
+    moe: the :class:`jaxkern.modeling.MoeConfig` of every layer's MoE FFN.
+    mhc_mult: residual streams ``M`` (only 4 is supported by the mHC ops).
+    sinkhorn_repeat: Sinkhorn iterations of ``mhc_pre``.
+    norm_eps: RMSNorm epsilon of ``mhc_pre`` / ``mhc_head``.
+    engram_max_ngram: ``N``: n-grams of orders 2..N (``N >= 2``).
+    engram_tables: ``E``: hash tables per order and layer.
+    engram_table_size: the tables' sizes are distinct primes from this value up.
+    engram_embed_dim: ``De``, the width of one table row.
+    engram_clamp, engram_eps: the Engram gate's signed-sqrt clamp and RMSNorm epsilon.
+    engram_seed: seeds the hash multipliers (fixed per config: part of the model, not trained).
+    router_bias_rate: the step of :func:`jaxkern.modeling.balance_router_bias` in :func:`train_step` (0: off;
+      with a rate, :func:`train_step` routes each layer's input once more to count the load).
+  """
+
+  vocab_size: int = 64
+  hidden: int = 1024
+  intermediate: int = 128
+  num_layers: int = 2
+  moe: MoeConfig = dataclasses.field(default_factory=_default_moe)
+  mhc_mult: int = 4
+  sinkhorn_repeat: int = 10
+  norm_eps: float = 1e-6
+  engram_max_ngram: int = 3
+  engram_tables: int = 2
+  engram_table_size: int = 257
+  engram_embed_dim: int = 32
+  engram_clamp: float = 1e-6
+  engram_eps: float = 1e-6
+  engram_seed: int = 0
+  router_bias_rate: float = 0.0
+
+  def __post_init__(self):
+    if self.engram_max_ngram < 2:
+      raise ValueError(f"engram_max_ngram must be at least 2, got {self.engram_max_ngram}")
+    if self.hidden % 256:
+      raise ValueError(f"hidden must be a multiple of 256 (reduce_fused, the Engram gate), got {self.hidden}")
+    for name in ("vocab_size", "intermediate", "num_layers", "engram_tables", "engram_table_size", "engram_embed_dim"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+  @property
+  def engram_columns(self) -> int:
+    """``C = (N-1)·E``: table rows fetched per token and layer."""
+    return (self.engram_max_ngram - 1) * self.engram_tables
+
+  def engram_vocab_sizes(self) -> np.ndarray:
+    """``(L, N-1, E)`` int32: distinct primes from ``engram_table_size`` up."""
+    count = self.num_layers * self.engram_columns
+    primes, n = [], max(self.engram_table_size, 2)
+    while len(primes) < count:
+      if all(n % p for p in range(2, int(n ** 0.5) + 1)):
+        primes.append(n)
+      n += 1
+    return np.asarray(primes, np.int32).reshape(self.num_layers, self.engram_max_ngram - 1, self.engram_tables)
+
+  def engram_multipliers(self) -> np.ndarray:
+    """``(L, N)`` int64 odd hash multipliers from ``engram_seed``."""
+    rng = np.random.default_rng(self.engram_seed)
+    return rng.integers(1, 2 ** 62, size=(self.num_layers, self.engram_max_ngram), dtype=np.int64) | 1
+
+
+class EngramParams(NamedTuple):
+  """One layer's Engram memory (``R`` table rows, ``C = (N-1)·E`` rows fetched per token)."""
+
+  table: jax.Array  # (R, De) float32: the layer's concatenated hash tables
+  w_k: jax.Array  # (C·De, M·H) float32: fetched rows -> a key per stream
+  w_v: jax.Array  # (C·De, H) float32: fetched rows -> the value
+  weight_hidden: jax.Array  # (M, H) float32: RMSNorm weight of the residual streams in the gate
+  weight_embed: jax.Array  # (M, H) float32: RMSNorm weight of the keys
+
+
+class MhcParams(NamedTuple):
+  """The mixes of one ``mhc_pre`` (``J = M(M+2)``)."""
+
+  fn: jax.Array  # (J, M·H) float32
+  scale: jax.Array  # (3,) float32
+  base: jax.Array  # (J,) float32
+  norm_weight: jax.Array  # (M·H,) float32
+
+
+class HeadParams(NamedTuple):
+  """``mhc_head``'s mix."""
+
+  fn: jax.Array  # (M, M·H) float32
+  scale: jax.Array  # (1,) float32
+  base: jax.Array  # (M,) float32
+
+
+class LayerParams(NamedTuple):
+  engram: EngramParams
+  mhc: MhcParams
+  moe: MoeParams  # float32 master weights; the expert weights are cast to bfloat16 for the matmuls
+
+
+class BlockParams(NamedTuple):
+  embed: jax.Array  # (V, H) float32
+  layers: tuple[LayerParams, ...]
+  head: HeadParams
+  readout: jax.Array  # (H, V) float32
+
+
+class Batch(NamedTuple):
+  tokens: jax.Array  # (B, S) int32 inputs
+  targets: jax.Array  # (B, S) int32: the next token of each input
+
+
+def init_block_params(key: jax.Array, config: BlockConfig) -> BlockParams:
+  """Random float32 :class:`BlockParams`: normal weights scaled by ``1/sqrt(fan_in)``, mHC projections small
+  (0.01), RMSNorm weights and mix scales 1, biases 0, router bias 0."""
+  h, m, v = config.hidden, config.mhc_mult, config.vocab_size
+  j, c_de = m * (m + 2), config.engram_columns * config.engram_embed_dim
+  rows = [int(r) for r in config.engram_vocab_sizes().reshape(config.num_layers, -1).sum(axis=1)]
+  k_embed, k_head, k_out, *k_layers = jax.random.split(key, 3 + config.num_layers)
+
+  def normal(k, shape, std):
+    return jax.random.normal(k, shape, jnp.float32) * std
+
+  layers = []
+  for k, r in zip(k_layers, rows):
+    k_table, k_k, k_v, k_fn, k_moe = jax.random.split(k, 5)
+    layers.append(LayerParams(
+        engram=EngramParams(table=normal(k_table, (r, config.engram_embed_dim), 1.0),
+                            w_k=normal(k_k, (c_de, m * h), c_de ** -0.5), w_v=normal(k_v, (c_de, h), c_de ** -0.5),
+                            weight_hidden=jnp.ones((m, h), jnp.float32), weight_embed=jnp.ones((m, h), jnp.float32)),
+        mhc=MhcParams(fn=normal(k_fn, (j, m * h), 0.01), scale=jnp.ones((3,), jnp.float32),
+                      base=jnp.zeros((j,), jnp.float32), norm_weight=jnp.ones((m * h,), jnp.float32)),
+        moe=init_moe_params(k_moe, config.moe, h, config.intermediate, jnp.float32)))
+  return BlockParams(embed=normal(k_embed, (v, h), 1.0), layers=tuple(layers),
+                     head=HeadParams(fn=normal(k_head, (m, m * h), 0.01), scale=jnp.ones((1,), jnp.float32),
+                                     base=jnp.zeros((m,), jnp.float32)),
+                     readout=normal(k_out, (h, v), h ** -0.5))
+
+
+def ngram_token_ids(tokens: jax.Array, max_ngram: int, pad_id: int) -> jax.Array:
+  """``(B·S, N)`` int32: row ``b·S + s`` is ``(tokens[b, s], tokens[b, s-1], ..., tokens[b, s-N+1])``, positions
+  before the sequence start reading ``pad_id``."""
+  b, s = tokens.shape
+  padded = jnp.pad(tokens, ((0, 0), (max_ngram - 1, 0)), constant_values=pad_id)
+  cols = [padded[:, max_ngram - 1 - n:max_ngram - 1 - n + s] for n in range(max_ngram)]
+  return jnp.stack(cols, axis=-1).reshape(b * s, max_ngram).astype(jnp.int32)
+
+
+def engram_rows(tokens: jax.Array, *, config: BlockConfig, implementation: str | None = None) -> jax.Array:
+  """``(L, B·S, C)`` int32: the table row of every (layer, token, order·table), :func:`jaxkern.engram.engram_hash`
+  of the n-grams (padding id ``V``, outside the vocabulary) with the config's multipliers and table sizes."""
+  sizes = jnp.asarray(config.engram_vocab_sizes())
+  offsets = engram.make_offsets(sizes, implementation=implementation)
+  ids = ngram_token_ids(tokens, config.engram_max_ngram, config.vocab_size)
+  return engram.engram_hash(ids, config.engram_multipliers(), sizes, offsets, implementation=implementation)
+
+
+def engram_memory(params: EngramParams, residual: jax.Array, rows: jax.Array, *, config: BlockConfig,
+                  implementation: str | None = None) -> jax.Array:
+  """One layer's Engram: fetched rows -> ``k (T, M, H)``, ``v (T, H)`` (bfloat16) -> :func:`engram_gate` of
+  ``residual (T, M, H)`` bfloat16 (returned, same shape)."""
+  t, m, h = residual.shape
+  fetched = params.table[rows].reshape(t, -1)  # (T, C·De) float32
+  k = (fetched @ params.w_k).reshape(t, m, h).astype(jnp.bfloat16)
+  v = (fetched @ params.w_v).astype(jnp.bfloat16)
+  return engram_gate(residual, k, v, params.weight_hidden, params.weight_embed, clamp_value=config.engram_clamp,
+                     eps=config.engram_eps, implementation=implementation)
+
+
+def moe_ffn(params: MoeParams, x: jax.Array, *, config: MoeConfig, implementation: str | None = None) -> jax.Array:
+  """The MoE FFN of a layer, unsharded: :func:`jaxkern.modeling.moe_layer` (gate, fused mapping, FP8 expand,
+  grouped matmuls, FP8 SwiGLU, reduce per ``config``) with the expert weights cast to ``x.dtype``.
+
+  Args:
+    params: :class:`jaxkern.modeling.MoeParams` (float32 master weights).
+    x: ``(T, H)`` bfloat16 sublayer input.
+    config: :class:`jaxkern.modeling.MoeConfig`.
+    implementation: passed to every op.
+
+  Returns:
+    ``(T, H)`` of ``x.dtype``.
+  """
+  cast = params._replace(w_gate=params.w_gate.astype(x.dtype), w_up=params.w_up.astype(x.dtype),
+                         w_down=params.w_down.astype(x.dtype))
+  return moe_layer(cast, x, config=config, implementation=implementation)
+
+
+def _forward(params: BlockParams, tokens: jax.Array, config: BlockConfig, implementation: str | None,
+             moe_fn: MoeFn | None, count_load: bool):
+  """``(logits (B, S, V) float32, tokens per routed expert (L, E) int32 or None)``."""
+  implementation = _config.get_implementation(implementation)
+  moe_fn = moe_ffn if moe_fn is None else moe_fn
+  b, s = tokens.shape
+  t, m = b * s, config.mhc_mult
+  rows = engram_rows(tokens, config=config, implementation=implementation)
+  x = params.embed.astype(jnp.bfloat16)[tokens.reshape(t)]
+  residual = expand_from_embedding(x, m, implementation=implementation)  # (T, M, H) bf16
+  loads = []
+  for layer, layer_rows in zip(params.layers, rows):
+    residual = engram_memory(layer.engram, residual, layer_rows, config=config, implementation=implementation)
+    p = layer.mhc
+    y, (post_mix, comb_mix) = mhc_pre(residual, p.fn, p.scale, p.base, norm_weight=p.norm_weight,
+                                      norm_eps=config.norm_eps, mhc_mult=m, sinkhorn_repeat=config.sinkhorn_repeat,
+                                      implementation=implementation)
+    if count_load:
+      routing = route_tokens(jax.lax.stop_gradient(layer.moe), jax.lax.stop_gradient(y), config=config.moe,
+                             implementation=implementation)
+      loads.append(moe.group_count(routing.topk_idx, config.moe.num_experts, implementation=implementation))
+    out = moe_fn(layer.moe, y, config=config.moe, implementation=implementation)
+    residual = mhc_post(out.astype(residual.dtype), residual, post_mix, comb_mix, implementation=implementation)
+  head = params.head
+  h = mhc_head(residual, head.fn, head.scale, head.base, norm_eps=config.norm_eps, mhc_mult=m,
+               implementation=implementation)
+  h = h.astype(jnp.float32)
+  h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + config.norm_eps)  # RMSNorm without weight
+  logits = (h @ params.readout).reshape(b, s, config.vocab_size)
+  return logits, (jnp.stack(loads) if count_load else None)
+
+
+def model_apply(params: BlockParams, tokens: jax.Array, *, config: BlockConfig, implementation: str | None = None,
+                moe_fn: MoeFn | None = None) -> jax.Array:
+  """The model's next-token logits.
+
+  Args:
+    params: :class:`BlockParams` (:func:`init_block_params`).
+    tokens: ``(B, S)`` int32 ids in ``[0, V)``; the ``T = B·S`` tokens are routed together.
+    config: :class:`BlockConfig` (static).
+    implementation: passed to every jaxkern op (module docstring); default the active setting.
+    moe_fn: the MoE FFN of every layer (default :func:`moe_ffn`; module docstring).
+
+  Returns:
+    ``(B, S, V)`` float32 logits.
+  """
+  return _forward(params, tokens, config, implementation, moe_fn, count_load=False)[0]
+
+
+def _loss_and_load(params, batch, config, implementation, moe_fn, count_load):
+  logits, load = _forward(params, batch.tokens, config, implementation, moe_fn, count_load)
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch.targets)
+  return jnp.mean(losses), load
+
+
+def loss_fn(params: BlockParams, batch: Batch, *, config: BlockConfig, implementation: str | None = None,
+            moe_fn: MoeFn | None = None) -> jax.Array:
+  """Mean next-token cross entropy (float32 scalar) of :func:`model_apply` on ``batch`` (:class:`Batch`)."""
+  return _loss_and_load(params, batch, config, implementation, moe_fn, False)[0]
+
+
+class StepResult(NamedTuple):
+  params: BlockParams
+  opt_state: Any
+  loss: jax.Array  # () float32, before the update
+  load: jax.Array | None  # (L, E) int32 routed tokens per expert (with config.router_bias_rate), else None
+
+
+def train_step(params: BlockParams, opt_state, batch: Batch, *, config: BlockConfig,
+               optimizer: optax.GradientTransformation, implementation: str | None = None,
+               moe_fn: MoeFn | None = None) -> StepResult:
+  """One optimiser step: ``jax.value_and_grad`` of :func:`loss_fn`, ``optimizer.update``, ``optax.apply_updates``;
+  with ``config.router_bias_rate > 0`` each layer's router bias then moves by
+  :func:`jaxkern.modeling.balance_router_bias` (aux-loss-free balancing; the bias itself gets a zero gradient).
+
+  Plain function: jit it with ``config``, ``optimizer``, ``implementation`` and ``moe_fn`` static, e.g.
+  ``jax.jit(train_step, static_argnames=("config", "optimizer", "implementation", "moe_fn"))``.
+
+  Returns:
+    :class:`StepResult` ``(params, opt_state, loss, load)``.
+  """
+  count = config.router_bias_rate > 0
+  (loss, load), grads = jax.value_and_grad(_loss_and_load, has_aux=True)(params, batch, config, implementation,
+                                                                         moe_fn, count)
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  if count:
+    layers = tuple(layer._replace(moe=layer.moe._replace(
+        router_bias=balance_router_bias(layer.moe.router_bias, layer_load, config.router_bias_rate)))
+                   for layer, layer_load in zip(params.layers, load))
+    params = params._replace(layers=layers)
+  return StepResult(params, opt_state, loss, load)
+
+
+def expert_load(params: BlockParams, tokens: jax.Array, *, config: BlockConfig,
+                implementation: str | None = None) -> jax.Array:
+  """``(L, E)`` int32: the routed tokens of every expert of every layer in a forward pass over ``tokens``."""
+  return _forward(params, tokens, config, implementation, None, count_load=True)[1]
+
+
+def synthetic_batch(rng: np.random.Generator, *, batch: int, seq_len: int, vocab_size: int, num_phrases: int = 8,
+                    phrase_len: int = 6, phrase_prob: float = 0.8, phrase_seed: int = 0) -> Batch:
+  """Next-token prediction on sequences with repeated n-grams (host-side numpy data).
+
+  ``num_phrases`` fixed phrases of ``phrase_len`` tokens (drawn from ``phrase_seed``, shared by every batch) are
+  written one after another, each preceded with probability ``1 - phrase_prob`` by one random token. Inside a phrase
+  the next token follows from the last two: the n-gram memory can learn it; the random tokens cannot be predicted.
+
+  Returns:
+    :class:`Batch` of ``(batch, seq_len)`` int32 ``tokens`` and ``targets`` (the next token).
+  """
+  phrases = np.random.default_rng(phrase_seed).integers(0, vocab_size, size=(num_phrases, phrase_len))
+  out = np.empty((batch, seq_len + 1), np.int32)
+  for b in range(batch):
+    seq: list[int] = []
+    while len(seq) < seq_len + 1:
+      if rng.random() > phrase_prob:
+        seq.append(int(rng.integers(0, vocab_size)))
+      seq.extend(phrases[rng.integers(0, num_phrases)].tolist())
+    out[b] = seq[:seq_len + 1]
+  return Batch(tokens=jnp.asarray(out[:, :-1]), targets=jnp.asarray(out[:, 1:]))
