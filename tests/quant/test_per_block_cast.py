@@ -294,3 +294,38 @@ def test_non_finite_inputs_gpu(fmt, dtype, block, flags):
   assert_same(got, jax.jit(lambda x: ref.per_block_cast(x, fmt, block, **FLAGS[flags]))(x))
   assert_same(got, jax.jit(lambda x: ref.per_block_cast(x, fmt, block, **FLAGS[flags]))(
       jax.device_put(x, jax.devices("cpu")[0])))
+
+
+@pytest.mark.parametrize("variant", ["wide", "blocks"])
+@pytest.mark.parametrize("m, k, block, dtype, flags", [
+    (45, 320, (32, 32), jnp.bfloat16, "A"),  # partial last block row, last CTA column 2 of 8 blocks
+    (5, 64, (32, 32), jnp.bfloat16, "A-round"),  # fewer rows than a block, 2 blocks per CTA (narrow K)
+    (64, 192, (32, 32), jnp.float32, "C"),  # 6 blocks: 4 per CTA, last CTA half empty
+    (33, 256, (32, 128), jnp.bfloat16, "B"),  # wide kernel with 128-wide blocks (2 per CTA)
+])
+def test_e4m3_variants_bit_exact(key, monkeypatch, m, k, block, dtype, flags, variant):
+  """Both e4m3 kernels for 32-row blocks (the wide one-box kernel and the per-block one), forced."""
+  from jaxkern.quant import _per_block_cast as pbc
+  monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", variant)
+  x = _input(key, m, k, dtype)
+  want = ref.per_block_cast(x, "e4m3", block, **FLAGS[flags])
+  assert_same(quant.per_block_cast(x, "e4m3", block, **FLAGS[flags]), want)
+  assert_bitwise_equal(quant.per_block_cast_with_sf_only(x, "e4m3", block, **FLAGS[flags]), want.sf)
+
+
+def test_variant_choice():
+  from jaxkern.quant import _per_block_cast as pbc
+  assert pbc._variant(jnp.bfloat16, "e4m3", (32, 32), False) == "wide"
+  assert pbc._variant(jnp.bfloat16, "e4m3", (32, 32), True) == "blocks"  # precomputed sf
+  assert pbc._variant(jnp.bfloat16, "e2m1", (32, 32), False) == "blocks"
+  assert pbc._variant(jnp.bfloat16, "e4m3", (128, 128), False) == "blocks"
+
+
+@pytest.mark.parametrize("m, k, block, dtype", [(4001, 576, (32, 32), jnp.bfloat16), (8001, 7168, (32, 32), jnp.float32),
+                                                (100, 64, (32, 32), jnp.bfloat16), (4001, 576, (32, 128), jnp.bfloat16)])
+def test_wide_kernel_lowers_for_h100(m, k, block, dtype):
+  from jaxkern.quant import _per_block_cast as pbc
+  s = jax.ShapeDtypeStruct((m, k), dtype)
+  for write_data in (True, False):
+    f = functools.partial(pbc._wide_kernel, block_size=block, round_sf=True, write_data=write_data, interpret=None)
+    assert "mosaic_gpu" in lower_for_h100(f, s).as_text()
