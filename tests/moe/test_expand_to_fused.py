@@ -247,6 +247,21 @@ def test_with_sf_lowers_for_h100(hidden, sf_dtype, col_major, npc):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("max_slots, row_block", [(32, 32), (16, 128), (64, 32)])
+@pytest.mark.parametrize("num_topk, experts, ranks", [(9, 4, 64), (8, 9, 8), (2, 9, 8)])
+def test_token_and_row_blocks_gpu(key, monkeypatch, max_slots, row_block, num_topk, experts, ranks):
+  """Smaller token / padding-row blocks, compiled, on spec-sized routings at H = 576."""
+  from jaxkern.moe import _expand_to_fused as etf
+  monkeypatch.setattr(etf, "_MAX_SLOTS", max_slots)
+  monkeypatch.setattr(etf, "_ROW_BLOCK", row_block)
+  k1, k2 = jax.random.split(key)
+  _, m = _mapping(k1, 4001, num_topk, experts, ranks, alignment=16)
+  pos, pte = m.token_topk_to_pos, m.pos_to_expert
+  x = randn(k2, (pos.shape[0], 576), jnp.bfloat16)
+  assert_bitwise_equal(jax.jit(moe.expand_to_fused)(x, pos, pte), ref.expand_to_fused(x, pos, pte))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("hidden", [576, 2048, 7168])
 @pytest.mark.parametrize("num_topk, experts, ranks", [(2, 9, 8), (6, 9, 8), (9, 32, 8), (8, 4, 64)])
 def test_spec_shapes_gpu(key, num_topk, experts, ranks, hidden):

@@ -138,3 +138,14 @@ def test_narrow_kernel_lowers_for_h100(monkeypatch, lanes, e, k):
   monkeypatch.setattr(tg, "_VARIANT_OVERRIDE", ("narrow", lanes))
   f = functools.partial(topk_gate, num_topk=k, implementation="pallas")
   assert "mosaic_gpu" in lower_for_h100(f, jax.ShapeDtypeStruct((4001, e), jnp.float32)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [("narrow", 4), ("narrow", 8), ("narrow", 16), ("wgmma", None)], ids=str)
+@pytest.mark.parametrize("t, e, k", [(4001, 96, 6), (8001, 108, 6), (4001, 144, 6), (8001, 256, 8), (5, 128, 6)])
+def test_kernel_variants_gpu(key, monkeypatch, variant, t, e, k):
+  from jaxkern.moe import _topk_gate as tg
+  monkeypatch.setattr(tg, "_VARIANT_OVERRIDE", variant)
+  x = _scores(key, t, e)
+  x = x.at[::3, 7].set(x[::3, 1])  # ties
+  assert_bitwise_equal(jax.jit(lambda x: topk_gate(x, k))(x), ref.topk_gate(x, k))

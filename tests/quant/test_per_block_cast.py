@@ -329,3 +329,19 @@ def test_wide_kernel_lowers_for_h100(m, k, block, dtype):
   for write_data in (True, False):
     f = functools.partial(pbc._wide_kernel, block_size=block, round_sf=True, write_data=write_data, interpret=None)
     assert "mosaic_gpu" in lower_for_h100(f, s).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["wide", "blocks"])
+@pytest.mark.parametrize("m, k, block, dtype", [(4001, 576, (32, 32), jnp.bfloat16), (8001, 2048, (32, 32), jnp.float32),
+                                                (4001, 576, (32, 128), jnp.bfloat16), (37, 64, (32, 32), jnp.bfloat16)])
+def test_e4m3_variants_gpu(key, monkeypatch, variant, m, k, block, dtype):
+  """Both e4m3 kernels for 32-row blocks, compiled, against the reference on ragged spec-sized shapes."""
+  from jaxkern.quant import _per_block_cast as pbc
+  monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", variant)
+  x = _input(key, m, k, dtype)
+  for flags in ("A", "C"):
+    got = jax.jit(lambda x: quant.per_block_cast(x, "e4m3", block, **FLAGS[flags]))(x)
+    assert_same(got, ref.per_block_cast(x, "e4m3", block, **FLAGS[flags]))
+    sf = jax.jit(lambda x: quant.per_block_cast_with_sf_only(x, "e4m3", block, **FLAGS[flags]))(x)
+    assert_bitwise_equal(sf, got.sf)
