@@ -60,7 +60,7 @@ def _blocks_per_cta(block_size) -> int:
 
 WIDE_COLS = 256  # columns per CTA of the wide kernel (one TMA box: at most 256 elements per dimension)
 WIDE_DTYPES = ("bfloat16",)  # inputs for which "auto" picks the wide kernel (float32 lowers too; not timed yet)
-_VARIANT_OVERRIDE = None  # "blocks" / "wide": forces the e4m3 kernel (timing scripts only)
+_VARIANT_OVERRIDE = None  # "blocks" / "wide" / ("wide", cols): forces the e4m3 kernel (timing scripts only)
 
 
 def _variant(x_dtype, fmt, block_size, precomputed) -> str:
@@ -323,8 +323,10 @@ def _fp4_from_f32_kernel(x, sf_in, *, block_size, round_sf, write_data, compute_
 
 
 def _run_kernel(x, fmt, block_size, interpret, *, sf_in=None, round_sf=False, write_data=True, compute_sf=True):
-  if _variant(x.dtype, fmt, block_size, sf_in is not None) == "wide":
-    return _wide_kernel(x, block_size=block_size, round_sf=round_sf, write_data=write_data,
+  variant = _variant(x.dtype, fmt, block_size, sf_in is not None)
+  if variant == "wide" or isinstance(variant, tuple):
+    cols = variant[1] if isinstance(variant, tuple) else WIDE_COLS
+    return _wide_kernel(x, block_size=block_size, round_sf=round_sf, write_data=write_data, cols=cols,
                         interpret=_config.mosaic_interpret(interpret))
   f = _fp4_from_f32_kernel if fmt == "e2m1" and x.dtype == jnp.float32 else functools.partial(_kernel, fmt=fmt)
   return f(x, sf_in, block_size=block_size, round_sf=round_sf, write_data=write_data, compute_sf=compute_sf,

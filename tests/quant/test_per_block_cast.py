@@ -332,7 +332,7 @@ def test_wide_kernel_lowers_for_h100(m, k, block, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["wide", "blocks"])
+@pytest.mark.parametrize("variant", ["wide", "blocks", ("wide", 64), ("wide", 128)], ids=str)
 @pytest.mark.parametrize("m, k, block, dtype", [(4001, 576, (32, 32), jnp.bfloat16), (8001, 2048, (32, 32), jnp.float32),
                                                 (4001, 576, (32, 128), jnp.bfloat16), (37, 64, (32, 32), jnp.bfloat16)])
 def test_e4m3_variants_gpu(key, monkeypatch, variant, m, k, block, dtype):
@@ -345,3 +345,12 @@ def test_e4m3_variants_gpu(key, monkeypatch, variant, m, k, block, dtype):
     assert_same(got, ref.per_block_cast(x, "e4m3", block, **FLAGS[flags]))
     sf = jax.jit(lambda x: quant.per_block_cast_with_sf_only(x, "e4m3", block, **FLAGS[flags]))(x)
     assert_bitwise_equal(sf, got.sf)
+
+
+@pytest.mark.parametrize("cols", [64, 128])
+def test_wide_kernel_narrower_ctas(key, monkeypatch, cols):
+  """The wide kernel with 2 / 4 blocks per CTA (K = 320: 10 blocks, the last CTA partly empty)."""
+  from jaxkern.quant import _per_block_cast as pbc
+  monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", ("wide", cols))
+  x = _input(key, 40, 320, jnp.bfloat16)
+  assert_same(quant.per_block_cast(x, "e4m3", (32, 32), **FLAGS["C"]), ref.per_block_cast(x, "e4m3", (32, 32), **FLAGS["C"]))
