@@ -72,14 +72,21 @@ def _variant(num_experts: int):
 
 
 def _narrow_layout(e: int, lanes: int):
-  """``(layout, rows)`` of a ``(rows, e)`` float32 block, at most ``lanes`` lanes per row."""
-  return row_layout(e, 4, max_lanes=min(lanes, 16))
+  """``(layout, rows)`` of a ``(rows, e)`` float32 block: up to ``lanes`` (at most 16) lanes per row, with the
+  widest vectors (4, 2, 1 values) that still give the row that many lanes (``E = 108``: 4 lanes of 1-value
+  vectors; no padded columns)."""
+  lanes = min(lanes, 16)
+  for itemsize in (4, 8, 16):  # 16-byte budget over the item size: vectors of 4, 2, 1 float32
+    lay, rows = row_layout(e, itemsize, max_lanes=lanes)
+    if 128 // rows >= lanes:
+      break
+  return lay, rows
 
 
 @functools.partial(jax.jit, static_argnames=("num_topk", "num_experts", "lanes", "interpret"))
 def _narrow_rows_kernel(scores: jax.Array, num_topk: int, num_experts: int, lanes: int, interpret=None) -> jax.Array:
-  """``scores`` ``(T, E)`` (``E % 8 == 0``, ``T >=`` the layout's rows) -> ``(T, K)`` int32; the last CTA's
-  rows are moved back to end at ``T`` (rows computed twice give the same values)."""
+  """``scores`` ``(T, E)`` (``T >=`` the layout's rows) -> ``(T, K)`` int32; the last CTA's rows are moved
+  back to end at ``T`` (rows computed twice give the same values)."""
   t, e = scores.shape
   lay, rt = _narrow_layout(e, lanes)
   red = lay.reduce(1)
@@ -130,10 +137,9 @@ def topk_gate(scores: jax.Array, num_topk: int, *, implementation: str | None = 
 
   def kernel(interpret):
     variant, lanes = _variant(e)
-    if variant == "narrow":
-      x = pad_rows_and_cols(scores, -jnp.inf)
-      rt = _narrow_layout(x.shape[1], lanes)[1]
-      x = jnp.pad(x, ((0, rt - x.shape[0]), (0, 0)), constant_values=-jnp.inf) if x.shape[0] < rt else x
+    if variant == "narrow":  # no padded columns (an XLA pad is a launch of its own); fewer rows than a CTA padded
+      rt = _narrow_layout(e, lanes)[1]
+      x = jnp.pad(scores, ((0, rt - t), (0, 0)), constant_values=-jnp.inf) if t < rt else scores
       out = _narrow_rows_kernel(x, num_topk, e, lanes, interpret=_config.mosaic_interpret(interpret))
       return out[:t] if x.shape[0] != t else out
     x = pad_rows_and_cols(scores, -jnp.inf)
