@@ -64,13 +64,13 @@ _VARIANT_OVERRIDE = None  # "blocks" / "wide" / ("wide", cols): forces the e4m3 
 
 
 def _variant(x_dtype, fmt, block_size, precomputed) -> str:
-  """The e4m3 kernel for these arguments: ``"wide"`` (:func:`_wide_kernel`) for 32-row blocks with computed
+  """The e4m3 kernel for these arguments: ``"wide"`` (:func:`_wide_kernel`) for 32x32 blocks with computed
   sf from a :data:`WIDE_DTYPES` input, else ``"blocks"`` (:func:`_kernel`)."""
-  if fmt != "e4m3" or precomputed or block_size[0] != 32:
+  if fmt != "e4m3" or precomputed:
     return "blocks"
-  if _VARIANT_OVERRIDE is not None:
+  if _VARIANT_OVERRIDE is not None:  # the wide kernel also runs 128-row blocks (one or two per CTA)
     return _VARIANT_OVERRIDE
-  return "wide" if block_size[1] == 32 and jnp.dtype(x_dtype).name in WIDE_DTYPES else "blocks"
+  return "wide" if block_size == (32, 32) and jnp.dtype(x_dtype).name in WIDE_DTYPES else "blocks"
 
 
 def _untiled(width, array_width):
@@ -172,7 +172,8 @@ def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, inte
 
 @functools.partial(jax.jit, static_argnames=("block_size", "round_sf", "write_data", "cols", "interpret"))
 def _wide_kernel(x, *, block_size, round_sf, write_data, cols=WIDE_COLS, interpret):
-  """e4m3, ``bm = 32``, computed sf: ``x`` ``(M, K)`` -> ``(out (M, K) e4m3 | None, sf (Mb, Kb) float32)``.
+  """e4m3, computed sf: ``x`` ``(M, K)`` -> ``(out (M, K) e4m3 | None, sf (Mb, Kb) float32)``; chosen for
+  ``bm = 32`` (a 128-row block holds 128 float32 values per thread: timing scripts only).
 
   A CTA owns one block row and ``g = cols / bk`` blocks (fewer where ``K`` has fewer, a power of two so the
   TMA box never exceeds the array); the box clips at the edges and zero-fills (zeros leave an amax

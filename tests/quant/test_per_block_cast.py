@@ -302,6 +302,7 @@ def test_non_finite_inputs_gpu(fmt, dtype, block, flags):
     (5, 64, (32, 32), jnp.bfloat16, "A-round"),  # fewer rows than a block, 2 blocks per CTA (narrow K)
     (64, 192, (32, 32), jnp.float32, "C"),  # 6 blocks: 4 per CTA, last CTA half empty
     (33, 256, (32, 128), jnp.bfloat16, "B"),  # wide kernel with 128-wide blocks (2 per CTA)
+    (130, 192, (128, 128), jnp.bfloat16, "A"),  # 128-row blocks: one per CTA (K = 192 < 256), partial edges
 ])
 def test_e4m3_variants_bit_exact(key, monkeypatch, m, k, block, dtype, flags, variant):
   """Both e4m3 kernels for 32-row blocks (the wide one-box kernel and the per-block one), forced."""
@@ -319,10 +320,13 @@ def test_variant_choice():
   assert pbc._variant(jnp.bfloat16, "e4m3", (32, 32), True) == "blocks"  # precomputed sf
   assert pbc._variant(jnp.bfloat16, "e2m1", (32, 32), False) == "blocks"
   assert pbc._variant(jnp.bfloat16, "e4m3", (128, 128), False) == "blocks"
+  assert pbc._variant(jnp.bfloat16, "e4m3", (32, 128), False) == "blocks"
+  assert pbc._variant(jnp.float32, "e4m3", (32, 32), False) == "blocks"
 
 
 @pytest.mark.parametrize("m, k, block, dtype", [(4001, 576, (32, 32), jnp.bfloat16), (8001, 7168, (32, 32), jnp.float32),
-                                                (100, 64, (32, 32), jnp.bfloat16), (4001, 576, (32, 128), jnp.bfloat16)])
+                                                (100, 64, (32, 32), jnp.bfloat16), (4001, 576, (32, 128), jnp.bfloat16),
+                                                (4001, 2048, (128, 128), jnp.bfloat16)])
 def test_wide_kernel_lowers_for_h100(m, k, block, dtype):
   from jaxkern.quant import _per_block_cast as pbc
   s = jax.ShapeDtypeStruct((m, k), dtype)
