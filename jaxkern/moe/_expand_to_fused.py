@@ -62,12 +62,26 @@ from jaxkern.types import QuantTensor
 
 _TOKEN_BLOCK_BYTES = 56 << 10  # SMEM for the token rows of one CTA (about 4 CTAs per SM)
 _MAX_TOKEN_BLOCK = 16
-_ROW_BLOCK = 32  # fused rows checked for padding per CTA
+# Slots (tokens x K) per token CTA at most: None = no limit (16 tokens). Each slot is a scalar position
+# load and a guarded single-thread TMA store issue, serial within a CTA; with narrow rows (H = 576) and
+# K = 8 / 9 a 16-token CTA has 128-144 of them (issue 21). Set by a timing script to compare.
+_MAX_SLOTS = None
+_ROW_BLOCK = 32  # fused rows checked for padding per CTA (a timing script may change it)
 _TMA_ALIGN = 128  # bytes; SMEM address alignment of a TMA copy
 _SF_TILE_WORDS = 4096  # scale words per program of _col_major_sf (see the module docstring)
 _SF_MAX_ROWS = 1024  # fused rows per program of _col_major_sf
 _SF_WARPS = 4
 _SF_XLA_MAX_WORDS = 2  # column-major scale rows this short stay an XLA scatter (faster there)
+
+
+def _token_block(t: int, k: int, row_bytes: int, max_slots) -> int:
+  """Tokens per token CTA."""
+  if row_bytes % _TMA_ALIGN:  # a TMA copy needs a 128-byte aligned SMEM address: several rows only if each keeps it
+    return 1
+  bt = min(_MAX_TOKEN_BLOCK, t, _TOKEN_BLOCK_BYTES // row_bytes)
+  if max_slots is not None:
+    bt = min(bt, max_slots // k)
+  return max(1, bt)
 
 
 def sf_in_kernel(hs: int, col_major: bool) -> bool:
@@ -76,8 +90,14 @@ def sf_in_kernel(hs: int, col_major: bool) -> bool:
   return not col_major and hs % 4 == 0 and hs <= _routing.TMA_MAX_BOX
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
 def _expand_kernel(x, x_sf, token_topk_to_pos, pos_to_expert, interpret=None):
+  """:func:`_expand_kernel_jit` with the token block of :data:`_MAX_SLOTS` and :data:`_ROW_BLOCK`."""
+  return _expand_kernel_jit(x, x_sf, token_topk_to_pos, pos_to_expert, interpret=interpret, max_slots=_MAX_SLOTS,
+                            row_block=_ROW_BLOCK)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "max_slots", "row_block"))
+def _expand_kernel_jit(x, x_sf, token_topk_to_pos, pos_to_expert, interpret=None, max_slots=None, row_block=32):
   """``out``, and ``(out, out_sf)`` with row-major ``out_sf`` if ``x_sf`` (int32 ``(T, Hs)``,
   :func:`sf_in_kernel`) is given."""
   t, h = x.shape
@@ -85,9 +105,8 @@ def _expand_kernel(x, x_sf, token_topk_to_pos, pos_to_expert, interpret=None):
   n = pos_to_expert.shape[0]
   r, c = _routing.row_tiling(h, x.dtype.itemsize, "x")
   row_bytes = h * x.dtype.itemsize
-  # A TMA copy needs a 128-byte aligned SMEM address: several rows per CTA only if each row keeps it.
-  bt = max(1, min(_MAX_TOKEN_BLOCK, t, _TOKEN_BLOCK_BYTES // row_bytes)) if row_bytes % _TMA_ALIGN == 0 else 1
-  gt, gn = pl.cdiv(t, bt), pl.cdiv(n, _ROW_BLOCK)
+  bt = _token_block(t, k, row_bytes, max_slots)
+  gt, gn = pl.cdiv(t, bt), pl.cdiv(n, row_block)
   hs = 0 if x_sf is None else x_sf.shape[1]
   out_type = [jax.ShapeDtypeStruct((n, r, c), x.dtype)]
   scratch = dict(x_s=plgpu.SMEM((bt, r, c), x.dtype), bar=plgpu.Barrier(num_arrivals=1))
@@ -141,11 +160,11 @@ def _expand_kernel(x, x_sf, token_topk_to_pos, pos_to_expert, interpret=None):
 
     @pl.when(i >= gt)
     def _():
-      p0 = (i - gt) * _ROW_BLOCK
+      p0 = (i - gt) * row_block
       plgpu.copy_gmem_to_smem(zero_g, x_s.at[pl.ds(0, 1)], bar)
       if hs:
         load_sf(lambda j: zero_sf_g.at[0])
-      experts = [expert_g[jnp.minimum(p0 + q, n - 1)] for q in range(_ROW_BLOCK)]
+      experts = [expert_g[jnp.minimum(p0 + q, n - 1)] for q in range(row_block)]
       plgpu.barrier_wait(bar)
       if hs:
         wait_sf()

@@ -9,6 +9,13 @@ Rows count that is not a multiple of 64 is handled by shifting the last block ba
 (rows computed twice give identical values). ``E`` not a multiple of 8 is padded
 with ``-inf`` columns by XLA before the kernel, and fewer than 64 tokens are padded
 to 64 rows.
+
+Many experts (:func:`_variant`): the WGMMA layout gives each thread two rows of ``E/4`` keys and a CTA 64
+rows, so at ``E >= 96`` the ``K`` serial max / min passes over ``E/4`` keys per thread, on only
+``T/64`` CTAs (63 for 4001 tokens: half the SMs), set the time. :func:`_narrow_rows_kernel` loads the rows
+straight from GMEM in :func:`jaxkern._layouts.row_layout` with ``LANES_PER_ROW`` lanes per row (16-byte
+vectors), so a thread holds ``E / LANES_PER_ROW`` keys, a CTA ``512 / LANES_PER_ROW`` rows, and the
+reductions are in-thread plus lane shuffles (the split TileKernels uses: one warp per row).
 """
 
 from __future__ import annotations
@@ -19,7 +26,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
 from jaxkern import _checks, _config, _dispatch
+from jaxkern._layouts import row_layout
 from jaxkern.moe import _select
 from jaxkern.reference import moe as ref
 
@@ -43,6 +54,57 @@ def _topk_gate_kernel(scores: jax.Array, num_topk: int, num_experts: int, interp
 
   out_type = jax.ShapeDtypeStruct((t, num_topk), jnp.int32)
   return _select.row_block_kernel(body, t, out_type, _select.scratch(e), interpret)(scores)
+
+
+NARROW_MIN_EXPERTS = 96  # from this many experts "auto" runs the narrow-rows kernel
+LANES_PER_ROW = 8  # lanes sharing one row in the narrow-rows kernel (at most 16: warps never share a row)
+_VARIANT_OVERRIDE = None  # "wgmma" / "narrow" / ("narrow", lanes): forces a kernel (timing scripts only)
+
+
+def _variant(num_experts: int):
+  """``("wgmma", None)`` or ``("narrow", lanes per row)`` for ``num_experts`` experts."""
+  v = _VARIANT_OVERRIDE
+  if v is None:
+    v = "narrow" if num_experts >= NARROW_MIN_EXPERTS else "wgmma"
+  if isinstance(v, tuple):
+    return v
+  return (v, LANES_PER_ROW if v == "narrow" else None)
+
+
+def _narrow_layout(e: int, lanes: int):
+  """``(layout, rows)`` of a ``(rows, e)`` float32 block: up to ``lanes`` (at most 16) lanes per row, with the
+  widest vectors (4, 2, 1 values) that still give the row that many lanes (``E = 108``: 4 lanes of 1-value
+  vectors; no padded columns)."""
+  lanes = min(lanes, 16)
+  for itemsize in (4, 8, 16):  # 16-byte budget over the item size: vectors of 4, 2, 1 float32
+    lay, rows = row_layout(e, itemsize, max_lanes=lanes)
+    if 128 // rows >= lanes:
+      break
+  return lay, rows
+
+
+@functools.partial(jax.jit, static_argnames=("num_topk", "num_experts", "lanes", "interpret"))
+def _narrow_rows_kernel(scores: jax.Array, num_topk: int, num_experts: int, lanes: int, interpret=None) -> jax.Array:
+  """``scores`` ``(T, E)`` (``T >=`` the layout's rows) -> ``(T, K)`` int32; the last CTA's rows are moved
+  back to end at ``T`` (rows computed twice give the same values)."""
+  t, e = scores.shape
+  lay, rt = _narrow_layout(e, lanes)
+  red = lay.reduce(1)
+
+  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((t, num_topk), jnp.int32),
+                     grid=(pl.cdiv(t, rt),), grid_names=("i",), interpret=interpret)
+  def kernel(x_g, o_g):
+    rows = pl.ds(jnp.minimum(lax.axis_index("i") * rt, t - rt), rt)
+    keys = _select.order_key(plgpu.load(x_g.at[rows], layout=lay, optimized=False))
+    col = plgpu.broadcasted_iota(jnp.int32, (rt, e), 1, layout=lay)
+    for k in range(num_topk):
+      m = jnp.max(keys, axis=1)
+      idx = jnp.min(jnp.where(keys == m[:, None], col, num_experts), axis=1)
+      if k + 1 < num_topk:
+        keys = jnp.where(col == idx[:, None], _select.TAKEN, keys)
+      o_g[rows, k] = plgpu.layout_cast(idx, red) if interpret is None else idx
+
+  return kernel(scores)
 
 
 def topk_gate(scores: jax.Array, num_topk: int, *, implementation: str | None = None) -> jax.Array:
@@ -74,6 +136,12 @@ def topk_gate(scores: jax.Array, num_topk: int, *, implementation: str | None = 
   scores = jax.lax.stop_gradient(scores)  # piecewise-constant indices: a zero derivative, no kernel JVP
 
   def kernel(interpret):
+    variant, lanes = _variant(e)
+    if variant == "narrow":  # no padded columns (an XLA pad is a launch of its own); fewer rows than a CTA padded
+      rt = _narrow_layout(e, lanes)[1]
+      x = jnp.pad(scores, ((0, rt - t), (0, 0)), constant_values=-jnp.inf) if t < rt else scores
+      out = _narrow_rows_kernel(x, num_topk, e, lanes, interpret=_config.mosaic_interpret(interpret))
+      return out[:t] if x.shape[0] != t else out
     x = pad_rows_and_cols(scores, -jnp.inf)
     out = _topk_gate_kernel(x, num_topk, e, interpret=_config.mosaic_interpret(interpret))
     return out[:t] if x.shape[0] != t else out

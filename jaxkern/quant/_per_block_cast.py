@@ -17,6 +17,14 @@ TMA boxes are half as wide) and packs the two nibbles per output byte as in
 float32 -> e2m1 has its own kernel (:func:`_fp4_from_f32_kernel`) that reads the even and odd
 columns straight from GMEM (strided SMEM loads do not lower) and stores through SMEM and TMA.
 
+e4m3 with 32-row blocks, computed sf (:func:`_wide_kernel`, chosen by :func:`_variant`): each CTA owns
+one block row and ``WIDE_COLS`` columns (eight 32x32 blocks), brought in by one TMA box and read from the
+untiled SMEM buffer as a ``(32, blocks, bk/vec, vec)`` view in :func:`jaxkern._layouts.group_vectors_layout`
+(16-byte vectors, a block's columns on consecutive lanes): the amax of all of the CTA's blocks is one
+reduction (in-thread and lane shuffles over the block's columns, then over the rows), the sf one vector
+division, and the quantised tile one TMA store; the per-block kernel above reduces and divides block by
+block, one warpgroup synchronisation each, which dominated narrow rows (K = 576: 2x TileKernels' time).
+
 ``per_block_cast_lossless`` computes the exponents per block in XLA (small: one value per input
 block) and moves the data through the packed-e2m1 row kernel of :mod:`jaxkern.quant._cast_back`
 with an e4m3 output (decode, multiply by the block's power of two, saturating e4m3 pairs).
@@ -34,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config, _dispatch, _ieee
-from jaxkern._layouts import row_layout
+from jaxkern._layouts import group_vectors_layout, row_layout
 from jaxkern.quant import _validate as validate
 from jaxkern.quant._encode import encode_e2m1
 from jaxkern.quant._cast_back import _kernel as _cast_back_kernel
@@ -48,6 +56,21 @@ BLOCK_SIDES = (32, 128)
 def _blocks_per_cta(block_size) -> int:
   bm, bk = block_size
   return (256 if bm == 32 else 128) // bk
+
+
+WIDE_COLS = 256  # columns per CTA of the wide kernel (one TMA box: at most 256 elements per dimension)
+WIDE_DTYPES = ("bfloat16",)  # inputs for which "auto" picks the wide kernel (float32 lowers too; not timed yet)
+_VARIANT_OVERRIDE = None  # "blocks" / "wide" / ("wide", cols): forces the e4m3 kernel (timing scripts only)
+
+
+def _variant(x_dtype, fmt, block_size, precomputed) -> str:
+  """The e4m3 kernel for these arguments: ``"wide"`` (:func:`_wide_kernel`) for 32x32 blocks with computed
+  sf from a :data:`WIDE_DTYPES` input, else ``"blocks"`` (:func:`_kernel`)."""
+  if fmt != "e4m3" or precomputed:
+    return "blocks"
+  if _VARIANT_OVERRIDE is not None:  # the wide kernel also runs 128-row blocks (one or two per CTA)
+    return _VARIANT_OVERRIDE
+  return "wide" if block_size == (32, 32) and jnp.dtype(x_dtype).name in WIDE_DTYPES else "blocks"
 
 
 def _untiled(width, array_width):
@@ -145,6 +168,57 @@ def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, inte
   outs = list(kernel(*((x, consts) if sf_in is None else (x, consts, sf_in))))
   out = outs.pop(0) if write_data else None
   return out, (outs.pop(0)[:, :kb] if compute_sf else None)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "round_sf", "write_data", "cols", "interpret"))
+def _wide_kernel(x, *, block_size, round_sf, write_data, cols=WIDE_COLS, interpret):
+  """e4m3, computed sf: ``x`` ``(M, K)`` -> ``(out (M, K) e4m3 | None, sf (Mb, Kb) float32)``; chosen for
+  ``bm = 32`` (a 128-row block holds 128 float32 values per thread: timing scripts only).
+
+  A CTA owns one block row and ``g = cols / bk`` blocks (fewer where ``K`` has fewer, a power of two so the
+  TMA box never exceeds the array); the box clips at the edges and zero-fills (zeros leave an amax
+  unchanged), the store clips. The SMEM buffers have no transforms (row-major, so the 4-D view is a plain
+  reshape); interpret mode, which has no ref reshape, reshapes the loaded value instead.
+  """
+  m, k = x.shape
+  bm, bk = block_size
+  mb, kb = ref.cdiv(m, bm), ref.cdiv(k, bk)
+  g = max(1, min(cols // bk, 1 << (kb.bit_length() - 1)))
+  w, kt = g * bk, ref.cdiv(kb, g)
+  lay, _ = group_vectors_layout(g, bk, x.dtype.itemsize)
+  vec = min(16 // x.dtype.itemsize, bk)
+  view = (bm, g, bk // vec, vec)
+  out_type = [jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn)] if write_data else []
+  out_type.append(jax.ShapeDtypeStruct((mb, kt * g), jnp.float32))
+  scratch = dict(x_s=plgpu.SMEM((bm, w), x.dtype), bar=plgpu.Barrier(num_arrivals=1))
+  if write_data:
+    scratch["o_s"] = plgpu.SMEM((bm, w), jnp.float8_e4m3fn)
+
+  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(mb, kt), grid_names=("i", "j"),
+                     scratch_types=scratch, interpret=interpret)
+  def kernel(x_g, c_g, *rest, x_s, bar, o_s=None):
+    sf_g = rest[-1]
+    i, j = lax.axis_index("i"), lax.axis_index("j")
+    tile = (pl.ds(i * bm, bm), pl.ds(j * w, w))
+    plgpu.copy_gmem_to_smem(x_g.at[tile], x_s, bar)
+    plgpu.barrier_wait(bar)
+    v = plgpu.load(x_s.reshape(*view).at[...], layout=lay) if interpret is None else x_s[...].reshape(view)
+    v = v.astype(jnp.float32)
+    a = key_value(jnp.max(jnp.max(jnp.max(abs_key(v, interpret), axis=3), axis=2), axis=0), interpret)
+    sf, inv = ref.scale_factors(a, jnp.broadcast_to(c_g[0], (g,)), "e4m3", round_sf, div=_ieee.exact_div)
+    sf_g[i, pl.ds(j * g, g)] = gpu_nan(sf, interpret)
+    if write_data:
+      q = to_e4m3(gpu_nan(v * inv[None, :, None, None], interpret), interpret)
+      if interpret is None:
+        o_s.reshape(*view)[...] = q
+      else:
+        o_s[...] = q.reshape(bm, w)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_s, rest[0].at[tile])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  outs = list(kernel(x, jnp.full((1,), ref.MAX_VALUE["e4m3"], jnp.float32)))
+  return (outs[0] if write_data else None), outs[-1][:, :kb]
 
 
 CHUNK_ROWS = 32  # rows per register chunk of the float32 -> e2m1 kernel
@@ -250,6 +324,11 @@ def _fp4_from_f32_kernel(x, sf_in, *, block_size, round_sf, write_data, compute_
 
 
 def _run_kernel(x, fmt, block_size, interpret, *, sf_in=None, round_sf=False, write_data=True, compute_sf=True):
+  variant = _variant(x.dtype, fmt, block_size, sf_in is not None)
+  if variant == "wide" or isinstance(variant, tuple):
+    cols = variant[1] if isinstance(variant, tuple) else WIDE_COLS
+    return _wide_kernel(x, block_size=block_size, round_sf=round_sf, write_data=write_data, cols=cols,
+                        interpret=_config.mosaic_interpret(interpret))
   f = _fp4_from_f32_kernel if fmt == "e2m1" and x.dtype == jnp.float32 else functools.partial(_kernel, fmt=fmt)
   return f(x, sf_in, block_size=block_size, round_sf=round_sf, write_data=write_data, compute_sf=compute_sf,
            interpret=_config.mosaic_interpret(interpret))

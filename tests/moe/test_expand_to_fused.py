@@ -59,6 +59,30 @@ def test_token_block_tail():
   assert_bitwise_equal(got, ref.expand_to_fused(x, pos, jnp.zeros((t * k,), jnp.int32)))
 
 
+@pytest.mark.parametrize("max_slots, row_block", [(27, 32), (16, 128), (None, 8)])
+def test_token_and_row_blocks(key, monkeypatch, max_slots, row_block):
+  """Smaller token blocks (at most ``max_slots`` slots: 3 tokens of K = 9, 1 of K = 9 with 16) and other
+  padding-row blocks, forced: 17 ragged tokens (the last block moved back), padding rows, unused slots."""
+  from jaxkern.moe import _expand_to_fused as etf
+  monkeypatch.setattr(etf, "_MAX_SLOTS", max_slots)
+  monkeypatch.setattr(etf, "_ROW_BLOCK", row_block)
+  idx = np.array(jax.random.randint(key, (17, 9), -1, 5), np.int32)
+  idx[[0, 7, 16]] = -1
+  m = moe.get_fused_mapping(jnp.asarray(idx), 5, 0, 16)
+  x = randn(key, (17, 576), jnp.bfloat16)
+  got = moe.expand_to_fused(x, m.token_topk_to_pos, m.pos_to_expert)
+  assert_bitwise_equal(got, ref.expand_to_fused(x, m.token_topk_to_pos, m.pos_to_expert))
+
+
+def test_token_block_choice():
+  from jaxkern.moe._expand_to_fused import _token_block
+  assert _token_block(4001, 9, 1152, None) == 16
+  assert _token_block(4001, 9, 1152, 32) == 3
+  assert _token_block(4001, 9, 14336, None) == 4
+  assert _token_block(4001, 9, 1152, 4) == 1  # at least one token
+  assert _token_block(4001, 2, 1000, None) == 1  # rows that break the TMA alignment
+
+
 def test_zero_tokens():
   out = moe.expand_to_fused(jnp.ones((0, 576), jnp.bfloat16), jnp.zeros((0, 2), jnp.int32), jnp.full((16,), -1))
   assert_bitwise_equal(out, jnp.zeros((16, 576), jnp.bfloat16))
@@ -195,6 +219,18 @@ def test_lowers_for_h100(hidden, dtype):
   assert "mosaic_gpu" in lower_for_h100(f, *args).as_text()
 
 
+@pytest.mark.parametrize("max_slots, row_block", [(32, 32), (16, 128)])
+def test_smaller_token_blocks_lower_for_h100(monkeypatch, max_slots, row_block):
+  from jaxkern.moe import _expand_to_fused as etf
+  monkeypatch.setattr(etf, "_MAX_SLOTS", max_slots)
+  monkeypatch.setattr(etf, "_ROW_BLOCK", row_block)
+  t, k, n = 37699, 9, 38144
+  f = functools.partial(moe.expand_to_fused, implementation="pallas")
+  args = (jax.ShapeDtypeStruct((t, 576), jnp.bfloat16), jax.ShapeDtypeStruct((t, k), jnp.int32),
+          jax.ShapeDtypeStruct((n,), jnp.int32))
+  assert "mosaic_gpu" in lower_for_h100(f, *args).as_text()
+
+
 @pytest.mark.parametrize("sf_dtype, col_major, npc", [(jnp.float32, False, 32), (jnp.float32, False, 128),
                                                       (jnp.int32, True, 32), (jnp.float32, True, 128)])
 @pytest.mark.parametrize("hidden", [576, 7168])
@@ -208,6 +244,22 @@ def test_with_sf_lowers_for_h100(hidden, sf_dtype, col_major, npc):
           jax.ShapeDtypeStruct((t, k), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32))
   assert "mosaic_gpu" in lower_for_h100(lambda x, pos, pte: f(x, token_topk_to_pos=pos, pos_to_expert=pte),
                                         *args).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_slots, row_block", [(32, 32), (16, 128), (64, 32)])
+@pytest.mark.parametrize("num_topk, experts, ranks", [(9, 4, 64), (8, 9, 8), (2, 9, 8)])
+def test_token_and_row_blocks_gpu(key, monkeypatch, max_slots, row_block, num_topk, experts, ranks):
+  """Smaller token / padding-row blocks, compiled, on spec-sized routings at H = 576."""
+  from jaxkern.moe import _expand_to_fused as etf
+  monkeypatch.setattr(etf, "_MAX_SLOTS", max_slots)
+  monkeypatch.setattr(etf, "_ROW_BLOCK", row_block)
+  k1, k2 = jax.random.split(key)
+  _, m = _mapping(k1, 4001, num_topk, experts, ranks, alignment=16)
+  pos, pte = m.token_topk_to_pos, m.pos_to_expert
+  x = randn(k2, (pos.shape[0], 576), jnp.bfloat16)
+  got = jax.jit(lambda *a: moe.expand_to_fused(*a))(x, pos, pte)  # a fresh function: traced with these blocks
+  assert_bitwise_equal(got, ref.expand_to_fused(x, pos, pte))
 
 
 @pytest.mark.gpu

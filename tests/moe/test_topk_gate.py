@@ -111,3 +111,41 @@ def test_lowers_for_h100(e, k):
 def test_spec_shapes_gpu(key, t, e, k):
   x = _scores(key, t, e)
   assert_bitwise_equal(jax.jit(topk_gate, static_argnums=1)(x, k), ref.topk_gate(x, k))
+
+
+@pytest.mark.parametrize("variant", [("narrow", 4), ("narrow", 8), ("narrow", 16), ("wgmma", None)], ids=str)
+@pytest.mark.parametrize("t, e, k", [(37, 96, 6), (9, 112, 6), (20, 108, 6), (130, 256, 8)])
+def test_kernel_variants_match_reference(key, monkeypatch, variant, t, e, k):
+  """Both kernels for many experts, forced: fewer rows than one CTA (padded), the last CTA moved back
+  (37 = 2x16 + 5 rows at 8 lanes per row), padded columns (108), ties."""
+  from jaxkern.moe import _topk_gate as tg
+  monkeypatch.setattr(tg, "_VARIANT_OVERRIDE", variant)
+  x = _scores(key, t, e)
+  x = x.at[:, 3].set(x[:, e - 1])  # a tie per row: the smaller index first
+  assert_bitwise_equal(topk_gate(x, k), ref.topk_gate(x, k))
+
+
+def test_variant_choice():
+  from jaxkern.moe import _topk_gate as tg
+  assert tg._variant(72) == ("wgmma", None)
+  assert tg._variant(tg.NARROW_MIN_EXPERTS) == ("narrow", tg.LANES_PER_ROW)
+
+
+@pytest.mark.parametrize("lanes", [4, 8, 16])
+@pytest.mark.parametrize("e, k", [(96, 6), (108, 6), (144, 6), (256, 8)])
+def test_narrow_kernel_lowers_for_h100(monkeypatch, lanes, e, k):
+  from jaxkern.moe import _topk_gate as tg
+  monkeypatch.setattr(tg, "_VARIANT_OVERRIDE", ("narrow", lanes))
+  f = functools.partial(topk_gate, num_topk=k, implementation="pallas")
+  assert "mosaic_gpu" in lower_for_h100(f, jax.ShapeDtypeStruct((4001, e), jnp.float32)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [("narrow", 4), ("narrow", 8), ("narrow", 16), ("wgmma", None)], ids=str)
+@pytest.mark.parametrize("t, e, k", [(4001, 96, 6), (8001, 108, 6), (4001, 144, 6), (8001, 256, 8), (5, 128, 6)])
+def test_kernel_variants_gpu(key, monkeypatch, variant, t, e, k):
+  from jaxkern.moe import _topk_gate as tg
+  monkeypatch.setattr(tg, "_VARIANT_OVERRIDE", variant)
+  x = _scores(key, t, e)
+  x = x.at[::3, 7].set(x[::3, 1])  # ties
+  assert_bitwise_equal(jax.jit(lambda x: topk_gate(x, k))(x), ref.topk_gate(x, k))

@@ -294,3 +294,67 @@ def test_non_finite_inputs_gpu(fmt, dtype, block, flags):
   assert_same(got, jax.jit(lambda x: ref.per_block_cast(x, fmt, block, **FLAGS[flags]))(x))
   assert_same(got, jax.jit(lambda x: ref.per_block_cast(x, fmt, block, **FLAGS[flags]))(
       jax.device_put(x, jax.devices("cpu")[0])))
+
+
+@pytest.mark.parametrize("variant", ["wide", "blocks"])
+@pytest.mark.parametrize("m, k, block, dtype, flags", [
+    (45, 320, (32, 32), jnp.bfloat16, "A"),  # partial last block row, last CTA column 2 of 8 blocks
+    (5, 64, (32, 32), jnp.bfloat16, "A-round"),  # fewer rows than a block, 2 blocks per CTA (narrow K)
+    (64, 192, (32, 32), jnp.float32, "C"),  # 6 blocks: 4 per CTA, last CTA half empty
+    (33, 256, (32, 128), jnp.bfloat16, "B"),  # wide kernel with 128-wide blocks (2 per CTA)
+    (130, 192, (128, 128), jnp.bfloat16, "A"),  # 128-row blocks: one per CTA (K = 192 < 256), partial edges
+])
+def test_e4m3_variants_bit_exact(key, monkeypatch, m, k, block, dtype, flags, variant):
+  """Both e4m3 kernels for 32-row blocks (the wide one-box kernel and the per-block one), forced."""
+  from jaxkern.quant import _per_block_cast as pbc
+  monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", variant)
+  x = _input(key, m, k, dtype)
+  want = ref.per_block_cast(x, "e4m3", block, **FLAGS[flags])
+  assert_same(quant.per_block_cast(x, "e4m3", block, **FLAGS[flags]), want)
+  assert_bitwise_equal(quant.per_block_cast_with_sf_only(x, "e4m3", block, **FLAGS[flags]), want.sf)
+
+
+def test_variant_choice():
+  from jaxkern.quant import _per_block_cast as pbc
+  assert pbc._variant(jnp.bfloat16, "e4m3", (32, 32), False) == "wide"
+  assert pbc._variant(jnp.bfloat16, "e4m3", (32, 32), True) == "blocks"  # precomputed sf
+  assert pbc._variant(jnp.bfloat16, "e2m1", (32, 32), False) == "blocks"
+  assert pbc._variant(jnp.bfloat16, "e4m3", (128, 128), False) == "blocks"
+  assert pbc._variant(jnp.bfloat16, "e4m3", (32, 128), False) == "blocks"
+  assert pbc._variant(jnp.float32, "e4m3", (32, 32), False) == "blocks"
+
+
+@pytest.mark.parametrize("m, k, block, dtype", [(4001, 576, (32, 32), jnp.bfloat16), (8001, 7168, (32, 32), jnp.float32),
+                                                (100, 64, (32, 32), jnp.bfloat16), (4001, 576, (32, 128), jnp.bfloat16),
+                                                (4001, 2048, (128, 128), jnp.bfloat16)])
+def test_wide_kernel_lowers_for_h100(m, k, block, dtype):
+  from jaxkern.quant import _per_block_cast as pbc
+  s = jax.ShapeDtypeStruct((m, k), dtype)
+  for write_data in (True, False):
+    f = functools.partial(pbc._wide_kernel, block_size=block, round_sf=True, write_data=write_data, interpret=None)
+    assert "mosaic_gpu" in lower_for_h100(f, s).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["wide", "blocks", ("wide", 64), ("wide", 128)], ids=str)
+@pytest.mark.parametrize("m, k, block, dtype", [(4001, 576, (32, 32), jnp.bfloat16), (8001, 2048, (32, 32), jnp.float32),
+                                                (4001, 576, (32, 128), jnp.bfloat16), (37, 64, (32, 32), jnp.bfloat16)])
+def test_e4m3_variants_gpu(key, monkeypatch, variant, m, k, block, dtype):
+  """Both e4m3 kernels for 32-row blocks, compiled, against the reference on ragged spec-sized shapes."""
+  from jaxkern.quant import _per_block_cast as pbc
+  monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", variant)
+  x = _input(key, m, k, dtype)
+  for flags in ("A", "C"):
+    got = jax.jit(lambda x: quant.per_block_cast(x, "e4m3", block, **FLAGS[flags]))(x)
+    assert_same(got, ref.per_block_cast(x, "e4m3", block, **FLAGS[flags]))
+    sf = jax.jit(lambda x: quant.per_block_cast_with_sf_only(x, "e4m3", block, **FLAGS[flags]))(x)
+    assert_bitwise_equal(sf, got.sf)
+
+
+@pytest.mark.parametrize("cols", [64, 128])
+def test_wide_kernel_narrower_ctas(key, monkeypatch, cols):
+  """The wide kernel with 2 / 4 blocks per CTA (K = 320: 10 blocks, the last CTA partly empty)."""
+  from jaxkern.quant import _per_block_cast as pbc
+  monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", ("wide", cols))
+  x = _input(key, 40, 320, jnp.bfloat16)
+  assert_same(quant.per_block_cast(x, "e4m3", (32, 32), **FLAGS["C"]), ref.per_block_cast(x, "e4m3", (32, 32), **FLAGS["C"]))
