@@ -146,6 +146,8 @@ def moe_layer_ep(params: MoeParams | MoeEpParams, x: jax.Array, *, config: MoeCo
   if e % num_ranks:
     raise ValueError(f"config.num_experts={e} must be a multiple of the size {num_ranks} of mesh axis {mesh_axis!r}")
   local_e = e // num_ranks
+  if s and not isinstance(params, MoeEpParams):
+    raise ValueError("params: with shared experts, pass MoeEpParams (see split_shared_experts)")
   if params.w_gate.shape[0] != local_e:
     raise ValueError(f"params.w_gate holds {params.w_gate.shape[0]} experts on this device; expected "
                      f"E/P = {local_e} (shard the routed experts with moe_param_specs)")
@@ -154,8 +156,6 @@ def moe_layer_ep(params: MoeParams | MoeEpParams, x: jax.Array, *, config: MoeCo
       raise ValueError(f"params.shared_gate holds {params.shared_gate.shape[0]} experts; expected "
                        f"config.num_shared_experts={s}")
     shared = MoeParams(params.router, params.router_bias, params.shared_gate, params.shared_up, params.shared_down)
-  elif s:
-    raise ValueError("params: with shared experts, pass MoeEpParams (see split_shared_experts)")
   routed = MoeParams(params.router, params.router_bias, params.w_gate, params.w_up, params.w_down)
   kw = dict(implementation=implementation)
 
@@ -198,24 +198,32 @@ def _batch_specs(batch, batch_axes) -> Any:
 
 
 def sharded_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array], mesh: Mesh, param_specs: Any, *,
-                           batch_axes: str | Sequence[str] | None = None, batch_specs: Any = None) -> Callable:
+                           batch_axes: str | Sequence[str] | None = None, batch_specs: Any = None,
+                           check_vma: bool = True) -> Callable:
   """``(params, batch) -> (loss, grads)`` of ``loss_fn`` run under ``jax.shard_map`` over ``mesh``.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar``, called on each device with its shards (the local params
       of ``param_specs``, the local batch); a mean over the local tokens. Inside it, collectives may name the
       mesh axes (e.g. ``functools.partial(moe_layer_ep, mesh_axis="data")`` as a model's ``moe_fn``).
-    mesh: the :class:`jax.sharding.Mesh`.
+    mesh: the :class:`jax.sharding.Mesh`, with ``Auto`` axes (``jax.sharding.Mesh(devices, names)``, or
+      ``jax.make_mesh(..., axis_types=(AxisType.Auto,) * n)``; ``jax.make_mesh``'s default ``Explicit`` axes
+      make ``shard_map`` demand inputs already sharded as its specs say).
     param_specs: a pytree of ``PartitionSpec`` matching ``params`` (e.g. from :func:`moe_param_specs`;
       ``PartitionSpec()`` = replicated).
     batch_axes: mesh axes that split the batch's leading dimension (default: all of ``mesh.axis_names``).
     batch_specs: explicit ``PartitionSpec`` pytree of the batch (overrides ``batch_axes``).
+    check_vma: ``jax.shard_map``'s type check of replicated vs device-varying values. ``True``: JAX inserts
+      the ``psum`` of the gradients of replicated params (the transpose of their implicit broadcast).
+      ``False`` (needed by Pallas kernels: ``pallas_call`` under ``check_vma=True`` wants every output
+      ``ShapeDtypeStruct`` to carry a ``manual_axis_type``, which jaxkern's kernels do not set): each device
+      differentiates its own loss, and the gradient of a param is ``psum``-med over the batch axes its spec
+      does not shard it over, then divided by the number of batch shards. Both give the same gradients.
 
   Returns:
-    A function ``(params, batch) -> (loss, grads)``: ``loss`` the
-    ``pmean`` of the devices' losses over ``batch_axes`` (the unsharded loss for a mean over equal shards),
-    ``grads`` sharded like ``params``: the gradient of ``loss`` (replicated params' gradients summed over
-    the devices they are replicated on, inserted by ``shard_map``'s ``check_vma``). Not jitted itself.
+    A function ``(params, batch) -> (loss, grads)``: ``loss`` the ``pmean`` of the devices' losses over
+    ``batch_axes`` (the unsharded loss for a mean over equal shards), ``grads`` sharded like ``params``: the
+    gradient of ``loss``. Not jitted itself.
   """
   if batch_axes is None:
     batch_axes = tuple(mesh.axis_names)
@@ -223,14 +231,32 @@ def sharded_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array], mesh: Mesh,
     batch_axes = (batch_axes,)
   else:
     batch_axes = tuple(batch_axes)
+  num_shards = 1
+  for axis in batch_axes:
+    num_shards *= mesh.shape[axis]
+
+  def spec_axes(spec) -> set:
+    named = set()
+    for entry in spec:
+      named.update((entry,) if isinstance(entry, str) else (entry or ()))
+    return named
 
   def local(params, batch):
-    return jax.value_and_grad(lambda p: lax.pmean(loss_fn(p, batch), batch_axes))(params)
+    if check_vma:
+      return jax.value_and_grad(lambda p: lax.pmean(loss_fn(p, batch), batch_axes))(params)
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+
+    def reduce(g, spec):
+      axes = tuple(a for a in batch_axes if a not in spec_axes(spec))
+      return (lax.psum(g, axes) if axes else g) / num_shards
+
+    grads = jax.tree.map(reduce, grads, param_specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    return lax.pmean(loss, batch_axes), grads
 
   def run(params, batch):
     bspecs = batch_specs if batch_specs is not None else _batch_specs(batch, batch_axes)
-    out_specs = (PartitionSpec(), param_specs)
-    return jax.shard_map(local, mesh=mesh, in_specs=(param_specs, bspecs), out_specs=out_specs)(params, batch)
+    return jax.shard_map(local, mesh=mesh, in_specs=(param_specs, bspecs), out_specs=(PartitionSpec(), param_specs),
+                         check_vma=check_vma)(params, batch)
 
   return run
 
@@ -241,7 +267,8 @@ def shard_params(params: Any, mesh: Mesh, param_specs: Any) -> Any:
 
 
 def make_sharded_train_step(loss_fn: Callable[[Any, Any], jax.Array], optimizer, mesh: Mesh, param_specs: Any, *,
-                            batch_axes: str | Sequence[str] | None = None, batch_specs: Any = None) -> Callable:
+                            batch_axes: str | Sequence[str] | None = None, batch_specs: Any = None,
+                            check_vma: bool = True) -> Callable:
   """A jitted ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
 
   The loss and gradients come from :func:`sharded_value_and_grad` (one ``jax.shard_map``), then
@@ -249,11 +276,13 @@ def make_sharded_train_step(loss_fn: Callable[[Any, Any], jax.Array], optimizer,
   the same ``jax.jit``: elementwise updates keep each param's sharding, so the optimiser state of sharded
   expert weights stays sharded. Equal to the unsharded step (to float32 rounding of the gradient sums) when
   ``loss_fn`` is a mean over the local tokens. Place ``params`` and ``opt_state`` with :func:`shard_params`
-  / ``optimizer.init`` of placed params; ``batch`` may be any arrays (jit reshards them).
+  / ``optimizer.init`` of placed params; ``batch`` may be any arrays (jit reshards them). Arguments: those
+  of :func:`sharded_value_and_grad`, and ``optimizer``.
   """
   import optax
 
-  value_and_grad = sharded_value_and_grad(loss_fn, mesh, param_specs, batch_axes=batch_axes, batch_specs=batch_specs)
+  value_and_grad = sharded_value_and_grad(loss_fn, mesh, param_specs, batch_axes=batch_axes, batch_specs=batch_specs,
+                                          check_vma=check_vma)
 
   @jax.jit
   def step(params, opt_state, batch):
