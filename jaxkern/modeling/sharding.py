@@ -37,9 +37,19 @@ each device are summed on that device, then the devices' partials, then the shar
 bfloat16 experts, the rounding of the routed partials (float32 here, one bfloat16 rounding at the end).
 Gradients: ``jax.grad`` differentiates through the collectives (the transpose of ``all_gather`` is
 ``psum_scatter`` and vice versa); replicated params get their gradients summed over the devices of every
-mesh axis they are replicated over (``jax.shard_map``'s default ``check_vma=True`` inserts the sums), sharded
-expert weights get the gradient of their own experts. Routing gradients flow into the router as in the
-unsharded layer (the routing weights are all-gathered like the tokens).
+mesh axis they are replicated over (``jax.shard_map``'s default ``check_vma=True`` inserts the sums; with
+``check_vma=False`` :func:`sharded_value_and_grad` adds them), sharded expert weights get the gradient of their
+own experts from every device's tokens. Routing gradients flow into the router as in the unsharded layer (the
+routing weights are all-gathered like the tokens).
+
+Kernels under ``shard_map``: with ``check_vma=True``, ``pallas_call`` requires a ``manual_axis_type`` on every
+output ``ShapeDtypeStruct`` (``ValueError: When `check_vma=True` on `jax.shard_map`, `manual_axis_type` on
+`jax.ShapeDtypeStruct` must not be `None```), which jaxkern's kernels do not set: run the Pallas kernels (and
+interpret mode) under ``check_vma=False``; the ``jnp`` references run under either. ``custom_vjp`` ops that mix
+replicated and sharded inputs cast them to one varying type first (:func:`jaxkern._autodiff.vary_like`, done
+in ``top2_sum_gate`` and the grouped matmul). In Pallas' interpreter on several simulated CPU devices,
+``expand_to_fused`` (Mosaic GPU) fails (``AssertionError: Barrier remains allocated at key
+HostAllocationKey(...)``); ``top2_sum_gate``, ``mask_indices_by_tp``, ``reduce_fused`` and ``swiglu`` run.
 
 Memory and bandwidth, per device and layer (``B`` = bytes of an ``x`` element): the all-gather receives
 ``(P-1)/P * T * H * B`` bytes and holds the ``(T, H)`` gathered tokens, and the ``psum_scatter`` moves
