@@ -124,10 +124,6 @@ def test_layer_one_device_mesh_interpret(key):
   _check_layer(key, SHARED, _mesh((1,), ("data",)), "data", "interpret", check_vma=False)
 
 
-def test_layer_one_device_mesh_reference_check_vma(key):
-  _check_layer(key, SHARED, _mesh((1,), ("data",)), "data", "reference", check_vma=True)
-
-
 def _mlp_moe_model(config, layer):
   """A small model: a replicated input projection, then the MoE layer with a residual."""
 
