@@ -46,3 +46,25 @@ CAST_ADVICE = ("quantisation rounds, so its derivative is zero almost everywhere
 DEQUANT_ADVICE = ("it takes quantised data, which has no derivative. Apply it to jax.lax.stop_gradient of its "
                   "inputs, or write the dequantisation (data.astype(jnp.float32) * scale) in jnp where gradients "
                   "w.r.t. the scales are needed")
+
+
+def vary_like(*operands):
+  """``operands`` (pytrees) with every array leaf cast to the union of the leaves' varying manual axes.
+
+  Under ``jax.shard_map`` (``check_vma=True``) the backward pass of a ``jax.custom_vjp`` must return a
+  cotangent of the same varying-manual-axes type as each input. A replicated input (a weight, a scale)
+  combined with a sharded one (tokens) gets a gradient that varies over the mesh axis, which JAX rejects
+  (``the manual axis types do not match``). Casting the replicated input to varying first
+  (``lax.pcast(..., to="varying")``, free in the forward pass) fixes the types; JAX transposes the cast to a
+  ``psum`` over the devices that share the input. Outside ``shard_map`` this returns ``operands`` unchanged.
+  Python scalars are left alone (make them arrays first if they are differentiated).
+  """
+  leaves, treedef = jax.tree.flatten(operands)
+  is_array = [isinstance(a, jax.Array) for a in leaves]
+  varying = [jax.typeof(a).manual_axis_type.varying if arr else frozenset() for a, arr in zip(leaves, is_array)]
+  axes = frozenset().union(*varying)
+  if not axes:
+    return operands
+  leaves = [jax.lax.pcast(a, tuple(sorted(axes - v)), to="varying") if arr and axes - v else a
+            for a, arr, v in zip(leaves, is_array, varying)]
+  return jax.tree.unflatten(treedef, leaves)

@@ -10,6 +10,12 @@ whose backward pass is built from two batchable products: ``dx = ragged_dot(dy, 
 ``custom_vmap``) and ``dw = x^T dy`` per group (a ragged contraction over the rows, every operand
 batched), both with float32 accumulation. Under ``vmap`` with shared weights the weight gradient is
 formed per block and then summed by JAX (``custom_vjp`` batching): ``(blocks, G, K, N)`` in memory.
+
+Under ``jax.shard_map`` (``check_vma=True``) a ``custom_vjp`` backward must return cotangents of the same
+varying-manual-axes type as its inputs: with replicated weights (e.g. shared experts) and sharded rows the
+weight gradient varies over the mesh axis while the weights do not. So :func:`grouped_matmul` first casts its
+operands to the union of their varying axes (:func:`jaxkern._autodiff.vary_like`, free in the forward pass);
+JAX transposes that cast to a ``psum`` of the weight gradient over the devices that share the weights.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.custom_batching import custom_vmap
+
+from jaxkern._autodiff import vary_like
 
 # dw[g] = sum over the rows r of group g of x[r]^T dy[r]: the rows are the ragged contracting dimension.
 _WEIGHT_GRAD_DIMS = lax.RaggedDotDimensionNumbers(
@@ -60,7 +68,6 @@ def _weight_grad_batched(axis_size, in_batched, *operands):
   return jax.vmap(_ragged_weight_grad)(*operands), True
 
 
-@jax.custom_vjp
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
   """``out[r] = x[r] @ w[g]`` for the rows ``r`` of group ``g`` (consecutive, ``group_sizes[g]`` of them).
 
@@ -73,11 +80,16 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
   Returns:
     ``(M, N)`` of ``x.dtype``, accumulated in float32.
   """
+  return _grouped_matmul(*vary_like(x, w, group_sizes))
+
+
+@jax.custom_vjp
+def _grouped_matmul(x, w, group_sizes):
   return _rows_times_group_weights(x, w, group_sizes)
 
 
 def _grouped_matmul_fwd(x, w, group_sizes):
-  return grouped_matmul(x, w, group_sizes), (x, w, group_sizes)
+  return _grouped_matmul(x, w, group_sizes), (x, w, group_sizes)
 
 
 def _grouped_matmul_bwd(residuals, dy):
@@ -87,4 +99,4 @@ def _grouped_matmul_bwd(residuals, dy):
   return dx, dw, np.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
-grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)

@@ -49,7 +49,7 @@ from jax.experimental import checkify
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxkern import _checks, _config, _dispatch, _ieee
+from jaxkern import _autodiff, _checks, _config, _dispatch, _ieee
 from jaxkern.moe._select import TAKEN, order_key
 from jaxkern.reference import moe as ref
 from jaxkern.types import TopkRouting, TopkRoutingWithUnmapped
@@ -467,7 +467,10 @@ def top2_sum_gate(logits: jax.Array, bias: jax.Array, num_topk: int, *, scoring_
                    num_tp_ranks, scoring_func.lower(), _config.get_implementation(implementation))
   constants = _NonDifferentiable(ep_rank, tp_rank, mask, fix_routing_mask, to_physical_map, logical_count,
                                  unmapped_topk_idx)
-  return _differentiable_gate(static, logits, bias, jnp.asarray(routed_scaling_factor, jnp.float32), constants)
+  # Under shard_map: one varying-axes type for all inputs, so that the custom_vjp's cotangents match them.
+  logits, bias, rsf, constants = _autodiff.vary_like(
+      logits, bias, jnp.asarray(routed_scaling_factor, jnp.float32), constants)
+  return _differentiable_gate(static, logits, bias, rsf, constants)
 
 
 class _Static(NamedTuple):

@@ -1,0 +1,303 @@
+"""Data and expert parallelism for the MoE layer and a training step, with ``jax.shard_map`` around the kernels.
+
+**Expert-parallel MoE layer** (:func:`moe_layer_ep`, the function of :func:`jaxkern.modeling.moe_layer`), run
+inside ``jax.shard_map`` over a mesh axis ``mesh_axis`` of ``P`` devices. What each device holds:
+
+* tokens: ``T / P`` rows of ``x`` (sharded over tokens, ``PartitionSpec(axis)`` on dim 0);
+* routed experts: ``E / P`` consecutive experts of ``w_gate``, ``w_up``, ``w_down`` (device ``r`` holds experts
+  ``[r E/P, (r+1) E/P)``; ``PartitionSpec(axis)`` on dim 0; ``E % P == 0``);
+* shared experts: replicated. Every token uses them, so each device runs them on its own tokens: no exchange.
+  They live in :class:`MoeEpParams` (``shared_gate``, ``shared_up``, ``shared_down``, ``(S, H, I)``), apart
+  from the routed ones, because a ``PartitionSpec`` shards a whole array: the ``(E+S, H, I)`` arrays of
+  :class:`~jaxkern.modeling.MoeParams` cannot be split over experts and replicated over shared experts at
+  once. (Upstream's alternative, shared experts as physical experts ``E..E+S-1`` placed on EP ranks through
+  ``top2_sum_gate``'s ``R = (E+X) / num_ep_ranks``, puts all shared-expert work of all tokens on the last ranks,
+  and needs ``(E+S) % P == 0``, impossible for ``P = 4, 8`` with ``E % 4 == 0``, ``S`` in 1..2.)
+  :func:`split_shared_experts` / :func:`merge_shared_experts` convert; with ``S = 0`` a plain
+  :class:`~jaxkern.modeling.MoeParams` works too;
+* router weights and bias: replicated.
+
+The all-gather scheme, per device ``r`` (collectives over ``mesh_axis`` only):
+
+1. route the local tokens (:func:`jaxkern.modeling.route_tokens`, router replicated): ``(T/P, K+S)`` ids/weights;
+2. ``all_gather`` the tokens ``(T/P, H) -> (T, H)`` and their routed ids/weights ``(T/P, K) -> (T, K)``;
+3. :func:`jaxkern.moe.mask_indices_by_tp` with ``n = E``, ``num_ep_ranks = num_tp_ranks = P`` and
+   ``tp_rank = r`` (upstream's EP/TP masking, spec moe_transpose.md §3.6: the TP rank keeps the experts of
+   the EP ranks ``q`` with ``q % P == r``, i.e. only ``q = r``) keeps the slots of this device's experts,
+   renumbered ``0..E/P-1``, and sets the others to -1;
+4. the routed experts of this device on all tokens: :func:`jaxkern.moe.get_fused_mapping`,
+   :func:`jaxkern.moe.expand_to_fused`, the SwiGLU grouped matmuls, :func:`jaxkern.moe.reduce_fused` in
+   float32 (unused slots add nothing): a ``(T, H)`` float32 partial sum;
+5. ``psum_scatter`` the partial sums back to the token shards: ``(T, H) -> (T/P, H)``, summed over devices;
+6. the shared experts on the local tokens (the same four ops over ``S`` experts), added; one rounding to
+   ``x.dtype``.
+
+Equal to the unsharded layer up to the order of the float32 sums of one token's slots (the routed slots of
+each device are summed on that device, then the devices' partials, then the shared slots) and, with
+bfloat16 experts, the rounding of the routed partials (float32 here, one bfloat16 rounding at the end).
+Gradients: ``jax.grad`` differentiates through the collectives (the transpose of ``all_gather`` is
+``psum_scatter`` and vice versa); replicated params get their gradients summed over the devices of every
+mesh axis they are replicated over (``jax.shard_map``'s default ``check_vma=True`` inserts the sums; with
+``check_vma=False`` :func:`sharded_value_and_grad` adds them), sharded expert weights get the gradient of their
+own experts from every device's tokens. Routing gradients flow into the router as in the unsharded layer (the
+routing weights are all-gathered like the tokens).
+
+Kernels under ``shard_map``: with ``check_vma=True``, ``pallas_call`` requires a ``manual_axis_type`` on every
+output ``ShapeDtypeStruct`` (``ValueError: When `check_vma=True` on `jax.shard_map`, `manual_axis_type` on
+`jax.ShapeDtypeStruct` must not be `None```), which jaxkern's kernels do not set: run the Pallas kernels (and
+interpret mode) under ``check_vma=False``; the ``jnp`` references run under either. ``custom_vjp`` ops that mix
+replicated and sharded inputs cast them to one varying type first (:func:`jaxkern._autodiff.vary_like`, done
+in ``top2_sum_gate`` and the grouped matmul). In Pallas' interpreter on several simulated CPU devices,
+``expand_to_fused`` (Mosaic GPU) fails (``AssertionError: Barrier remains allocated at key
+HostAllocationKey(...)``); ``top2_sum_gate``, ``mask_indices_by_tp``, ``reduce_fused`` and ``swiglu`` run.
+
+Memory and bandwidth, per device and layer (``B`` = bytes of an ``x`` element): the all-gather receives
+``(P-1)/P * T * H * B`` bytes and holds the ``(T, H)`` gathered tokens, and the ``psum_scatter`` moves
+``(P-1)/P * T * H * 4`` bytes of float32 partials (twice the bfloat16 volume; the price of one rounding),
+whatever the routing. The fused rows are sized statically for the worst case ``T * min(K, E/P)`` slots on
+one device (plus alignment padding), since routing can send every token to one device. An ``all_to_all``
+exchange sends each token only to the devices holding its experts: at most ``min(K, P)`` of the ``P``
+copies, which is a bandwidth saving only with dynamically sized (ragged) exchanges or a capacity factor that
+drops tokens past a per-device budget (which changes the function); with static, no-drop buffers its
+volume equals the all-gather's. Not implemented here.
+
+**Sharded training step** (:func:`sharded_value_and_grad`, :func:`make_sharded_train_step`): the loss, its
+gradients and the optimiser update of a params pytree under a :class:`jax.sharding.Mesh`; the loss and its
+gradients run under one ``jax.shard_map`` (batch sharded over tokens, expert weights over experts, everything
+else replicated, as given by ``param_specs``), the optimiser update outside it under ``jax.jit`` (elementwise,
+so XLA keeps the params' shardings). The loss is the mean of the per-device losses (``pmean``), which equals
+the unsharded loss when ``loss_fn`` is a mean over equally sized token shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxkern import moe
+from jaxkern.modeling.moe import MoeConfig, MoeParams, _group_sizes, route_tokens, swiglu_experts
+
+
+class MoeEpParams(NamedTuple):
+  """:class:`~jaxkern.modeling.MoeParams` with the shared experts apart from the routed ones (see the module
+  docstring): the routed experts can then be sharded over experts and the shared ones replicated."""
+
+  router: jax.Array  # (H, E) float32, replicated
+  router_bias: jax.Array  # (E,) float32, replicated (a buffer: zero gradient)
+  w_gate: jax.Array  # (E, H, I) routed experts, sharded over experts
+  w_up: jax.Array  # (E, H, I)
+  w_down: jax.Array  # (E, I, H)
+  shared_gate: jax.Array  # (S, H, I) shared experts, replicated
+  shared_up: jax.Array  # (S, H, I)
+  shared_down: jax.Array  # (S, I, H)
+
+
+def split_shared_experts(params: MoeParams, config: MoeConfig) -> MoeEpParams:
+  """:class:`MoeEpParams` of ``params``: experts ``0..E-1`` routed, ``E..E+S-1`` shared."""
+  e = config.num_experts
+  return MoeEpParams(params.router, params.router_bias, params.w_gate[:e], params.w_up[:e], params.w_down[:e],
+                     params.w_gate[e:], params.w_up[e:], params.w_down[e:])
+
+
+def merge_shared_experts(params: MoeEpParams) -> MoeParams:
+  """The :class:`~jaxkern.modeling.MoeParams` of ``params`` (also of its gradients): the inverse of
+  :func:`split_shared_experts`."""
+  cat = lambda a, b: jnp.concatenate([a, b], axis=0)
+  return MoeParams(params.router, params.router_bias, cat(params.w_gate, params.shared_gate),
+                   cat(params.w_up, params.shared_up), cat(params.w_down, params.shared_down))
+
+
+def moe_param_specs(params: MoeParams | MoeEpParams, expert_axis: str | None) -> MoeParams | MoeEpParams:
+  """``PartitionSpec`` s of :func:`moe_layer_ep`'s params: routed experts ``PartitionSpec(expert_axis)`` on
+  dim 0, everything else replicated (``expert_axis=None``: everything replicated, e.g. for pure data
+  parallelism with :func:`jaxkern.modeling.moe_layer`)."""
+  rep, split = PartitionSpec(), PartitionSpec(expert_axis)
+  if isinstance(params, MoeEpParams):
+    return MoeEpParams(rep, rep, split, split, split, rep, rep, rep)
+  return MoeParams(rep, rep, split, split, split)
+
+
+def _axis_size(axis: str) -> int:
+  return lax.axis_size(axis)
+
+
+def moe_layer_ep(params: MoeParams | MoeEpParams, x: jax.Array, *, config: MoeConfig, mesh_axis: str,
+                 implementation: str | None = None) -> jax.Array:
+  """The expert-parallel MoE layer on this device's shard (call inside ``jax.shard_map``).
+
+  Computes :func:`jaxkern.modeling.moe_layer` of the full token batch, sharded over ``mesh_axis`` (module
+  docstring: the scheme, its collectives, its cost).
+
+  Args:
+    params: this device's :class:`MoeEpParams` (``w_gate``, ``w_up`` ``(E/P, H, I)``, ``w_down``
+      ``(E/P, I, H)``: this device's routed experts; router and shared experts whole), or, with
+      ``config.num_shared_experts == 0``, a :class:`~jaxkern.modeling.MoeParams` of the same local shapes.
+      Shard with :func:`moe_param_specs`.
+    x: ``(T/P, H)`` float32 or bfloat16 tokens of this device (the experts' dtype), ``H`` a multiple of 256.
+    config: :class:`~jaxkern.modeling.MoeConfig` of the whole layer (``E = config.num_experts``, a multiple
+      of ``P``).
+    mesh_axis: the mesh axis (name) of size ``P`` that splits the tokens and the routed experts; other mesh
+      axes of an enclosing ``shard_map`` are independent replicas of this exchange (e.g. data parallelism).
+    implementation: passed to every :mod:`jaxkern.moe` op and to :func:`jaxkern.modeling.swiglu`.
+
+  Returns:
+    ``(T/P, H)`` of ``x.dtype``: this device's tokens' outputs.
+
+  Raises:
+    ValueError: ``E`` not a multiple of ``P``, local expert weights not holding ``E/P`` experts, shared
+      experts with a :class:`~jaxkern.modeling.MoeParams`, or their count not ``S``.
+  """
+  num_ranks = _axis_size(mesh_axis)
+  e, k, s = config.num_experts, config.num_topk, config.num_shared_experts
+  if e % num_ranks:
+    raise ValueError(f"config.num_experts={e} must be a multiple of the size {num_ranks} of mesh axis {mesh_axis!r}")
+  local_e = e // num_ranks
+  if s and not isinstance(params, MoeEpParams):
+    raise ValueError("params: with shared experts, pass MoeEpParams (see split_shared_experts)")
+  if params.w_gate.shape[0] != local_e:
+    raise ValueError(f"params.w_gate holds {params.w_gate.shape[0]} experts on this device; expected "
+                     f"E/P = {local_e} (shard the routed experts with moe_param_specs)")
+  if isinstance(params, MoeEpParams):
+    if params.shared_gate.shape[0] != s:
+      raise ValueError(f"params.shared_gate holds {params.shared_gate.shape[0]} experts; expected "
+                       f"config.num_shared_experts={s}")
+    shared = MoeParams(params.router, params.router_bias, params.shared_gate, params.shared_up, params.shared_down)
+  routed = MoeParams(params.router, params.router_bias, params.w_gate, params.w_up, params.w_down)
+  kw = dict(implementation=implementation)
+
+  routing = route_tokens(params, x, config=config, **kw)  # (T/P, K+S): routed slots, then shared ids E..E+S-1
+  # Tokens and their routed slots from every device: (T, H), (T, K), rows in device order.
+  x_all = lax.all_gather(x, mesh_axis, axis=0, tiled=True)
+  idx_all = lax.all_gather(routing.topk_idx[:, :k], mesh_axis, axis=0, tiled=True)
+  w_all = lax.all_gather(routing.topk_weights[:, :k], mesh_axis, axis=0, tiled=True)
+  rank = lax.axis_index(mesh_axis).astype(jnp.int32)
+  local_idx = moe.mask_indices_by_tp(idx_all, e, num_ranks, rank, num_ranks, **kw)
+  # A token's K experts are distinct, so at most min(K, E/P) of its slots are on this device.
+  a = config.alignment
+  rows = -(-(idx_all.shape[0] * min(k, local_e) + (a - 1) * local_e) // a) * a
+  partial = _experts_sum(routed, x_all, local_idx, w_all, local_e, rows, config, kw)
+  out = lax.psum_scatter(partial, mesh_axis, scatter_dimension=0, tiled=True)  # (T/P, H) float32
+  if s:
+    shared_idx = routing.topk_idx[:, k:] - e  # 0..S-1
+    rows = -(-(x.shape[0] * s + (a - 1) * s) // a) * a
+    out = out + _experts_sum(shared, x, shared_idx, routing.topk_weights[:, k:], s, rows, config, kw)
+  return out.astype(x.dtype)
+
+
+def _experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights: jax.Array, num_experts: int, rows: int,
+                 config: MoeConfig, kw: dict) -> jax.Array:
+  """``(T, H)`` float32: each token's slots of ``idx`` (-1: skipped) through the experts of ``params``, times
+  ``weights``, summed (the fused-layout pipeline of :func:`jaxkern.modeling.apply_experts` on a subset of
+  experts, ``rows`` fused rows)."""
+  mapping = moe.get_fused_mapping(idx, num_experts, rows, config.alignment, force_no_sync=True, **kw)
+  xf = moe.expand_to_fused(x, mapping.token_topk_to_pos, mapping.pos_to_expert, **kw)
+  yf = swiglu_experts(xf, params, _group_sizes(mapping), fp8_swiglu=config.fp8_swiglu, **kw)
+  return moe.reduce_fused(yf.astype(jnp.float32), weights, mapping.token_topk_to_pos, **kw)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sharded training step
+
+
+def _batch_specs(batch, batch_axes) -> Any:
+  return jax.tree.map(lambda _: PartitionSpec(batch_axes), batch)
+
+
+def sharded_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array], mesh: Mesh, param_specs: Any, *,
+                           batch_axes: str | Sequence[str] | None = None, batch_specs: Any = None,
+                           check_vma: bool = True) -> Callable:
+  """``(params, batch) -> (loss, grads)`` of ``loss_fn`` run under ``jax.shard_map`` over ``mesh``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> scalar``, called on each device with its shards (the local params
+      of ``param_specs``, the local batch); a mean over the local tokens. Inside it, collectives may name the
+      mesh axes (e.g. ``functools.partial(moe_layer_ep, mesh_axis="data")`` as a model's ``moe_fn``).
+    mesh: the :class:`jax.sharding.Mesh`, with ``Auto`` axes (``jax.sharding.Mesh(devices, names)``, or
+      ``jax.make_mesh(..., axis_types=(AxisType.Auto,) * n)``; ``jax.make_mesh``'s default ``Explicit`` axes
+      make ``shard_map`` demand inputs already sharded as its specs say).
+    param_specs: a pytree of ``PartitionSpec`` matching ``params`` (e.g. from :func:`moe_param_specs`;
+      ``PartitionSpec()`` = replicated).
+    batch_axes: mesh axes that split the batch's leading dimension (default: all of ``mesh.axis_names``).
+    batch_specs: explicit ``PartitionSpec`` pytree of the batch (overrides ``batch_axes``).
+    check_vma: ``jax.shard_map``'s type check of replicated vs device-varying values. ``True``: JAX inserts
+      the ``psum`` of the gradients of replicated params (the transpose of their implicit broadcast).
+      ``False`` (needed by Pallas kernels: ``pallas_call`` under ``check_vma=True`` wants every output
+      ``ShapeDtypeStruct`` to carry a ``manual_axis_type``, which jaxkern's kernels do not set): each device
+      differentiates its own loss, and the gradient of a param is ``psum``-med over the batch axes its spec
+      does not shard it over, then divided by the number of batch shards. Both give the same gradients.
+
+  Returns:
+    A function ``(params, batch) -> (loss, grads)``: ``loss`` the ``pmean`` of the devices' losses over
+    ``batch_axes`` (the unsharded loss for a mean over equal shards), ``grads`` sharded like ``params``: the
+    gradient of ``loss``. Not jitted itself.
+  """
+  if batch_axes is None:
+    batch_axes = tuple(mesh.axis_names)
+  elif isinstance(batch_axes, str):
+    batch_axes = (batch_axes,)
+  else:
+    batch_axes = tuple(batch_axes)
+  num_shards = 1
+  for axis in batch_axes:
+    num_shards *= mesh.shape[axis]
+
+  def spec_axes(spec) -> set:
+    named = set()
+    for entry in spec:
+      named.update((entry,) if isinstance(entry, str) else (entry or ()))
+    return named
+
+  def local(params, batch):
+    if check_vma:
+      return jax.value_and_grad(lambda p: lax.pmean(loss_fn(p, batch), batch_axes))(params)
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+
+    def reduce(g, spec):
+      axes = tuple(a for a in batch_axes if a not in spec_axes(spec))
+      return (lax.psum(g, axes) if axes else g) / num_shards
+
+    grads = jax.tree.map(reduce, grads, param_specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    return lax.pmean(loss, batch_axes), grads
+
+  def run(params, batch):
+    bspecs = batch_specs if batch_specs is not None else _batch_specs(batch, batch_axes)
+    return jax.shard_map(local, mesh=mesh, in_specs=(param_specs, bspecs), out_specs=(PartitionSpec(), param_specs),
+                         check_vma=check_vma)(params, batch)
+
+  return run
+
+
+def shard_params(params: Any, mesh: Mesh, param_specs: Any) -> Any:
+  """``params`` placed on ``mesh`` with ``param_specs`` (``jax.device_put`` with ``NamedSharding``)."""
+  return jax.tree.map(lambda p, spec: jax.device_put(p, NamedSharding(mesh, spec)), params, param_specs)
+
+
+def make_sharded_train_step(loss_fn: Callable[[Any, Any], jax.Array], optimizer, mesh: Mesh, param_specs: Any, *,
+                            batch_axes: str | Sequence[str] | None = None, batch_specs: Any = None,
+                            check_vma: bool = True) -> Callable:
+  """A jitted ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
+
+  The loss and gradients come from :func:`sharded_value_and_grad` (one ``jax.shard_map``), then
+  ``optimizer`` (an ``optax.GradientTransformation``) updates the params outside the ``shard_map``, under
+  the same ``jax.jit``: elementwise updates keep each param's sharding, so the optimiser state of sharded
+  expert weights stays sharded. Equal to the unsharded step (to float32 rounding of the gradient sums) when
+  ``loss_fn`` is a mean over the local tokens. Place ``params`` and ``opt_state`` with :func:`shard_params`
+  / ``optimizer.init`` of placed params; ``batch`` may be any arrays (jit reshards them). Arguments: those
+  of :func:`sharded_value_and_grad`, and ``optimizer``.
+  """
+  import optax
+
+  value_and_grad = sharded_value_and_grad(loss_fn, mesh, param_specs, batch_axes=batch_axes, batch_specs=batch_specs,
+                                          check_vma=check_vma)
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    loss, grads = value_and_grad(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
