@@ -187,6 +187,10 @@ def _compile_all(todo, jobs: int, quiet: _Quiet):
       yield op, case, key, avals, decisions, *(f.result() for f in futures)
 
 
+def _tflops(row) -> str:
+  return f"  {row['tflops']:.0f} TF/s (XLA {row['xla_tflops']:.0f})" if "tflops" in row else ""
+
+
 def _measure(op, case, key, avals, decisions, kernel, ref, iterations: int, quiet: _Quiet, env: dict) -> dict:
   """Checks and times one compiled case (all its GPU work inside ``quiet.timing()``); returns its JSONL row."""
   from jaxkern.testing.timing import device_time_us, flush_buffer
@@ -209,6 +213,8 @@ def _measure(op, case, key, avals, decisions, kernel, ref, iterations: int, quie
              speedup=round(t_ref / t, 3), correct=ok, bytes=case.nbytes, copy_gbps=round(env["copy_gbps"], 1),
              gpu=env["gpu"], date=env["date"], jax=jax.__version__, iterations=iterations,
              time=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+  if case.flops:
+    row.update(flops=case.flops, tflops=round(case.flops / t / 1e6, 1), xla_tflops=round(case.flops / t_ref / 1e6, 1))
   if reason := _path_reason(decisions):
     row["path_reason"] = reason
   return row if ok else dict(row, error=error)
@@ -292,7 +298,7 @@ def _benchmark(ops, out_path: pathlib.Path, iterations: int, shapes: str | None,
       f.write(json.dumps(row) + "\n")
       f.flush()
       print(f"{row['op']:20s} {row['shape']:26s} {row['path']:7s} {row['device_us']:9.2f} {row['gbps']:7.0f} {row['pct_copy']:6.1f} "
-            f"{row['xla_us']:9.2f} {row['speedup']:8.2f}{'' if row['correct'] else '  WRONG'}", flush=True)
+            f"{row['xla_us']:9.2f} {row['speedup']:8.2f}{'' if row['correct'] else '  WRONG'}{_tflops(row)}", flush=True)
   print(f"wrote {out_path}")
   return failures
 

@@ -86,6 +86,85 @@ def _simple_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret):
   return kernel(block_expert, xq, sfx_t, wq, wsf)
 
 
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
+def _ws_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret):
+  """The persistent warp-specialised kernel (arguments as :func:`_simple_kernel`): one CTA per SM loops
+  over the (128-row block, 128-column tile) work items, N fastest; a memory warpgroup issues the TMA
+  loads of ``STAGES`` steps ahead, two compute warpgroups take 64 rows each (64x128 f32 per warpgroup:
+  the notes' 128x128 per warpgroup spilled). Each step's scales are loaded one step ahead (their GMEM
+  latency is longer than a step's wgmma)."""
+  m, k = xq.shape
+  _, n, _ = wq.shape
+  ks = k // BLOCK
+  m_iters, n_iters = m // BLOCK, n // BN
+  wm = BLOCK // 2  # rows per compute warpgroup
+
+  def body(be_g, x_g, sfx_g, w_g, sfw_g, o_g):
+    wg = lax.axis_index("wg")
+
+    def pipeline(mma_body, compute_context):
+      return plgpu.emit_pipeline_warp_specialized(
+          mma_body, grid=(ks,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+          max_concurrent_steps=min(STAGES, ks), compute_context=compute_context,
+          in_specs=[plgpu.BlockSpec((BLOCK, BLOCK), lambda kk: (0, kk), transforms=FP8_TILED,
+                                    memory_space=plgpu.SMEM),
+                    plgpu.BlockSpec((BN, BLOCK), lambda kk: (0, kk), transforms=FP8_TILED,
+                                    memory_space=plgpu.SMEM)])
+
+    ignore = lambda *_, **__: None
+
+    @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(x_g, w_g.at[0]),
+                       collective_axes="wg")
+    def _scope(allocs):
+      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+      def _items(info):
+        (lin,) = info.index
+        mi, ni = lin // n_iters, lin % n_iters
+        e = be_g[mi]
+        rows = pl.ds(mi * BLOCK + wg * wm, wm)
+        cols = pl.ds(ni * BN, BN)
+
+        def scales(kk):
+          return plgpu.load(sfx_g.at[kk, rows], layout=WG.reduce(1), optimized=False), sfw_g[e, ni, kk]
+
+        def compute_context(run_pipeline):
+          sx, sw = scales(0)
+          total, _, _ = run_pipeline((plgpu.layout_cast(jnp.zeros((wm, BN), jnp.float32), WG), sx, sw))
+          o_g[rows, cols] = total.astype(out_dtype)
+
+        def mma_body(idx, x_s, w_s, carry):
+          (kk,) = idx
+          total, sx, sw = carry
+
+          def scope(acc):
+            plgpu.wgmma(acc, x_s.at[pl.ds(wg * wm, wm)], w_s.T)
+            nxt = scales(jnp.minimum(kk + 1, ks - 1))
+            return acc[...], nxt
+
+          part, (sx_next, sw_next) = pl.run_scoped(scope, plgpu.ACC((wm, BN), jnp.float32))
+          return total + part * (sx * sw)[:, None], sx_next, sw_next
+
+        @pl.when(e >= 0)
+        def _compute():
+          pipeline(mma_body, compute_context)(x_g.at[pl.ds(mi * BLOCK, BLOCK), :], w_g.at[e, cols, :],
+                                              allocations=allocs)
+
+        @pl.when((e < 0) & (wg < 2))
+        def _skip():
+          o_g[rows, cols] = plgpu.layout_cast(jnp.zeros((wm, BN), out_dtype), WG)
+
+  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+                        grid=(min(_config.num_sms(), m_iters * n_iters),), grid_names=("sm",), num_threads=3, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+                        interpret=interpret)
+  return kernel(block_expert, xq, sfx_t, wq, wsf)
+
+
+# Kernel variants (module attribute read at trace time; scratch/gpu_gemm.sh times each).
+VARIANTS = {"ws": _ws_kernel, "simple": _simple_kernel}
+VARIANT = "ws"
+
+
 def _quant(name, x):
   if not isinstance(x, tuple) or len(x) != 2:
     raise ValueError(f"{name} must be a QuantTensor (data, sf), got {type(x).__name__}")
@@ -200,8 +279,8 @@ def fp8_grouped_gemm(x, w, block_expert, *, out_dtype=jnp.bfloat16, x_use_tma_al
   def kernel(interpret):
     be = jnp.where((block_expert >= 0) & (block_expert < g), block_expert, -1)
     sfx_t = column_major_x_scales(x.sf, m, k // BLOCK, flag)
-    return _simple_kernel(be, x.data, sfx_t, w.data, w.sf, out_dtype=out_dtype,
-                          interpret=_config.mosaic_interpret(interpret))
+    return VARIANTS[VARIANT](be, x.data, sfx_t, w.data, w.sf, out_dtype=out_dtype,
+                             interpret=_config.mosaic_interpret(interpret))
 
   def xla():
     if m == 0:

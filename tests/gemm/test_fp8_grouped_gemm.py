@@ -43,8 +43,15 @@ def run(x, w, be, **kw):
   return jax.jit(functools.partial(gemm.fp8_grouped_gemm, **kw))(x, w, be)
 
 
-@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
-def test_kernel_matches_reference(key, out_dtype):
+@pytest.fixture
+def variant(request, monkeypatch):
+  monkeypatch.setattr(_grouped, "VARIANT", request.param)
+  return request.param
+
+
+@pytest.mark.parametrize("variant, out_dtype", [("ws", jnp.float32), ("ws", jnp.bfloat16), ("simple", jnp.float32)],
+                         indirect=["variant"])
+def test_kernel_matches_reference(key, variant, out_dtype):
   g, m, n, k = 3, 512, 256, 384
   x, w = make_inputs(key, g, m, n, k)
   be = jnp.array([2, 0, -1, 1], jnp.int32)
@@ -164,8 +171,9 @@ def test_not_differentiable(key):
     jax.grad(f)(x.sf)
 
 
+@pytest.mark.parametrize("variant", list(_grouped.VARIANTS), indirect=True)
 @pytest.mark.parametrize("out_dtype, shape", [(jnp.bfloat16, (8, 1024, 512, 896)), (jnp.float32, (2, 256, 128, 128))])
-def test_lowers_for_h100(out_dtype, shape):
+def test_lowers_for_h100(variant, out_dtype, shape):
   g, m, n, k = shape
   x, w, be = _args(g, m, n, k)
   lower_for_h100(lambda x, w, be: gemm.fp8_grouped_gemm(x, w, be, out_dtype=out_dtype, implementation="pallas"),
