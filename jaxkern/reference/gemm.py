@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkern.reference import quant as rq
+from jaxkern.types import QuantTensor
 
 BLOCK = 128
 _HI = lax.Precision.HIGHEST
@@ -89,3 +90,48 @@ def dequantized_product(x, w, block_expert, *, x_use_tma_aligned_col_major_sf: b
     return jnp.where(ok, jnp.dot(xb, wd.T, precision=_HI), 0.0)
 
   return lax.map(block, (xd.reshape(m // BLOCK, BLOCK, k), e, valid)).reshape(m, n)
+
+
+def fp8_grouped_gemm_input_grad(dy, w, block_expert, *, out_dtype=jnp.bfloat16,
+                                x_use_tma_aligned_col_major_sf: bool = False):
+  """Reference of :func:`jaxkern.gemm.fp8_grouped_gemm_input_grad`: :func:`fp8_grouped_gemm` of ``dy`` ``(M, N)``
+  with the weights transposed to ``(G, K, N)`` (sf ``(G, K/128, N/128)``): promotion per 128-deep step of N."""
+  wq, wsf = w
+  wt = (jnp.swapaxes(wq, 1, 2), jnp.swapaxes(wsf, 1, 2))
+  return fp8_grouped_gemm(dy, wt, block_expert, out_dtype=out_dtype,
+                          x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
+
+
+def fp8_grouped_gemm_weight_grad(dy_t, x_t, block_expert, *, num_experts: int):
+  """Reference of :func:`jaxkern.gemm.fp8_grouped_gemm_weight_grad`: ``dw[e] += (dy_bᵀ x_b) · (sf_dy[b, n] ·
+  sf_x[b, k])`` for every 128-row block ``b`` of expert ``e`` in block order (float32 products, promoted per
+  block); blocks with ids outside ``[0, G)`` skipped. Returns ``(G, N, K)`` float32."""
+  dq, dsf = dy_t
+  xq, xsf = x_t
+  n, m = dq.shape
+  k = xq.shape[0]
+  g = num_experts
+  dw = jnp.zeros((g, n, k), jnp.float32)
+  if m == 0:
+    return dw
+  be = block_expert.astype(jnp.int32)
+
+  def step(b, dw):
+    rows = b * BLOCK
+    d = lax.dynamic_slice_in_dim(dq, rows, BLOCK, axis=1).astype(jnp.float32)
+    x = lax.dynamic_slice_in_dim(xq, rows, BLOCK, axis=1).astype(jnp.float32)
+    p = jnp.dot(d, x.T, precision=_HI, preferred_element_type=jnp.float32)
+    e = be[b]
+    ok = (e >= 0) & (e < g)
+    ec = jnp.where(ok, e, 0)
+    upd = dw[ec] + p * (dsf[b][:, None] * xsf[b][None, :])
+    return dw.at[ec].set(jnp.where(ok, upd, dw[ec]))
+
+  return lax.fori_loop(0, m // BLOCK, step, dw)
+
+
+def transpose_weights(w) -> QuantTensor:
+  """Reference of :func:`jaxkern.gemm.transpose_weights`: ``(G, N, K)`` data and ``(G, N/128, K/128)`` sf with
+  their last two axes swapped."""
+  wq, wsf = w
+  return QuantTensor(jnp.swapaxes(wq, 1, 2), jnp.swapaxes(wsf, 1, 2))
