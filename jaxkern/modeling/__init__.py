@@ -1,6 +1,7 @@
 """Trainable layers built from the jaxkern ops; layers land here as they are built."""
 
 from jaxkern.modeling.engram import engram_gate
+from jaxkern.modeling._fp8_linear import fp8_grouped_linear
 from jaxkern.modeling._swiglu import swiglu
 from jaxkern.modeling.mhc import expand_from_embedding, mhc_block, mhc_head, mhc_post, mhc_pre
 from jaxkern.modeling.moe import (MoeConfig, MoeParams, apply_experts, apply_experts_dense, balance_router_bias,
@@ -13,6 +14,7 @@ __all__ = [
     "apply_experts_dense",
     "engram_gate",
     "expand_from_embedding",
+    "fp8_grouped_linear",
     "balance_router_bias",
     "init_moe_params",
     "mhc_block",
