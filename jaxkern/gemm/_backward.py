@@ -111,6 +111,90 @@ def _wgrad_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret):
   return kernel(starts, counts, dyq, sdy, xq, sx)
 
 
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _wgrad_ws_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret):
+  """The persistent warp-specialised weight-gradient kernel (arguments as :func:`_wgrad_kernel`): one CTA per SM
+  loops over the (expert, 128 rows of N, 128 columns of K) items, expert slowest; a memory warpgroup issues the
+  TMA loads of the expert's blocks ``STAGES`` ahead (a dynamic trip count), two compute warpgroups take 64 rows
+  of N each; the scales of a block are loaded one block ahead."""
+  n, m = dyq.shape
+  k = xq.shape[0]
+  g = starts.shape[0]
+  n_iters, k_iters = n // BLOCK, k // BLOCK
+  items = g * n_iters * k_iters
+
+  def body(st_g, ct_g, dy_g, sdy_g, x_g, sx_g, o_g):
+    wg = lax.axis_index("wg")
+
+    def pipeline(mma_body, compute_context, count, start):
+      def spec():
+        return plgpu.BlockSpec((BLOCK, BLOCK), lambda s: (0, start + s), transforms=FP8_TILED,
+                               memory_space=plgpu.SMEM)
+
+      return plgpu.emit_pipeline_warp_specialized(
+          mma_body, grid=(count,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+          max_concurrent_steps=STAGES, compute_context=compute_context, in_specs=[spec(), spec()])
+
+    ignore = lambda *_, **__: None
+
+    @functools.partial(pl.run_scoped,
+                       allocs=pipeline(ignore, ignore, STAGES, 0).get_allocations(dy_g.at[pl.ds(0, BLOCK)],
+                                                                               x_g.at[pl.ds(0, BLOCK)]),
+                       collective_axes="wg")
+    def _scope(allocs):
+      @plgpu.nd_loop((items,), collective_axes="sm")
+      def _items(info):
+        (lin,) = info.index
+        e = lin // (n_iters * k_iters)
+        ni = (lin // k_iters) % n_iters
+        kj = lin % k_iters
+        start, count = st_g[e], ct_g[e]
+        rows = pl.ds(ni * BLOCK + wg * WN, WN)
+        cols = pl.ds(kj * BLOCK, BLOCK)
+
+        def scales(s):
+          b = start + s
+          return (plgpu.load(sdy_g.at[b, rows], layout=WG.reduce(1), optimized=False),
+                  plgpu.load(sx_g.at[b, cols], layout=WG.reduce(0), optimized=False))
+
+        def compute_context(run_pipeline):
+          a, c = scales(0)
+          total, _, _ = run_pipeline((plgpu.layout_cast(jnp.zeros((WN, BLOCK), jnp.float32), WG), a, c))
+          o_g[e, rows, cols] = total
+
+        def mma_body(idx, dy_s, x_s, carry):
+          (s,) = idx
+          total, a, c = carry
+
+          def scope(acc):
+            plgpu.wgmma(acc, dy_s.at[pl.ds(wg * WN, WN)], x_s.T)
+            nxt = scales(jnp.minimum(s + 1, count - 1))
+            return acc[...], nxt
+
+          part, (a_next, c_next) = pl.run_scoped(scope, plgpu.ACC((WN, BLOCK), jnp.float32))
+          return total + part * a[:, None] * c[None, :], a_next, c_next
+
+        @pl.when(count > 0)
+        def _compute():
+          pipeline(mma_body, compute_context, count, start)(
+              dy_g.at[pl.ds(ni * BLOCK, BLOCK)], x_g.at[pl.ds(kj * BLOCK, BLOCK)], allocations=allocs)
+
+        @pl.when((count == 0) & (wg < 2))
+        def _empty():
+          o_g[e, rows, cols] = plgpu.layout_cast(jnp.zeros((WN, BLOCK), jnp.float32), WG)
+
+  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((g, n, k), jnp.float32),
+                        grid=(min(_config.num_sms(), items),), grid_names=("sm",), num_threads=3, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+                        interpret=interpret)
+  return kernel(starts, counts, dyq, sdy, xq, sx)
+
+
+# Weight-gradient kernel variants (read at trace time; scratch/gpu_gemm.sh times each).
+WGRAD_VARIANTS = {"ws": _wgrad_ws_kernel, "simple": _wgrad_kernel}
+WGRAD_VARIANT = "ws"
+
+
 def expert_block_ranges(block_expert, num_experts: int):
   """``(starts, counts)`` ``(G,)`` int32: each expert's first 128-row block and its number of blocks
   (the blocks of one expert contiguous; ids outside ``[0, G)`` belong to none)."""
@@ -188,7 +272,7 @@ def fp8_grouped_gemm_weight_grad(dy_t, x_t, block_expert, *, num_experts: int,
 
   def kernel(interpret):
     starts, counts = expert_block_ranges(block_expert, num_experts)
-    return _wgrad_kernel(starts, counts, dy_t.data, dy_t.sf, x_t.data, x_t.sf,
+    return WGRAD_VARIANTS[WGRAD_VARIANT](starts, counts, dy_t.data, dy_t.sf, x_t.data, x_t.sf,
                          interpret=_config.mosaic_interpret(interpret))
 
   def xla():

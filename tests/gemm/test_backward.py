@@ -11,6 +11,7 @@ import pytest
 
 import jaxkern
 from jaxkern import gemm
+from jaxkern.gemm import _backward
 from jaxkern.reference import gemm as ref
 from jaxkern.reference import quant as rq
 from jaxkern.testing import lower_for_h100
@@ -61,7 +62,14 @@ def _wgrad_inputs(key, m, n, k):
   return QuantTensor(*dyt), QuantTensor(*xt)
 
 
-def test_weight_grad_matches_reference(key):
+@pytest.fixture
+def wgrad_variant(request, monkeypatch):
+  monkeypatch.setattr(_backward, "WGRAD_VARIANT", request.param)
+  return request.param
+
+
+@pytest.mark.parametrize("wgrad_variant", list(_backward.WGRAD_VARIANTS), indirect=True)
+def test_weight_grad_matches_reference(key, wgrad_variant):
   g, m, n, k = 4, 640, 128, 256
   dyt, xt = _wgrad_inputs(key, m, n, k)
   be = jnp.array([0, 0, 3, 3, -1], jnp.int32)  # expert 1, 2 without rows; a skipped block
@@ -111,7 +119,8 @@ def test_not_differentiable(key):
     jax.grad(f)(xt.sf)
 
 
-def test_lowers_for_h100():
+@pytest.mark.parametrize("wgrad_variant", list(_backward.WGRAD_VARIANTS), indirect=True)
+def test_lowers_for_h100(wgrad_variant):
   g, m, n, k = 8, 1024, 512, 896
   lower_for_h100(lambda a, b, be: gemm.fp8_grouped_gemm_weight_grad(a, b, be, num_experts=g, implementation="pallas"),
                  (S((n, m), E4M3), S((m // 128, n), jnp.float32)), (S((k, m), E4M3), S((m // 128, k), jnp.float32)),
