@@ -53,7 +53,8 @@ def make_inputs(key, rows, n, k, skip_blocks=0):
   xs = jax.random.uniform(k2, (m, k // 128), minval=2 ** -8, maxval=2 ** -6)
   wq = jnp.clip(jax.random.normal(k3, (g, n, k)) * 100, -448, 448).astype(jnp.float8_e4m3fn)
   ws = jax.random.uniform(k4, (g, n // 128, k // 128), minval=2 ** -8, maxval=2 ** -6)
-  be = np.concatenate([np.full(r // 128, e, np.int32) for e, r in enumerate(rows)] + [np.full(skip_blocks, -1, np.int32)])
+  be = np.concatenate([np.full(r // 128, e, np.int32) for e, r in enumerate(rows)]
+                      + [np.full(skip_blocks, -1, np.int32)])
   sizes = np.asarray(rows, np.int32)
   sizes[-1] += 128 * skip_blocks  # ragged_dot needs every row in a group: the skipped rows join the last one
   return QuantTensor(xq, xs), QuantTensor(wq, ws), jnp.asarray(be), jnp.asarray(sizes)

@@ -1,14 +1,20 @@
 """FP8 grouped GEMM on the fused MoE layout: ``out[r] = x[r] · w[block_expert[r // 128]]ᵀ`` (issue 24).
 
-Mosaic GPU kernel (:func:`_simple_kernel`), one CTA per (64-row tile, 128-column tile) of the output,
-one warpgroup: a TMA pipeline (``plgpu.emit_pipeline``, ``STAGES`` steps in flight) brings the
-``(64, 128)`` e4m3 tile of ``x`` and the ``(128, 128)`` e4m3 tile of ``w[e]`` (stored ``(N, K)``,
-i.e. K-major, passed to wgmma transposed: FP8 wgmma needs K-major operands on both sides) into
-swizzled SMEM for every 128-deep K step; each step's wgmma accumulates into a fresh float32
-accumulator, whose value is promoted into the float32 carry as ``total += p · (sf_x[rows, step] ·
-sf_w[e, n_block, step])`` (DeepGEMM's numerics; the scale loads are issued after the wgmma, so their
-latency hides behind it). A tile whose block id is -1 (or outside ``[0, G)``) writes zeros and
-loads nothing.
+Two Mosaic GPU kernels (:data:`VARIANT` picks one at trace time; ``scratch/gpu_gemm.sh`` times both):
+
+* ``"ws"`` (default, :func:`_ws_kernel`), the design of ../shared/notes/fp8_grouped_gemm.md that reached
+  1,033-1,065 TF/s with scales on an H100: persistent (one CTA per SM looping over (128-row block,
+  128-column tile) items, N fastest), warp-specialised (a TMA warpgroup runs ``STAGES`` steps ahead of two
+  compute warpgroups of 64 rows each; 64x128 float32 per warpgroup, 128x128 spilled in the notes).
+* ``"simple"`` (:func:`_simple_kernel`): one CTA per (64-row tile, 128-column tile), one warpgroup, a
+  ``plgpu.emit_pipeline`` TMA pipeline.
+
+Both: per 128-deep K step the ``(rows, 128)`` e4m3 tile of ``x`` and the ``(128, 128)`` e4m3 tile of ``w[e]``
+(stored ``(N, K)``, i.e. K-major, passed to wgmma transposed: FP8 wgmma needs K-major operands on both sides)
+land in swizzled SMEM; the step's wgmma accumulates into a fresh float32 accumulator, whose value is promoted
+into the float32 carry as ``total += p · (sf_x[rows, step] · sf_w[e, n_block, step])`` (DeepGEMM's numerics;
+the scale loads are issued after the wgmma, in ``"ws"`` one step ahead). Items whose block id is -1 (or
+outside ``[0, G)``) write zeros and load nothing. Results go from registers straight to GMEM.
 
 Scale layouts: the kernel reads the per-token sf of ``x`` as the column-major ``(K/128, M)`` float32
 matrix (layout B's buffer, one contiguous vector of rows per step); the wrapper transposes layout A
@@ -154,7 +160,8 @@ def _ws_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret):
           o_g[rows, cols] = plgpu.layout_cast(jnp.zeros((wm, BN), out_dtype), WG)
 
   kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-                        grid=(min(_config.num_sms(), m_iters * n_iters),), grid_names=("sm",), num_threads=3, thread_name="wg",
+                        grid=(min(_config.num_sms(), m_iters * n_iters),), grid_names=("sm",), num_threads=3,
+                        thread_name="wg",
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
                         interpret=interpret)
   return kernel(block_expert, xq, sfx_t, wq, wsf)

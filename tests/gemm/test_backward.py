@@ -17,14 +17,14 @@ from jaxkern.reference import quant as rq
 from jaxkern.testing import lower_for_h100
 from jaxkern.types import QuantTensor
 
-from tests.gemm.test_fp8_grouped_gemm import make_inputs, rel_err
+from tests.gemm.test_fp8_grouped_gemm import ON_GPU, make_inputs, rel_err, tol
 
 S = jax.ShapeDtypeStruct
 E4M3 = jnp.float8_e4m3fn
 
 
 def _tol(want):
-  return dict(rtol=1e-5, atol=1e-6 * float(np.max(np.abs(np.asarray(want)))))
+  return tol(want)
 
 
 def test_transpose_weights(key):
@@ -49,7 +49,7 @@ def test_input_grad_matches_reference(key):
   # against float64: dx = dy_deq · w_deq[e]
   dyd = np.asarray(dy.data, np.float64) * np.repeat(np.asarray(dy.sf), 128, axis=1)
   wd = np.asarray(w.data[2], np.float64) * np.repeat(np.repeat(np.asarray(w.sf[2]), 128, 0), 128, 1)
-  assert rel_err(got[:128], dyd[:128] @ wd) < 1e-5
+  assert rel_err(got[:128], dyd[:128] @ wd) < (1e-3 if ON_GPU else 1e-5)
 
 
 def _wgrad_inputs(key, m, n, k):
@@ -81,8 +81,9 @@ def test_weight_grad_matches_reference(key, wgrad_variant):
   # against float64 of the dequantised operands: dw[3] = dy[256:512]ᵀ x[256:512]
   dyd = np.asarray(dyt.data, np.float64) * np.repeat(np.asarray(dyt.sf), 128, axis=0).T
   xd = np.asarray(xt.data, np.float64) * np.repeat(np.asarray(xt.sf), 128, axis=0).T
-  assert rel_err(got[3], dyd[:, 256:512] @ xd[:, 256:512].T) < 1e-5
-  assert rel_err(got[0], dyd[:, :256] @ xd[:, :256].T) < 1e-5
+  bound = 1e-3 if ON_GPU else 1e-5
+  assert rel_err(got[3], dyd[:, 256:512] @ xd[:, 256:512].T) < bound
+  assert rel_err(got[0], dyd[:, :256] @ xd[:, :256].T) < bound
 
 
 def test_weight_grad_zero_rows_and_traced_ids():
@@ -142,3 +143,17 @@ def test_gpu_weight_grad_accuracy(key):
   want = jnp.stack([jnp.dot(dyd[:, e * rows:(e + 1) * rows], xd[:, e * rows:(e + 1) * rows].T,
                             precision=jax.lax.Precision.HIGHEST) for e in range(g)])
   assert rel_err(got, want) <= 5e-3
+
+
+def test_persistent_weight_grad_loops_over_items(key, monkeypatch):
+  """2 CTAs for 8 items (experts with 3, 0, 1 and 1 blocks): several dynamic-length pipelines per CTA."""
+  from jaxkern import _config
+  monkeypatch.setattr(_backward, "WGRAD_VARIANT", "ws")
+  monkeypatch.setattr(_config, "num_sms", lambda: 2)
+  g, m, n, k = 4, 768, 128, 256
+  dyt, xt = _wgrad_inputs(key, m, n, k)
+  be = jnp.array([0, 0, 0, 2, 3, -1], jnp.int32)
+  got = jax.jit(functools.partial(gemm.fp8_grouped_gemm_weight_grad, num_experts=g))(dyt, xt, be)
+  want = ref.fp8_grouped_gemm_weight_grad(dyt, xt, be, num_experts=g)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **_tol(want))
+  np.testing.assert_array_equal(np.asarray(got[1]), 0)

@@ -34,6 +34,17 @@ def make_inputs(key, g, m, n, k, layout="A"):
   return QuantTensor(*x), QuantTensor(*w)
 
 
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def tol(want, rtol=0.0):
+  """Kernel vs reference. Interpret mode computes each 128-deep step in float32 (only the summation order differs);
+  Hopper's FP8 wgmma accumulates a step with fewer mantissa bits (DeepGEMM's reason to promote every step), so on
+  the GPU the bound is 1e-3 of the largest entry."""
+  scale = float(np.max(np.abs(np.asarray(want, np.float64))))
+  return dict(rtol=rtol + (0.0 if ON_GPU else 1e-5), atol=(1e-3 if ON_GPU else 1e-6) * scale)
+
+
 def rel_err(got, want):
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   return np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30)
@@ -62,9 +73,9 @@ def test_kernel_matches_reference(key, variant, out_dtype):
   assert np.any(np.asarray(got[:256]) != 0) and np.any(np.asarray(got[384:]) != 0)
   g64, w64 = np.asarray(got, np.float64), np.asarray(want, np.float64)
   if out_dtype == jnp.float32:  # only the summation order inside a K step differs
-    np.testing.assert_allclose(g64, w64, rtol=1e-5, atol=1e-6 * np.max(np.abs(w64)))
+    np.testing.assert_allclose(g64, w64, **tol(w64))
   else:  # one rounding to bf16 (half an ulp), plus the f32 difference
-    np.testing.assert_allclose(g64, w64, rtol=2 ** -8 + 1e-5, atol=1e-6 * np.max(np.abs(w64)))
+    np.testing.assert_allclose(g64, w64, **tol(w64, 2 ** -8))
   # each block used its own expert: the product with any other expert's weights is far off
   other = ref.fp8_grouped_gemm(x, w, jnp.array([1, 0, -1, 1], jnp.int32), out_dtype=jnp.float32)
   assert rel_err(got[:128], other[:128]) > 0.1
@@ -79,7 +90,7 @@ def test_kernel_scale_layouts(key, layout, k):
   be = jnp.array([1, 0], jnp.int32)
   got = run(x, w, be, out_dtype=jnp.float32, x_use_tma_aligned_col_major_sf=True)
   want = ref.fp8_grouped_gemm(x, w, be, out_dtype=jnp.float32, x_use_tma_aligned_col_major_sf=True)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(want))))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(want))
   # the same product as the layout-A input
   xa = QuantTensor(x.data, ref.x_scales(x.sf, m, k // 128, x_use_tma_aligned_col_major_sf=True))
   want_a = ref.fp8_grouped_gemm(xa, w, be, out_dtype=jnp.float32)
@@ -107,7 +118,7 @@ def test_traced_out_of_range_ids_are_skipped(key):
   got = jax.jit(lambda be: gemm.fp8_grouped_gemm(x, w, be, out_dtype=jnp.float32))(jnp.array([5, 1], jnp.int32))
   want = ref.fp8_grouped_gemm(x, w, jnp.array([-1, 1], jnp.int32), out_dtype=jnp.float32)
   np.testing.assert_array_equal(np.asarray(got[:128]), 0)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(want))))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(want))
 
 
 def test_zero_rows():
@@ -127,7 +138,7 @@ def _args(g=2, m=256, n=128, k=256):
 
 
 @pytest.mark.parametrize("mutate, match", [
-    (lambda x, w, b: ((jnp.zeros((256, 200), E4M3), jnp.zeros((256, 2), jnp.float32)), w, b), "K = 200|multiple of 128"),
+    (lambda x, w, b: ((jnp.zeros((256, 200), E4M3), jnp.zeros((256, 2), jnp.float32)), w, b), "K = 200"),
     (lambda x, w, b: ((jnp.zeros((200, 256), E4M3), jnp.zeros((200, 2), jnp.float32)), w, b), "multiple of 128"),
     (lambda x, w, b: (x, (jnp.zeros((2, 100, 256), E4M3), jnp.ones((2, 1, 2), jnp.float32)), b), "multiple of 128"),
     (lambda x, w, b: (x, (jnp.zeros((2, 128, 384), E4M3), jnp.ones((2, 1, 3), jnp.float32)), b), "w.data"),
@@ -198,3 +209,18 @@ def test_gpu_accuracy(key, g, rows, n, k):
   got = gemm.fp8_grouped_gemm(x, w, be, out_dtype=jnp.float32, implementation="pallas")
   want = jax.jit(ref.dequantized_product)(x, w, be)
   assert rel_err(got, want) <= 5e-3
+
+
+def test_persistent_kernel_loops_over_items(key, monkeypatch):
+  """3 CTAs for 8 work items: each CTA runs several pipelines in turn (barrier phases carried over, a skipped
+  block in between), as every CTA does at the real shapes."""
+  from jaxkern import _config
+  monkeypatch.setattr(_grouped, "VARIANT", "ws")
+  monkeypatch.setattr(_config, "num_sms", lambda: 3)
+  g, m, n, k = 3, 512, 256, 384
+  x, w = make_inputs(key, g, m, n, k)
+  be = jnp.array([1, -1, 0, 2], jnp.int32)
+  got = run(x, w, be, out_dtype=jnp.float32)
+  want = ref.fp8_grouped_gemm(x, w, be, out_dtype=jnp.float32)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(want))
+  np.testing.assert_array_equal(np.asarray(got[128:256]), 0)

