@@ -66,10 +66,11 @@ def fp8_grouped_gemm_input_grad(dy, w, block_expert, *, out_dtype=jnp.bfloat16,
                           implementation=implementation)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _wgrad_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret):
+@functools.partial(jax.jit, static_argnames=("interpret", "num_sms"))
+def _wgrad_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms=None):
   """``dyq (N, M)``, ``xq (K, M)`` e4m3, ``sdy (M/128, N)``, ``sx (M/128, K)`` float32, ``starts`` / ``counts``
-  ``(G,)`` int32 (each expert's first block and number of blocks) -> ``(G, N, K)`` float32."""
+  ``(G,)`` int32 (each expert's first block and number of blocks) -> ``(G, N, K)`` float32 (``num_sms`` unused)."""
+  del num_sms
   n, m = dyq.shape
   k = xq.shape[0]
   g = starts.shape[0]
@@ -111,8 +112,8 @@ def _wgrad_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret):
   return kernel(starts, counts, dyq, sdy, xq, sx)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _wgrad_ws_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret):
+@functools.partial(jax.jit, static_argnames=("interpret", "num_sms"))
+def _wgrad_ws_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms):
   """The persistent warp-specialised weight-gradient kernel (arguments as :func:`_wgrad_kernel`): one CTA per SM
   loops over the (expert, 128 rows of N, 128 columns of K) items, expert slowest; a memory warpgroup issues the
   TMA loads of the expert's blocks ``STAGES`` ahead (a dynamic trip count), two compute warpgroups take 64 rows
@@ -184,7 +185,7 @@ def _wgrad_ws_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret):
           o_g[e, rows, cols] = plgpu.layout_cast(jnp.zeros((WN, BLOCK), jnp.float32), WG)
 
   kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((g, n, k), jnp.float32),
-                        grid=(min(_config.num_sms(), items),), grid_names=("sm",), num_threads=3, thread_name="wg",
+                        grid=(min(num_sms, items),), grid_names=("sm",), num_threads=3, thread_name="wg",
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
                         interpret=interpret)
   return kernel(starts, counts, dyq, sdy, xq, sx)
@@ -273,7 +274,7 @@ def fp8_grouped_gemm_weight_grad(dy_t, x_t, block_expert, *, num_experts: int,
   def kernel(interpret):
     starts, counts = expert_block_ranges(block_expert, num_experts)
     return WGRAD_VARIANTS[WGRAD_VARIANT](starts, counts, dy_t.data, dy_t.sf, x_t.data, x_t.sf,
-                         interpret=_config.mosaic_interpret(interpret))
+                         interpret=_config.mosaic_interpret(interpret), num_sms=_config.num_sms())
 
   def xla():
     return jnp.zeros((num_experts, n, k), jnp.float32) if m == 0 else reference()

@@ -49,10 +49,12 @@ WG = plgpu.Layout.WGMMA
 FP8_TILED = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))  # 128-byte rows of e4m3
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
-def _simple_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms"))
+def _simple_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms=None):
   """``xq (M, K)`` e4m3, ``sfx_t (K/128, M)`` float32, ``wq (G, N, K)`` e4m3, ``wsf (G, N/128, K/128)``
-  float32, ``block_expert (M/128,)`` int32 (ids outside ``[0, G)`` skipped) -> ``(M, N)`` ``out_dtype``."""
+  float32, ``block_expert (M/128,)`` int32 (ids outside ``[0, G)`` skipped) -> ``(M, N)`` ``out_dtype``
+  (``num_sms`` unused: one CTA per tile)."""
+  del num_sms
   m, k = xq.shape
   _, n, _ = wq.shape
   ks = k // BLOCK
@@ -92,8 +94,8 @@ def _simple_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret):
   return kernel(block_expert, xq, sfx_t, wq, wsf)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
-def _ws_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms"))
+def _ws_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms):
   """The persistent warp-specialised kernel (arguments as :func:`_simple_kernel`): one CTA per SM loops
   over the (128-row block, 128-column tile) work items, N fastest; a memory warpgroup issues the TMA
   loads of ``STAGES`` steps ahead, two compute warpgroups take 64 rows each (64x128 f32 per warpgroup:
@@ -160,7 +162,7 @@ def _ws_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret):
           o_g[rows, cols] = plgpu.layout_cast(jnp.zeros((wm, BN), out_dtype), WG)
 
   kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-                        grid=(min(_config.num_sms(), m_iters * n_iters),), grid_names=("sm",), num_threads=3,
+                        grid=(min(num_sms, m_iters * n_iters),), grid_names=("sm",), num_threads=3,
                         thread_name="wg",
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
                         interpret=interpret)
@@ -287,7 +289,7 @@ def fp8_grouped_gemm(x, w, block_expert, *, out_dtype=jnp.bfloat16, x_use_tma_al
     be = jnp.where((block_expert >= 0) & (block_expert < g), block_expert, -1)
     sfx_t = column_major_x_scales(x.sf, m, k // BLOCK, flag)
     return VARIANTS[VARIANT](be, x.data, sfx_t, w.data, w.sf, out_dtype=out_dtype,
-                             interpret=_config.mosaic_interpret(interpret))
+                             interpret=_config.mosaic_interpret(interpret), num_sms=_config.num_sms())
 
   def xla():
     if m == 0:
