@@ -112,11 +112,11 @@ def _wgrad_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms=None):
   return kernel(starts, counts, dyq, sdy, xq, sx)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "num_sms"))
-def _wgrad_ws_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms):
+@functools.partial(jax.jit, static_argnames=("interpret", "num_sms", "stages"))
+def _wgrad_ws_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, stages=STAGES):
   """The persistent warp-specialised weight-gradient kernel (arguments as :func:`_wgrad_kernel`): one CTA per SM
   loops over the (expert, 128 rows of N, 128 columns of K) items, expert slowest; a memory warpgroup issues the
-  TMA loads of the expert's blocks ``STAGES`` ahead (a dynamic trip count), two compute warpgroups take 64 rows
+  TMA loads of the expert's blocks ``stages`` ahead (a dynamic trip count), two compute warpgroups take 64 rows
   of N each; the scales of a block are loaded one block ahead."""
   n, m = dyq.shape
   k = xq.shape[0]
@@ -134,12 +134,12 @@ def _wgrad_ws_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms):
 
       return plgpu.emit_pipeline_warp_specialized(
           mma_body, grid=(count,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-          max_concurrent_steps=STAGES, compute_context=compute_context, in_specs=[spec(), spec()])
+          max_concurrent_steps=stages, compute_context=compute_context, in_specs=[spec(), spec()])
 
     ignore = lambda *_, **__: None
 
     @functools.partial(pl.run_scoped,
-                       allocs=pipeline(ignore, ignore, STAGES, 0).get_allocations(dy_g.at[pl.ds(0, BLOCK)],
+                       allocs=pipeline(ignore, ignore, stages, 0).get_allocations(dy_g.at[pl.ds(0, BLOCK)],
                                                                                x_g.at[pl.ds(0, BLOCK)]),
                        collective_axes="wg")
     def _scope(allocs):
@@ -192,7 +192,8 @@ def _wgrad_ws_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms):
 
 
 # Weight-gradient kernel variants (read at trace time; scratch/gpu_gemm.sh times each).
-WGRAD_VARIANTS = {"ws": _wgrad_ws_kernel, "simple": _wgrad_kernel}
+WGRAD_VARIANTS = {"ws": _wgrad_ws_kernel, "ws6": functools.partial(_wgrad_ws_kernel, stages=6),
+                  "simple": _wgrad_kernel}
 WGRAD_VARIANT = "ws"
 
 

@@ -1,6 +1,7 @@
 """FP8 grouped GEMM on the fused MoE layout: ``out[r] = x[r] · w[block_expert[r // 128]]ᵀ`` (issue 24).
 
-Two Mosaic GPU kernels (:data:`VARIANT` picks one at trace time; ``scratch/gpu_gemm.sh`` times both):
+Mosaic GPU kernels (:data:`VARIANT` picks one at trace time; ``scratch/gpu_gemm.sh`` times each; ``"ws6"`` is
+``"ws"`` with 6 pipeline stages):
 
 * ``"ws"`` (default, :func:`_ws_kernel`), the design of ../shared/notes/fp8_grouped_gemm.md that reached
   1,033-1,065 TF/s with scales on an H100: persistent (one CTA per SM looping over (128-row block,
@@ -94,13 +95,13 @@ def _simple_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, nu
   return kernel(block_expert, xq, sfx_t, wq, wsf)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms"))
-def _ws_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages"))
+def _ws_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, stages=STAGES):
   """The persistent warp-specialised kernel (arguments as :func:`_simple_kernel`): one CTA per SM loops
   over the (128-row block, 128-column tile) work items, N fastest; a memory warpgroup issues the TMA
-  loads of ``STAGES`` steps ahead, two compute warpgroups take 64 rows each (64x128 f32 per warpgroup:
-  the notes' 128x128 per warpgroup spilled). Each step's scales are loaded one step ahead (their GMEM
-  latency is longer than a step's wgmma)."""
+  loads of ``stages`` steps ahead (32 KiB of SMEM each; 6 fit, 8 do not), two compute warpgroups take
+  64 rows each (64x128 f32 per warpgroup: the notes' 128x128 per warpgroup spilled). Each step's scales
+  are loaded one step ahead (their GMEM latency is longer than a step's wgmma)."""
   m, k = xq.shape
   _, n, _ = wq.shape
   ks = k // BLOCK
@@ -113,7 +114,7 @@ def _ws_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sm
     def pipeline(mma_body, compute_context):
       return plgpu.emit_pipeline_warp_specialized(
           mma_body, grid=(ks,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-          max_concurrent_steps=min(STAGES, ks), compute_context=compute_context,
+          max_concurrent_steps=min(stages, ks), compute_context=compute_context,
           in_specs=[plgpu.BlockSpec((BLOCK, BLOCK), lambda kk: (0, kk), transforms=FP8_TILED,
                                     memory_space=plgpu.SMEM),
                     plgpu.BlockSpec((BN, BLOCK), lambda kk: (0, kk), transforms=FP8_TILED,
@@ -170,7 +171,7 @@ def _ws_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sm
 
 
 # Kernel variants (module attribute read at trace time; scratch/gpu_gemm.sh times each).
-VARIANTS = {"ws": _ws_kernel, "simple": _simple_kernel}
+VARIANTS = {"ws": _ws_kernel, "ws6": functools.partial(_ws_kernel, stages=6), "simple": _simple_kernel}
 VARIANT = "ws"
 
 

@@ -68,7 +68,7 @@ def wgrad_variant(request, monkeypatch):
   return request.param
 
 
-@pytest.mark.parametrize("wgrad_variant", list(_backward.WGRAD_VARIANTS), indirect=True)
+@pytest.mark.parametrize("wgrad_variant", ["ws", "simple"], indirect=True)  # "ws6": "ws" with 6 stages
 def test_weight_grad_matches_reference(key, wgrad_variant):
   g, m, n, k = 4, 640, 128, 256
   dyt, xt = _wgrad_inputs(key, m, n, k)
