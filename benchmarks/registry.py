@@ -14,12 +14,13 @@ from jaxkern.testing import assert_bitwise_equal
 class Case:
   """One benchmark shape: ``make_args(key)`` builds the array inputs, ``kwargs`` are the op's static
   keyword arguments; ``nbytes`` counts each input read and each output written once (the spec's
-  byte count)."""
+  byte count); ``flops`` (GEMMs) the arithmetic, reported as TF/s when non-zero."""
 
   label: str
   make_args: Callable[[jax.Array], tuple]
   nbytes: int
   kwargs: dict = dataclasses.field(default_factory=dict)
+  flops: int = 0
 
 
 def bitwise_check(out, expected) -> None:

@@ -254,6 +254,10 @@ def _check_fits(kernel, ref, iterations: int) -> None:
     raise _TooLarge(memory.too_large(peak, pool, "its compiled buffers"))
 
 
+def _tflops(row) -> str:
+  return f"  {row['tflops']:.0f} TF/s (XLA {row['xla_tflops']:.0f})" if "tflops" in row else ""
+
+
 def _measure(op, case, key, avals, decisions, kernel, ref, iterations: int, quiet: _Quiet, env: dict) -> dict:
   """Checks and times one compiled case (all its GPU work inside ``quiet.timing()``); returns its JSONL
   row; raises :class:`_TooLarge` where it cannot fit the device memory."""
@@ -288,6 +292,8 @@ def _check_and_time(op, case, key, avals, decisions, kernel, ref, iterations, qu
              correct=ok, bytes=case.nbytes, copy_gbps=round(env["copy_gbps"], 1),
              gpu=env["gpu"], date=env["date"], jax=jax.__version__, iterations=iterations,
              time=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+  if case.flops:
+    row.update(flops=case.flops, tflops=round(case.flops / t / 1e6, 1), xla_tflops=round(case.flops / t_ref / 1e6, 1))
   if reason := _path_reason(decisions):
     row["path_reason"] = reason
   return row if ok else dict(row, error=error)
@@ -463,7 +469,7 @@ def _benchmark(ops, out_path: pathlib.Path, iterations: int, shapes: str | None,
         print(f"{row['op']:20s} {row['shape']:26s} {row['path']:7s} {row['device_us']:9.2f} {row['gbps']:7.0f} "
               f"{row['pct_copy']:6.1f} {row['xla_us']:9.2f} {row['speedup']:8.2f} "
               f"{_fmt(row['vs_tilekernels'], '.2f', 6)}"
-              f"{'' if row['correct'] else '  WRONG'}", flush=True)
+              f"{'' if row['correct'] else '  WRONG'}{_tflops(row)}", flush=True)
   print(f"wrote {out_path}")
   if skipped:
     print(f"{len(skipped)} case(s) skipped for lack of device memory: "

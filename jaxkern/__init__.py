@@ -1,6 +1,6 @@
 """jaxkern: Pallas GPU kernels for MoE / FP8 training and inference on NVIDIA Hopper."""
 
-from jaxkern import engram, moe, quant, reference, transpose, types
+from jaxkern import engram, gemm, moe, quant, reference, transpose, types
 from jaxkern._config import IMPLEMENTATIONS, get_implementation, set_implementation, use_implementation
 from jaxkern._autodiff import NotDifferentiableError
 from jaxkern._dispatch import Decision, KernelUnavailableError, explain
@@ -16,6 +16,7 @@ __all__ = [
     "QuantTensor",
     "engram",
     "explain",
+    "gemm",
     "get_implementation",
     "moe",
     "quant",

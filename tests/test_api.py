@@ -9,13 +9,13 @@ import types
 import pytest
 
 import jaxkern
-from jaxkern import engram, mhc, moe, quant, reference, transpose
+from jaxkern import engram, gemm, mhc, moe, quant, reference, transpose
 from jaxkern.reference import mhc_norm
 
 # jaxkern.mhc's references live in two modules: reference.mhc and (the RMS-normalised projection) reference.mhc_norm.
 MHC_REFERENCES = types.SimpleNamespace(**{n: getattr(m, n) for m in (reference.mhc, mhc_norm) for n in dir(m)
                                           if not n.startswith("_")})
-AREAS = {"engram": (engram, reference.engram), "mhc": (mhc, MHC_REFERENCES), "moe": (moe, reference.moe),
+AREAS = {"engram": (engram, reference.engram), "gemm": (gemm, reference.gemm), "mhc": (mhc, MHC_REFERENCES), "moe": (moe, reference.moe),
          "quant": (quant, reference.quant), "transpose": (transpose, reference.transpose)}
 # Public utilities that are not ops (no kernel, no implementation switch).
 NOT_OPS = {"sf_logical", "sf_to_float", "split_multipliers"}
@@ -26,7 +26,7 @@ OPS = [(area, name) for area, (mod, _) in AREAS.items() for name in mod.__all__
 
 
 def test_every_area_has_ops():
-  assert {area for area, _ in OPS} == set(AREAS) and len(OPS) == 38 + 19
+  assert {area for area, _ in OPS} == set(AREAS) and len(OPS) == 38 + 19 + 4
 
 
 @pytest.mark.parametrize("area, name", OPS, ids=lambda v: v)

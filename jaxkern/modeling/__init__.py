@@ -3,6 +3,7 @@
 from jaxkern.modeling.block import (Batch, BlockConfig, BlockParams, init_block_params, loss_fn, model_apply, moe_ffn,
                                     synthetic_batch, train_step)
 from jaxkern.modeling.engram import engram_gate
+from jaxkern.modeling._fp8_linear import fp8_grouped_linear
 from jaxkern.modeling._swiglu import swiglu
 from jaxkern.modeling.mhc import expand_from_embedding, mhc_block, mhc_head, mhc_post, mhc_pre
 from jaxkern.modeling.moe import (MoeConfig, MoeParams, apply_experts, apply_experts_dense, balance_router_bias,
@@ -19,6 +20,7 @@ __all__ = [
     "engram_gate",
     "expand_fp8",
     "expand_from_embedding",
+    "fp8_grouped_linear",
     "balance_router_bias",
     "init_block_params",
     "init_moe_params",

@@ -1,0 +1,301 @@
+"""FP8 grouped GEMM on the fused MoE layout: ``out[r] = x[r] · w[block_expert[r // 128]]ᵀ`` (issue 24).
+
+Mosaic GPU kernels (:data:`VARIANT` picks one at trace time; ``scratch/gpu_gemm.sh`` times each; ``"ws6"`` is
+``"ws"`` with 6 pipeline stages):
+
+* ``"ws"`` (default, :func:`_ws_kernel`), the design of ../shared/notes/fp8_grouped_gemm.md that reached
+  1,033-1,065 TF/s with scales on an H100: persistent (one CTA per SM looping over (128-row block,
+  128-column tile) items, N fastest), warp-specialised (a TMA warpgroup runs ``STAGES`` steps ahead of two
+  compute warpgroups of 64 rows each; 64x128 float32 per warpgroup, 128x128 spilled in the notes).
+* ``"simple"`` (:func:`_simple_kernel`): one CTA per (64-row tile, 128-column tile), one warpgroup, a
+  ``plgpu.emit_pipeline`` TMA pipeline.
+
+Both: per 128-deep K step the ``(rows, 128)`` e4m3 tile of ``x`` and the ``(128, 128)`` e4m3 tile of ``w[e]``
+(stored ``(N, K)``, i.e. K-major, passed to wgmma transposed: FP8 wgmma needs K-major operands on both sides)
+land in swizzled SMEM; the step's wgmma accumulates into a fresh float32 accumulator, whose value is promoted
+into the float32 carry as ``total += p · (sf_x[rows, step] · sf_w[e, n_block, step])`` (DeepGEMM's numerics;
+the scale loads are issued after the wgmma, in ``"ws"`` one step ahead). Items whose block id is -1 (or
+outside ``[0, G)``) write zeros and load nothing. Results go from registers straight to GMEM.
+
+Scale layouts: the kernel reads the per-token sf of ``x`` as the column-major ``(K/128, M)`` float32
+matrix (layout B's buffer, one contiguous vector of rows per step); the wrapper transposes layout A
+and decodes the packed UE8M0 layout C to that matrix with XLA (``M·K/128`` words, about 0.8% of the
+bytes of ``x``), and passes layout B through. Weight sf: float32 ``(G, N/128, K/128)`` (what
+``jax.vmap(per_block_cast)`` of the ``(N, K)`` weights with 128x128 blocks returns), read as one
+scalar per step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxkern import _autodiff, _checks, _config, _dispatch
+from jaxkern.reference import gemm as ref
+from jaxkern.reference import quant as rq
+from jaxkern.types import QuantTensor
+
+BLOCK = 128  # rows per expert block of the fused layout, K step, weight-scale block
+BM = 64  # rows per CTA (one wgmma M per warpgroup)
+BN = 128  # output columns per CTA
+STAGES = 4  # TMA pipeline depth: 4 x (8 + 16) KiB of SMEM
+OUT_DTYPES = (jnp.bfloat16, jnp.float32)
+WG = plgpu.Layout.WGMMA
+FP8_TILED = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))  # 128-byte rows of e4m3
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms"))
+def _simple_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms=None):
+  """``xq (M, K)`` e4m3, ``sfx_t (K/128, M)`` float32, ``wq (G, N, K)`` e4m3, ``wsf (G, N/128, K/128)``
+  float32, ``block_expert (M/128,)`` int32 (ids outside ``[0, G)`` skipped) -> ``(M, N)`` ``out_dtype``
+  (``num_sms`` unused: one CTA per tile)."""
+  del num_sms
+  m, k = xq.shape
+  _, n, _ = wq.shape
+  ks = k // BLOCK
+
+  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+                     grid=(m // BM, n // BN), grid_names=("m", "n"), interpret=interpret)
+  def kernel(be_g, x_g, sfx_g, w_g, sfw_g, o_g):
+    i, j = lax.axis_index("m"), lax.axis_index("n")
+    e = be_g[i * BM // BLOCK]
+    rows, cols = pl.ds(i * BM, BM), pl.ds(j * BN, BN)
+
+    @pl.when(e < 0)
+    def _skip():
+      o_g[rows, cols] = plgpu.layout_cast(jnp.zeros((BM, BN), out_dtype), WG)
+
+    @pl.when(e >= 0)
+    def _compute():
+      def body(idx, x_s, w_s, total):
+        (kk,) = idx
+
+        def scope(acc):
+          plgpu.wgmma(acc, x_s, w_s.T)
+          sx = plgpu.load(sfx_g.at[kk, rows], layout=WG.reduce(1), optimized=False)
+          return acc[...], sx * sfw_g[e, j, kk]
+
+        part, scale = pl.run_scoped(scope, plgpu.ACC((BM, BN), jnp.float32))
+        return total + part * scale[:, None]
+
+      total = plgpu.emit_pipeline(
+          body, grid=(ks,), max_concurrent_steps=min(STAGES, ks),
+          in_specs=[plgpu.BlockSpec((BM, BLOCK), lambda kk: (0, kk), transforms=FP8_TILED),
+                    plgpu.BlockSpec((BN, BLOCK), lambda kk: (0, kk), transforms=FP8_TILED)],
+          init_carry=plgpu.layout_cast(jnp.zeros((BM, BN), jnp.float32), WG),
+      )(x_g.at[rows, :], w_g.at[e, cols, :])
+      o_g[rows, cols] = total.astype(out_dtype)
+
+  return kernel(block_expert, xq, sfx_t, wq, wsf)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages"))
+def _ws_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, stages=STAGES):
+  """The persistent warp-specialised kernel (arguments as :func:`_simple_kernel`): one CTA per SM loops
+  over the (128-row block, 128-column tile) work items, N fastest; a memory warpgroup issues the TMA
+  loads of ``stages`` steps ahead (32 KiB of SMEM each; 6 fit, 8 do not), two compute warpgroups take
+  64 rows each (64x128 f32 per warpgroup: the notes' 128x128 per warpgroup spilled). Each step's scales
+  are loaded one step ahead (their GMEM latency is longer than a step's wgmma)."""
+  m, k = xq.shape
+  _, n, _ = wq.shape
+  ks = k // BLOCK
+  m_iters, n_iters = m // BLOCK, n // BN
+  wm = BLOCK // 2  # rows per compute warpgroup
+
+  def body(be_g, x_g, sfx_g, w_g, sfw_g, o_g):
+    wg = lax.axis_index("wg")
+
+    def pipeline(mma_body, compute_context):
+      return plgpu.emit_pipeline_warp_specialized(
+          mma_body, grid=(ks,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+          max_concurrent_steps=min(stages, ks), compute_context=compute_context,
+          in_specs=[plgpu.BlockSpec((BLOCK, BLOCK), lambda kk: (0, kk), transforms=FP8_TILED,
+                                    memory_space=plgpu.SMEM),
+                    plgpu.BlockSpec((BN, BLOCK), lambda kk: (0, kk), transforms=FP8_TILED,
+                                    memory_space=plgpu.SMEM)])
+
+    ignore = lambda *_, **__: None
+
+    @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(x_g, w_g.at[0]),
+                       collective_axes="wg")
+    def _scope(allocs):
+      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+      def _items(info):
+        (lin,) = info.index
+        mi, ni = lin // n_iters, lin % n_iters
+        e = be_g[mi]
+        rows = pl.ds(mi * BLOCK + wg * wm, wm)
+        cols = pl.ds(ni * BN, BN)
+
+        def scales(kk):
+          return plgpu.load(sfx_g.at[kk, rows], layout=WG.reduce(1), optimized=False), sfw_g[e, ni, kk]
+
+        def compute_context(run_pipeline):
+          sx, sw = scales(0)
+          total, _, _ = run_pipeline((plgpu.layout_cast(jnp.zeros((wm, BN), jnp.float32), WG), sx, sw))
+          o_g[rows, cols] = total.astype(out_dtype)
+
+        def mma_body(idx, x_s, w_s, carry):
+          (kk,) = idx
+          total, sx, sw = carry
+
+          def scope(acc):
+            plgpu.wgmma(acc, x_s.at[pl.ds(wg * wm, wm)], w_s.T)
+            nxt = scales(jnp.minimum(kk + 1, ks - 1))
+            return acc[...], nxt
+
+          part, (sx_next, sw_next) = pl.run_scoped(scope, plgpu.ACC((wm, BN), jnp.float32))
+          return total + part * (sx * sw)[:, None], sx_next, sw_next
+
+        @pl.when(e >= 0)
+        def _compute():
+          pipeline(mma_body, compute_context)(x_g.at[pl.ds(mi * BLOCK, BLOCK), :], w_g.at[e, cols, :],
+                                              allocations=allocs)
+
+        @pl.when((e < 0) & (wg < 2))
+        def _skip():
+          o_g[rows, cols] = plgpu.layout_cast(jnp.zeros((wm, BN), out_dtype), WG)
+
+  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+                        grid=(min(num_sms, m_iters * n_iters),), grid_names=("sm",), num_threads=3,
+                        thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+                        interpret=interpret)
+  return kernel(block_expert, xq, sfx_t, wq, wsf)
+
+
+# Kernel variants (module attribute read at trace time; scratch/gpu_gemm.sh times each).
+VARIANTS = {"ws": _ws_kernel, "ws6": functools.partial(_ws_kernel, stages=6), "simple": _simple_kernel}
+VARIANT = "ws"
+
+
+def _quant(name, x):
+  if not isinstance(x, tuple) or len(x) != 2:
+    raise ValueError(f"{name} must be a QuantTensor (data, sf), got {type(x).__name__}")
+  return QuantTensor(_checks.as_array(f"{name}.data", x[0]), _checks.as_array(f"{name}.sf", x[1]))
+
+
+def _check_sf(name, sf, shape, dtype):
+  if tuple(sf.shape) != tuple(shape) or sf.dtype != jnp.dtype(dtype):
+    raise ValueError(f"{name} must be {jnp.dtype(dtype).name} {tuple(shape)}, got {sf.dtype} {tuple(sf.shape)}")
+
+
+def check_args(x, w, block_expert, out_dtype, x_use_tma_aligned_col_major_sf):
+  """Validated ``(x, w, block_expert, out_dtype)``; raises ValueError naming the argument."""
+  x, w = _quant("x", x), _quant("w", w)
+  _checks.check_rank("x.data", x.data, 2)
+  _checks.check_dtype("x.data", x.data, (jnp.float8_e4m3fn,))
+  _checks.check_rank("w.data", w.data, 3)
+  _checks.check_dtype("w.data", w.data, (jnp.float8_e4m3fn,))
+  m, k = x.data.shape
+  g, n, kw = w.data.shape
+  if kw != k:
+    raise ValueError(f"w.data must be (G, N, K) with x's K = {k}, got shape {tuple(w.data.shape)}")
+  _checks.check_multiple("x.data", x.data, 0, BLOCK)
+  _checks.check_multiple("x.data", x.data, 1, BLOCK)
+  _checks.check_multiple("w.data", w.data, 1, BLOCK)
+  if g == 0:
+    raise ValueError("w.data must hold at least one expert (G >= 1)")
+  kb = k // BLOCK
+  if x.sf.dtype == jnp.int32:
+    if not x_use_tma_aligned_col_major_sf:
+      raise ValueError("x.sf: an int32 (packed UE8M0, layout C) sf needs x_use_tma_aligned_col_major_sf=True")
+    _check_sf("x.sf", x.sf, (-(-kb // 4), m), jnp.int32)
+  elif x_use_tma_aligned_col_major_sf:
+    _check_sf("x.sf", x.sf, (kb, m), jnp.float32)
+  else:
+    _check_sf("x.sf", x.sf, (m, kb), jnp.float32)
+  _check_sf("w.sf", w.sf, (g, n // BLOCK, kb), jnp.float32)
+  block_expert = _checks.as_array("block_expert", block_expert)
+  _checks.check_rank("block_expert", block_expert, 1)
+  _checks.check_dtype("block_expert", block_expert, (jnp.int32,))
+  if block_expert.shape[0] != m // BLOCK:
+    raise ValueError(f"block_expert must have shape (M/128,) = ({m // BLOCK},), got {tuple(block_expert.shape)}")
+  if not isinstance(block_expert, jax.core.Tracer):
+    be = np.asarray(block_expert)
+    if be.size and (be.min() < -1 or be.max() >= g):
+      raise ValueError(f"block_expert entries must be -1 (skip) or expert ids in [0, {g}), "
+                       f"got values in [{be.min()}, {be.max()}]")
+  if jnp.dtype(out_dtype) not in tuple(jnp.dtype(d) for d in OUT_DTYPES):
+    raise ValueError(f"out_dtype must be bfloat16 or float32, got {jnp.dtype(out_dtype).name}")
+  return x, w, block_expert, jnp.dtype(out_dtype)
+
+
+def column_major_x_scales(sf, m, kb, x_use_tma_aligned_col_major_sf):
+  """The per-token sf of ``x`` as the kernel reads it: float32 ``(K/128, M)`` (layout B's buffer)."""
+  if sf.dtype == jnp.float32 and x_use_tma_aligned_col_major_sf:
+    return sf
+  if sf.dtype == jnp.float32:
+    return sf.T
+  return rq.sf_to_float(sf, m, kb).T
+
+
+def fp8_grouped_gemm(x, w, block_expert, *, out_dtype=jnp.bfloat16, x_use_tma_aligned_col_major_sf: bool = False,
+                     implementation: str | None = None) -> jax.Array:
+  """FP8 grouped GEMM on the fused MoE layout: ``out[r, :] = x[r, :] · w[block_expert[r // 128]]ᵀ``.
+
+  Args:
+    x: QuantTensor ``(data (M, K) float8_e4m3fn, sf)`` in the fused (expert-major, 128-row aligned)
+      layout, with per-token 1x128 scales as :func:`jaxkern.quant.per_token_cast` ``(..., "e4m3", 128)``
+      or :func:`jaxkern.moe.expand_to_fused_with_sf` produce them: layout A float32 ``(M, K/128)``
+      (default), layout B float32 ``(K/128, M)`` (``x_use_tma_aligned_col_major_sf=True``) or layout C
+      packed UE8M0 int32 ``(ceil(K/512), M)`` (``x_use_tma_aligned_col_major_sf=True``, the int32 dtype
+      says packed). The kernel reads layout B; A is transposed and C decoded to it by XLA in the wrapper.
+    w: QuantTensor ``(data (G, N, K) float8_e4m3fn, sf (G, N/128, K/128) float32)``: the weights of each
+      expert as ``(N, K)`` (K-major) with 128x128 block scales (``jax.vmap`` of
+      :func:`jaxkern.quant.per_block_cast` ``(..., "e4m3", (128, 128))``).
+    block_expert: ``(M/128,)`` int32, the expert of each 128-row block (``pos_to_expert[::128]`` of a
+      :func:`jaxkern.moe.get_fused_mapping` with ``alignment=128``); ``-1`` marks a skipped block (e.g.
+      past the last segment): its output rows are zero. Concrete values outside ``[-1, G)`` raise; traced
+      ones outside ``[0, G)`` are treated as ``-1``.
+    out_dtype: bfloat16 (default) or float32.
+    x_use_tma_aligned_col_major_sf: the layout of ``x.sf`` (see ``x``).
+    implementation: see :mod:`jaxkern._dispatch`.
+
+  Returns:
+    ``(M, N)`` ``out_dtype``.
+
+  Numerics (DeepGEMM's): per 128-deep K step a float32 wgmma product, promoted into a float32
+  accumulator with ``sf_x[r, step] · sf_w[e, n // 128, step]`` in step order, one rounding to
+  ``out_dtype`` at the end (:mod:`jaxkern.reference.gemm`). Kernel and reference differ only by the
+  summation order inside a step (and FMA contraction of the promotion on the CPU).
+
+  Raises:
+    ValueError: non-e4m3 data, M, K or N not multiples of 128, w's K not x's, scale shapes or dtypes
+      other than above, ``block_expert`` not ``(M/128,)`` int32 or (concrete) out of range, another
+      ``out_dtype``.
+
+  XLA cases: ``M == 0`` (an empty result, no launch). ``"xla"`` runs the reference compiled by XLA.
+
+  Differentiation: not differentiable (quantised inputs); :func:`jaxkern.modeling.fp8_grouped_linear`
+  is the trainable layer. ``jax.grad`` through it raises :class:`jaxkern.NotDifferentiableError`.
+  """
+  x, w, block_expert, out_dtype = check_args(x, w, block_expert, out_dtype, x_use_tma_aligned_col_major_sf)
+  x = QuantTensor(*_autodiff.guard("fp8_grouped_gemm", _autodiff.DEQUANT_ADVICE, *x))
+  w = QuantTensor(*_autodiff.guard("fp8_grouped_gemm", _autodiff.DEQUANT_ADVICE, *w))
+  m, k = x.data.shape
+  g, n, _ = w.data.shape
+  flag = x_use_tma_aligned_col_major_sf
+
+  def reference():
+    return ref.fp8_grouped_gemm(x, w, block_expert, out_dtype=out_dtype, x_use_tma_aligned_col_major_sf=flag)
+
+  def kernel(interpret):
+    be = jnp.where((block_expert >= 0) & (block_expert < g), block_expert, -1)
+    sfx_t = column_major_x_scales(x.sf, m, k // BLOCK, flag)
+    return VARIANTS[VARIANT](be, x.data, sfx_t, w.data, w.sf, out_dtype=out_dtype,
+                             interpret=_config.mosaic_interpret(interpret), num_sms=_config.num_sms())
+
+  def xla():
+    if m == 0:
+      return jnp.zeros((0, n), out_dtype)
+    return reference()
+
+  return _dispatch.run("fp8_grouped_gemm", implementation, kernel=kernel, xla=xla, reference=reference,
+                       empty=m == 0)

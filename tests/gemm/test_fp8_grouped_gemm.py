@@ -1,0 +1,226 @@
+"""jaxkern.gemm.fp8_grouped_gemm: the kernel (interpret mode on CPU, compiled on a GPU) against the reference,
+the reference against the float32 product of the dequantised inputs, H100 lowering, argument checks."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkern
+from jaxkern import gemm
+from jaxkern.gemm import _grouped
+from jaxkern.reference import gemm as ref
+from jaxkern.reference import quant as rq
+from jaxkern.testing import lower_for_h100
+from jaxkern.types import QuantTensor
+
+S = jax.ShapeDtypeStruct
+E4M3 = jnp.float8_e4m3fn
+LAYOUTS = {"A": {}, "B": dict(use_tma_aligned_col_major_sf=True),
+           "C": dict(use_tma_aligned_col_major_sf=True, round_sf=True, use_packed_ue8m0=True)}
+
+
+def make_inputs(key, g, m, n, k, layout="A"):
+  """Activations with per-row magnitudes spread over 2^±6 and weights over 2^±4 per block, quantised by the
+  references of the jaxkern casts (per-token 1x128; 128x128 blocks)."""
+  k1, k2, k3, k4 = jax.random.split(key, 4)
+  xf = jax.random.normal(k1, (m, k)) * jnp.exp2(jax.random.randint(k2, (m, 1), -6, 7).astype(jnp.float32))
+  ws = jnp.exp2(jax.random.randint(k4, (g, n // 128, k // 128), -4, 5).astype(jnp.float32))
+  wf = jax.random.normal(k3, (g, n, k)) * ws.repeat(128, 1).repeat(128, 2)
+  x = rq.per_token_cast(xf.astype(jnp.bfloat16), "e4m3", 128, **LAYOUTS[layout])
+  w = jax.vmap(lambda v: tuple(rq.per_block_cast(v, "e4m3", (128, 128))))(wf)
+  return QuantTensor(*x), QuantTensor(*w)
+
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def tol(want, rtol=0.0):
+  """Kernel vs reference. Interpret mode computes each 128-deep step in float32 (only the summation order differs);
+  Hopper's FP8 wgmma accumulates a step with fewer mantissa bits (DeepGEMM's reason to promote every step), so on
+  the GPU the bound is 1e-3 of the largest entry."""
+  scale = float(np.max(np.abs(np.asarray(want, np.float64))))
+  return dict(rtol=rtol + (0.0 if ON_GPU else 1e-5), atol=(1e-3 if ON_GPU else 1e-6) * scale)
+
+
+def rel_err(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30)
+
+
+def run(x, w, be, **kw):
+  return jax.jit(functools.partial(gemm.fp8_grouped_gemm, **kw))(x, w, be)
+
+
+@pytest.fixture
+def variant(request, monkeypatch):
+  monkeypatch.setattr(_grouped, "VARIANT", request.param)
+  return request.param
+
+
+@pytest.mark.parametrize("variant, out_dtype", [("ws", jnp.float32), ("ws", jnp.bfloat16), ("simple", jnp.float32)],
+                         indirect=["variant"])
+def test_kernel_matches_reference(key, variant, out_dtype):
+  g, m, n, k = 3, 512, 256, 384
+  x, w = make_inputs(key, g, m, n, k)
+  be = jnp.array([2, 0, -1, 1], jnp.int32)
+  got = run(x, w, be, out_dtype=out_dtype)
+  want = ref.fp8_grouped_gemm(x, w, be, out_dtype=jnp.float32)
+  assert got.shape == (m, n) and got.dtype == out_dtype
+  assert np.all(np.asarray(got[256:384]) == 0)  # the skipped block
+  assert np.any(np.asarray(got[:256]) != 0) and np.any(np.asarray(got[384:]) != 0)
+  g64, w64 = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  if out_dtype == jnp.float32:  # only the summation order inside a K step differs
+    np.testing.assert_allclose(g64, w64, **tol(w64))
+  else:  # one rounding to bf16 (half an ulp), plus the f32 difference
+    np.testing.assert_allclose(g64, w64, **tol(w64, 2 ** -8))
+  # each block used its own expert: the product with any other expert's weights is far off
+  other = ref.fp8_grouped_gemm(x, w, jnp.array([1, 0, -1, 1], jnp.int32), out_dtype=jnp.float32)
+  assert rel_err(got[:128], other[:128]) > 0.1
+
+
+@pytest.mark.parametrize("layout, k", [("B", 256), ("C", 640)])
+def test_kernel_scale_layouts(key, layout, k):
+  """Layout B goes to the kernel as is; A is transposed and C (packed UE8M0, a partial last word for
+  K/128 = 5) decoded by XLA."""
+  g, m, n = 2, 256, 128
+  x, w = make_inputs(key, g, m, n, k, layout)
+  be = jnp.array([1, 0], jnp.int32)
+  got = run(x, w, be, out_dtype=jnp.float32, x_use_tma_aligned_col_major_sf=True)
+  want = ref.fp8_grouped_gemm(x, w, be, out_dtype=jnp.float32, x_use_tma_aligned_col_major_sf=True)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(want))
+  # the same product as the layout-A input
+  xa = QuantTensor(x.data, ref.x_scales(x.sf, m, k // 128, x_use_tma_aligned_col_major_sf=True))
+  want_a = ref.fp8_grouped_gemm(xa, w, be, out_dtype=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(want), np.asarray(want_a))
+
+
+def test_reference_is_the_dequantized_product(key):
+  """The reference (promotion per K step) against the plain float32 product of the dequantised inputs."""
+  g, m, n, k = 2, 256, 256, 512
+  x, w = make_inputs(key, g, m, n, k)
+  be = jnp.array([1, -1], jnp.int32)
+  got = ref.fp8_grouped_gemm(x, w, be, out_dtype=jnp.float32)
+  want = ref.dequantized_product(x, w, be)
+  assert rel_err(got, want) < 1e-5
+  np.testing.assert_array_equal(np.asarray(got[128:]), 0)
+  # and against numpy in float64 for one row block
+  xd = np.asarray(x.data, np.float64) * np.repeat(np.asarray(x.sf), 128, axis=1)
+  wd = np.asarray(w.data[1], np.float64) * np.repeat(np.repeat(np.asarray(w.sf[1]), 128, 0), 128, 1)
+  assert rel_err(got[:128], xd[:128] @ wd.T) < 1e-5
+
+
+def test_traced_out_of_range_ids_are_skipped(key):
+  g, m, n, k = 2, 256, 128, 128
+  x, w = make_inputs(key, g, m, n, k)
+  got = jax.jit(lambda be: gemm.fp8_grouped_gemm(x, w, be, out_dtype=jnp.float32))(jnp.array([5, 1], jnp.int32))
+  want = ref.fp8_grouped_gemm(x, w, jnp.array([-1, 1], jnp.int32), out_dtype=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(got[:128]), 0)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(want))
+
+
+def test_zero_rows():
+  x = QuantTensor(jnp.zeros((0, 256), E4M3), jnp.zeros((0, 2), jnp.float32))
+  w = QuantTensor(jnp.zeros((2, 128, 256), E4M3), jnp.ones((2, 1, 2), jnp.float32))
+  for impl in ("interpret", "xla", "reference"):
+    out = gemm.fp8_grouped_gemm(x, w, jnp.zeros((0,), jnp.int32), implementation=impl)
+    assert out.shape == (0, 128) and out.dtype == jnp.bfloat16
+  d = jaxkern.explain(lambda a, b, c: gemm.fp8_grouped_gemm(a, b, c, implementation="pallas"), x, w,
+                      jnp.zeros((0,), jnp.int32))
+  assert d[0].path == "xla"
+
+
+def _args(g=2, m=256, n=128, k=256):
+  return (QuantTensor(S((m, k), E4M3), S((m, k // 128), jnp.float32)),
+          QuantTensor(S((g, n, k), E4M3), S((g, n // 128, k // 128), jnp.float32)), S((m // 128,), jnp.int32))
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda x, w, b: ((jnp.zeros((256, 200), E4M3), jnp.zeros((256, 2), jnp.float32)), w, b), "K = 200"),
+    (lambda x, w, b: ((jnp.zeros((200, 256), E4M3), jnp.zeros((200, 2), jnp.float32)), w, b), "multiple of 128"),
+    (lambda x, w, b: (x, (jnp.zeros((2, 100, 256), E4M3), jnp.ones((2, 1, 2), jnp.float32)), b), "multiple of 128"),
+    (lambda x, w, b: (x, (jnp.zeros((2, 128, 384), E4M3), jnp.ones((2, 1, 3), jnp.float32)), b), "w.data"),
+    (lambda x, w, b: ((x[0].astype(jnp.bfloat16), x[1]), w, b), "x.data must have dtype"),
+    (lambda x, w, b: (x, (w[0].astype(jnp.float8_e5m2), w[1]), b), "w.data must have dtype"),
+    (lambda x, w, b: ((x[0], x[1].T), w, b), "x.sf"),
+    (lambda x, w, b: ((x[0], x[1][:, :1]), w, b), "x.sf"),
+    (lambda x, w, b: (x, (w[0], w[1][:, :, :1]), b), "w.sf"),
+    (lambda x, w, b: (x, (w[0], w[1].astype(jnp.bfloat16)), b), "w.sf"),
+    (lambda x, w, b: (x, w, b[:1]), "block_expert"),
+    (lambda x, w, b: (x, w, b.astype(jnp.int16)), "block_expert"),
+    (lambda x, w, b: (x, w, jnp.array([0, 2], jnp.int32)), "block_expert entries"),
+    (lambda x, w, b: (x, w, jnp.array([-2, 0], jnp.int32)), "block_expert entries"),
+    (lambda x, w, b: (x[0], w, b), "x must be a QuantTensor"),
+])
+def test_bad_inputs(mutate, match):
+  x = QuantTensor(jnp.zeros((256, 256), E4M3), jnp.ones((256, 2), jnp.float32))
+  w = QuantTensor(jnp.zeros((2, 128, 256), E4M3), jnp.ones((2, 1, 2), jnp.float32))
+  b = jnp.array([0, 1], jnp.int32)
+  with pytest.raises(ValueError, match=match):
+    gemm.fp8_grouped_gemm(*mutate(x, w, b), implementation="reference")
+
+
+def test_bad_options():
+  x = QuantTensor(jnp.zeros((256, 256), E4M3), jnp.ones((256, 2), jnp.float32))
+  w = QuantTensor(jnp.zeros((2, 128, 256), E4M3), jnp.ones((2, 1, 2), jnp.float32))
+  b = jnp.array([0, 1], jnp.int32)
+  with pytest.raises(ValueError, match="out_dtype"):
+    gemm.fp8_grouped_gemm(x, w, b, out_dtype=jnp.float16)
+  with pytest.raises(ValueError, match="x.sf"):  # layout-A sf with the column-major flag
+    gemm.fp8_grouped_gemm(x, w, b, x_use_tma_aligned_col_major_sf=True)
+  with pytest.raises(ValueError, match="int32"):  # packed sf without the flag
+    gemm.fp8_grouped_gemm((x[0], jnp.zeros((1, 256), jnp.int32)), w, b)
+
+
+def test_not_differentiable(key):
+  x, w = make_inputs(key, 2, 256, 128, 128)
+  be = jnp.array([0, 1], jnp.int32)
+  f = lambda s: jnp.sum(gemm.fp8_grouped_gemm(QuantTensor(x.data, s), w, be, implementation="reference"))
+  with pytest.raises(jaxkern.NotDifferentiableError, match="fp8_grouped_gemm"):
+    jax.grad(f)(x.sf)
+
+
+@pytest.mark.parametrize("variant", list(_grouped.VARIANTS), indirect=True)
+@pytest.mark.parametrize("out_dtype, shape", [(jnp.bfloat16, (8, 1024, 512, 896)), (jnp.float32, (2, 256, 128, 128))])
+def test_lowers_for_h100(variant, out_dtype, shape):
+  g, m, n, k = shape
+  x, w, be = _args(g, m, n, k)
+  lower_for_h100(lambda x, w, be: gemm.fp8_grouped_gemm(x, w, be, out_dtype=out_dtype, implementation="pallas"),
+                 x, w, be)
+
+
+def test_lowers_for_h100_packed_sf():
+  g, m, n, k = 2, 256, 256, 640
+  x = QuantTensor(S((m, k), E4M3), S((2, m), jnp.int32))
+  _, w, be = _args(g, m, n, k)
+  lower_for_h100(lambda x, w, be: gemm.fp8_grouped_gemm(x, w, be, x_use_tma_aligned_col_major_sf=True,
+                                                        implementation="pallas"), x, w, be)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g, rows, n, k", [(8, 512, 4096, 7168), (8, 512, 7168, 2048)])
+def test_gpu_accuracy(key, g, rows, n, k):
+  """The spec's bound: ≤ 0.5% max-relative against the float32 product of the dequantised inputs."""
+  m = g * rows
+  x, w = make_inputs(key, g, m, n, k)
+  be = jnp.repeat(jnp.arange(g, dtype=jnp.int32), rows // 128).at[-1].set(-1)
+  got = gemm.fp8_grouped_gemm(x, w, be, out_dtype=jnp.float32, implementation="pallas")
+  want = jax.jit(ref.dequantized_product)(x, w, be)
+  assert rel_err(got, want) <= 5e-3
+
+
+def test_persistent_kernel_loops_over_items(key, monkeypatch):
+  """3 CTAs for 8 work items: each CTA runs several pipelines in turn (barrier phases carried over, a skipped
+  block in between), as every CTA does at the real shapes."""
+  from jaxkern import _config
+  monkeypatch.setattr(_grouped, "VARIANT", "ws")
+  monkeypatch.setattr(_config, "num_sms", lambda: 3)
+  g, m, n, k = 3, 512, 256, 384
+  x, w = make_inputs(key, g, m, n, k)
+  be = jnp.array([1, -1, 0, 2], jnp.int32)
+  got = run(x, w, be, out_dtype=jnp.float32)
+  want = ref.fp8_grouped_gemm(x, w, be, out_dtype=jnp.float32)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(want))
+  np.testing.assert_array_equal(np.asarray(got[128:256]), 0)
