@@ -114,7 +114,7 @@ def test_estimate_bounds_every_split_of_the_registry_bytes(pool):
 
 
 def test_pools_from_a_fake_80gb_device():
-  total, parent = 80 * GiB, int(0.04 * 80 * GiB)
+  total, parent = 80 * GiB, int(memory.PARENT_FRACTION * 80 * GiB)
   worker, big = memory.pools(total, parent, 6)
   usable = int(0.95 * total) - parent - GiB
   assert worker == (usable - 6 * GiB) // 6 and 10 * GiB < worker < 11 * GiB
@@ -167,7 +167,7 @@ def test_single_process_skips_what_cannot_fit(monkeypatch):
 
 def test_phased_run_sizes_pools_and_runs_deferred_cases_in_the_large_pool(monkeypatch, capsys):
   calls = []
-  monkeypatch.setattr(run, "_pool_bytes", lambda: int(0.04 * 80 * GiB))
+  monkeypatch.setattr(run, "_pool_bytes", lambda: int(memory.PARENT_FRACTION * 80 * GiB))
 
   def fake_parallel(shares, iterations, jobs, env, mem_fraction, deferred=None):
     calls.append(([list(s) for s in shares], jobs, mem_fraction, deferred is not None))
@@ -180,9 +180,9 @@ def test_phased_run_sizes_pools_and_runs_deferred_cases_in_the_large_pool(monkey
   items = [(f"op{i}", f"s{i}", i, 5) for i in range(5)]
   nbytes = [GiB, 2 * GiB, 20 * GiB, 200 * GiB, GiB]  # pools of ~35 GiB: 20 GiB goes to phase 2
   rows = list(run._phased_rows(items, nbytes, 30, 12, 2, ENV, None))
-  total = int(int(0.04 * 80 * GiB) / memory.PARENT_FRACTION)  # the device size the parent's pool implies
+  total = int(int(memory.PARENT_FRACTION * 80 * GiB) / memory.PARENT_FRACTION)  # the device size the parent's pool implies
   assert abs(total - 80 * GiB) < 100
-  worker, big = memory.pools(total, int(0.04 * 80 * GiB), 2)
+  worker, big = memory.pools(total, int(memory.PARENT_FRACTION * 80 * GiB), 2)
   assert calls[0] == ([[items[0], items[4]], [items[1]]], 6, memory.fraction(worker, total), True)
   assert calls[1] == ([[items[0], items[2]]], 12, memory.fraction(big, total), False)
   assert rows[0]["skipped"] and rows[0]["op"] == "op3"
@@ -191,7 +191,7 @@ def test_phased_run_sizes_pools_and_runs_deferred_cases_in_the_large_pool(monkey
   # --device-memory 24: pools sized from 24 GiB, fractions of the device XLA sees
   calls.clear()
   list(run._phased_rows(items, nbytes, 30, 12, 2, ENV, 24 * GiB))
-  worker, big = memory.pools(24 * GiB, int(0.04 * 80 * GiB), 2)
+  worker, big = memory.pools(24 * GiB, int(memory.PARENT_FRACTION * 80 * GiB), 2)
   assert float(calls[0][2]) * total <= worker < (float(calls[0][2]) + 2e-4) * total
   assert float(calls[1][2]) * total <= big < (float(calls[1][2]) + 2e-4) * total
 
