@@ -85,7 +85,7 @@ def pre_apply_mix_bwd(o_grad, x, mix, x_grad_acc=None, *, implementation: str | 
 
   return _dispatch.run("pre_apply_mix_bwd", implementation, kernel=kernel,
                        xla=lambda: ref.pre_apply_mix_bwd(og, x, mix, x_grad_acc), empty=t == 0,
-                       unsupported=_unsupported(x, mix, others), xla_faster=_BWD_SLOWER)
+                       unsupported=_unsupported(x, mix, others), xla_faster=_common.xla_faster("pre_apply_mix_bwd", _BWD_SLOWER))
 
 
 def _fwd_op(x, mix, implementation):
@@ -97,7 +97,7 @@ def _fwd_op(x, mix, implementation):
     return out.reshape(*lead, h)
 
   return _dispatch.run("pre_apply_mix", implementation, kernel=kernel, xla=lambda: ref.pre_apply_mix(x, mix),
-                       empty=t == 0, unsupported=_unsupported(x, mix), xla_faster=_FWD_SLOWER)
+                       empty=t == 0, unsupported=_unsupported(x, mix), xla_faster=_common.xla_faster("pre_apply_mix", _FWD_SLOWER))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -51,7 +51,7 @@ def expand_to_mhc_bwd(out_grad, *, implementation: str | None = None) -> jax.Arr
     return sk.expand_bwd_kernel(g.reshape(t, m, h), interpret=_config.mosaic_interpret(interpret)).reshape(*lead, h)
 
   return _dispatch.run("expand_to_mhc_bwd", implementation, kernel=kernel, xla=lambda: ref.expand_to_mhc_bwd(g),
-                       empty=t == 0, unsupported=_unsupported(g.dtype, h, m), xla_faster=_BWD_SLOWER)
+                       empty=t == 0, unsupported=_unsupported(g.dtype, h, m), xla_faster=_common.xla_faster("expand_to_mhc_bwd", _BWD_SLOWER))
 
 
 def _fwd_op(hidden, mhc_mult, implementation):

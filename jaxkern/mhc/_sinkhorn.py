@@ -70,7 +70,7 @@ def sinkhorn_normalize_bwd(grad_output, x, *, repeat: int = 10, eps: float = 1e-
 
   return _dispatch.run("sinkhorn_normalize_bwd", implementation, kernel=kernel,
                        xla=lambda: ref.sinkhorn_normalize_bwd(g, x, repeat=repeat, eps=eps), empty=t == 0,
-                       unsupported=_unsupported(x, g), xla_faster=_BWD_SLOWER)
+                       unsupported=_unsupported(x, g), xla_faster=_common.xla_faster("sinkhorn_normalize_bwd", _BWD_SLOWER))
 
 
 def _fwd_op(x, repeat, eps, implementation):

@@ -15,13 +15,16 @@ softmax ``exp(x - rowmax) / rowsum`` (sums ``n = 0..M-1`` in order), ``+ eps``; 
 The backward (:func:`backward`, ``repeat <= MAX_LINEAR_REPEAT``) runs the forward chain once and keeps its
 iterates per thread: ``X_1 = P + eps`` and the inputs ``X_2q`` of the row steps (``10·M²`` values for
 ``repeat = 10``; ptxas keeps what does not fit in registers in thread-local memory, L1-resident). Walking
-back it recomputes ``X_2q+1 = row_norm(X_2q)`` and each step's sums from those saved values: that work does
-not depend on the incoming gradient, so it runs beside the gradient chain instead of lengthening it. The
-chain is thus ``2·repeat`` forward normalisations + ``2·repeat - 1`` backward steps (linear in ``repeat``;
-the first version re-ran the forward up to ``X_i`` for every step, ``O(repeat²)``, and ran at 0.26-0.74x
-XLA on an H100 because the whole kernel is one latency-bound dependency chain per thread). Every value is
-computed with the same operations in the same order as that first version, so the gradients are
-bit-identical to it. Larger ``repeat`` keeps the recomputing form (:func:`backward_recompute`).
+back it recomputes ``X_2q+1 = row_norm(X_2q)``, each step's sums and their reciprocals ``r = 1/(Σ_i + eps)``
+from those saved values: that work does not depend on the incoming gradient, so it runs beside the gradient
+chain instead of lengthening it, and a backward step on the chain is ``t = (Σ g·X_i)·r``, ``g = (g - t)·r``
+(two multiplies where the spec divides twice: each differs from the division by at most an ulp or so; the
+spec's tolerance is fp32 ``assert_close``). The chain is thus ``2·repeat - 1`` forward normalisations and as
+many multiply-only backward steps (linear in ``repeat``). The first version re-ran the forward up to ``X_i``
+for every step (``O(repeat²)`` normalisations, ~170 dependent steps for ``repeat = 10``) and ran at
+0.26-0.74x XLA on an H100: with one token per thread and at most one CTA per SM for ``T <= 16896``, the
+kernel's time is the latency of that one chain. Larger ``repeat`` keeps the recomputing form
+(:func:`backward_recompute`: the spec's divisions, few registers).
 """
 
 from __future__ import annotations
@@ -140,9 +143,26 @@ def _bwd_step(g, xi, eps, axis_rows):
 MAX_LINEAR_REPEAT = 16  # beyond this the saved iterates (repeat·M² values per thread) would spill heavily
 
 
+def _bwd_step_rcp(g, xi, eps, axis_rows):
+  """:func:`_bwd_step` with the divisions by ``Σ_i + eps`` as multiplies by its reciprocal (computed from
+  ``X_i`` alone, off the gradient's dependency chain)."""
+  m = len(g)
+  if axis_rows:
+    out = []
+    for a in range(m):
+      r = 1.0 / (_sum(xi[a]) + eps)
+      t = _sum([g[a][b] * xi[a][b] for b in range(m)]) * r
+      out.append([(g[a][b] - t) * r for b in range(m)])
+    return out
+  r = [1.0 / (_sum([xi[a][b] for a in range(m)]) + eps) for b in range(m)]
+  t = [_sum([g[a][b] * xi[a][b] for a in range(m)]) * r[b] for b in range(m)]
+  return [[(g[a][b] - t[b]) * r[b] for b in range(m)] for a in range(m)]
+
+
 def backward(g, e, repeat, eps):
   """Gradient of :func:`forward` w.r.t. ``e`` for the output cotangent ``g`` (spec §4.5): one forward pass
-  saving ``X_1`` and the row-step inputs ``X_2q``, then the steps in reverse (module docstring)."""
+  saving ``X_1`` and the row-step inputs ``X_2q``, then the steps in reverse with reciprocal multiplies
+  (module docstring)."""
   if repeat > MAX_LINEAR_REPEAT:
     return backward_recompute(g, e, repeat, eps)
   p = softmax(e)
@@ -157,7 +177,7 @@ def backward(g, e, repeat, eps):
       xi = row_norm(saved[i - 1], eps)  # X_i, i = 2q + 1: the input of column step i
     else:
       xi = saved[i]
-    g = _bwd_step(g, xi, eps, axis_rows=(i % 2 == 0))
+    g = _bwd_step_rcp(g, xi, eps, axis_rows=(i % 2 == 0))
   return _softmax_bwd(g, p)
 
 

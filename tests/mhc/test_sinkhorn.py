@@ -75,11 +75,10 @@ def test_spec_grid(key, n0, n1):
   close(dx, want_dx, **FP32)
 
 
-@pytest.mark.parametrize("repeat", [1, 3, 10])
+@pytest.mark.parametrize("repeat", [1, 10])
 def test_linear_backward_equals_recompute(key, repeat):
-  # The saved-iterate backward computes every value with the same operations as the O(repeat²) form (equal bits
-  # on the GPU, scratch/gpu_mhcfast.sh; XLA:CPU's simplifier rewrites divisions differently in the fori_loop form
-  # of interpret mode, so here the two agree to an ulp or so).
+  # The saved-iterate backward (reciprocal multiplies) and the O(repeat²) form (the spec's divisions) agree to a
+  # few ulps, and both meet the spec's tolerance against the reference.
   from jaxkern import _config
   from jaxkern.mhc import _sinkhorn_kernel as kern
   x = jax.random.normal(key, (130, 4, 4)) * 2
@@ -88,4 +87,6 @@ def test_linear_backward_equals_recompute(key, repeat):
                                                     recompute=recompute, interpret=_config.mosaic_interpret(True)))(x, g)
   fast, slow = run(False), run(True)
   np.testing.assert_allclose(np.asarray(fast), np.asarray(slow), rtol=1e-5, atol=1e-6)
-  close(fast, ref.sinkhorn_normalize_bwd(g, x, repeat=repeat, eps=1e-6), **FP32)
+  want = ref.sinkhorn_normalize_bwd(g, x, repeat=repeat, eps=1e-6)
+  close(fast, want, **FP32)
+  close(slow, want, **FP32)
