@@ -79,8 +79,9 @@ def pre_apply_mix_bwd(o_grad, x, mix, x_grad_acc=None, *, implementation: str | 
 
   def kernel(interpret):
     acc = None if x_grad_acc is None else x_grad_acc.reshape(t, m, h)
-    xg, mg = sk.apply_mix_bwd_kernel(og.reshape(t, h), x.reshape(t, m, h), mix.reshape(t, m), acc,
-                                     interpret=_config.mosaic_interpret(interpret))
+    bwd = sk.apply_mix_bwd_rows_kernel if sk.use_rows(h, t) else sk.apply_mix_bwd_kernel
+    xg, mg = bwd(og.reshape(t, h), x.reshape(t, m, h), mix.reshape(t, m), acc,
+                 interpret=_config.mosaic_interpret(interpret))
     return PreApplyMixGrads(xg.reshape(x.shape), mg.reshape(mix.shape))
 
   return _dispatch.run("pre_apply_mix_bwd", implementation, kernel=kernel,
@@ -93,7 +94,8 @@ def _fwd_op(x, mix, implementation):
   t = _common.tokens(lead)
 
   def kernel(interpret):
-    out = sk.apply_mix_fwd_kernel(x.reshape(t, m, h), mix.reshape(t, m), interpret=_config.mosaic_interpret(interpret))
+    fwd = sk.apply_mix_fwd_rows_kernel if sk.use_rows(h, t) else sk.apply_mix_fwd_kernel
+    out = fwd(x.reshape(t, m, h), mix.reshape(t, m), interpret=_config.mosaic_interpret(interpret))
     return out.reshape(*lead, h)
 
   return _dispatch.run("pre_apply_mix", implementation, kernel=kernel, xla=lambda: ref.pre_apply_mix(x, mix),

@@ -48,7 +48,8 @@ def expand_to_mhc_bwd(out_grad, *, implementation: str | None = None) -> jax.Arr
   t = _common.tokens(lead)
 
   def kernel(interpret):
-    return sk.expand_bwd_kernel(g.reshape(t, m, h), interpret=_config.mosaic_interpret(interpret)).reshape(*lead, h)
+    bwd = sk.expand_bwd_rows_kernel if sk.use_rows(h, t) else sk.expand_bwd_kernel
+    return bwd(g.reshape(t, m, h), interpret=_config.mosaic_interpret(interpret)).reshape(*lead, h)
 
   return _dispatch.run("expand_to_mhc_bwd", implementation, kernel=kernel, xla=lambda: ref.expand_to_mhc_bwd(g),
                        empty=t == 0, unsupported=_unsupported(g.dtype, h, m), xla_faster=_common.xla_faster("expand_to_mhc_bwd", _BWD_SLOWER))

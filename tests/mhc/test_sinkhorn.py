@@ -75,7 +75,7 @@ def test_spec_grid(key, n0, n1):
   close(dx, want_dx, **FP32)
 
 
-@pytest.mark.parametrize("repeat", [1, 10])
+@pytest.mark.parametrize("repeat", [3])  # repeat = 10 against the reference: test_forward_and_backward
 def test_linear_backward_equals_recompute(key, repeat):
   # The saved-iterate backward (reciprocal multiplies) and the O(repeat²) form (the spec's divisions) agree to a
   # few ulps, and both meet the spec's tolerance against the reference.
