@@ -241,7 +241,10 @@ def post_fwd_kernel(x, residual, post, comb, *, tokens_per_cta=DEFAULT_TOKENS_PE
 
 @functools.partial(jax.jit, static_argnames=("tokens_per_cta", "interpret"))
 def post_bwd_kernel(d_o, x, residual, post, comb, *, tokens_per_cta=DEFAULT_TOKENS_PER_CTA, interpret=None):
-  """-> ``(d_x (T, H), d_residual (T, M, H)`` bf16, ``d_post (T, M)``, ``d_comb (T, M, M)`` float32)."""
+  """-> ``(d_x (T, H), d_residual (T, M, H)`` bf16, ``d_post (T, M)``, ``d_comb (T, M, M)`` float32).
+
+  ``d_o`` in another dtype than ``residual`` (a float32 cotangent) is rounded to ``residual``'s dtype value by
+  value in registers (the same numbers as an XLA cast before the kernel, without its extra pass over ``dO``)."""
   t, mm, h = residual.shape
   bt, grid = _grid(t, tokens_per_cta)
   r = h // COLS
@@ -260,7 +263,8 @@ def post_bwd_kernel(d_o, x, residual, post, comb, *, tokens_per_cta=DEFAULT_TOKE
         return b if a is None else a + b
 
       for r0, overlap in tiles(h):
-        dv = [_load(do_g.at[i, n, _rows(r0)]) for n in range(mm)]
+        dv = [_f32(plgpu.load(do_g.at[i, n, _rows(r0)], layout=LAYOUT, optimized=False).astype(residual.dtype))
+              for n in range(mm)]
         xv = _load(x_g.at[i, _rows(r0)])
         dx = p[0] * dv[0]
         for n in range(1, mm):

@@ -88,3 +88,34 @@ def test_private_force_kernel_override(monkeypatch):
   assert _common.xla_faster("pre_apply_mix", "slower") == "slower"
   monkeypatch.setenv(_common.FORCE_KERNEL_ENV, "all")
   assert _common.xla_faster("pre_apply_mix_bwd", "slower") is None
+
+
+def _post_args(key, t, h):
+  ks = jax.random.split(key, 5)
+  return (jax.random.normal(ks[0], (t, h)).astype(jnp.bfloat16), jax.random.normal(ks[1], (t, M, h)).astype(jnp.bfloat16),
+          jax.random.normal(ks[2], (t, M, 1)), jax.random.normal(ks[3], (t, M, M)), jax.random.normal(ks[4], (t, M, h)))
+
+
+def test_post_float32_cotangent_rounded_in_kernel(key):
+  # A loss that upcasts the output gives a float32 cotangent: the kernel rounds it to bf16 itself; the gradients
+  # are the bits of post_bwd on the bf16-cast cotangent.
+  x, r, p, c, w = _post_args(key, 3, 1024)
+  loss = lambda x, r, p, c: jnp.sum(mhc.post(x, r, p, c).astype(jnp.float32) * w)
+  got = interpret(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, r, p, c)
+  want = interpret(lambda *a: mhc.post_bwd(w.astype(jnp.bfloat16), *a))(x, r, p, c)
+  for a, b in zip(got, want):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  ref_g = jax.jit(jax.grad(lambda *a: jnp.sum(ref.post(*a).astype(jnp.float32) * w), argnums=(0, 1, 2, 3)))(x, r, p, c)
+  close(got[0], ref_g[0], **BF16)
+  close(got[1], ref_g[1], **BF16)
+
+
+def test_post_float32_cotangent_lowers_for_h100():
+  t, h = 4001, 2560
+  args = (sds((t, h), jnp.bfloat16), sds((t, M, h), jnp.bfloat16), sds((t, M, 1), jnp.float32),
+          sds((t, M, M), jnp.float32), sds((t, M, h), jnp.float32))
+  f = jax.grad(lambda x, r, p, c, w: jnp.sum(mhc.post(x, r, p, c, implementation="pallas").astype(jnp.float32) * w),
+               argnums=(0, 1))
+  text = lower_for_h100(f, *args).as_text()
+  assert text.count("mosaic_gpu") >= 2
