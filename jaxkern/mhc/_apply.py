@@ -18,6 +18,8 @@ MAX_M = 8
 # ran at 0.93-0.98x XLA, the backward kernel at 0.83-0.96x. (The forward's two benchmark mismatches on N(0, 1)
 # data were rounding order, FMA-contracted sums against XLA's separate products, beyond that check's atol where
 # outputs reach 4: tests/mhc/test_gpu_regressions.py bounds the difference on the GPU; the spec's data pass.)
+# Those figures are of the first, (8, 128)-tile kernels; the whole-row kernels (jaxkern.mhc._stream_kernels, second
+# version) are not measured yet: scratch/gpu_mhcfast.sh times them with the private _JAXKERN_MHC_FORCE_KERNEL.
 _FWD_SLOWER = "kernel 0.93-0.98x XLA on an H100 (2026-11-26)"
 _BWD_SLOWER = "kernel 0.83-0.96x XLA on an H100 (2026-11-26)"
 
@@ -61,8 +63,10 @@ def pre_apply_mix_bwd(o_grad, x, mix, x_grad_acc=None, *, implementation: str | 
 
   XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also dtypes other than bfloat16
   streams / gradients with a float32 mix, ``M > 8``, ``H`` not a multiple of 128 of at least 1024.
-  Kernel: Mosaic GPU, 16-byte vectors, per-token float32 reductions (row sums of ``(8, 128)`` tiles, then
-  one warpgroup sum); the summation order differs from the reference's (float32 rounding only).
+  Kernel: Mosaic GPU, 16-byte vectors, per-token float32 reductions (whole hidden rows of 1-4 tokens per
+  register tile where ``H/8`` vectors spread evenly over at most 8 per thread and at least one tile of tokens
+  is given, else row sums of ``(8, 128)`` tiles, then one warpgroup sum); the summation order differs from the
+  reference's (float32 rounding only).
 
   Differentiation: none (a backward pass): :class:`jaxkern.NotDifferentiableError`.
   """

@@ -13,7 +13,8 @@ from jaxkern.reference import mhc as ref
 
 
 
-# "auto" runs XLA for the backward: 0.87-0.97x XLA on an H100 (2026-11-26, runner with CUPTI, 8 shapes).
+# "auto" runs XLA for the backward: 0.87-0.97x XLA on an H100 (2026-11-26, runner with CUPTI, 8 shapes), the first
+# (8, 128)-tile kernel; the whole-row kernel (second version) is not measured yet (scratch/gpu_mhcfast.sh).
 _BWD_SLOWER = "kernel 0.87-0.97x XLA on an H100 (2026-11-26)"
 
 def _unsupported(dtype, h, m):
@@ -39,7 +40,8 @@ def expand_to_mhc_bwd(out_grad, *, implementation: str | None = None) -> jax.Arr
 
   XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also dtypes other than bfloat16,
   ``M > 8`` and ``H`` not a multiple of 128 of at least 1024 (``"pallas"`` raises
-  :class:`jaxkern.KernelUnavailableError` there). Kernel: Mosaic GPU, 16-byte vectors, float32 sums.
+  :class:`jaxkern.KernelUnavailableError` there). Kernel: Mosaic GPU, 16-byte vectors, float32 sums (whole
+  hidden rows of 1-4 tokens per register tile where they fit, else ``(8, 128)`` tiles; the same bits).
 
   Differentiation: none (a backward pass): :class:`jaxkern.NotDifferentiableError`.
   """
