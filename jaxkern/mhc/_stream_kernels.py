@@ -353,7 +353,7 @@ def _bcast(v, rows, h):
 
 
 @functools.partial(jax.jit, static_argnames=("tokens_per_cta", "interpret"))
-def apply_mix_fwd_rows_kernel(x, mix, *, tokens_per_cta=4, interpret=None):
+def apply_mix_fwd_rows_kernel(x, mix, *, tokens_per_cta=2, interpret=None):
   """``x (T, M, H)`` bf16 (``T >= rows``), ``mix (T, M)`` float32 -> ``(T, H)`` bf16."""
   t, mm, h = x.shape
   lay, rows = whole_rows(h)
@@ -376,7 +376,7 @@ def apply_mix_fwd_rows_kernel(x, mix, *, tokens_per_cta=4, interpret=None):
 
 
 @functools.partial(jax.jit, static_argnames=("tokens_per_cta", "interpret"))
-def apply_mix_bwd_rows_kernel(og, x, mix, x_grad_acc, *, tokens_per_cta=4, interpret=None):
+def apply_mix_bwd_rows_kernel(og, x, mix, x_grad_acc, *, tokens_per_cta=2, interpret=None):
   """``og (T, H)``, ``x (T, M, H)`` bf16, ``mix (T, M)`` float32, ``x_grad_acc (T, M, H)`` bf16 or None ->
   ``(x_grad (T, M, H) bf16, mix_grad (T, M) float32)``."""
   t, mm, h = x.shape
@@ -409,7 +409,7 @@ def apply_mix_bwd_rows_kernel(og, x, mix, x_grad_acc, *, tokens_per_cta=4, inter
 
 
 @functools.partial(jax.jit, static_argnames=("tokens_per_cta", "interpret"))
-def expand_bwd_rows_kernel(g, *, tokens_per_cta=4, interpret=None):
+def expand_bwd_rows_kernel(g, *, tokens_per_cta=2, interpret=None):
   """``g (T, M, H)`` bf16 (``T >= rows``) -> ``(T, H)``: the float32 stream sum, rounded once."""
   t, mm, h = g.shape
   lay, rows = whole_rows(h)
