@@ -18,6 +18,8 @@ MAX_M = 8
 # ran at 0.93-0.98x XLA, the backward kernel at 0.83-0.96x. (The forward's two benchmark mismatches on N(0, 1)
 # data were rounding order, FMA-contracted sums against XLA's separate products, beyond that check's atol where
 # outputs reach 4: tests/mhc/test_gpu_regressions.py bounds the difference on the GPU; the spec's data pass.)
+# Those figures are of the first, (8, 128)-tile kernels; the whole-row kernels (jaxkern.mhc._stream_kernels, second
+# version) are not measured yet: scratch/gpu_mhcfast.sh times them with the private _JAXKERN_MHC_FORCE_KERNEL.
 _FWD_SLOWER = "kernel 0.93-0.98x XLA on an H100 (2026-11-26)"
 _BWD_SLOWER = "kernel 0.83-0.96x XLA on an H100 (2026-11-26)"
 
@@ -61,8 +63,10 @@ def pre_apply_mix_bwd(o_grad, x, mix, x_grad_acc=None, *, implementation: str | 
 
   XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also dtypes other than bfloat16
   streams / gradients with a float32 mix, ``M > 8``, ``H`` not a multiple of 128 of at least 1024.
-  Kernel: Mosaic GPU, 16-byte vectors, per-token float32 reductions (row sums of ``(8, 128)`` tiles, then
-  one warpgroup sum); the summation order differs from the reference's (float32 rounding only).
+  Kernel: Mosaic GPU, 16-byte vectors, per-token float32 reductions (whole hidden rows of 1-4 tokens per
+  register tile where ``H/8`` vectors spread evenly over at most 8 per thread and at least one tile of tokens
+  is given, else row sums of ``(8, 128)`` tiles, then one warpgroup sum); the summation order differs from the
+  reference's (float32 rounding only).
 
   Differentiation: none (a backward pass): :class:`jaxkern.NotDifferentiableError`.
   """
@@ -79,13 +83,14 @@ def pre_apply_mix_bwd(o_grad, x, mix, x_grad_acc=None, *, implementation: str | 
 
   def kernel(interpret):
     acc = None if x_grad_acc is None else x_grad_acc.reshape(t, m, h)
-    xg, mg = sk.apply_mix_bwd_kernel(og.reshape(t, h), x.reshape(t, m, h), mix.reshape(t, m), acc,
-                                     interpret=_config.mosaic_interpret(interpret))
+    bwd = sk.apply_mix_bwd_rows_kernel if sk.use_rows(h, t) else sk.apply_mix_bwd_kernel
+    xg, mg = bwd(og.reshape(t, h), x.reshape(t, m, h), mix.reshape(t, m), acc,
+                 interpret=_config.mosaic_interpret(interpret))
     return PreApplyMixGrads(xg.reshape(x.shape), mg.reshape(mix.shape))
 
   return _dispatch.run("pre_apply_mix_bwd", implementation, kernel=kernel,
                        xla=lambda: ref.pre_apply_mix_bwd(og, x, mix, x_grad_acc), empty=t == 0,
-                       unsupported=_unsupported(x, mix, others), xla_faster=_BWD_SLOWER)
+                       unsupported=_unsupported(x, mix, others), xla_faster=_common.xla_faster("pre_apply_mix_bwd", _BWD_SLOWER))
 
 
 def _fwd_op(x, mix, implementation):
@@ -93,11 +98,12 @@ def _fwd_op(x, mix, implementation):
   t = _common.tokens(lead)
 
   def kernel(interpret):
-    out = sk.apply_mix_fwd_kernel(x.reshape(t, m, h), mix.reshape(t, m), interpret=_config.mosaic_interpret(interpret))
+    fwd = sk.apply_mix_fwd_rows_kernel if sk.use_rows(h, t) else sk.apply_mix_fwd_kernel
+    out = fwd(x.reshape(t, m, h), mix.reshape(t, m), interpret=_config.mosaic_interpret(interpret))
     return out.reshape(*lead, h)
 
   return _dispatch.run("pre_apply_mix", implementation, kernel=kernel, xla=lambda: ref.pre_apply_mix(x, mix),
-                       empty=t == 0, unsupported=_unsupported(x, mix), xla_faster=_FWD_SLOWER)
+                       empty=t == 0, unsupported=_unsupported(x, mix), xla_faster=_common.xla_faster("pre_apply_mix", _FWD_SLOWER))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import jax.numpy as jnp
 
@@ -47,3 +49,18 @@ def streams(name, x, min_rank=2):
   if m == 0 or h == 0:
     raise ValueError(f"{name} must have non-empty M and H, got shape {tuple(x.shape)}")
   return x, x.shape[:-2], m, h
+
+
+FORCE_KERNEL_ENV = "_JAXKERN_MHC_FORCE_KERNEL"
+
+
+def xla_faster(op: str, reason: str) -> str | None:
+  """``reason`` (why "auto" runs XLA for ``op``), or None where the private timing override forces the kernel.
+
+  The override is for timing scripts only (not an API): the environment variable ``_JAXKERN_MHC_FORCE_KERNEL``,
+  a comma-separated list of op names or ``all``, read when the op is traced, makes "auto" run these ops'
+  kernels although XLA measured faster, so ``python -m benchmarks.run`` times the kernels (its rows then say
+  ``path: pallas``). ``scratch/gpu_mhcfast.sh`` uses it.
+  """
+  names = {n.strip() for n in os.environ.get(FORCE_KERNEL_ENV, "").split(",")}
+  return None if op in names or "all" in names else reason

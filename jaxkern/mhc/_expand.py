@@ -13,7 +13,8 @@ from jaxkern.reference import mhc as ref
 
 
 
-# "auto" runs XLA for the backward: 0.87-0.97x XLA on an H100 (2026-11-26, runner with CUPTI, 8 shapes).
+# "auto" runs XLA for the backward: 0.87-0.97x XLA on an H100 (2026-11-26, runner with CUPTI, 8 shapes), the first
+# (8, 128)-tile kernel; the whole-row kernel (second version) is not measured yet (scratch/gpu_mhcfast.sh).
 _BWD_SLOWER = "kernel 0.87-0.97x XLA on an H100 (2026-11-26)"
 
 def _unsupported(dtype, h, m):
@@ -39,7 +40,8 @@ def expand_to_mhc_bwd(out_grad, *, implementation: str | None = None) -> jax.Arr
 
   XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also dtypes other than bfloat16,
   ``M > 8`` and ``H`` not a multiple of 128 of at least 1024 (``"pallas"`` raises
-  :class:`jaxkern.KernelUnavailableError` there). Kernel: Mosaic GPU, 16-byte vectors, float32 sums.
+  :class:`jaxkern.KernelUnavailableError` there). Kernel: Mosaic GPU, 16-byte vectors, float32 sums (whole
+  hidden rows of 1-4 tokens per register tile where they fit, else ``(8, 128)`` tiles; the same bits).
 
   Differentiation: none (a backward pass): :class:`jaxkern.NotDifferentiableError`.
   """
@@ -48,10 +50,11 @@ def expand_to_mhc_bwd(out_grad, *, implementation: str | None = None) -> jax.Arr
   t = _common.tokens(lead)
 
   def kernel(interpret):
-    return sk.expand_bwd_kernel(g.reshape(t, m, h), interpret=_config.mosaic_interpret(interpret)).reshape(*lead, h)
+    bwd = sk.expand_bwd_rows_kernel if sk.use_rows(h, t) else sk.expand_bwd_kernel
+    return bwd(g.reshape(t, m, h), interpret=_config.mosaic_interpret(interpret)).reshape(*lead, h)
 
   return _dispatch.run("expand_to_mhc_bwd", implementation, kernel=kernel, xla=lambda: ref.expand_to_mhc_bwd(g),
-                       empty=t == 0, unsupported=_unsupported(g.dtype, h, m), xla_faster=_BWD_SLOWER)
+                       empty=t == 0, unsupported=_unsupported(g.dtype, h, m), xla_faster=_common.xla_faster("expand_to_mhc_bwd", _BWD_SLOWER))
 
 
 def _fwd_op(hidden, mhc_mult, implementation):

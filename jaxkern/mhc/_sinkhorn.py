@@ -13,8 +13,9 @@ from jaxkern.reference import mhc as ref
 
 
 
-# "auto" runs XLA for the backward: 0.26-0.74x XLA on an H100 (2026-11-26, runner with CUPTI, T 1-8192; it
-# recomputes the whole iteration chain per token).
+# "auto" runs XLA for the backward: the first kernel (it recomputed the iteration chain for every step, O(repeat²))
+# ran at 0.26-0.74x XLA on an H100 (2026-11-26, runner with CUPTI, T 1-8192). The current kernel (saved iterates,
+# linear chain) is not measured yet: scratch/gpu_mhcfast.sh times it with the private _JAXKERN_MHC_FORCE_KERNEL.
 _BWD_SLOWER = "kernel 0.26-0.74x XLA on an H100 (2026-11-26)"
 
 def _check(name, x):
@@ -51,8 +52,10 @@ def sinkhorn_normalize_bwd(grad_output, x, *, repeat: int = 10, eps: float = 1e-
     non-finite or negative ``eps``.
 
   XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also non-float32 inputs and
-  ``M > 8`` or ``M·M`` not a multiple of 4. Kernel: Mosaic GPU, one token per thread, 128 per CTA, the
-  recomputation in registers (``O(repeat²)`` normalisations per token).
+  ``M > 8`` or ``M·M`` not a multiple of 4. Kernel: Mosaic GPU, one token per thread, 128 per CTA: the forward
+  chain once, its iterates kept per thread, then the steps in reverse with multiplies by the reciprocal sums
+  (within an ulp or so of the divisions; ``repeat > 16``: the chain recomputed per step, the spec's divisions;
+  :mod:`jaxkern.mhc._sinkhorn_kernel`).
 
   Differentiation: none (a backward pass): :class:`jaxkern.NotDifferentiableError`.
   """
@@ -70,7 +73,7 @@ def sinkhorn_normalize_bwd(grad_output, x, *, repeat: int = 10, eps: float = 1e-
 
   return _dispatch.run("sinkhorn_normalize_bwd", implementation, kernel=kernel,
                        xla=lambda: ref.sinkhorn_normalize_bwd(g, x, repeat=repeat, eps=eps), empty=t == 0,
-                       unsupported=_unsupported(x, g), xla_faster=_BWD_SLOWER)
+                       unsupported=_unsupported(x, g), xla_faster=_common.xla_faster("sinkhorn_normalize_bwd", _BWD_SLOWER))
 
 
 def _fwd_op(x, repeat, eps, implementation):
@@ -129,7 +132,7 @@ def sinkhorn_normalize(x, *, repeat: int = 10, eps: float = 1e-6, implementation
   fp32 ``assert_close``).
 
   Differentiation: ``jax.custom_vjp``; residual ``x`` only; backward :func:`sinkhorn_normalize_bwd` (a kernel
-  that recomputes the chain).
+  that recomputes the chain from ``x``).
   """
   x, _, _ = _check("x", x)
   repeat, eps = _common.repeat(repeat), _checks.check_float("eps", eps, nonnegative=True)

@@ -29,6 +29,7 @@ kernels that must be bit-identical to these, e.g. ``pre_big_fuse`` / ``multilaye
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -240,7 +241,10 @@ def post_fwd_kernel(x, residual, post, comb, *, tokens_per_cta=DEFAULT_TOKENS_PE
 
 @functools.partial(jax.jit, static_argnames=("tokens_per_cta", "interpret"))
 def post_bwd_kernel(d_o, x, residual, post, comb, *, tokens_per_cta=DEFAULT_TOKENS_PER_CTA, interpret=None):
-  """-> ``(d_x (T, H), d_residual (T, M, H)`` bf16, ``d_post (T, M)``, ``d_comb (T, M, M)`` float32)."""
+  """-> ``(d_x (T, H), d_residual (T, M, H)`` bf16, ``d_post (T, M)``, ``d_comb (T, M, M)`` float32).
+
+  ``d_o`` in another dtype than ``residual`` (a float32 cotangent) is rounded to ``residual``'s dtype value by
+  value in registers (the same numbers as an XLA cast before the kernel, without its extra pass over ``dO``)."""
   t, mm, h = residual.shape
   bt, grid = _grid(t, tokens_per_cta)
   r = h // COLS
@@ -259,7 +263,8 @@ def post_bwd_kernel(d_o, x, residual, post, comb, *, tokens_per_cta=DEFAULT_TOKE
         return b if a is None else a + b
 
       for r0, overlap in tiles(h):
-        dv = [_load(do_g.at[i, n, _rows(r0)]) for n in range(mm)]
+        dv = [_f32(plgpu.load(do_g.at[i, n, _rows(r0)], layout=LAYOUT, optimized=False).astype(residual.dtype))
+              for n in range(mm)]
         xv = _load(x_g.at[i, _rows(r0)])
         dx = p[0] * dv[0]
         for n in range(1, mm):
@@ -284,3 +289,142 @@ def post_bwd_kernel(d_o, x, residual, post, comb, *, tokens_per_cta=DEFAULT_TOKE
   dx, dr, dp, dc = kernel(d_o.reshape(t, mm, r, COLS), x.reshape(t, r, COLS), residual.reshape(t, mm, r, COLS),
                           post, comb)
   return dx.reshape(t, h), dr.reshape(t, mm, h), dp, dc
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole-row kernels (second version, issue 20 performance): the reduce-over-M stream ops with one register tile
+# per stream covering whole hidden rows of ``rows`` consecutive tokens.
+#
+# Layout ``row_layout(H, 2)``: a warp's lanes cover consecutive 16-byte vectors of a row (a 512-byte contiguous
+# span per access), a row of H values repeats over ``H / 8 / (lanes · warps on the row)`` registers, and the
+# warpgroup covers ``rows`` = 4 / 2 / 1 tokens for H = 1280 / 2560 / 4096 and 7168. Compared with the ``(8, 128)``
+# tiles above: (a) each thread issues all of its row's vectors of all M streams before it needs any (H = 7168:
+# 7 x 16 bytes per stream, 28 loads in flight per thread instead of 4), (b) no overlapping tiles when ``H/128``
+# is not a multiple of 8 (H = 1280: the first version read and wrote 16 rows of 128 for 10, +60%), (c) one
+# warpgroup reduction per tile and output scalar for all its tokens. The token loop's last tile is clamped to
+# end at ``T`` (it recomputes identical values of its neighbour). The per-token mix is a ``(rows,)`` vector
+# (layout ``reduce(1)``, loaded from the ``(T, M)`` mix with stride M) broadcast along the row. The arithmetic and summation orders are those of the first
+# version (module docstring), so the element-wise outputs are the same bits; ``mix_grad`` sums in another order
+# (its float32 reduction tree differs: ~1e-7 relative). `use_rows` picks them; `_JAXKERN_MHC_STREAM_V1=1` (private,
+# timing scripts) keeps the first version.
+
+MAX_ROW_REGS = 8  # 16-byte vectors per thread and stream row; wider rows keep the (8, 128) tiles
+
+
+def whole_rows(h: int):
+  """``(layout, rows)`` of the whole-row kernels for hidden size ``h``, or None where they do not apply."""
+  if h % 8:
+    return None
+  lay, rows = row_layout(h, 2)
+  threads_on_row = 128 // rows
+  if (h // 8) % threads_on_row or (h // 8) // threads_on_row > MAX_ROW_REGS:
+    return None
+  return lay, rows
+
+
+STREAM_V1_ENV = "_JAXKERN_MHC_STREAM_V1"  # private, for timing scripts: "1" keeps the (8, 128)-tile kernels
+
+
+def use_rows(h: int, t: int) -> bool:
+  """Whether the reduce-over-M ops run the whole-row kernels for ``t`` tokens of hidden size ``h``."""
+  wr = whole_rows(h)
+  return wr is not None and t >= wr[1] and not os.environ.get(STREAM_V1_ENV)
+
+
+def _row_grid(t, rows, tokens_per_cta):
+  tiles = pl.cdiv(t, rows)
+  per = max(1, min(tokens_per_cta // rows, tiles))
+  return per, pl.cdiv(tiles, per)
+
+
+def _tile_loop(t, rows, per, body):
+  """Runs ``body(t0)`` for the CTA's ``per`` tiles of ``rows`` tokens starting at ``t0`` (clamped to ``t - rows``)."""
+  base = lax.axis_index("i") * per
+  def one(j):
+    body(jnp.minimum((base + j) * rows, t - rows))
+  if per == 1:
+    one(0)
+  else:
+    lax.fori_loop(0, per, lambda j, c: (one(j), c)[1], 0)
+
+
+def _bcast(v, rows, h):
+  return lax.broadcast_in_dim(v, (rows, h), (0,))
+
+
+@functools.partial(jax.jit, static_argnames=("tokens_per_cta", "interpret"))
+def apply_mix_fwd_rows_kernel(x, mix, *, tokens_per_cta=2, interpret=None):
+  """``x (T, M, H)`` bf16 (``T >= rows``), ``mix (T, M)`` float32 -> ``(T, H)`` bf16."""
+  t, mm, h = x.shape
+  lay, rows = whole_rows(h)
+  per, grid = _row_grid(t, rows, tokens_per_cta)
+
+  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((t, h), x.dtype), grid=(grid,), grid_names=("i",),
+                     interpret=interpret)
+  def kernel(x_g, mix_g, o_g):
+    def tile(t0):
+      tok = pl.ds(t0, rows)
+      xs = [_f32(plgpu.load(x_g.at[tok, m], layout=lay, optimized=False)) for m in range(mm)]
+      w = [_bcast(plgpu.load(mix_g.at[tok, m], layout=lay.reduce(1), optimized=False), rows, h) for m in range(mm)]
+      acc = w[0] * xs[0]
+      for m in range(1, mm):
+        acc = acc + w[m] * xs[m]
+      o_g[tok] = acc.astype(o_g.dtype)
+    _tile_loop(t, rows, per, tile)
+
+  return kernel(x, mix)
+
+
+@functools.partial(jax.jit, static_argnames=("tokens_per_cta", "interpret"))
+def apply_mix_bwd_rows_kernel(og, x, mix, x_grad_acc, *, tokens_per_cta=2, interpret=None):
+  """``og (T, H)``, ``x (T, M, H)`` bf16, ``mix (T, M)`` float32, ``x_grad_acc (T, M, H)`` bf16 or None ->
+  ``(x_grad (T, M, H) bf16, mix_grad (T, M) float32)``."""
+  t, mm, h = x.shape
+  lay, rows = whole_rows(h)
+  per, grid = _row_grid(t, rows, tokens_per_cta)
+  out_type = (jax.ShapeDtypeStruct((t, mm, h), x.dtype), jax.ShapeDtypeStruct((t, mm), jnp.float32))
+  has_acc = x_grad_acc is not None
+
+  @functools.partial(plgpu.kernel, out_type=out_type, grid=(grid,), grid_names=("i",), interpret=interpret)
+  def kernel(*refs):
+    if has_acc:
+      og_g, x_g, mix_g, acc_g, xg_g, mg_g = refs
+    else:
+      og_g, x_g, mix_g, xg_g, mg_g = refs
+
+    def tile(t0):
+      tok = pl.ds(t0, rows)
+      o = _f32(plgpu.load(og_g.at[tok], layout=lay, optimized=False))
+      for m in range(mm):  # stream by stream: fewer live registers for H = 7168 (7 vectors per thread and row)
+        xm = _f32(plgpu.load(x_g.at[tok, m], layout=lay, optimized=False))
+        d = _bcast(plgpu.load(mix_g.at[tok, m], layout=lay.reduce(1), optimized=False), rows, h) * o
+        if has_acc:
+          d = _f32(plgpu.load(acc_g.at[tok, m], layout=lay, optimized=False)) + d
+        xg_g[tok, m] = d.astype(xg_g.dtype)
+        mg_g[tok, m] = jnp.sum(o * xm, axis=1)
+    _tile_loop(t, rows, per, tile)
+
+  args = (og, x, mix) + ((x_grad_acc,) if has_acc else ())
+  return kernel(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("tokens_per_cta", "interpret"))
+def expand_bwd_rows_kernel(g, *, tokens_per_cta=2, interpret=None):
+  """``g (T, M, H)`` bf16 (``T >= rows``) -> ``(T, H)``: the float32 stream sum, rounded once."""
+  t, mm, h = g.shape
+  lay, rows = whole_rows(h)
+  per, grid = _row_grid(t, rows, tokens_per_cta)
+
+  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((t, h), g.dtype), grid=(grid,), grid_names=("i",),
+                     interpret=interpret)
+  def kernel(g_g, o_g):
+    def tile(t0):
+      tok = pl.ds(t0, rows)
+      vs = [_f32(plgpu.load(g_g.at[tok, m], layout=lay, optimized=False)) for m in range(mm)]
+      acc = vs[0]
+      for v in vs[1:]:
+        acc = acc + v
+      o_g[tok] = acc.astype(o_g.dtype)
+    _tile_loop(t, rows, per, tile)
+
+  return kernel(g)

@@ -73,3 +73,20 @@ def test_spec_grid(key, n0, n1):
   want, (want_dx,) = jax.jit(lambda x: vjp(ref.sinkhorn_normalize, (x,), g))(x)
   close(out, want, **FP32)
   close(dx, want_dx, **FP32)
+
+
+@pytest.mark.parametrize("repeat", [3])  # repeat = 10 against the reference: test_forward_and_backward
+def test_linear_backward_equals_recompute(key, repeat):
+  # The saved-iterate backward (reciprocal multiplies) and the O(repeat²) form (the spec's divisions) agree to a
+  # few ulps, and both meet the spec's tolerance against the reference.
+  from jaxkern import _config
+  from jaxkern.mhc import _sinkhorn_kernel as kern
+  x = jax.random.normal(key, (130, 4, 4)) * 2
+  g = jax.random.normal(jax.random.fold_in(key, 1), x.shape)
+  run = lambda recompute: jax.jit(functools.partial(kern.sinkhorn_kernel, repeat=repeat, eps=1e-6, backward_pass=True,
+                                                    recompute=recompute, interpret=_config.mosaic_interpret(True)))(x, g)
+  fast, slow = run(False), run(True)
+  np.testing.assert_allclose(np.asarray(fast), np.asarray(slow), rtol=1e-5, atol=1e-6)
+  want = ref.sinkhorn_normalize_bwd(g, x, repeat=repeat, eps=1e-6)
+  close(fast, want, **FP32)
+  close(slow, want, **FP32)
