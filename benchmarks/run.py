@@ -499,6 +499,8 @@ def main(argv=None) -> int:
     # to 1.6x slower than in a single process, for a reason not established; with pools they timed as
     # in a single process.)
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    if os.environ.pop("XLA_PYTHON_CLIENT_ALLOCATOR", None) == "platform":  # pools are what the plan sizes
+      print("--workers: ignoring XLA_PYTHON_CLIENT_ALLOCATOR=platform (each process gets a sized XLA pool)")
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{memory.PARENT_FRACTION}"
   ops = _select(args.ops)
   if jax.default_backend() != "gpu":
