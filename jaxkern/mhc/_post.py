@@ -62,8 +62,16 @@ def post_bwd(d_o, x, residual, post_layer_mix, comb_res_mix, *, implementation: 
   x, residual, post_layer_mix, comb_res_mix, lead, m, h = _check(x, residual, post_layer_mix, comb_res_mix)
   d_o = _common.array("d_o", d_o, 2)
   _common.shape("d_o", d_o, residual.shape)
+  return _bwd_op(d_o, x, residual, post_layer_mix, comb_res_mix, implementation, xla_d_o=lambda: d_o,
+                 checked=(x, d_o))
+
+
+def _bwd_op(d_o, x, residual, post_layer_mix, comb_res_mix, implementation, *, xla_d_o, checked) -> PostGrads:
+  """The dispatch of :func:`post_bwd`: the kernel reads ``d_o`` as given, the XLA path ``xla_d_o()``; ``checked``:
+  the arrays besides the mixes whose dtypes the kernel constrains."""
   d_o, x, residual, post_layer_mix, comb_res_mix = _autodiff.guard(
       "post_bwd", _common.BWD_ADVICE, d_o, x, residual, post_layer_mix, comb_res_mix)
+  lead, (m, h) = residual.shape[:-2], residual.shape[-2:]
   t = _common.tokens(lead)
 
   def kernel(interpret):
@@ -74,8 +82,8 @@ def post_bwd(d_o, x, residual, post_layer_mix, comb_res_mix, *, implementation: 
                      dc.reshape(comb_res_mix.shape))
 
   return _dispatch.run("post_bwd", implementation, kernel=kernel,
-                       xla=lambda: ref.post_bwd(d_o, x, residual, post_layer_mix, comb_res_mix), empty=t == 0,
-                       unsupported=_unsupported(residual, (post_layer_mix, comb_res_mix), (x, d_o)))
+                       xla=lambda: ref.post_bwd(xla_d_o(), x, residual, post_layer_mix, comb_res_mix), empty=t == 0,
+                       unsupported=_unsupported(residual, (post_layer_mix, comb_res_mix), checked))
 
 
 def _fwd_op(x, residual, post_layer_mix, comb_res_mix, implementation):
@@ -106,22 +114,8 @@ def _cotangent_bwd(d_o, x, residual, post_layer_mix, comb_res_mix, implementatio
   """:func:`post_bwd` of ``d_o`` rounded to ``residual``'s dtype, for a float32 cotangent of bfloat16 streams (a loss
   that upcasts the output): the kernel reads the float32 ``d_o`` and rounds it in registers (bit-identical to
   casting first, one pass over ``dO`` less); the XLA path casts first."""
-  d_o, x, residual, post_layer_mix, comb_res_mix = _autodiff.guard(
-      "post_bwd", _common.BWD_ADVICE, d_o, x, residual, post_layer_mix, comb_res_mix)
-  lead, (m, h) = residual.shape[:-2], residual.shape[-2:]
-  t = _common.tokens(lead)
-  rounded = lambda: d_o.astype(residual.dtype)
-
-  def kernel(interpret):
-    dx, dr, dp, dc = sk.post_bwd_kernel(d_o.reshape(t, m, h), x.reshape(t, h), residual.reshape(t, m, h),
-                                        post_layer_mix.reshape(t, m), comb_res_mix.reshape(t, m, m),
-                                        interpret=_config.mosaic_interpret(interpret))
-    return PostGrads(dx.reshape(x.shape), dr.reshape(residual.shape), dp.reshape(post_layer_mix.shape),
-                     dc.reshape(comb_res_mix.shape))
-
-  return _dispatch.run("post_bwd", implementation, kernel=kernel,
-                       xla=lambda: ref.post_bwd(rounded(), x, residual, post_layer_mix, comb_res_mix), empty=t == 0,
-                       unsupported=_unsupported(residual, (post_layer_mix, comb_res_mix), (x,)))
+  return _bwd_op(d_o, x, residual, post_layer_mix, comb_res_mix, implementation,
+                 xla_d_o=lambda: d_o.astype(residual.dtype), checked=(x,))
 
 
 def _post_bwd(implementation, residuals, d_o):
