@@ -79,7 +79,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkern import moe
-from jaxkern.modeling.moe import MoeConfig, MoeParams, _group_sizes, route_tokens, swiglu_experts
+from jaxkern.modeling.moe import MoeConfig, MoeParams, _group_sizes, expand_fp8, route_tokens, swiglu_experts
 
 
 class MoeEpParams(NamedTuple):
@@ -194,7 +194,8 @@ def _experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights: jax.A
   ``weights``, summed (the fused-layout pipeline of :func:`jaxkern.modeling.apply_experts` on a subset of
   experts, ``rows`` fused rows)."""
   mapping = moe.get_fused_mapping(idx, num_experts, rows, config.alignment, force_no_sync=True, **kw)
-  xf = moe.expand_to_fused(x, mapping.token_topk_to_pos, mapping.pos_to_expert, **kw)
+  expand = expand_fp8 if config.fp8_expand else moe.expand_to_fused  # as apply_experts
+  xf = expand(x, mapping.token_topk_to_pos, mapping.pos_to_expert, **kw)
   yf = swiglu_experts(xf, params, _group_sizes(mapping), fp8_swiglu=config.fp8_swiglu, **kw)
   return moe.reduce_fused(yf.astype(jnp.float32), weights, mapping.token_topk_to_pos, **kw)
 
