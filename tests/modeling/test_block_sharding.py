@@ -16,7 +16,7 @@ devices; the replicated params' gradients: per device, then ``psum``). The block
 such a difference can flip a bfloat16 rounding of an activation, which then moves the gradients by more than
 float32 summation order alone (measured on one device: about 0.6% of the update's norm for most params, 1.2% at
 most). The tolerance is relative to each param's update, 3e-2 in norm; a missing or doubled gradient sum, a wrong
-expert shard or a dropped token changes the updates by O(1). The loss: 1e-5.
+expert shard or a dropped token changes the updates by O(1). The loss: 1e-5 on the first step, 1e-3 after (params then differ).
 """
 
 import functools
@@ -76,15 +76,26 @@ def _check_step(mesh, expert_axis, check_vma, steps=2, config=CONFIG):
     ref = reference(params, ref_state, batch)
     ep, state, params, ref_state = out.params, out.opt_state, ref.params, ref.opt_state
     assert out.load is None
-    np.testing.assert_allclose(float(out.loss), float(ref.loss), rtol=1e-5, err_msg=f"loss of step {i}")
+    # Step 0: the same params (summation order only); later: params apart by the updates' tolerance.
+    np.testing.assert_allclose(float(out.loss), float(ref.loss), rtol=1e-5 if i == 0 else 1e-3,
+                               err_msg=f"loss of step {i}")
+    if i == 0:  # the first update (LR times the gradient): later ones compound the first one's differences
+      _check_update(block.merge_ep_params(ep), params, initial)
   loss = functools.partial(block.loss_fn, batch=batch, config=config, implementation="reference")
-  assert float(loss(params)) < float(loss(initial)), "the loss falls"
+  assert float(loss(block.merge_ep_params(ep))) < float(loss(initial)), "the loss falls"
+  if mesh.size > 1:
+    for layer in ep.layers:
+      assert layer.moe.w_gate.sharding.spec == P(expert_axis), "routed experts stay sharded"
+      assert layer.moe.shared_gate.sharding.is_fully_replicated
+      assert layer.mhc.fn.sharding.is_fully_replicated
 
-  got = block.merge_ep_params(ep)
+
+def _check_update(got, want_params, initial):
+  """Per param: the sharded update against the unsharded one, relative in norm (module docstring)."""
   leaves = jax.tree_util.tree_leaves_with_path(got)
+  assert len(leaves) == len(jax.tree.leaves(want_params))
   errors = {}
-  assert len(leaves) == len(jax.tree.leaves(params))
-  for (path, g), w, w0 in zip(leaves, jax.tree.leaves(params), jax.tree.leaves(initial)):
+  for (path, g), w, w0 in zip(leaves, jax.tree.leaves(want_params), jax.tree.leaves(initial)):
     name = jax.tree_util.keystr(path)
     assert g.shape == w.shape and g.dtype == w.dtype, name
     moved, want = np.asarray(g) - np.asarray(w0), np.asarray(w) - np.asarray(w0)
@@ -95,11 +106,6 @@ def _check_step(mesh, expert_axis, check_vma, steps=2, config=CONFIG):
     assert norm > 0, f"{name}: no update, the comparison could not fail"
     errors[name] = float(np.linalg.norm(moved - want)) / norm
   assert max(errors.values()) < TOL, errors
-  if mesh.size > 1:
-    for layer in ep.layers:
-      assert layer.moe.w_gate.sharding.spec == P(expert_axis), "routed experts stay sharded"
-      assert layer.moe.shared_gate.sharding.is_fully_replicated
-      assert layer.mhc.fn.sharding.is_fully_replicated
 
 
 def test_specs_and_round_trip():
