@@ -30,7 +30,12 @@ all of them. :func:`jaxkern.explain` lists what each op call runs.
 
 ``moe_fn`` (keyword of :func:`model_apply`, :func:`loss_fn`, :func:`train_step`) replaces the MoE FFN of every
 layer: any ``moe_fn(params: MoeParams, x (T, H) bf16, *, config: MoeConfig, implementation) -> (T, H)`` with the
-semantics of :func:`moe_ffn` (e.g. an expert-parallel version that runs under a mesh).
+semantics of :func:`moe_ffn` (e.g. :func:`moe_ffn_ep`, the expert-parallel one, with ``mesh_axis`` bound).
+
+**Sharded step** (:func:`sharded_train_step`): :func:`train_step` under a :class:`jax.sharding.Mesh`, data parallel
+over the batch's sequences and expert parallel over each layer's routed experts (:func:`moe_ffn_ep` inside one
+``jax.shard_map``, :mod:`jaxkern.modeling.sharding`); :func:`ep_params` / :func:`merge_ep_params` split the shared
+experts from the routed ones and back, :func:`block_param_specs` gives the params' ``PartitionSpec`` s.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ The all-gather scheme, per device ``r`` (collectives over ``mesh_axis`` only):
    the EP ranks ``q`` with ``q % P == r``, i.e. only ``q = r``) keeps the slots of this device's experts,
    renumbered ``0..E/P-1``, and sets the others to -1;
 4. the routed experts of this device on all tokens: :func:`jaxkern.moe.get_fused_mapping`,
-   :func:`jaxkern.moe.expand_to_fused`, the SwiGLU grouped matmuls, :func:`jaxkern.moe.reduce_fused` in
+   :func:`jaxkern.moe.expand_to_fused` (:func:`jaxkern.modeling.expand_fp8` with ``config.fp8_expand``), the SwiGLU grouped matmuls, :func:`jaxkern.moe.reduce_fused` in
    float32 (unused slots add nothing): a ``(T, H)`` float32 partial sum;
 5. ``psum_scatter`` the partial sums back to the token shards: ``(T, H) -> (T/P, H)``, summed over devices;
 6. the shared experts on the local tokens (the same four ops over ``S`` experts), added; one rounding to
@@ -47,7 +47,8 @@ output ``ShapeDtypeStruct`` (``ValueError: When `check_vma=True` on `jax.shard_m
 `jax.ShapeDtypeStruct` must not be `None```), which jaxkern's kernels do not set: run the Pallas kernels (and
 interpret mode) under ``check_vma=False``; the ``jnp`` references run under either. ``custom_vjp`` ops that mix
 replicated and sharded inputs cast them to one varying type first (:func:`jaxkern._autodiff.vary_like`, done
-in ``top2_sum_gate`` and the grouped matmul). In Pallas' interpreter on several simulated CPU devices,
+in ``top2_sum_gate``, the grouped matmul, ``reduce_fused``, the FP8 ``swiglu``, the Engram gate and the mHC ops:
+``pre_norm_fn``, ``pre_split_mixes``, ``head_compute_mix``, ``pre_apply_mix``, ``post``, ``mhc_pre``, ``mhc_block``). In Pallas' interpreter on several simulated CPU devices,
 ``expand_to_fused`` (Mosaic GPU) fails (``AssertionError: Barrier remains allocated at key
 HostAllocationKey(...)``); ``top2_sum_gate``, ``mask_indices_by_tp``, ``reduce_fused`` and ``swiglu`` run.
 

@@ -126,6 +126,25 @@ def test_step_one_device_mesh():
   _check_step(_mesh((1,), ("data",)), "data", check_vma=False, steps=1)
 
 
+def test_sharded_step_lowers_for_h100():
+  """The sharded step with the compiled kernels (check_vma=False) lowers for an H100 (one-device abstract mesh with
+  an Auto axis, as tests/modeling/test_block.py's lowering test: the kernels' model size, hidden 1024)."""
+  from jax.sharding import AbstractMesh, AxisType, use_abstract_mesh
+
+  from jaxkern.testing.lowering import H100
+
+  config = block.BlockConfig(num_layers=1, vocab_size=32, engram_table_size=61, engram_embed_dim=8)
+  optimizer = optax.sgd(LR)
+  mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,), abstract_device=H100)
+  ep = jax.eval_shape(lambda: block.ep_params(block.init_block_params(jax.random.key(0), config), config))
+  batch = block.Batch(*(jax.ShapeDtypeStruct((2, 64), jnp.int32),) * 2)
+  shapes = (ep, jax.eval_shape(optimizer.init, ep), batch)
+  step = block.sharded_train_step(config, optimizer, mesh, expert_axis="x", implementation="pallas")
+  with use_abstract_mesh(mesh):
+    text = jax.jit(lambda *a: step(*a).loss).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
 def test_errors():
   import dataclasses
 
