@@ -26,9 +26,9 @@ as in a training step). Rows go to ``benchmarks/results/train_step/<date>_<devic
 summariser reads only ``benchmarks/results/*.jsonl``) or ``--out``; the table is printed as markdown.
 
 ``--devices N``: the step runs under a ``jax.sharding.Mesh`` of N devices (axis ``"data"``). With N = 1 the
-unsharded step runs with params and batch placed on the one-device mesh. With N > 1 it needs
-``jaxkern.modeling.sharding`` (its ``moe_layer_ep``: expert parallelism inside ``jax.shard_map``); without that
-module, ``--devices`` > 1 is an error (exit status 2). ``--small``: a tiny model that runs in seconds on a CPU
+unsharded step runs with params and batch placed on the one-device mesh. With N > 1 it is
+:func:`jaxkern.modeling.block.sharded_train_step`: data parallelism over the batch's sequences and expert
+parallelism over the routed experts (``moe_layer_ep``, shared experts replicated) inside ``jax.shard_map``. ``--small``: a tiny model that runs in seconds on a CPU
 (the ops' references there: ``"auto"`` off a GPU runs them).
 """
 
@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import importlib
 import json
 import pathlib
 import statistics
@@ -54,6 +53,7 @@ from jaxkern.modeling import block, mhc_head, mhc_post, mhc_pre, expand_from_emb
 from jaxkern.modeling import moe as moe_module
 from jaxkern.modeling._grouped_matmul import grouped_matmul
 from jaxkern.modeling._swiglu import swiglu
+from jaxkern.modeling.sharding import shard_params
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "train_step"
 STATIC = ("config", "optimizer", "implementation", "moe_fn")
@@ -176,64 +176,34 @@ def _mesh_step(args, config, optimizer, implementation):
                                    implementation=implementation))
   if not args.devices:
     return step, lambda tree: tree
-  sharding = None
-  if args.devices > 1:
-    try:
-      sharding = importlib.import_module("jaxkern.modeling.sharding")
-    except ImportError:
-      print(f"--devices {args.devices} needs jaxkern.modeling.sharding (the expert-parallel MoE layer), which this "
-            "checkout lacks; run with --devices 1 or without --devices", file=sys.stderr)
-      raise SystemExit(2) from None
   if args.devices > len(jax.devices()):
     print(f"--devices {args.devices}: only {len(jax.devices())} devices here", file=sys.stderr)
     raise SystemExit(2)
   # Auto axes: under an Explicit one (jax 0.11's default) ragged_dot has no sharding rule.
   mesh = jax.make_mesh((args.devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:args.devices])
-  if sharding is None:
+  if args.devices == 1:
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return step, lambda tree: jax.device_put(tree, replicated)
-  return sharded_step(sharding, mesh, config, optimizer, implementation)
+  return sharded_step(mesh, config, optimizer, implementation)
 
 
-def sharded_step(sharding, mesh, config, optimizer, implementation):
-  """Data parallelism over the batch and expert parallelism over the experts on mesh axis ``"data"``:
-  ``jax.shard_map`` (``check_vma=False``: the Pallas kernels) around the loss and its gradient, the MoE FFN
-  replaced by ``sharding.moe_layer_ep(..., mesh_axis="data")``; expert weights split over the axis (routed and
-  shared: ``E + S`` must divide by the devices), everything else replicated. Each shard differentiates its
-  share ``loss_s / P`` of the mean loss; the replicated params' gradients are summed over the shards (``psum``),
-  the expert weights' come back complete through the collectives' transposes."""
+def sharded_step(mesh, config, optimizer, implementation):
+  """:func:`jaxkern.modeling.block.sharded_train_step` on mesh axis ``"data"``: the batch and the routed experts
+  split over it (``B`` and ``E`` multiples of the devices), shared experts and everything else replicated
+  (:func:`jaxkern.modeling.block.ep_params` / ``block_param_specs``), ``check_vma=False`` (the Pallas kernels).
+  ``place`` turns :class:`~jaxkern.modeling.block.BlockParams` into the sharded EP params, a
+  :class:`~jaxkern.modeling.block.Batch` into one sharded over sequences."""
   axis, P = "data", jax.sharding.PartitionSpec
-
-  def ep_moe(p, x, *, config, implementation):
-    p = p._replace(w_gate=p.w_gate.astype(x.dtype), w_up=p.w_up.astype(x.dtype), w_down=p.w_down.astype(x.dtype))
-    return sharding.moe_layer_ep(p, x, config=config, mesh_axis=axis, implementation=implementation)
-
-  def spec(path, _):
-    name = jax.tree_util.keystr(path)
-    return P(axis) if any(w in name for w in (".w_gate", ".w_up", ".w_down")) else P()
-
-  def local(params, batch):
-    shards = jax.lax.axis_size(axis)
-    loss, grads = jax.value_and_grad(lambda p: block.loss_fn(p, batch, config=config, implementation=implementation,
-                                                             moe_fn=ep_moe) / shards)(params)
-    grads = jax.tree_util.tree_map_with_path(lambda path, g: g if spec(path, g) != P() else jax.lax.psum(g, axis),
-                                             grads)
-    return jax.lax.psum(loss, axis), grads
-
-  def step(params, opt_state, batch):
-    specs = jax.tree_util.tree_map_with_path(spec, params)
-    loss, grads = jax.shard_map(local, mesh=mesh, in_specs=(specs, block.Batch(P(axis), P(axis))),
-                                out_specs=(P(), specs), check_vma=False)(params, batch)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return block.StepResult(optax.apply_updates(params, updates), opt_state, loss, None)
+  step = block.sharded_train_step(config, optimizer, mesh, expert_axis=axis, implementation=implementation)
 
   def place(tree):
-    def put(path, a):
-      return jax.device_put(a, jax.sharding.NamedSharding(mesh, spec(path, a) if a.ndim else P()))
-    return jax.tree_util.tree_map_with_path(put, tree)
+    if isinstance(tree, block.BlockParams):
+      ep = block.ep_params(tree, config)
+      return shard_params(ep, mesh, block.block_param_specs(ep, axis))
+    return jax.device_put(tree, jax.sharding.NamedSharding(mesh, P(axis)))
 
-  return jax.jit(step), place
+  return step, place
 
 
 def main(argv=None) -> int:
@@ -247,6 +217,8 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   config, batch_size, seq_len = small_config() if args.small else gpu_config()
   iterations = args.iterations or (2 if args.small else 20)
+  if args.devices > 1:  # the sharded step splits the batch's sequences over the devices
+    batch_size = -(-batch_size // args.devices) * args.devices
   device = jax.devices()[0].device_kind.replace(" ", "-")
   if jax.default_backend() != "gpu" and not args.small:
     print("No GPU found: the H100-sized model would run the references on the CPU; use --small", file=sys.stderr)
@@ -263,7 +235,7 @@ def main(argv=None) -> int:
   for impl in args.implementations.split(","):
     step, place = _mesh_step(args, config, optimizer, impl)
     p, b = place(params), place(batch)
-    opt_state = place(optimizer.init(params))
+    opt_state = optimizer.init(p)  # shaped and placed like the (possibly expert-parallel) params
     timed = time_ms(lambda p, o, b: step(p, o, b).loss, p, opt_state, b, iterations=iterations)
     loss = float(step(p, opt_state, b).loss)
     rows.append(dict(component="step", implementation=impl, times=1, loss=loss, **timed))

@@ -149,4 +149,4 @@ def pre_apply_mix(x, mix, *, implementation: str | None = None) -> jax.Array:
   with the same implementation.
   """
   x, mix, _, _, _ = _check(x, mix)
-  return _apply(x, mix, _config.get_implementation(implementation))
+  return _apply(*_autodiff.vary_like(x, mix), _config.get_implementation(implementation))

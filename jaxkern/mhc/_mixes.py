@@ -132,6 +132,7 @@ def pre_split_mixes(input_mixes, mhc_scale, mhc_base, *, mhc_mult: int, mhc_post
   z, scale, base, m = _check_split(input_mixes, mhc_scale, mhc_base, mhc_mult)
   pmv = _checks.check_float("mhc_post_mult_value", mhc_post_mult_value, nonzero=True)
   pre_eps = _checks.check_float("mhc_pre_eps", mhc_pre_eps)
+  z, scale, base = _autodiff.vary_like(z, scale, base)  # replicated params, sharded mixes: one vma type
   return _split(z, scale, base, m, pmv, pre_eps, _config.get_implementation(implementation))
 
 
@@ -216,4 +217,5 @@ def head_compute_mix(input_mix, mhc_scale, mhc_base, *, mhc_pre_eps: float = 1e-
   """
   z, scale, base = _check_head(input_mix, mhc_scale, mhc_base)
   pre_eps = _checks.check_float("mhc_pre_eps", mhc_pre_eps)
+  z, scale, base = _autodiff.vary_like(z, scale, base)  # replicated params, sharded mixes: one vma type
   return _head(z, scale, base, pre_eps, _config.get_implementation(implementation))

@@ -557,4 +557,5 @@ def pre_norm_fn(residual, fn, norm_weight=None, *, norm_eps: float = 1e-6, fuse_
       raise ValueError(f"norm_weight must have shape ({fn.shape[1]},), got {tuple(norm_weight.shape)}")
     fn = ref.fn_normw_merge(fn, norm_weight)
   implementation = _config.get_implementation(implementation)
+  residual, fn = _autodiff.vary_like(residual, fn)  # sharded residual, replicated fn: one vma type
   return _pre_norm_fn(residual, fn, eps, n_splits, implementation)

@@ -159,4 +159,4 @@ def post(x, residual, post_layer_mix, comb_res_mix, *, implementation: str | Non
   come back in the inputs' dtypes.
   """
   args = _check(x, residual, post_layer_mix, comb_res_mix)[:4]
-  return _post(*args, _config.get_implementation(implementation))
+  return _post(*_autodiff.vary_like(*args), _config.get_implementation(implementation))

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkern import _checks, quant
+from jaxkern._autodiff import vary_like
 
 NUM_PER_CHANNELS = (32, 128)
 OUT_NUM_PER_CHANNELS = 128  # groups of the FP8 activation (the forward kernel's per-token cast)
@@ -117,4 +118,4 @@ def swiglu(x, pos_to_token_topk=None, topk_weights=None, *, num_per_channels: in
   out_fmt = "bf16" if x.dtype == jnp.bfloat16 else "fp32"
   f = _swiglu_vjp(num_per_channels, None if swiglu_clamp_value is None else float(swiglu_clamp_value),
                   implementation, weighted, out_fmt)
-  return f(x, topk_weights, pos_to_token_topk)
+  return f(*vary_like(x, topk_weights, pos_to_token_topk))  # under shard_map: one vma type

@@ -30,12 +30,18 @@ all of them. :func:`jaxkern.explain` lists what each op call runs.
 
 ``moe_fn`` (keyword of :func:`model_apply`, :func:`loss_fn`, :func:`train_step`) replaces the MoE FFN of every
 layer: any ``moe_fn(params: MoeParams, x (T, H) bf16, *, config: MoeConfig, implementation) -> (T, H)`` with the
-semantics of :func:`moe_ffn` (e.g. an expert-parallel version that runs under a mesh).
+semantics of :func:`moe_ffn` (e.g. :func:`moe_ffn_ep`, the expert-parallel one, with ``mesh_axis`` bound).
+
+**Sharded step** (:func:`sharded_train_step`): :func:`train_step` under a :class:`jax.sharding.Mesh`, data parallel
+over the batch's sequences and expert parallel over each layer's routed experts (:func:`moe_ffn_ep` inside one
+``jax.shard_map``, :mod:`jaxkern.modeling.sharding`); :func:`ep_params` / :func:`merge_ep_params` split the shared
+experts from the routed ones and back, :func:`block_param_specs` gives the params' ``PartitionSpec`` s.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -43,11 +49,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 
 from jaxkern import _config, engram, moe
 from jaxkern.modeling.engram import engram_gate
 from jaxkern.modeling.mhc import expand_from_embedding, mhc_head, mhc_post, mhc_pre
 from jaxkern.modeling.moe import MoeConfig, MoeParams, balance_router_bias, init_moe_params, moe_layer, route_tokens
+from jaxkern.modeling.sharding import (MoeEpParams, make_sharded_train_step, merge_shared_experts, moe_layer_ep,
+                                       moe_param_specs, split_shared_experts)
 
 MoeFn = Callable[..., jax.Array]
 
@@ -241,9 +250,35 @@ def moe_ffn(params: MoeParams, x: jax.Array, *, config: MoeConfig, implementatio
   Returns:
     ``(T, H)`` of ``x.dtype``.
   """
-  cast = params._replace(w_gate=params.w_gate.astype(x.dtype), w_up=params.w_up.astype(x.dtype),
-                         w_down=params.w_down.astype(x.dtype))
-  return moe_layer(cast, x, config=config, implementation=implementation)
+  return moe_layer(_cast_experts(params, x.dtype), x, config=config, implementation=implementation)
+
+
+def _cast_experts(params, dtype):
+  """``params`` (:class:`MoeParams` or :class:`~jaxkern.modeling.sharding.MoeEpParams`) with every expert weight
+  cast to ``dtype`` (router and bias kept float32)."""
+  names = [n for n in params._fields if n not in ("router", "router_bias")]
+  return params._replace(**{n: getattr(params, n).astype(dtype) for n in names})
+
+
+def moe_ffn_ep(params, x: jax.Array, *, config: MoeConfig, mesh_axis: str,
+               implementation: str | None = None) -> jax.Array:
+  """The expert-parallel MoE FFN of a layer (call inside ``jax.shard_map``, as :func:`model_apply`'s ``moe_fn``
+  with ``mesh_axis`` bound): :func:`jaxkern.modeling.sharding.moe_layer_ep` with the expert weights cast to
+  ``x.dtype``, as :func:`moe_ffn` does unsharded.
+
+  Args:
+    params: this device's :class:`~jaxkern.modeling.sharding.MoeEpParams` (routed experts ``E/P`` of them, shared
+      experts and router whole; :func:`ep_params` converts a :class:`BlockParams`), or with no shared experts a
+      :class:`MoeParams` of the same local shapes.
+    x: ``(T/P, H)`` bfloat16 tokens of this device.
+    config, implementation: as :func:`moe_ffn`.
+    mesh_axis: the mesh axis that splits the routed experts (and the tokens), as in ``moe_layer_ep``.
+
+  Returns:
+    ``(T/P, H)`` of ``x.dtype``.
+  """
+  return moe_layer_ep(_cast_experts(params, x.dtype), x, config=config, mesh_axis=mesh_axis,
+                      implementation=implementation)
 
 
 def _forward(params: BlockParams, tokens: jax.Array, config: BlockConfig, implementation: str | None,
@@ -344,6 +379,80 @@ def expert_load(params: BlockParams, tokens: jax.Array, *, config: BlockConfig,
                 implementation: str | None = None) -> jax.Array:
   """``(L, E)`` int32: the routed tokens of every expert of every layer in a forward pass over ``tokens``."""
   return _forward(params, tokens, config, implementation, None, count_load=True)[1]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The sharded step: data parallelism over the batch, expert parallelism over the routed experts
+
+
+def ep_params(params: BlockParams, config: BlockConfig) -> BlockParams:
+  """``params`` with every layer's :class:`MoeParams` split into a
+  :class:`~jaxkern.modeling.sharding.MoeEpParams` (routed experts apart from the shared ones, so that the former
+  can be sharded over experts and the latter replicated: :func:`jaxkern.modeling.sharding.split_shared_experts`);
+  unchanged without shared experts. Works on gradients and optimiser-state pytrees of the same structure."""
+  if not config.moe.num_shared_experts:
+    return params
+  layers = tuple(layer._replace(moe=split_shared_experts(layer.moe, config.moe)) for layer in params.layers)
+  return params._replace(layers=layers)
+
+
+def merge_ep_params(params: BlockParams) -> BlockParams:
+  """The inverse of :func:`ep_params` (also of its gradients): plain :class:`MoeParams` in every layer."""
+  layers = tuple(layer._replace(moe=merge_shared_experts(layer.moe)) if isinstance(layer.moe, MoeEpParams) else layer
+                 for layer in params.layers)
+  return params._replace(layers=layers)
+
+
+def block_param_specs(params: BlockParams, expert_axis: str | None) -> BlockParams:
+  """``PartitionSpec`` pytree of ``params`` (of :func:`ep_params`): every layer's routed expert weights split over
+  ``expert_axis`` on dim 0 (:func:`jaxkern.modeling.sharding.moe_param_specs`), everything else replicated."""
+  specs = jax.tree.map(lambda _: PartitionSpec(), params)
+  layers = tuple(spec._replace(moe=moe_param_specs(layer.moe, expert_axis))
+                 for spec, layer in zip(specs.layers, params.layers))
+  return specs._replace(layers=layers)
+
+
+def sharded_train_step(config: BlockConfig, optimizer: optax.GradientTransformation, mesh, *, expert_axis: str,
+                       batch_axes=None, implementation: str | None = None, check_vma: bool = False):
+  """:func:`train_step` under ``mesh``: a jitted ``step(params, opt_state, batch) -> StepResult``.
+
+  One ``jax.shard_map`` (:func:`jaxkern.modeling.sharding.make_sharded_train_step`) runs :func:`loss_fn` and its
+  gradients with the MoE FFN of every layer replaced by :func:`moe_ffn_ep` over ``expert_axis``: the batch's
+  sequences split over ``batch_axes`` (default: every mesh axis; ``B`` a multiple of their product), each
+  layer's routed expert weights over ``expert_axis`` (``E`` a multiple of its size), everything else (embedding,
+  Engram, mHC, shared experts, router, readout) replicated. The optimiser update runs outside the ``shard_map``
+  in the same jit, keeping each param's sharding. Equal to :func:`train_step` up to float32 summation order
+  (of the MoE slot sums and of the replicated params' gradients over the shards).
+
+  Args:
+    config: :class:`BlockConfig` (``router_bias_rate`` must be 0: the load count is not sharded).
+    optimizer: an ``optax.GradientTransformation``.
+    mesh: a :class:`jax.sharding.Mesh` with ``Auto`` axes (``Mesh(devices, names)``).
+    expert_axis: the mesh axis splitting the routed experts (tokens are exchanged over it).
+    batch_axes: mesh axes splitting the batch (a name or a sequence; default all, ``expert_axis`` included).
+    implementation: passed to every op.
+    check_vma: ``jax.shard_map``'s replication check; the Pallas kernels (and interpret mode) need ``False``,
+      the references run under either (the gradients are the same).
+
+  Params and optimiser state: ``params = shard_params(ep_params(params, config), mesh,
+  block_param_specs(ep_params(params, config), expert_axis))`` (:func:`jaxkern.modeling.sharding.shard_params`),
+  ``opt_state = optimizer.init(params)``; :func:`merge_ep_params` turns them back into :class:`BlockParams`.
+  ``StepResult.load`` is ``None``.
+  """
+  if config.router_bias_rate:
+    raise ValueError(f"config.router_bias_rate={config.router_bias_rate}: the sharded step does not balance the "
+                     "router bias (use 0)")
+  moe_fn = functools.partial(moe_ffn_ep, mesh_axis=expert_axis)
+  loss = functools.partial(loss_fn, config=config, implementation=implementation, moe_fn=moe_fn)
+  shapes = jax.eval_shape(lambda: ep_params(init_block_params(jax.random.key(0), config), config))
+  specs = block_param_specs(shapes, expert_axis)
+  step = make_sharded_train_step(loss, optimizer, mesh, specs, batch_axes=batch_axes, check_vma=check_vma)
+
+  def run(params, opt_state, batch):
+    params, opt_state, loss_value = step(params, opt_state, batch)
+    return StepResult(params, opt_state, loss_value, None)
+
+  return run
 
 
 def synthetic_batch(rng: np.random.Generator, *, batch: int, seq_len: int, vocab_size: int, num_phrases: int = 8,

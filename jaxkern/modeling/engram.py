@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkern import _checks, _config, engram
+from jaxkern._autodiff import vary_like
 from jaxkern.engram._gate import FLOATS
 
 
@@ -111,6 +112,7 @@ def engram_gate(hidden_states, k, v, weight_hidden, weight_embed, *, clamp_value
     raise ValueError(f"weight_hidden must have shape ({m}, {d}), got {tuple(wh.shape)}")
   implementation = _config.get_implementation(implementation)
   t = x.size // (m * d)
-  out = _gate(x.reshape(t, m, d), k.reshape(t, m, d), v.reshape(t, d), wh, we, float(clamp_value), float(eps),
-              implementation)
+  # Under shard_map: sharded activations and replicated weights cast to one vma type (their cotangents must match).
+  xs, k, v, wh, we = vary_like(x.reshape(t, m, d), k.reshape(t, m, d), v.reshape(t, d), wh, we)
+  out = _gate(xs, k, v, wh, we, float(clamp_value), float(eps), implementation)
   return out.reshape(x.shape)

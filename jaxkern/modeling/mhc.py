@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkern import _checks, _config, mhc
+from jaxkern._autodiff import vary_like
 from jaxkern.mhc import _common
 from jaxkern.mhc._norm_fn import _check_residual_fn, _check_splits
 
@@ -183,6 +184,7 @@ def mhc_pre(residual, fn, scale, base, *, norm_weight=None, norm_eps: float = 1e
   residual, fn, scale, base, norm_weight, cfg = _check_pre(residual, fn, scale, base, norm_weight, mhc_mult,
                                                            norm_eps, post_mult_value, pre_eps, sinkhorn_eps,
                                                            sinkhorn_repeat, n_splits)
+  residual, fn, scale, base, norm_weight = vary_like(residual, fn, scale, base, norm_weight)
   return _pre(residual, fn, scale, base, norm_weight, cfg, _config.get_implementation(implementation))
 
 
@@ -284,5 +286,6 @@ def mhc_block(residual, fn, scale, base, sublayer: Callable[[Any, jax.Array], ja
   residual, fn, scale, base, norm_weight, cfg = _check_pre(residual, fn, scale, base, norm_weight, mhc_mult,
                                                            norm_eps, post_mult_value, pre_eps, sinkhorn_eps,
                                                            sinkhorn_repeat, n_splits)
+  residual, fn, scale, base, norm_weight, params = vary_like(residual, fn, scale, base, norm_weight, params)
   return _block(residual, fn, scale, base, norm_weight, params, sublayer, cfg,
                 _config.get_implementation(implementation))

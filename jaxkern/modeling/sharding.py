@@ -26,7 +26,7 @@ The all-gather scheme, per device ``r`` (collectives over ``mesh_axis`` only):
    the EP ranks ``q`` with ``q % P == r``, i.e. only ``q = r``) keeps the slots of this device's experts,
    renumbered ``0..E/P-1``, and sets the others to -1;
 4. the routed experts of this device on all tokens: :func:`jaxkern.moe.get_fused_mapping`,
-   :func:`jaxkern.moe.expand_to_fused`, the SwiGLU grouped matmuls, :func:`jaxkern.moe.reduce_fused` in
+   :func:`jaxkern.moe.expand_to_fused` (:func:`jaxkern.modeling.expand_fp8` with ``config.fp8_expand``), the SwiGLU grouped matmuls, :func:`jaxkern.moe.reduce_fused` in
    float32 (unused slots add nothing): a ``(T, H)`` float32 partial sum;
 5. ``psum_scatter`` the partial sums back to the token shards: ``(T, H) -> (T/P, H)``, summed over devices;
 6. the shared experts on the local tokens (the same four ops over ``S`` experts), added; one rounding to
@@ -47,7 +47,8 @@ output ``ShapeDtypeStruct`` (``ValueError: When `check_vma=True` on `jax.shard_m
 `jax.ShapeDtypeStruct` must not be `None```), which jaxkern's kernels do not set: run the Pallas kernels (and
 interpret mode) under ``check_vma=False``; the ``jnp`` references run under either. ``custom_vjp`` ops that mix
 replicated and sharded inputs cast them to one varying type first (:func:`jaxkern._autodiff.vary_like`, done
-in ``top2_sum_gate`` and the grouped matmul). In Pallas' interpreter on several simulated CPU devices,
+in ``top2_sum_gate``, the grouped matmul, ``reduce_fused``, the FP8 ``swiglu``, the Engram gate and the mHC ops:
+``pre_norm_fn``, ``pre_split_mixes``, ``head_compute_mix``, ``pre_apply_mix``, ``post``, ``mhc_pre``, ``mhc_block``). In Pallas' interpreter on several simulated CPU devices,
 ``expand_to_fused`` (Mosaic GPU) fails (``AssertionError: Barrier remains allocated at key
 HostAllocationKey(...)``); ``top2_sum_gate``, ``mask_indices_by_tp``, ``reduce_fused`` and ``swiglu`` run.
 
@@ -79,7 +80,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkern import moe
-from jaxkern.modeling.moe import MoeConfig, MoeParams, _group_sizes, route_tokens, swiglu_experts
+from jaxkern.modeling.moe import MoeConfig, MoeParams, _group_sizes, expand_fp8, route_tokens, swiglu_experts
 
 
 class MoeEpParams(NamedTuple):
@@ -194,7 +195,8 @@ def _experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights: jax.A
   ``weights``, summed (the fused-layout pipeline of :func:`jaxkern.modeling.apply_experts` on a subset of
   experts, ``rows`` fused rows)."""
   mapping = moe.get_fused_mapping(idx, num_experts, rows, config.alignment, force_no_sync=True, **kw)
-  xf = moe.expand_to_fused(x, mapping.token_topk_to_pos, mapping.pos_to_expert, **kw)
+  expand = expand_fp8 if config.fp8_expand else moe.expand_to_fused  # as apply_experts
+  xf = expand(x, mapping.token_topk_to_pos, mapping.pos_to_expert, **kw)
   yf = swiglu_experts(xf, params, _group_sizes(mapping), fp8_swiglu=config.fp8_swiglu, **kw)
   return moe.reduce_fused(yf.astype(jnp.float32), weights, mapping.token_topk_to_pos, **kw)
 

@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config, _dispatch
+from jaxkern._autodiff import vary_like
 from jaxkern.moe import _fused_grad, _routing
 from jaxkern.reference import moe as ref
 from jaxkern.types import QuantTensor
@@ -182,6 +183,7 @@ def reduce_fused(x: jax.Array | QuantTensor | tuple[jax.Array, jax.Array], topk_
   _routing.check_values_below("token_topk_to_pos", token_topk_to_pos, n)
   _routing.debug_check_positions("reduce_fused", token_topk_to_pos, n)
   out_dtype = jnp.float8_e4m3fn if fp8_format == "e4m3" else x.dtype
+  x, x_sf, topk_weights, sf = vary_like(x, x_sf, topk_weights, sf)  # under shard_map: one vma type
   return _reduce(x, x_sf, topk_weights, token_topk_to_pos, sf, jnp.dtype(out_dtype),
                  _config.get_implementation(implementation))
 

@@ -218,7 +218,7 @@ def test_train_step_benchmark_small(tmp_path, capsys):
   assert "| rest |" in printed and "| step |" in printed
   with pytest.raises(SystemExit) as exc:
     train_step.main(["--small", "--devices", "2", "--no-split"])
-  assert exc.value.code == 2 and "jaxkern.modeling.sharding" in capsys.readouterr().err
+  assert exc.value.code == 2 and "only 1 devices here" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
@@ -238,25 +238,25 @@ def test_compiled_kernels_match_reference_on_gpu():
 
 
 def test_benchmark_sharded_step_plumbing_on_one_device():
-  """benchmarks.train_step.sharded_step (the --devices N > 1 path) with a stand-in for
-  jaxkern.modeling.sharding.moe_layer_ep (the unsharded layer: right on one device): same loss as the plain step."""
-  import types
-
+  """benchmarks.train_step.sharded_step (the --devices N > 1 path: block.sharded_train_step) on a one-device mesh:
+  the loss of the plain step, the updates up to the MoE's summation order (a bf16 rounding may flip; the 8-device
+  comparison: tests/modeling/test_block_sharding.py)."""
   from benchmarks import train_step
 
   config, batch_size, seq_len = train_step.small_config()
-  stand_in = types.SimpleNamespace(
-      moe_layer_ep=lambda p, x, *, config, mesh_axis, implementation: moe_layer(p, x, config=config,
-                                                                               implementation=implementation))
   mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   optimizer = optax.sgd(1e-2)
-  step, place = train_step.sharded_step(stand_in, mesh, config, optimizer, "reference")
+  step, place = train_step.sharded_step(mesh, config, optimizer, "reference")
   params = block.init_block_params(jax.random.key(5), config)
   batch = block.synthetic_batch(np.random.default_rng(5), batch=batch_size, seq_len=seq_len,
                                 vocab_size=config.vocab_size)
-  result = step(place(params), place(optimizer.init(params)), place(batch))
+  ep = place(params)
+  result = step(ep, optimizer.init(ep), place(batch))
   plain = jax.jit(functools.partial(block.train_step, config=config, optimizer=optimizer,
                                     implementation="reference"))(params, optimizer.init(params), batch)
-  np.testing.assert_allclose(float(result.loss), float(plain.loss), rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(result.params), jax.tree.leaves(plain.params)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(float(result.loss), float(plain.loss), rtol=1e-5)
+  got = block.merge_ep_params(result.params)
+  for a, b, a0 in zip(jax.tree.leaves(got), jax.tree.leaves(plain.params), jax.tree.leaves(params)):
+    update = np.asarray(b) - np.asarray(a0)
+    np.testing.assert_allclose(np.asarray(a) - np.asarray(a0), update, rtol=0,
+                               atol=0.05 * float(np.abs(update).max()) + 1e-7)
