@@ -91,7 +91,8 @@ register(BenchOp(
 
 
 def _vg(f, x, fn, g):
-  return jax.value_and_grad(lambda x, fn: jnp.sum(f(x, fn) * g), argnums=(0, 1))(x, fn)
+  # jitted: eager interpret-mode kernels mixed with XLA ops can deadlock XLA:CPU (seen in CI)
+  return jax.jit(jax.value_and_grad(lambda x, fn: jnp.sum(f(x, fn) * g), argnums=(0, 1)))(x, fn)
 
 
 register(BenchOp(
