@@ -20,17 +20,15 @@ expert shard or a dropped token changes the updates by O(1). The loss: 1e-5 on t
 """
 
 import functools
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
+from tests.modeling.multi_device import EIGHT, mesh as _mesh, needs_8, run_8dev_tests
 from jaxkern.modeling import block
 from jaxkern.modeling.sharding import MoeEpParams, shard_params
 
@@ -38,19 +36,12 @@ from jaxkern.modeling.sharding import MoeEpParams, shard_params
 CONFIG = block.BlockConfig(num_layers=1, hidden=256, vocab_size=32, engram_table_size=61, engram_embed_dim=8)
 LR = 0.1
 TOL = 3e-2  # per param: |sharded update - unsharded update| / |unsharded update| (Frobenius); see the docstring
-EIGHT = jax.device_count() >= 8
-needs_8 = pytest.mark.skipif(not EIGHT, reason="needs 8 devices (run by test_multi_device_tests_in_a_subprocess)")
 
 
 @pytest.fixture(autouse=True)
 def _float32_matmuls():
   with jax.default_matmul_precision("highest"):
     yield
-
-
-def _mesh(shape, names):
-  n = int(np.prod(shape))
-  return Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
 
 
 def _check_step(mesh, expert_axis, check_vma, steps=2, config=CONFIG):
@@ -169,10 +160,4 @@ def test_step_8dev_data_and_expert_axes():
 @pytest.mark.skipif(EIGHT, reason="this process has 8 devices: the 8dev tests run here")
 def test_multi_device_tests_in_a_subprocess():
   """Runs this file's ``8dev`` tests in a child pytest with 8 simulated CPU devices."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", "-k", "8dev",
-                           os.path.abspath(__file__)], cwd=root, env=env, capture_output=True, text=True, timeout=1200)
-  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-  assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]
+  run_8dev_tests(__file__)

@@ -18,18 +18,16 @@ mesh, and the kernels that the interpreter runs on 8 devices (``top2_sum_gate``,
 """
 
 import functools
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jaxkern import moe
+from tests.modeling.multi_device import EIGHT, mesh as _mesh, needs_8, run_8dev_tests
 from jaxkern.modeling import MoeConfig, init_moe_params, moe_layer
 from jaxkern.modeling.sharding import (MoeEpParams, make_sharded_train_step, merge_shared_experts, moe_layer_ep,
                                        moe_param_specs, shard_params, sharded_value_and_grad, split_shared_experts)
@@ -41,19 +39,12 @@ SHARED = MoeConfig(num_experts=8, num_topk=2, num_shared_experts=1, routed_scali
 GROUPED = MoeConfig(num_experts=16, num_topk=4, num_shared_experts=2, num_groups=4, num_topk_groups=2,
                     scoring_func="softmax", routed_scaling_factor=2.5, alignment=4)
 NO_SHARED = MoeConfig(num_experts=8, num_topk=3, scoring_func="sqrtsoftplus", alignment=8)
-EIGHT = jax.device_count() >= 8
-needs_8 = pytest.mark.skipif(not EIGHT, reason="needs 8 devices (run by test_multi_device_tests_in_a_subprocess)")
 
 
 @pytest.fixture(autouse=True)
 def _float32_matmuls():
   with jax.default_matmul_precision("highest"):
     yield
-
-
-def _mesh(shape, names):
-  n = int(np.prod(shape))
-  return Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
 
 
 def _assert_close(actual, expected, what=""):
@@ -293,10 +284,4 @@ def test_routing_kernels_8dev_interpret(key):
 @pytest.mark.skipif(EIGHT, reason="this process has 8 devices: the 8dev tests run here")
 def test_multi_device_tests_in_a_subprocess():
   """Runs this file's ``8dev`` tests in a child pytest with 8 simulated CPU devices."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", "-k", "8dev",
-                           os.path.abspath(__file__)], cwd=root, env=env, capture_output=True, text=True, timeout=1200)
-  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-  assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]
+  run_8dev_tests(__file__)
