@@ -1,4 +1,7 @@
-"""Benchmark runner: ``python -m benchmarks.run [--ops NAMES] [--shapes REGEX] [--out FILE] [--iterations N]``.
+"""Benchmark runner: ``python -m benchmarks.run [--ops NAMES] [--shapes REGEX] [--tilekernels] [--out FILE] [--iterations N]``.
+
+``--tilekernels``: only the shapes that have a TileKernels target (all the ops that have one unless ``--ops``
+names some): one run that shows where jaxkern stands against TileKernels on the card the targets came from.
 
 On a GPU: lowers every (op, shape) in a background thread and compiles it in ``--jobs``
 threads (never while a timing runs; ``--workers N`` splits the shapes over N processes that
@@ -432,14 +435,23 @@ def _fmt(x, spec: str, width: int) -> str:
   return f"{x:{width}{spec}}" if x is not None else f"{'—':>{width}s}"
 
 
+def _todo(ops, shapes: str | None, tilekernels: bool) -> list[tuple[str, str, int]]:
+  """``(op name, shape label, bytes)`` of the cases to run: those whose label matches ``shapes``, and with
+  ``tilekernels`` only those with a TileKernels target."""
+  todo = [(op.name, case.label, case.nbytes) for op in ops for case in op.cases()
+          if (not shapes or re.search(shapes, case.label))
+          and (not tilekernels or targets.target(op.name, case.label) is not None)]
+  if not todo:
+    raise SystemExit(f"--shapes {shapes!r}{' --tilekernels' if tilekernels else ''} matches none of the "
+                     f"benchmark shapes of {[op.name for op in ops]}")
+  return todo
+
+
 def _benchmark(ops, out_path: pathlib.Path, iterations: int, shapes: str | None, jobs: int, workers: int,
-               device_memory: int | None = None) -> int:
+               device_memory: int | None = None, tilekernels: bool = False) -> int:
   from jaxkern.testing.timing import copy_bandwidth_gbps
 
-  todo = [(op.name, case.label, case.nbytes) for op in ops for case in op.cases()
-          if not shapes or re.search(shapes, case.label)]
-  if not todo:
-    raise SystemExit(f"--shapes {shapes!r} matches none of the benchmark shapes of {[op.name for op in ops]}")
+  todo = _todo(ops, shapes, tilekernels)
   for row, reason in targets.load()[1]:
     print(f"warning: TileKernels target {row.get('op')} {row.get('shape')!r} not used: {reason}")
   env = dict(gpu=jax.devices()[0].device_kind, date=datetime.date.today().isoformat(),
@@ -482,6 +494,8 @@ def main(argv=None) -> int:
   parser.add_argument("--ops", help="comma-separated op names (default: all registered)")
   parser.add_argument("--shapes", help="only the shapes whose label matches this regular expression")
   parser.add_argument("--out", type=pathlib.Path, help="JSONL output (default: benchmarks/results/<date>_<gpu>.jsonl)")
+  parser.add_argument("--tilekernels", action="store_true",
+                      help="only the shapes with a TileKernels target (benchmarks/anchors/)")
   parser.add_argument("--iterations", type=int, default=30, help="timed calls per measurement (median)")
   parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="threads compiling ahead of the timing")
   parser.add_argument("--workers", type=int, default=1,
@@ -503,12 +517,15 @@ def main(argv=None) -> int:
       print("--workers: ignoring XLA_PYTHON_CLIENT_ALLOCATOR=platform (each process gets a sized XLA pool)")
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{memory.PARENT_FRACTION}"
   ops = _select(args.ops)
+  if args.tilekernels and not args.ops:
+    ops = [op for op in ops if op.name in {name for name, _ in targets.load()[0]}]
   if jax.default_backend() != "gpu":
     return 1 if _correctness_pass(ops, args.shapes, args.out) else 0
   slug = jax.devices()[0].device_kind.replace(" ", "-")
   out = args.out or RESULTS / f"{datetime.date.today().isoformat()}_{slug}.jsonl"
   device_memory = int(args.device_memory * memory.GiB) if args.device_memory else None
-  return 1 if _benchmark(ops, out, args.iterations, args.shapes, args.jobs, args.workers, device_memory) else 0
+  return 1 if _benchmark(ops, out, args.iterations, args.shapes, args.jobs, args.workers, device_memory,
+                               args.tilekernels) else 0
 
 
 if __name__ == "__main__":

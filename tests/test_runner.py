@@ -34,6 +34,17 @@ def test_every_target_maps_onto_a_registered_case():
   assert {row["device"] for row in found.values()} == {H100}
 
 
+def test_tilekernels_selects_exactly_the_target_shapes():
+  one_op = [REGISTRY["per_block_cast_32x32"]]  # cheap cases (others build routings on the CPU)
+  todo = run._todo(one_op, None, tilekernels=True)
+  expected = {label for op, label in targets.load()[0] if op == "per_block_cast_32x32"}
+  assert {label for _, label, _ in todo} == expected and len(todo) < len(run._todo(one_op, None, False))
+  narrowed = run._todo(one_op, "K=576", tilekernels=True)
+  assert narrowed and all("K=576" in label for _, label, _ in narrowed) and len(narrowed) < len(todo)
+  with pytest.raises(SystemExit, match="--tilekernels"):
+    run._todo([REGISTRY["engram_gate_fwd"]], None, tilekernels=True)
+
+
 def test_targets_copy_provenance():
   data = targets.TARGETS_FILE.read_bytes()
   readme = (targets.TARGETS_FILE.parent / "README.md").read_text()
