@@ -6,14 +6,15 @@ reading contiguous 512-byte segments; ``D = 2560`` runs a 2048-column chunk of 1
 512-column chunk of 8-byte ones, :func:`jaxkern._layouts.flat_chunks`). All arithmetic is float32;
 row reductions are per-thread vector sums, then warp shuffles and an SMEM step across the 4 warps.
 
-* Forward: one token per CTA (grid ``T``), its ``M`` streams one after the other: ``Σx²``, ``Σk²``
+* Forward: one token per CTA (grid ``T``; the rows of all ``M`` streams loaded up front where
+  ``M·D <= PRELOAD_MAX_VALUES``), its ``M`` streams one after the other: ``Σx²``, ``Σk²``
   and ``Σx·wf·k`` of the row, the gate as scalars, then ``out = bf16(x + g·v)`` from the registers
   (``v`` is loaded once per token and shared by the streams). ``wf`` (``4·M·D`` bytes) is re-read
   by every CTA from L2. The saved ``(T, M)`` intermediates are scalar stores.
 * Backward: two kernels, bandwidth first (the first version's persistent CTAs, each with a float32
   ``(M, D)`` SMEM accumulator, reached 37-66% of copy bandwidth on an H100).
 
-  1. Row pass, one token per CTA (grid ``T``, like the forward): ``v`` and the ``M`` rows of ``go`` in
+  1. Row pass, one token per CTA (grid ``T``, like the forward, with the same preloading): ``v`` and the ``M`` rows of ``go`` in
      16-byte vectors, ``dldg = Σ go·v`` per stream (float32 row reductions), then ``G`` (spec §3.5) and
      the scalars of the column pass: a ``(T, M, 4)`` float32 array ``[g, G, raw·rx²/D, raw·rk²/D]``.
   2. Column pass, grid ``(D / w column blocks) × (P token chunks)``: CTA ``(c, p)`` takes columns
@@ -52,6 +53,11 @@ CTAS_PER_SM = 8  # column-pass CTAs per SM that the default token chunking aims 
 MIN_CHUNK = 16  # tokens per chunk at least, by default
 TOKENS_PER_STEP = 2  # tokens whose loads the column pass issues together
 MAX_STREAMS = 8  # hc_mult the backward's column pass takes (registers: 5·M·vec float32 per thread)
+# Rows of at most this many values per token (M·D) are loaded for all streams before any arithmetic (the forward's
+# x and k, the backward row pass's go): more bytes in flight per CTA than stream after stream, whose row reductions'
+# barriers keep the next stream's loads from being issued early. 4·2560 (M = 4, D <= 2560: 80 registers of packed
+# bf16 x, k per thread): on an H200 D = 2048 / 2560 ran at 69-88% of copy stream after stream, D >= 3072 at 86-94%.
+PRELOAD_MAX_VALUES = 4 * 2560
 
 
 def _f32(a):
@@ -97,11 +103,16 @@ def gate_fwd_kernel(x, k, v, wf, *, eps, clamp_value, save, interpret):
   def kernel(x_g, k_g, v_g, w_g, o_g, *saved):
     i = lax.axis_index("t")
     vs = [_f32(plgpu.load(v_g.at[i, pl.ds(off, n)], layout=lay, optimized=False)) for off, n, lay in chunks]
+
+    def load_rows(j):
+      return [(plgpu.load(x_g.at[i, j, pl.ds(off, n)], layout=lay, optimized=False),
+               plgpu.load(k_g.at[i, j, pl.ds(off, n)], layout=lay, optimized=False)) for off, n, lay in chunks]
+
+    preloaded = [load_rows(j) for j in range(m)] if m * d <= PRELOAD_MAX_VALUES else None
     for j in range(m):
       xs, sxx, skk, raw = [], 0.0, 0.0, 0.0
-      for off, n, lay in chunks:
-        xc = _f32(plgpu.load(x_g.at[i, j, pl.ds(off, n)], layout=lay, optimized=False))
-        kc = _f32(plgpu.load(k_g.at[i, j, pl.ds(off, n)], layout=lay, optimized=False))
+      for (off, n, lay), (xc, kc) in zip(chunks, preloaded[j] if preloaded else load_rows(j)):
+        xc, kc = _f32(xc), _f32(kc)
         wc = plgpu.load(w_g.at[j, pl.ds(off, n)], layout=lay, optimized=False)
         sxx, skk, raw = sxx + jnp.sum(xc * xc), skk + jnp.sum(kc * kc), raw + jnp.sum(xc * wc * kc)
         xs.append(xc)
@@ -150,10 +161,15 @@ def gate_bwd_rows_kernel(go, v, dot, gate, rstd_x, rstd_k, *, clamp_value, inter
   def kernel(go_g, v_g, dot_g, gate_g, rx_g, rk_g, f_g):
     i = lax.axis_index("t")
     vs = [_f32(plgpu.load(v_g.at[i, pl.ds(off, n)], layout=lay, optimized=False)) for off, n, lay in chunks]
+
+    def load_row(j):
+      return [plgpu.load(go_g.at[i, j, pl.ds(off, n)], layout=lay, optimized=False) for off, n, lay in chunks]
+
+    preloaded = [load_row(j) for j in range(m)] if m * d <= PRELOAD_MAX_VALUES else None
     for j in range(m):
       dldg = 0.0
-      for (off, n, lay), vc in zip(chunks, vs):
-        dldg = dldg + jnp.sum(_f32(plgpu.load(go_g.at[i, j, pl.ds(off, n)], layout=lay, optimized=False)) * vc)
+      for goc, vc in zip(preloaded[j] if preloaded else load_row(j), vs):
+        dldg = dldg + jnp.sum(_f32(goc) * vc)
       raw, g, rx, rk = dot_g[i, j], gate_g[i, j], rx_g[i, j], rk_g[i, j]
       a = jnp.abs(raw)
       active = a * s * rx * rk >= c

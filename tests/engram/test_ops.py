@@ -88,7 +88,8 @@ def _fwd(x, k, v, wf, save, implementation="interpret", eps=1e-20, clamp=1e-6):
                                                    implementation=implementation))(x, k, v, wf)
 
 
-@pytest.mark.parametrize("t, d", [(5, 512), (3, 2560)])  # 2560: a 2048-column 16-byte chunk + a 512-column 8-byte one
+# 2560: a 2048-column 16-byte chunk + a 512-column 8-byte one; M·D <= PRELOAD_MAX_VALUES up to 2560, 3072 streams
+@pytest.mark.parametrize("t, d", [(5, 512), (3, 2560), (2, 3072)])
 def test_gate_fwd_kernel(key, t, d):
   x, k, v, wh, we = gate_inputs(key, t, 4, d)
   wf = engram.fused_weight(wh, we)
@@ -129,7 +130,7 @@ def _median_clamp(key, t, d):
 
 # column blocks: D = 512, 2560 -> 512 wide (8-byte vectors), 1024 / 2048 -> 1024 (16-byte), 768 -> 256 (4-byte);
 # chunks of 3 tokens (a pair + a tail token), 1 (tail only), 5 (two pairs + tail); p > t: empty chunks write zeros
-@pytest.mark.parametrize("t, d, p", [(7, 512, 3), (2, 2560, 4), (5, 1024, 1), (3, 2048, 3), (4, 768, 2)])
+@pytest.mark.parametrize("t, d, p", [(7, 512, 3), (2, 2560, 4), (5, 1024, 1), (3, 2048, 3), (4, 768, 2), (2, 3072, 2)])
 def test_gate_bwd_kernel(key, t, d, p):
   clamp = _median_clamp(key, t, d)  # the clamp is active for about half the (token, stream) pairs
   args = _bwd_inputs(key, t, d, clamp)
@@ -162,6 +163,10 @@ def test_gate_bwd_row_pass_factors(key):
   np.testing.assert_allclose(np.asarray(got[..., 2]), np.asarray(dot * rx * rx / 2560), rtol=1e-6)
   np.testing.assert_allclose(np.asarray(got[..., 3]), np.asarray(dot * rk * rk / 2560), rtol=1e-6)
   assert np.any(np.asarray(big_g) == 0) and np.any(np.asarray(big_g) != 0)
+
+
+def test_gate_preload_threshold_splits_the_tested_widths():
+  assert 4 * 2560 <= _gate.PRELOAD_MAX_VALUES < 4 * 3072  # the kernel tests run both row-loading orders
 
 
 def test_gate_bwd_default_partials():
