@@ -53,14 +53,17 @@ against ``jax.value_and_grad`` of the unsharded loss on one device, same params 
 the expert-parallel gradients merged back to the unsharded layout (``merge_ep_params``). Printed per leaf group
 (layers pooled): the largest ``|g_N - g_1| / |g_1|`` (Frobenius norms, per leaf) and the largest elementwise
 difference relative to the leaf's largest ``|g_1|``. Fails (exit status 1, after the timing) when a loss differs
-by more than ``--check-loss-rtol`` (1e-3) relative or a leaf by more than ``--check-rtol`` (3e-2) in norm. Why
+by more than ``--check-loss-rtol`` (1e-3) relative or a leaf by more than ``--check-rtol`` (5e-2) in norm. Why
 these: the sharded step changes the order of float32 sums (a token's MoE slots per device, then over devices; the
 replicated params' gradients per device, then ``psum``), and the activations are bf16 / FP8, so a changed sum can
-flip a bf16 or FP8 rounding of an activation, which moves the gradients more than the summation order alone; on 8
+flip a bf16 or FP8 rounding of an activation, which moves the gradients more than the summation order alone. On 8
 simulated CPU devices with FP8 expand and SwiGLU this was 0.6% of a gradient's norm for most params and 1.2% at most
-(tests/modeling/test_block_sharding.py, tolerance 3e-2), and the kernels against the references differ by 2e-3
-in the loss (tests/modeling/test_block.py). A missing or doubled gradient sum, a wrong expert shard or a dropped
-token moves a gradient by O(1) (a factor N, or a whole expert's share).
+(tests/modeling/test_block_sharding.py, tolerance 3e-2, float32 matmuls at "highest"); ``--small --devices 1,2``
+(32 tokens, default precision) gives 0.2-0.4% for most leaves and 2.1% for ``head.scale``, a one-element gradient
+that is a sum with cancellation; the kernels against the references differ by 2e-3 in the loss
+(tests/modeling/test_block.py). A missing or doubled gradient sum (a factor N), a wrong expert shard or a
+misrouted token block moves a gradient by O(1); a dropped single token among thousands is below any usable
+tolerance of this check (the 8-device tests compare the step with the references at small sizes).
 
 ``--config v3``: a DeepSeek-V3-like layer size that fits one H100 (:func:`v3_config`). ``--small``: a tiny model
 that runs in seconds on a CPU (the ops' references there: ``"auto"`` off a GPU runs them).
@@ -291,9 +294,14 @@ def sharded_step(mesh, config, optimizer, implementation):
 
 
 def _group(path) -> str:
-  """A leaf's group: its path with the layer index dropped (``.layers[0].moe.w_gate`` -> ``layers.moe.w_gate``)."""
-  import re
-  return re.sub(r"\[\d+\]", "", jax.tree_util.keystr(path)).lstrip(".")
+  """A leaf's group: its path's names with the layer index dropped (``.layers[0].moe.w_gate`` ->
+  ``layers.moe.w_gate``)."""
+  names = []
+  for entry in path:
+    if isinstance(entry, jax.tree_util.SequenceKey):
+      continue
+    names.append(str(getattr(entry, "name", getattr(entry, "key", entry))))
+  return ".".join(names)
 
 
 def check_devices(params, batch, config: block.BlockConfig, implementation: str, n: int, *, rtol: float,
@@ -315,21 +323,28 @@ def check_devices(params, batch, config: block.BlockConfig, implementation: str,
   ln = float(ln)
   gn = jax.tree.map(np.asarray, block.merge_ep_params(jax.tree.map(np.asarray, gn)))
   del vg
-  groups: dict[str, list[float]] = {}
-  ok = abs(ln - l1) <= loss_rtol * abs(l1)
-  lines = [f"check {implementation} {n} devices vs 1: loss {ln:.6f} vs {l1:.6f} (rel {abs(ln - l1) / abs(l1):.1e}, "
+  return compare_grads(ln, gn, l1, g1, label=f"{implementation} {n} devices", rtol=rtol, loss_rtol=loss_rtol)
+
+
+def compare_grads(loss_n: float, grads_n, loss_1: float, grads_1, *, label: str, rtol: float,
+                  loss_rtol: float) -> tuple[bool, str]:
+  """``(ok, report)`` of ``--check``: host-side (numpy) gradient pytrees of the same structure, compared per leaf
+  and reported per leaf group (module docstring)."""
+  groups: dict[str, list] = {}
+  ok = abs(loss_n - loss_1) <= loss_rtol * abs(loss_1)
+  lines = [f"check {label} vs 1: loss {loss_n:.6f} vs {loss_1:.6f} (rel {abs(loss_n - loss_1) / abs(loss_1):.1e}, "
            f"tol {loss_rtol:g}) {'ok' if ok else 'FAIL'}",
            f"| leaf group | leaves | max norm rel diff | max elementwise diff / max abs | (tol {rtol:g} in norm) |",
            "|---|---|---|---|---|"]
-  leaves_n = jax.tree_util.tree_leaves_with_path(gn)
-  leaves_1 = jax.tree.leaves(g1)
+  leaves_n = jax.tree_util.tree_leaves_with_path(grads_n)
+  leaves_1 = jax.tree.leaves(grads_1)
   if len(leaves_n) != len(leaves_1):
-    return False, f"check: {len(leaves_n)} gradient leaves vs {len(leaves_1)}"
+    return False, f"check {label}: {len(leaves_n)} gradient leaves vs {len(leaves_1)}"
   for (path, a), b in zip(leaves_n, leaves_1):
     name = _group(path)
     if a.shape != b.shape:
-      return False, f"check: {name} shape {a.shape} vs {b.shape}"
-    a, b = a.astype(np.float64), b.astype(np.float64)
+      return False, f"check {label}: {name} shape {a.shape} vs {b.shape}"
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     norm, top = float(np.linalg.norm(b)), float(np.abs(b).max(initial=0.0))
     diff = float(np.linalg.norm(a - b))
     if norm == 0:  # the router bias: a buffer, no gradient on either side
@@ -345,7 +360,7 @@ def check_devices(params, batch, config: block.BlockConfig, implementation: str,
     bad = not rel <= rtol
     ok &= not bad
     lines.append(f"| {name} | {count} | {rel:.2e} | {rel_el:.2e} | {'FAIL' if bad else 'ok'} |")
-  lines.append(f"check {implementation} {n} devices: {'ok' if ok else 'FAILED'}")
+  lines.append(f"check {label}: {'ok' if ok else 'FAILED'}")
   return ok, "\n".join(lines)
 
 
