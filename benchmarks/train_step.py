@@ -72,6 +72,7 @@ that runs in seconds on a CPU (the ops' references there: ``"auto"`` off a GPU r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -139,7 +140,7 @@ CONFIGS = {"gpu": gpu_config, "v3": v3_config}
 def memory_estimate(config: block.BlockConfig, batch_size: int, seq_len: int, implementation: str = "xla") -> dict:
   """Bytes of the jitted unsharded adam step compiled for the default backend (no arrays allocated):
   ``compile().memory_analysis()``'s argument, output, temporary and generated-code sizes, and their ``total``
-  (arguments and outputs counted once: the step donates nothing, so this overestimates by one params + state)."""
+  (arguments and outputs both: the step donates nothing, so both are live at its end)."""
   optimizer = optax.adamw(1e-3)
   params = jax.eval_shape(lambda: block.init_block_params(jax.random.key(0), config))
   state = jax.eval_shape(optimizer.init, params)
@@ -427,10 +428,24 @@ def main(argv=None) -> int:
   parser.add_argument("--iterations", type=int, default=None, help="timed steps (median); default 20, --small 2")
   parser.add_argument("--implementations", default="auto,xla")
   parser.add_argument("--no-split", action="store_true", help="time the whole step only")
+  parser.add_argument("--experts", type=int, default=None, help="override the config's routed experts")
+  parser.add_argument("--topk", type=int, default=None, help="override the config's top-k")
+  parser.add_argument("--layers", type=int, default=None, help="override the config's layers")
+  parser.add_argument("--memory", action="store_true",
+                      help="print the unsharded step's compiled memory estimate (GiB) for this backend and exit")
   parser.add_argument("--out", type=pathlib.Path, default=None)
   args = parser.parse_args(argv)
   counts = parse_devices(args.devices)
   config, batch_size, seq_len = small_config() if args.small else CONFIGS[args.config]()
+  config = dataclasses.replace(
+      config, num_layers=args.layers or config.num_layers,
+      moe=dataclasses.replace(config.moe, num_experts=args.experts or config.moe.num_experts,
+                              num_topk=args.topk or config.moe.num_topk))
+  if args.memory:
+    for impl in args.implementations.split(","):
+      m = memory_estimate(config, batch_size, seq_len, impl)
+      print(f"memory {impl}: " + ", ".join(f"{k} {v / 2 ** 30:.2f} GiB" for k, v in m.items()))
+    return 0
   iterations = args.iterations or (2 if args.small else 20)
   if counts and max(counts) > len(jax.devices()):
     print(f"--devices {args.devices}: only {len(jax.devices())} devices here", file=sys.stderr)
