@@ -65,7 +65,9 @@ that is a sum with cancellation; the kernels against the references differ by 2e
 misrouted token block moves a gradient by O(1); a dropped single token among thousands is below any usable
 tolerance of this check (the 8-device tests compare the step with the references at small sizes).
 
-``--config v3``: a DeepSeek-V3-like layer size that fits one H100 (:func:`v3_config`). ``--small``: a tiny model
+``--config v3``: a DeepSeek-V3-like layer size that fits one H100 (:func:`v3_config`: H 7168, I 2048, 8 experts
+top-4 + 1 shared, 8192 tokens, one layer); ``--experts`` / ``--topk`` / ``--layers`` override a config's sizes;
+``--memory`` prints the unsharded step's compiled memory estimate on this backend and exits. ``--small``: a tiny model
 that runs in seconds on a CPU (the ops' references there: ``"auto"`` off a GPU runs them).
 """
 
@@ -115,19 +117,22 @@ def small_config() -> tuple[block.BlockConfig, int, int]:
                             engram_table_size=31, engram_embed_dim=8), 1, 16)
 
 
-V3_EXPERTS, V3_TOPK, V3_LAYERS = 16, 8, 1
+V3_EXPERTS, V3_TOPK, V3_LAYERS = 8, 4, 1
 
 
 def v3_config() -> tuple[block.BlockConfig, int, int]:
   """``(config, batch, seq_len)``: a DeepSeek-V3-like layer that fits one H100 with ``jax.lax.ragged_dot``: hidden
-  7168, expert intermediate 2048, top-8 of 16 routed experts + 1 shared, 8192 tokens (4 x 2048), one layer.
+  7168, expert intermediate 2048 (V3's sizes), 8 routed experts top-4 + 1 shared, 8192 tokens (4 x 2048), one
+  layer, vocabulary 8192.
 
-  DeepSeek-V3 has 256 routed experts top-8; here the expert count is what one GPU holds: per expert the float32
-  master weights, their gradient and Adam's two moments take 4 x 3 x 7168 x 2048 x 4 B = 0.7 GB, and
-  ``ragged_dot`` on the GPU densifies over the experts (temporaries ~ E x fused rows x max(H, I)), so the fused
-  rows (T x K = 65536 at top-8) times E bound E. The memory estimate of :func:`memory_estimate` (XLA:CPU's
-  ``memory_analysis`` of this step compiled with the ops' XLA paths; rough for a GPU) is in the module's tests
-  and the lead's notes. E = 16 also splits evenly over 2, 4, 8 and 16 GPUs."""
+  DeepSeek-V3 routes top-8 of 256 experts. Here the limit is ``ragged_dot``, which XLA densifies over the experts:
+  its temporaries grow with ``E x T x K x H``. XLA:CPU's ``memory_analysis`` of the unsharded adam step compiled
+  with the ops' XLA paths (:func:`memory_estimate`, ``--memory``; 2026-11-26), total of arguments, outputs and
+  temporaries: E16 top-8 134.5 GiB, E16 top-4 86.9 GiB, E8 top-4 50.6 GiB (one layer each). The same estimate for
+  :func:`gpu_config`, which runs on an H100, is 72.0 GiB, so the CPU figure is not an underestimate; E8 top-4 is
+  the largest of these under ~60 GB (top-2 of 16 would also fit, with a quarter of V3's routed width per token;
+  top-4 of 8 keeps half of it: 4 x 2048). ``--experts`` / ``--topk`` / ``--layers`` override it, ``--memory``
+  prints the estimate on the GPU itself. E = 8 splits evenly over 2, 4 and 8 GPUs."""
   moe_config = MoeConfig(num_experts=V3_EXPERTS, num_topk=V3_TOPK, num_shared_experts=1, alignment=128,
                          fp8_swiglu=True, fp8_expand=True)
   return (block.BlockConfig(vocab_size=8192, hidden=7168, intermediate=2048, num_layers=V3_LAYERS, moe=moe_config,
@@ -418,7 +423,7 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--small", action="store_true", help="a tiny model (seconds on a CPU)")
   parser.add_argument("--config", choices=sorted(CONFIGS), default="gpu",
-                      help="the model size off --small: gpu (default, H 2048, 4 layers) or v3 (H 7168, 1 layer)")
+                      help="the model size off --small: gpu (default, H 2048, 4 layers) or v3 (H 7168, E8 top-4, 1 layer)")
   parser.add_argument("--devices", default="",
                       help="device counts, e.g. 1,2: the step under a mesh of each count, same global batch")
   parser.add_argument("--check", action="store_true",
