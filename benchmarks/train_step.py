@@ -128,9 +128,11 @@ def v3_config() -> tuple[block.BlockConfig, int, int]:
   DeepSeek-V3 routes top-8 of 256 experts. Here the limit is ``ragged_dot``, which XLA densifies over the experts:
   its temporaries grow with ``E x T x K x H``. XLA:CPU's ``memory_analysis`` of the unsharded adam step compiled
   with the ops' XLA paths (:func:`memory_estimate`, ``--memory``; 2026-11-26), total of arguments, outputs and
-  temporaries: E16 top-8 134.5 GiB, E16 top-4 86.9 GiB, E8 top-4 50.6 GiB (one layer each). The same estimate for
+  temporaries: E16 top-8 134.5 GiB, E16 top-4 86.9 GiB, E8 top-4 50.6 GiB (one layer each; E8 top-4 with two
+  layers 83.2 GiB). The same estimate for
   :func:`gpu_config`, which runs on an H100, is 72.0 GiB, so the CPU figure is not an underestimate; E8 top-4 is
-  the largest of these under ~60 GB (top-2 of 16 would also fit, with a quarter of V3's routed width per token;
+  the largest of these under ~60 GB (by the E x K scaling, top-2 of 16 would be about as large, with a quarter of
+  V3's routed width per token;
   top-4 of 8 keeps half of it: 4 x 2048). ``--experts`` / ``--topk`` / ``--layers`` override it, ``--memory``
   prints the estimate on the GPU itself. E = 8 splits evenly over 2, 4 and 8 GPUs."""
   moe_config = MoeConfig(num_experts=V3_EXPERTS, num_topk=V3_TOPK, num_shared_experts=1, alignment=128,
