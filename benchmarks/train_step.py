@@ -368,7 +368,9 @@ def compare_grads(loss_n: float, grads_n, loss_1: float, grads_1, *, label: str,
     bad = not rel <= rtol
     ok &= not bad
     lines.append(f"| {name} | {count} | {rel:.2e} | {rel_el:.2e} | {'FAIL' if bad else 'ok'} |")
-  lines.append(f"check {label}: {'ok' if ok else 'FAILED'}")
+  worst = max(groups, key=lambda k: groups[k][1])
+  lines.append(f"check {label}: {'ok' if ok else 'FAILED'} (largest norm rel diff {groups[worst][1]:.2e}, "
+               f"{worst})")
   return ok, "\n".join(lines)
 
 

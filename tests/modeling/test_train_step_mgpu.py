@@ -62,7 +62,7 @@ def test_benchmark_2dev_check_and_scaling(tmp_path, capsys):
   assert train_step.main(["--small", "--devices", "1,2", "--check", "--iterations", "1", "--implementations", "auto",
                           "--no-split", "--out", str(out)]) == 0
   printed = capsys.readouterr().out
-  assert "check auto 2 devices vs 1: loss" in printed and "check auto 2 devices: ok" in printed
+  assert "check auto 2 devices vs 1: loss" in printed and "check auto 2 devices: ok (largest" in printed
   assert "| layers.moe.w_gate | 1 |" in printed and "| layers.moe.router_bias |" in printed
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   assert [(r["component"], r["devices"]) for r in rows] == [("step", 1), ("step", 2)]
