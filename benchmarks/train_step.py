@@ -25,16 +25,56 @@ On a GPU every timing also gets a CUPTI device time (``jaxkern.testing.timing.de
 as in a training step). Rows go to ``benchmarks/results/train_step/<date>_<device>.jsonl`` (a subfolder: the op
 summariser reads only ``benchmarks/results/*.jsonl``) or ``--out``; the table is printed as markdown.
 
-``--devices N``: the step runs under a ``jax.sharding.Mesh`` of N devices (axis ``"data"``). With N = 1 the
-unsharded step runs with params and batch placed on the one-device mesh. With N > 1 it is
-:func:`jaxkern.modeling.block.sharded_train_step`: data parallelism over the batch's sequences and expert
-parallelism over the routed experts (``moe_layer_ep``, shared experts replicated) inside ``jax.shard_map``. ``--small``: a tiny model that runs in seconds on a CPU
-(the ops' references there: ``"auto"`` off a GPU runs them).
+``--devices 1,2`` (a list; ``--devices N`` is a list of one): each count ``N`` runs the step under a
+``jax.sharding.Mesh`` of the first ``N`` devices (axis ``"data"``), all with the **same global batch** (the batch
+rounded up once to a multiple of the largest count). With N = 1 the unsharded step runs with params and batch placed
+on the one-device mesh. With N > 1 it is :func:`jaxkern.modeling.block.sharded_train_step`: data parallelism over the
+batch's sequences and expert parallelism over the routed experts (``moe_layer_ep``, shared experts replicated) inside
+``jax.shard_map``. Step rows get ``tokens_per_s`` (global tokens / wall-clock step time) and, for N > 1 when 1 is
+in the list, ``scaling_efficiency = t(1) / (N * t(N))``: *strong* scaling (same global batch, so ideal is
+t(N) = t(1)/N and efficiency 1). A scaling table (devices, step ms, tokens/s, efficiency; wall-clock) is printed.
+
+For N > 1 the time split is the communication only, timed alone on the N-device mesh with the step's shapes
+(wall-clock: CUPTI device times would add up the N GPUs' kernels):
+
+* ``collectives``: the token exchange of ``moe_layer_ep`` per layer, forward + backward: all-gather of the tokens
+  ``(T/N, H)`` bf16, their top-k ids ``(T/N, K)`` int32 (stood in by float32, no backward) and weights
+  ``(T/N, K)`` float32, and the ``psum_scatter`` of the float32 partial sums ``(T, H) -> (T/N, H)``; their
+  transposes in the backward (``psum_scatter`` of the bf16 token cotangents, all-gather of the float32 output
+  cotangents, ``psum_scatter`` of the weights' cotangents) (per layer, times L);
+* ``grad_allreduce``: the ``psum`` over the N devices of the gradients of every replicated (float32) param, as
+  ``sharded_value_and_grad`` does (once per step);
+* ``rest``: the step minus the two: the per-device compute (the compute split is the N = 1 table's) and whatever
+  of the communication overlaps with it.
+
+``--check``: before timing, for every N > 1 the loss and gradients of the N-device sharded loss
+(``jaxkern.modeling.sharding.sharded_value_and_grad`` of ``loss_fn`` with ``moe_ffn_ep``, as in the sharded step)
+against ``jax.value_and_grad`` of the unsharded loss on one device, same params and global batch, gathered to the host,
+the expert-parallel gradients merged back to the unsharded layout (``merge_ep_params``). Printed per leaf group
+(layers pooled): the largest ``|g_N - g_1| / |g_1|`` (Frobenius norms, per leaf) and the largest elementwise
+difference relative to the leaf's largest ``|g_1|``. Fails (exit status 1, after the timing) when a loss differs
+by more than ``--check-loss-rtol`` (1e-3) relative or a leaf by more than ``--check-rtol`` (5e-2) in norm. Why
+these: the sharded step changes the order of float32 sums (a token's MoE slots per device, then over devices; the
+replicated params' gradients per device, then ``psum``), and the activations are bf16 / FP8, so a changed sum can
+flip a bf16 or FP8 rounding of an activation, which moves the gradients more than the summation order alone. On 8
+simulated CPU devices with FP8 expand and SwiGLU this was 0.6% of a gradient's norm for most params and 1.2% at most
+(tests/modeling/test_block_sharding.py, tolerance 3e-2, float32 matmuls at "highest"); ``--small --devices 1,2``
+(32 tokens, default precision) gives 0.2-0.4% for most leaves and 2.1% for ``head.scale``, a one-element gradient
+that is a sum with cancellation; the kernels against the references differ by 2e-3 in the loss
+(tests/modeling/test_block.py). A missing or doubled gradient sum (a factor N), a wrong expert shard or a
+misrouted token block moves a gradient by O(1); a dropped single token among thousands is below any usable
+tolerance of this check (the 8-device tests compare the step with the references at small sizes).
+
+``--config v3``: a DeepSeek-V3-like layer size that fits one H100 (:func:`v3_config`: H 7168, I 2048, 8 experts
+top-4 + 1 shared, 8192 tokens, one layer); ``--experts`` / ``--topk`` / ``--layers`` override a config's sizes;
+``--memory`` prints the unsharded step's compiled memory estimate on this backend and exits. ``--small``: a tiny model
+that runs in seconds on a CPU (the ops' references there: ``"auto"`` off a GPU runs them).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -53,7 +93,7 @@ from jaxkern.modeling import block, mhc_head, mhc_post, mhc_pre, expand_from_emb
 from jaxkern.modeling import moe as moe_module
 from jaxkern.modeling._grouped_matmul import grouped_matmul
 from jaxkern.modeling._swiglu import swiglu
-from jaxkern.modeling.sharding import shard_params
+from jaxkern.modeling.sharding import shard_params, sharded_value_and_grad
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "train_step"
 STATIC = ("config", "optimizer", "implementation", "moe_fn")
@@ -77,9 +117,53 @@ def small_config() -> tuple[block.BlockConfig, int, int]:
                             engram_table_size=31, engram_embed_dim=8), 1, 16)
 
 
-def time_ms(f, *args, iterations: int) -> dict:
-  """Wall-clock median (ms) of ``iterations`` calls of the jitted ``f(*args)``, each blocked on; on a GPU also the
-  CUPTI device time (median, ms) of the same computation."""
+V3_EXPERTS, V3_TOPK, V3_LAYERS = 8, 4, 1
+
+
+def v3_config() -> tuple[block.BlockConfig, int, int]:
+  """``(config, batch, seq_len)``: a DeepSeek-V3-like layer that fits one H100 with ``jax.lax.ragged_dot``: hidden
+  7168, expert intermediate 2048 (V3's sizes), 8 routed experts top-4 + 1 shared, 8192 tokens (4 x 2048), one
+  layer, vocabulary 8192.
+
+  DeepSeek-V3 routes top-8 of 256 experts. Here the limit is ``ragged_dot``, which XLA densifies over the experts:
+  its temporaries grow with ``E x T x K x H``. XLA:CPU's ``memory_analysis`` of the unsharded adam step compiled
+  with the ops' XLA paths (:func:`memory_estimate`, ``--memory``; 2026-11-26), total of arguments, outputs and
+  temporaries: E16 top-8 134.5 GiB, E16 top-4 86.9 GiB, E8 top-4 50.6 GiB (one layer each; E8 top-4 with two
+  layers 83.2 GiB). The same estimate for
+  :func:`gpu_config`, which runs on an H100, is 72.0 GiB, so the CPU figure is not an underestimate; E8 top-4 is
+  the largest of these under ~60 GB (by the E x K scaling, top-2 of 16 would be about as large, with a quarter of
+  V3's routed width per token;
+  top-4 of 8 keeps half of it: 4 x 2048). ``--experts`` / ``--topk`` / ``--layers`` override it, ``--memory``
+  prints the estimate on the GPU itself. E = 8 splits evenly over 2, 4 and 8 GPUs."""
+  moe_config = MoeConfig(num_experts=V3_EXPERTS, num_topk=V3_TOPK, num_shared_experts=1, alignment=128,
+                         fp8_swiglu=True, fp8_expand=True)
+  return (block.BlockConfig(vocab_size=8192, hidden=7168, intermediate=2048, num_layers=V3_LAYERS, moe=moe_config,
+                            engram_table_size=65521, engram_embed_dim=64), 4, 2048)
+
+
+CONFIGS = {"gpu": gpu_config, "v3": v3_config}
+
+
+def memory_estimate(config: block.BlockConfig, batch_size: int, seq_len: int, implementation: str = "xla") -> dict:
+  """Bytes of the jitted unsharded adam step compiled for the default backend (no arrays allocated):
+  ``compile().memory_analysis()``'s argument, output, temporary and generated-code sizes, and their ``total``
+  (arguments and outputs both: the step donates nothing, so both are live at its end)."""
+  optimizer = optax.adamw(1e-3)
+  params = jax.eval_shape(lambda: block.init_block_params(jax.random.key(0), config))
+  state = jax.eval_shape(optimizer.init, params)
+  batch = block.Batch(*(jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32),) * 2)
+  step = jax.jit(functools.partial(block.train_step, config=config, optimizer=optimizer,
+                                   implementation=implementation))
+  m = step.lower(params, state, batch).compile().memory_analysis()
+  out = dict(argument=m.argument_size_in_bytes, output=m.output_size_in_bytes, temp=m.temp_size_in_bytes,
+             code=m.generated_code_size_in_bytes)
+  out["total"] = sum(out.values())
+  return out
+
+
+def time_ms(f, *args, iterations: int, device_time: bool = True) -> dict:
+  """Wall-clock median (ms) of ``iterations`` calls of the jitted ``f(*args)``, each blocked on; on a GPU (and
+  ``device_time``) also the CUPTI device time (median, ms) of the same computation."""
   for _ in range(2):
     jax.block_until_ready(f(*args))
   times = []
@@ -88,7 +172,7 @@ def time_ms(f, *args, iterations: int) -> dict:
     jax.block_until_ready(f(*args))
     times.append(1e3 * (time.perf_counter() - t0))
   out = dict(wall_ms=statistics.median(times))
-  if jax.default_backend() == "gpu":
+  if device_time and jax.default_backend() == "gpu":
     from jaxkern.testing import timing
     out["device_ms"] = 1e-3 * timing.device_time_us(f, *args, iterations=iterations, flush=False)
   return out
@@ -170,22 +254,41 @@ def components(params, batch, config: block.BlockConfig, implementation: str) ->
   return out
 
 
-def _mesh_step(args, config, optimizer, implementation):
-  """The jitted step, and a function placing params / batch for it (``--devices``; module docstring)."""
+AXIS = "data"
+
+
+def make_mesh(n: int):
+  """A mesh of the first ``n`` devices, one ``Auto`` axis ``"data"`` (under an Explicit one, jax 0.11's default,
+  ragged_dot has no sharding rule)."""
+  return jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
+
+
+def _mesh_step(n: int, config, optimizer, implementation):
+  """The jitted step on ``n`` devices (0: no mesh), and a function placing params / batch for it (module
+  docstring)."""
   step = jax.jit(functools.partial(block.train_step, config=config, optimizer=optimizer,
                                    implementation=implementation))
-  if not args.devices:
+  if not n:
     return step, lambda tree: tree
-  if args.devices > len(jax.devices()):
-    print(f"--devices {args.devices}: only {len(jax.devices())} devices here", file=sys.stderr)
-    raise SystemExit(2)
-  # Auto axes: under an Explicit one (jax 0.11's default) ragged_dot has no sharding rule.
-  mesh = jax.make_mesh((args.devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
-                       devices=jax.devices()[:args.devices])
-  if args.devices == 1:
+  mesh = make_mesh(n)
+  if n == 1:
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return step, lambda tree: jax.device_put(tree, replicated)
   return sharded_step(mesh, config, optimizer, implementation)
+
+
+def _placer(mesh, config):
+  """``place(tree)``: :class:`~jaxkern.modeling.block.BlockParams` -> the sharded EP params, a
+  :class:`~jaxkern.modeling.block.Batch` -> one sharded over sequences."""
+  P = jax.sharding.PartitionSpec
+
+  def place(tree):
+    if isinstance(tree, block.BlockParams):
+      ep = block.ep_params(tree, config)
+      return shard_params(ep, mesh, block.block_param_specs(ep, AXIS))
+    return jax.device_put(tree, jax.sharding.NamedSharding(mesh, P(AXIS)))
+
+  return place
 
 
 def sharded_step(mesh, config, optimizer, implementation):
@@ -194,31 +297,170 @@ def sharded_step(mesh, config, optimizer, implementation):
   (:func:`jaxkern.modeling.block.ep_params` / ``block_param_specs``), ``check_vma=False`` (the Pallas kernels).
   ``place`` turns :class:`~jaxkern.modeling.block.BlockParams` into the sharded EP params, a
   :class:`~jaxkern.modeling.block.Batch` into one sharded over sequences."""
-  axis, P = "data", jax.sharding.PartitionSpec
-  step = block.sharded_train_step(config, optimizer, mesh, expert_axis=axis, implementation=implementation)
+  step = block.sharded_train_step(config, optimizer, mesh, expert_axis=AXIS, implementation=implementation)
+  return step, _placer(mesh, config)
 
-  def place(tree):
-    if isinstance(tree, block.BlockParams):
-      ep = block.ep_params(tree, config)
-      return shard_params(ep, mesh, block.block_param_specs(ep, axis))
-    return jax.device_put(tree, jax.sharding.NamedSharding(mesh, P(axis)))
 
-  return step, place
+def _group(path) -> str:
+  """A leaf's group: its path's names with the layer index dropped (``.layers[0].moe.w_gate`` ->
+  ``layers.moe.w_gate``)."""
+  names = []
+  for entry in path:
+    if isinstance(entry, jax.tree_util.SequenceKey):
+      continue
+    names.append(str(getattr(entry, "name", getattr(entry, "key", entry))))
+  return ".".join(names)
+
+
+def check_devices(params, batch, config: block.BlockConfig, implementation: str, n: int, *, rtol: float,
+                  loss_rtol: float) -> tuple[bool, str]:
+  """``(ok, report)``: loss and gradients of the ``n``-device sharded loss against the unsharded one on one
+  device (``--check``; module docstring)."""
+  dev0 = jax.devices()[0]
+  loss1 = functools.partial(block.loss_fn, config=config, implementation=implementation)
+  l1, g1 = jax.jit(jax.value_and_grad(loss1))(jax.device_put(params, dev0), jax.device_put(batch, dev0))
+  l1, g1 = float(l1), jax.tree.map(np.asarray, g1)
+  mesh = make_mesh(n)
+  moe_fn = functools.partial(block.moe_ffn_ep, mesh_axis=AXIS)
+  lossn = functools.partial(block.loss_fn, config=config, implementation=implementation, moe_fn=moe_fn)
+  ep = block.ep_params(params, config)
+  specs = block.block_param_specs(ep, AXIS)
+  vg = jax.jit(sharded_value_and_grad(lossn, mesh, specs, check_vma=False))
+  place = _placer(mesh, config)
+  ln, gn = vg(place(params), place(batch))
+  ln = float(ln)
+  gn = jax.tree.map(np.asarray, block.merge_ep_params(jax.tree.map(np.asarray, gn)))
+  del vg
+  return compare_grads(ln, gn, l1, g1, label=f"{implementation} {n} devices", rtol=rtol, loss_rtol=loss_rtol)
+
+
+def compare_grads(loss_n: float, grads_n, loss_1: float, grads_1, *, label: str, rtol: float,
+                  loss_rtol: float) -> tuple[bool, str]:
+  """``(ok, report)`` of ``--check``: host-side (numpy) gradient pytrees of the same structure, compared per leaf
+  and reported per leaf group (module docstring)."""
+  groups: dict[str, list] = {}
+  ok = abs(loss_n - loss_1) <= loss_rtol * abs(loss_1)
+  lines = [f"check {label} vs 1: loss {loss_n:.6f} vs {loss_1:.6f} (rel {abs(loss_n - loss_1) / abs(loss_1):.1e}, "
+           f"tol {loss_rtol:g}) {'ok' if ok else 'FAIL'}",
+           f"| leaf group | leaves | max norm rel diff | max elementwise diff / max abs | (tol {rtol:g} in norm) |",
+           "|---|---|---|---|---|"]
+  leaves_n = jax.tree_util.tree_leaves_with_path(grads_n)
+  leaves_1 = jax.tree.leaves(grads_1)
+  if len(leaves_n) != len(leaves_1):
+    return False, f"check {label}: {len(leaves_n)} gradient leaves vs {len(leaves_1)}"
+  for (path, a), b in zip(leaves_n, leaves_1):
+    name = _group(path)
+    if a.shape != b.shape:
+      return False, f"check {label}: {name} shape {a.shape} vs {b.shape}"
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    norm, top = float(np.linalg.norm(b)), float(np.abs(b).max(initial=0.0))
+    diff = float(np.linalg.norm(a - b))
+    if norm == 0:  # the router bias: a buffer, no gradient on either side
+      rel = rel_el = 0.0 if diff == 0 else float("inf")
+    else:
+      rel, rel_el = diff / norm, float(np.abs(a - b).max()) / top
+    if not np.isfinite(a).all():
+      rel = float("inf")
+    g = groups.setdefault(name, [0, 0.0, 0.0])
+    g[0] += 1
+    g[1], g[2] = max(g[1], rel), max(g[2], rel_el)
+  for name, (count, rel, rel_el) in groups.items():
+    bad = not rel <= rtol
+    ok &= not bad
+    lines.append(f"| {name} | {count} | {rel:.2e} | {rel_el:.2e} | {'FAIL' if bad else 'ok'} |")
+  worst = max(groups, key=lambda k: groups[k][1])
+  lines.append(f"check {label}: {'ok' if ok else 'FAILED'} (largest norm rel diff {groups[worst][1]:.2e}, "
+               f"{worst})")
+  return ok, "\n".join(lines)
+
+
+def collective_components(mesh, params, batch, config: block.BlockConfig) -> dict:
+  """``{name: (fn, args, times)}`` for N > 1 (module docstring): the MoE token exchange's forward + backward (per
+  layer) and the gradient all-reduce of the replicated params (per step), on ``mesh`` with the step's shapes."""
+  P = jax.sharding.PartitionSpec
+  t, h, k = batch.tokens.size, config.hidden, config.moe.num_topk
+  split = jax.sharding.NamedSharding(mesh, P(AXIS))
+  x = jax.device_put(jnp.ones((t, h), jnp.bfloat16), split)
+  w = jax.device_put(jnp.ones((t, k), jnp.float32), split)
+  ids = jax.device_put(jnp.ones((t, k), jnp.float32), split)  # stands in for the int32 ids: same bytes
+
+  def exchange(x, w, ids):  # moe_layer_ep's collectives, on this device's shard
+    x_all = jax.lax.all_gather(x, AXIS, axis=0, tiled=True)
+    ids_all = jax.lax.all_gather(jax.lax.stop_gradient(ids), AXIS, axis=0, tiled=True)
+    w_all = jax.lax.all_gather(w, AXIS, axis=0, tiled=True)
+    out = jax.lax.psum_scatter(x_all.astype(jnp.float32), AXIS, scatter_dimension=0, tiled=True)
+    return out, w_all + ids_all  # whole: a slice could let XLA gather less
+
+  exchange = jax.shard_map(exchange, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=(P(AXIS), P()),
+                           check_vma=False)
+
+  ep = block.ep_params(params, config)
+  specs = block.block_param_specs(ep, AXIS)
+  flat, spec_flat = jax.tree.leaves(ep), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+  replicated = [jax.device_put(jnp.zeros(a.shape, jnp.float32), jax.sharding.NamedSharding(mesh, P()))
+                for a, spec in zip(flat, spec_flat) if spec == P()]
+
+  allreduce = jax.jit(jax.shard_map(lambda g: [jax.lax.psum(a, AXIS) for a in g], mesh=mesh,
+                                    in_specs=([P()] * len(replicated),), out_specs=[P()] * len(replicated),
+                                    check_vma=False))
+  return {"collectives": (_fwd_bwd_partial(exchange, 2), (x, w, ids), config.num_layers),
+          "grad_allreduce": (allreduce, (replicated,), 1)}
+
+
+def _fwd_bwd_partial(f, num_diff: int):
+  """:func:`_fwd_bwd` differentiating only the first ``num_diff`` args."""
+  def g(*args):
+    out, pullback = jax.vjp(lambda *d: f(*d, *args[num_diff:]), *args[:num_diff])
+    return out, pullback(jax.tree.map(jnp.ones_like, out))
+  return jax.jit(g)
+
+
+def parse_devices(text: str) -> list[int]:
+  """``"1,2"`` -> ``[1, 2]``; ``""`` / ``"0"`` -> ``[]`` (no mesh)."""
+  counts = [int(c) for c in text.replace(" ", "").split(",") if c]
+  if any(c < 0 for c in counts):
+    raise SystemExit(f"--devices {text}: counts must be positive")
+  return list(dict.fromkeys(c for c in counts if c))
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--small", action="store_true", help="a tiny model (seconds on a CPU)")
-  parser.add_argument("--devices", type=int, default=0, help="run the step under a mesh of N devices")
+  parser.add_argument("--config", choices=sorted(CONFIGS), default="gpu",
+                      help="the model size off --small: gpu (default, H 2048, 4 layers) or v3 (H 7168, E8 top-4, 1 layer)")
+  parser.add_argument("--devices", default="",
+                      help="device counts, e.g. 1,2: the step under a mesh of each count, same global batch")
+  parser.add_argument("--check", action="store_true",
+                      help="compare loss and gradients of each N > 1 against one device first (exit 1 if off)")
+  parser.add_argument("--check-rtol", type=float, default=5e-2)
+  parser.add_argument("--check-loss-rtol", type=float, default=1e-3)
   parser.add_argument("--iterations", type=int, default=None, help="timed steps (median); default 20, --small 2")
   parser.add_argument("--implementations", default="auto,xla")
   parser.add_argument("--no-split", action="store_true", help="time the whole step only")
+  parser.add_argument("--experts", type=int, default=None, help="override the config's routed experts")
+  parser.add_argument("--topk", type=int, default=None, help="override the config's top-k")
+  parser.add_argument("--layers", type=int, default=None, help="override the config's layers")
+  parser.add_argument("--memory", action="store_true",
+                      help="print the unsharded step's compiled memory estimate (GiB) for this backend and exit")
   parser.add_argument("--out", type=pathlib.Path, default=None)
   args = parser.parse_args(argv)
-  config, batch_size, seq_len = small_config() if args.small else gpu_config()
+  counts = parse_devices(args.devices)
+  config, batch_size, seq_len = small_config() if args.small else CONFIGS[args.config]()
+  config = dataclasses.replace(
+      config, num_layers=args.layers or config.num_layers,
+      moe=dataclasses.replace(config.moe, num_experts=args.experts or config.moe.num_experts,
+                              num_topk=args.topk or config.moe.num_topk))
+  if args.memory:
+    for impl in args.implementations.split(","):
+      m = memory_estimate(config, batch_size, seq_len, impl)
+      print(f"memory {impl}: " + ", ".join(f"{k} {v / 2 ** 30:.2f} GiB" for k, v in m.items()))
+    return 0
   iterations = args.iterations or (2 if args.small else 20)
-  if args.devices > 1:  # the sharded step splits the batch's sequences over the devices
-    batch_size = -(-batch_size // args.devices) * args.devices
+  if counts and max(counts) > len(jax.devices()):
+    print(f"--devices {args.devices}: only {len(jax.devices())} devices here", file=sys.stderr)
+    raise SystemExit(2)
+  if counts:  # the sharded step splits the batch's sequences over the devices: one global batch for all counts
+    batch_size = -(-batch_size // max(counts)) * max(counts)
   device = jax.devices()[0].device_kind.replace(" ", "-")
   if jax.default_backend() != "gpu" and not args.small:
     print("No GPU found: the H100-sized model would run the references on the CPU; use --small", file=sys.stderr)
@@ -226,34 +468,85 @@ def main(argv=None) -> int:
   params = block.init_block_params(jax.random.key(0), config)
   batch = block.synthetic_batch(np.random.default_rng(0), batch=batch_size, seq_len=seq_len,
                                 vocab_size=config.vocab_size)
+  tokens = batch.tokens.size
   optimizer = optax.adamw(1e-3)
-  label = (f"T={batch.tokens.size} H={config.hidden} L={config.num_layers} E={config.moe.num_experts} "
+  label = (f"T={tokens} H={config.hidden} L={config.num_layers} E={config.moe.num_experts} "
            f"K={config.moe.num_topk} S={config.moe.num_shared_experts} I={config.intermediate} V={config.vocab_size}")
   print(f"{device}, jax {jax.__version__}: {label}, devices={args.devices or 'no mesh'}")
-  rows = []
+  rows, failed = [], False
   stamp = datetime.datetime.now(datetime.timezone.utc)
   for impl in args.implementations.split(","):
-    step, place = _mesh_step(args, config, optimizer, impl)
-    p, b = place(params), place(batch)
-    opt_state = optimizer.init(p)  # shaped and placed like the (possibly expert-parallel) params
-    timed = time_ms(lambda p, o, b: step(p, o, b).loss, p, opt_state, b, iterations=iterations)
-    loss = float(step(p, opt_state, b).loss)
-    rows.append(dict(component="step", implementation=impl, times=1, loss=loss, **timed))
-    if args.no_split:
-      continue
-    for name, (fn, fargs, times) in components(params, batch, config, impl).items():
-      rows.append(dict(component=name, implementation=impl, times=times, **time_ms(fn, *fargs, iterations=iterations)))
+    if args.check:
+      for n in counts:
+        if n > 1:
+          ok, report = check_devices(params, batch, config, impl, n, rtol=args.check_rtol,
+                                     loss_rtol=args.check_loss_rtol)
+          print(report, flush=True)
+          failed |= not ok
+    for n in counts or [0]:
+      step, place = _mesh_step(n, config, optimizer, impl)
+      p, b = place(params), place(batch)
+      opt_state = optimizer.init(p)  # shaped and placed like the (possibly expert-parallel) params
+      timed = time_ms(lambda p, o, b: step(p, o, b).loss, p, opt_state, b, iterations=iterations,
+                      device_time=n <= 1)
+      loss = float(step(p, opt_state, b).loss)
+      rows.append(dict(component="step", implementation=impl, devices=n, times=1, loss=loss,
+                       tokens_per_s=tokens / (1e-3 * timed["wall_ms"]), **timed))
+      del p, b, opt_state, step
+      if args.no_split:
+        continue
+      if n <= 1:
+        parts = components(params, batch, config, impl)
+      else:
+        parts = collective_components(make_mesh(n), params, batch, config)
+      for name, (fn, fargs, times) in parts.items():
+        rows.append(dict(component=name, implementation=impl, devices=n, times=times,
+                         **time_ms(fn, *fargs, iterations=iterations, device_time=n <= 1)))
+  for impl in dict.fromkeys(r["implementation"] for r in rows):
+    steps = {r["devices"]: r for r in rows if r["component"] == "step" and r["implementation"] == impl}
+    if 1 in steps:
+      for n, r in steps.items():
+        if n > 1:
+          r["scaling_efficiency"] = steps[1]["wall_ms"] / (n * r["wall_ms"])
   for r in rows:
     r.update(date=stamp.date().isoformat(), time=stamp.strftime("%H:%M:%S"), gpu=device, jax=jax.__version__,
-             shape=label, devices=args.devices, iterations=iterations, bench="train_step")
-  print(table(rows))
+             shape=label, iterations=iterations, bench="train_step", config="small" if args.small else args.config)
+  for n in dict.fromkeys(r["devices"] for r in rows):
+    if len(counts) > 1 or n > 1:
+      print(f"\n{n} device{'s' if n != 1 else ''}:")
+    print(table([r for r in rows if r["devices"] == n]))
+  if len(counts) > 1:
+    print("\n" + scaling_table(rows))
   out = args.out or RESULTS / f"{stamp.date().isoformat()}_{device}.jsonl"
   out.parent.mkdir(parents=True, exist_ok=True)
   with out.open("a") as f:
     for r in rows:
       f.write(json.dumps(r) + "\n")
   print(f"{len(rows)} rows appended to {out}")
+  if failed:
+    print("--check FAILED (see above)", file=sys.stderr)
+    return 1
   return 0
+
+
+COMMUNICATION = ("collectives", "grad_allreduce")
+
+
+def scaling_table(rows) -> str:
+  """Markdown: per implementation and device count the step (wall-clock ms), tokens/s and the strong-scaling
+  efficiency ``t(1) / (N t(N))`` (same global batch), and the communication's share where timed."""
+  lines = ["| implementation | devices | step ms (wall) | tokens/s | scaling efficiency (strong, same global batch) "
+           "| communication ms (% of step) |", "|---|---|---|---|---|---|"]
+  for r in rows:
+    if r["component"] != "step":
+      continue
+    comm = [c["wall_ms"] * c["times"] for c in rows if c["component"] in COMMUNICATION
+            and c["devices"] == r["devices"] and c["implementation"] == r["implementation"]]
+    eff = f"{100 * r['scaling_efficiency']:.1f}%" if "scaling_efficiency" in r else "—"
+    comm_cell = f"{sum(comm):.2f} ({100 * sum(comm) / r['wall_ms']:.0f}%)" if comm else "—"
+    lines.append(f"| {r['implementation']} | {r['devices']} | {r['wall_ms']:.2f} | {r['tokens_per_s']:.0f} | {eff} "
+                 f"| {comm_cell} |")
+  return "\n".join(lines)
 
 
 def table(rows) -> str:

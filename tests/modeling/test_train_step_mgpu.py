@@ -1,0 +1,107 @@
+"""``benchmarks.train_step``'s multi-device side (issues 23 / 22): ``--devices 1,2`` with one global batch, the
+strong-scaling efficiency, ``--check`` (loss and gradients of the 2-device sharded step against one device) and the
+communication split (``collectives``, ``grad_allreduce``).
+
+The ``*_2dev`` tests need 2 devices; :func:`test_two_device_tests_in_a_subprocess` reruns them in a child pytest with
+``--xla_force_host_platform_device_count=2`` (tests/modeling/multi_device.py). They run the ``--small`` model on
+the ``jnp`` references (``"auto"`` off a GPU).
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import train_step
+from jaxkern.modeling import block
+from tests.modeling.multi_device import run_8dev_tests
+
+TWO = jax.device_count() >= 2
+needs_2 = pytest.mark.skipif(not TWO, reason="needs 2 devices (run by test_two_device_tests_in_a_subprocess)")
+
+
+def test_parse_devices():
+  assert train_step.parse_devices("1,2") == [1, 2]
+  assert train_step.parse_devices("2") == [2]
+  assert train_step.parse_devices("") == [] and train_step.parse_devices("0") == []
+  assert train_step.parse_devices("1, 2,2") == [1, 2]
+
+
+def _grads(rng):
+  return {"embed": rng.normal(size=(4, 8)), "layers": [{"w": rng.normal(size=(3,)), "bias": np.zeros(2)}] * 2}
+
+
+def test_compare_grads_passes_and_fails():
+  """The check's comparison: within tolerance passes; a doubled gradient (a missing 1/N), a gradient on a buffer,
+  a NaN or a loss off fail, and the report names the leaf group (layers pooled)."""
+  rng = np.random.default_rng(0)
+  g1 = _grads(rng)
+  noisy = jax.tree.map(lambda a: a * (1 + 1e-3 * rng.normal(size=a.shape)), g1)
+  ok, report = train_step.compare_grads(2.0, noisy, 2.0, g1, label="t", rtol=5e-2, loss_rtol=1e-3)
+  assert ok, report
+  assert "| layers.w | 2 |" in report and "| embed | 1 |" in report
+  doubled = dict(noisy, embed=2 * noisy["embed"])
+  ok, report = train_step.compare_grads(2.0, doubled, 2.0, g1, label="t", rtol=5e-2, loss_rtol=1e-3)
+  assert not ok and "| embed | 1 | 1.00e+00" in report
+  biased = dict(noisy, layers=[{"w": g1["layers"][0]["w"], "bias": np.ones(2)}] * 2)
+  assert not train_step.compare_grads(2.0, biased, 2.0, g1, label="t", rtol=5e-2, loss_rtol=1e-3)[0]
+  nan = dict(noisy, embed=np.full((4, 8), np.nan))
+  assert not train_step.compare_grads(2.0, nan, 2.0, g1, label="t", rtol=5e-2, loss_rtol=1e-3)[0]
+  assert not train_step.compare_grads(2.01, noisy, 2.0, g1, label="t", rtol=5e-2, loss_rtol=1e-3)[0]
+
+
+@needs_2
+def test_benchmark_2dev_check_and_scaling(tmp_path, capsys):
+  """``--small --devices 1,2 --check --iterations 1``: the check passes, the global batch is the same for both
+  counts, the 2-device row has tokens/s and a scaling efficiency, the scaling table is printed. (``--no-split``:
+  the compute split of one device is the one-device test's, tests/modeling/test_block.py; the collectives are
+  timed below; both at once would take this test past a minute of CPU.)"""
+  out = tmp_path / "rows.jsonl"
+  assert train_step.main(["--small", "--devices", "1,2", "--check", "--iterations", "1", "--implementations", "auto",
+                          "--no-split", "--out", str(out)]) == 0
+  printed = capsys.readouterr().out
+  assert "check auto 2 devices vs 1: loss" in printed and "check auto 2 devices: ok (largest" in printed
+  assert "| layers.moe.w_gate | 1 |" in printed and "| layers.moe.router_bias |" in printed
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [(r["component"], r["devices"]) for r in rows] == [("step", 1), ("step", 2)]
+  assert rows[0]["shape"] == rows[1]["shape"] and rows[0]["shape"].startswith("T=32 ")  # batch 1 -> 2 sequences
+  for r in rows:
+    assert r["tokens_per_s"] == pytest.approx(32 / (1e-3 * r["wall_ms"])) and np.isfinite(r["loss"])
+  assert rows[1]["scaling_efficiency"] == pytest.approx(rows[0]["wall_ms"] / (2 * rows[1]["wall_ms"]))
+  assert "scaling_efficiency" not in rows[0]
+  assert rows[0]["loss"] == pytest.approx(rows[1]["loss"], rel=1e-3)
+  assert "| auto | 2 |" in printed and "scaling efficiency (strong, same global batch)" in printed
+
+
+@needs_2
+def test_collectives_2dev():
+  """The communication components on a 2-device mesh: the exchange's forward is psum_scatter(all_gather(x)) (= 2x
+  for ones), its pullback of ones through all-gather / psum_scatter gives 2 per token; the all-reduce sums over the
+  devices; the shapes are the step's."""
+  config, b, s = train_step.small_config()
+  params = block.init_block_params(jax.random.key(0), config)
+  batch = block.synthetic_batch(np.random.default_rng(0), batch=2, seq_len=s, vocab_size=config.vocab_size)
+  parts = train_step.collective_components(train_step.make_mesh(2), params, batch, config)
+  assert set(parts) == {"collectives", "grad_allreduce"}
+  fn, args, times = parts["collectives"]
+  assert times == config.num_layers and args[0].shape == (32, config.hidden) and args[0].dtype == jnp.bfloat16
+  (out, _), (dx, dw) = fn(*args)
+  np.testing.assert_array_equal(np.asarray(out), 2.0)
+  np.testing.assert_array_equal(np.asarray(dx, np.float32), 2.0)
+  assert dw.shape == args[1].shape
+  fn, (grads,), times = parts["grad_allreduce"]
+  assert times == 1
+  ep = block.ep_params(params, config)
+  assert len(grads) == len(jax.tree.leaves(ep)) - 3  # all but the routed experts' three weights
+  summed = fn([g + 1.5 for g in grads])
+  assert all(np.all(np.asarray(x) == 3.0) for x in summed)
+  for name, (fn, fargs, times) in parts.items():
+    assert train_step.time_ms(fn, *fargs, iterations=1)["wall_ms"] > 0, name
+
+
+@pytest.mark.skipif(TWO, reason="this process has 2 devices: the 2dev tests run here")
+def test_two_device_tests_in_a_subprocess():
+  """Runs this file's ``2dev`` tests in a child pytest with 2 simulated CPU devices."""
+  run_8dev_tests(__file__, devices=2, keyword="2dev")
