@@ -194,7 +194,7 @@ def components(params, batch, config: block.BlockConfig, implementation: str) ->
   mc = config.moe
   layer = params.layers[0]
   rows = block.engram_rows(batch.tokens, config=config, implementation=impl)
-  x = params.embed.astype(jnp.bfloat16)[batch.tokens.reshape(t)]
+  x = params.embed[batch.tokens.reshape(t)].astype(jnp.bfloat16)
   residual = expand_from_embedding(x, m, implementation=impl)
   p = layer.mhc
   y = mhc_pre(residual, p.fn, p.scale, p.base, norm_weight=p.norm_weight, implementation=impl)[0]

@@ -289,7 +289,7 @@ def _forward(params: BlockParams, tokens: jax.Array, config: BlockConfig, implem
   b, s = tokens.shape
   t, m = b * s, config.mhc_mult
   rows = engram_rows(tokens, config=config, implementation=implementation)
-  x = params.embed.astype(jnp.bfloat16)[tokens.reshape(t)]
+  x = params.embed[tokens.reshape(t)].astype(jnp.bfloat16)  # gather, then cast: a float32 scatter-add
   residual = expand_from_embedding(x, m, implementation=implementation)  # (T, M, H) bf16
   loads = []
   for layer, layer_rows in zip(params.layers, rows):
