@@ -51,7 +51,7 @@ def overrides(*settings):
 
 
 def _ring_for(nbytes_lo):
-  return dict(tr._RING_BYTES, **{1: (nbytes_lo, None)})
+  return {**tr._RING_BYTES, 1: (nbytes_lo, None)}
 
 
 # op -> (labels (regexes over the registered case labels), [(variant name, settings)])
