@@ -57,14 +57,17 @@ def _ring_for(nbytes_lo):
 # op -> (labels (regexes over the registered case labels), [(variant name, settings)])
 # The default of bf16 32x32 is the wide kernel with 256 columns, of 128x128 the per-block kernel ("blocks").
 PBC32 = [("default", ())] + [(f"wide{c}", ((pbc, "_VARIANT_OVERRIDE", ("wide", c)),)) for c in (128, 64)] + [
+    (f"wide_direct{c}", ((pbc, "_VARIANT_OVERRIDE", ("wide_direct", c)),)) for c in (256, 128, 64)] + [
     ("blocks", ((pbc, "_VARIANT_OVERRIDE", "blocks"),))]
 PBC128 = [("default", ()),
           ("split32", ((pbc, "_VARIANT_OVERRIDE", ("split", 32)),)),
           ("split64", ((pbc, "_VARIANT_OVERRIDE", ("split", 64)),)),
+          ("split_direct32", ((pbc, "_VARIANT_OVERRIDE", ("split_direct", 32)),)),
+          ("split_direct64", ((pbc, "_VARIANT_OVERRIDE", ("split_direct", 64)),)),
           ("wide128", ((pbc, "_VARIANT_OVERRIDE", ("wide", 128)),))]
 ETF = [("default", ())] + [
     (f"slots{s}_rows{r}", ((etf, "_MAX_SLOTS", s), (etf, "_ROW_BLOCK", r)))
-    for s, r in ((None, 128), (64, 32), (32, 32), (32, 128), (16, 128))]
+    for s, r in ((None, 128), (64, 32), (32, 32), (32, 128), (16, 128), (9, 128))]  # 9: one token per CTA (K = 8, 9)
 PCC = [("default", ()), ("cols64", ((pcc, "_COLS", 64),))]  # cols64 = default where 128 does not divide K
 TR = [("default", ()),
       ("tile64x64", ((tr, "_TILING_OVERRIDE", (64, 64, "bij")),)),
