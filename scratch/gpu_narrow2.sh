@@ -8,9 +8,9 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 timeout 150 $PY -m pytest -q -x -p no:cacheprovider -m gpu \
   tests/quant/test_per_block_cast.py tests/quant/test_per_channel_cast.py tests/transpose/test_transpose.py \
   tests/moe/test_expand_to_fused.py \
-  -k "wide_direct_variant_gpu or split_variant_gpu or e4m3_variants_gpu or tile_cols_override_gpu or narrow_e4m3_variants_gpu or token_and_row_blocks_gpu or test_spec_shapes_gpu" 2>&1 | tail -15
+  -k "wide_direct_variant_gpu or split_variant_gpu or e4m3_variants_gpu or tile_cols_override_gpu or narrow_e4m3_variants_gpu or token_and_row_blocks_gpu or (test_spec_shapes_gpu and not expand_to_fused)" 2>&1 | tail -15
 echo "pytest rc=${PIPESTATUS[0]}"
 unset XLA_PYTHON_CLIENT_ALLOCATOR
 mkdir -p "${OUT:-scratch}"
-timeout 420 $PY scratch/time_narrow2.py --iterations 10 --budget 330 --out "${OUT:-scratch}/narrow2_rows.jsonl"
+timeout 430 $PY scratch/time_narrow2.py --iterations 10 --budget 400 --out "${OUT:-scratch}/narrow2_rows.jsonl"
 echo "timing rc=$?"

@@ -77,7 +77,7 @@ TR = [("default", ()),
 
 PLAN = {
     "per_block_cast_32x32": (r"K=(576|2048) bf16$", PBC32),
-    "per_block_cast_128x128": (r"K=(576|2048|2560|3072) bf16$", PBC128),
+    "per_block_cast_128x128": (r"K=(576|2048) bf16$", PBC128),  # 2560 / 3072 (0.91-0.94): --only
     # behind: E=4x64 K=8 / 9 and E=9x8 K=9 (E=32x8 K=8 / 9 were ahead)
     "expand_to_fused": (r"(E=4x64 K=(8|9)|E=9x8 K=9) .*H=576 bf16$", ETF),
     "per_channel_cast": (r"K=(576|2048) bf16$", PCC),

@@ -446,7 +446,7 @@ def test_wide_direct_variant_lowers_for_h100(m, k, cols):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cols", [256, 128, 64])
-@pytest.mark.parametrize("m, k", [(4001, 576), (8001, 2048), (4001, 320), (37, 64)])
+@pytest.mark.parametrize("m, k", [(4001, 576), (8001, 2048), (4001, 320)])
 def test_wide_direct_variant_gpu(key, monkeypatch, cols, m, k):
   from jaxkern.quant import _per_block_cast as pbc
   monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", ("wide_direct", cols))
