@@ -60,7 +60,9 @@ def _blocks_per_cta(block_size) -> int:
 
 WIDE_COLS = 256  # columns per CTA of the wide kernel (one TMA box: at most 256 elements per dimension)
 WIDE_DTYPES = ("bfloat16",)  # inputs for which "auto" picks the wide kernel (float32 lowers too; not timed yet)
-_VARIANT_OVERRIDE = None  # "blocks" / "wide" / ("wide", cols): forces the e4m3 kernel (timing scripts only)
+# "blocks" / "wide" / ("wide", cols) / ("wide_direct", cols) / ("split", rows) / ("split_direct", rows): forces
+# the e4m3 kernel with computed sf (timing scripts)
+_VARIANT_OVERRIDE = None
 
 
 def _variant(x_dtype, fmt, block_size, precomputed) -> str:
@@ -91,11 +93,20 @@ def _load_halves(x_s, layout, fp4):
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_size", "round_sf", "write_data", "compute_sf",
-                                             "interpret"))
-def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, interpret):
+                                             "split", "direct", "interpret"))
+def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, interpret, split=None, direct=False):
   """``x`` ``(M, K)``; ``sf_in`` precomputed layout-A sf ``(Mb, Kb)`` or None.
 
   Returns ``(out (M, K) e4m3 or (M, K/2) int8 | None, sf (Mb, Kb) float32 | None)``.
+
+  ``split`` (e4m3 only, a divisor of ``bm``; :data:`_VARIANT_OVERRIDE` ``("split", rows)``): each block comes in
+  as ``bm / split`` TMA boxes of ``split`` rows with a barrier each, its amax is reduced chunk by chunk as
+  the chunks arrive (``split`` rows in registers, not ``bm``), and each quantised chunk is TMA-stored as soon
+  as it is written, so loads, reductions and stores of one CTA overlap. A chunk that would start at or
+  past the last row is moved back to end there (never before the block's first row): it re-reads rows
+  of its own block (the maximum is unchanged) and re-writes the same bytes, so no box lies wholly
+  outside the array and nothing needs a predicate. With ``direct`` (``("split_direct", rows)``) a block wholly
+  inside the array stores its chunks straight from registers to GMEM instead (no SMEM, fence or TMA store).
   """
   m, k = x.shape
   bm, bk = block_size
@@ -108,8 +119,11 @@ def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, inte
   layout, _ = row_layout(obk, x.dtype.itemsize)
   # e2m1 works on 32-row slices of a block: the integer rounding of a whole 128-row block at once
   # needs too many registers (measured 6x slower than the e4m3 kernel on the H200).
-  rc = 32 if fp4 else bm
+  if split is not None and (fp4 or bm % split):
+    raise ValueError(f"split={split}: e4m3 only, a divisor of the block's {bm} rows")
+  rc = 32 if fp4 else (split or bm)
   chunks = [pl.ds(r0, rc) for r0 in range(0, bm, rc)]
+  nc = len(chunks) if split else 1  # TMA boxes (and barriers) per block
   out_type = []
   if write_data:
     out_type.append(jax.ShapeDtypeStruct((m, k // 2), jnp.int8) if fp4 else
@@ -118,7 +132,7 @@ def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, inte
     out_type.append(jax.ShapeDtypeStruct((mb, kt * nb), jnp.float32))
 
   scratch = dict(x_s=plgpu.SMEM((nb, bm, obk), x.dtype, transforms=_untiled(obk, x.shape[1])),
-                 bar=plgpu.Barrier(num_arrivals=1, num_barriers=nb))
+                 bar=plgpu.Barrier(num_arrivals=1, num_barriers=nb * nc))
   if write_data:
     scratch["o_s"] = plgpu.SMEM((nb, bm, obk), jnp.int8 if fp4 else jnp.float8_e4m3fn,
                                  transforms=_untiled(obk, k // 2 if fp4 else k))
@@ -132,6 +146,9 @@ def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, inte
     sf_g = rest.pop(0) if compute_sf else None
     i, j = lax.axis_index("i"), lax.axis_index("j")
     rows = pl.ds(i * bm, bm)
+    if split:
+      _split_body(x_g, c_g, sfin_g, o_g, sf_g, x_s, bar, o_s, i, j)
+      return
 
     for s in range(nb):
       plgpu.copy_gmem_to_smem(x_g.at[rows, pl.ds((j * nb + s) * obk, obk)], x_s.at[s], bar.at[s])
@@ -162,6 +179,54 @@ def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, inte
         plgpu.copy_smem_to_gmem(o_s.at[s], o_g.at[rows, pl.ds((j * nb + s) * obk, obk)])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+  def _split_body(x_g, c_g, sfin_g, o_g, sf_g, x_s, bar, o_s, i, j):
+    """The ``split`` kernel body (e4m3): chunked loads, per-chunk reductions, per-chunk stores."""
+    starts = [jnp.maximum(jnp.minimum(i * bm + c * rc, m - rc), i * bm) for c in range(nc)]
+    for s in range(nb):
+      for c in range(nc):
+        plgpu.copy_gmem_to_smem(x_g.at[pl.ds(starts[c], rc), pl.ds((j * nb + s) * obk, obk)], x_s.at[s, chunks[c]],
+                                bar.at[s * nc + c])
+    for s in range(nb):
+      if sf_in is not None:
+        inv = _ieee.exact_div(1.0, jnp.broadcast_to(sfin_g[i, j * nb + s], (rc,)))
+      else:
+        parts = []
+        for c in range(nc):
+          plgpu.barrier_wait(bar.at[s * nc + c])
+          h = plgpu.load(x_s.at[s, chunks[c]], layout=layout).astype(jnp.float32)
+          parts.append(jnp.max(jnp.max(abs_key(h, interpret), axis=1), axis=0))
+        a = key_value(functools.reduce(jnp.maximum, parts), interpret)
+        sf, inv = ref.scale_factors(jnp.broadcast_to(a, (rc,)), jnp.broadcast_to(c_g[0], (rc,)), fmt, round_sf,
+                                    div=_ieee.exact_div)
+        if compute_sf:
+          sf_g[i, j * nb + s] = jnp.max(gpu_nan(sf, interpret), axis=0)
+      if write_data:
+        for c in range(nc):
+          if sf_in is not None:
+            plgpu.barrier_wait(bar.at[s * nc + c])
+          h = plgpu.load(x_s.at[s, chunks[c]], layout=layout).astype(jnp.float32)
+          q = gpu_nan(h * inv[:, None], interpret)
+          q = ref.encode_e4m3(q) if sf_in is not None else to_e4m3(q, interpret)
+          dst = o_g.at[pl.ds(starts[c], rc), pl.ds((j * nb + s) * obk, obk)]
+
+          def tma_store(c=c, q=q, dst=dst):
+            o_s.at[s, chunks[c]][...] = q
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s.at[s, chunks[c]], dst)
+
+          if not direct:
+            tma_store()
+          else:  # a block wholly inside the array: straight from registers (its chunks are never moved back)
+            inside = ((i + 1) * bm <= m) & ((j * nb + s + 1) * obk <= k)
+
+            @pl.when(inside)
+            def _(q=q, dst=dst):
+              dst[...] = q
+
+            pl.when(jnp.logical_not(inside))(tma_store)
+    if write_data:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
   consts = jnp.full((1,), ref.MAX_VALUE[fmt], jnp.float32)
   if sf_in is not None:
     sf_in = jnp.pad(sf_in, ((0, 0), (0, kt * nb - kb)), constant_values=1.0)
@@ -170,8 +235,8 @@ def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, inte
   return out, (outs.pop(0)[:, :kb] if compute_sf else None)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "round_sf", "write_data", "cols", "interpret"))
-def _wide_kernel(x, *, block_size, round_sf, write_data, cols=WIDE_COLS, interpret):
+@functools.partial(jax.jit, static_argnames=("block_size", "round_sf", "write_data", "cols", "direct", "interpret"))
+def _wide_kernel(x, *, block_size, round_sf, write_data, cols=WIDE_COLS, direct=False, interpret):
   """e4m3, computed sf: ``x`` ``(M, K)`` -> ``(out (M, K) e4m3 | None, sf (Mb, Kb) float32)``; chosen for
   ``bm = 32`` (a 128-row block holds 128 float32 values per thread: timing scripts only).
 
@@ -179,6 +244,11 @@ def _wide_kernel(x, *, block_size, round_sf, write_data, cols=WIDE_COLS, interpr
   TMA box never exceeds the array); the box clips at the edges and zero-fills (zeros leave an amax
   unchanged), the store clips. The SMEM buffers have no transforms (row-major, so the 4-D view is a plain
   reshape); interpret mode, which has no ref reshape, reshapes the loaded value instead.
+
+  ``direct`` (:data:`_VARIANT_OVERRIDE` ``("wide_direct", cols)``, timing only): a CTA whose tile lies wholly
+  inside the array stores the quantised tile straight from registers to GMEM (8-byte vectors, a warp's
+  accesses contiguous), with no SMEM round trip, fence or TMA store to wait for; the edge CTAs keep the
+  clipping TMA store.
   """
   m, k = x.shape
   bm, bk = block_size
@@ -209,13 +279,29 @@ def _wide_kernel(x, *, block_size, round_sf, write_data, cols=WIDE_COLS, interpr
     sf_g[i, pl.ds(j * g, g)] = gpu_nan(sf, interpret)
     if write_data:
       q = to_e4m3(gpu_nan(v * inv[None, :, None, None], interpret), interpret)
-      if interpret is None:
-        o_s.reshape(*view)[...] = q
+
+      def tma_store():
+        if interpret is None:
+          o_s.reshape(*view)[...] = q
+        else:
+          o_s[...] = q.reshape(bm, w)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, rest[0].at[tile])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      if not direct:
+        tma_store()
       else:
-        o_s[...] = q.reshape(bm, w)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_s, rest[0].at[tile])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        inside = ((i + 1) * bm <= m) & ((j + 1) * w <= k)
+
+        @pl.when(inside)
+        def _():
+          if interpret is None:
+            rest[0].at[tile].reshape(*view)[...] = q
+          else:
+            rest[0][tile] = q.reshape(bm, w)
+
+        pl.when(jnp.logical_not(inside))(tma_store)
 
   outs = list(kernel(x, jnp.full((1,), ref.MAX_VALUE["e4m3"], jnp.float32)))
   return (outs[0] if write_data else None), outs[-1][:, :kb]
@@ -325,10 +411,15 @@ def _fp4_from_f32_kernel(x, sf_in, *, block_size, round_sf, write_data, compute_
 
 def _run_kernel(x, fmt, block_size, interpret, *, sf_in=None, round_sf=False, write_data=True, compute_sf=True):
   variant = _variant(x.dtype, fmt, block_size, sf_in is not None)
+  if isinstance(variant, tuple) and variant[0] in ("split", "split_direct"):
+    return _kernel(x, sf_in, fmt=fmt, block_size=block_size, round_sf=round_sf, write_data=write_data,
+                   compute_sf=compute_sf, split=variant[1], direct=variant[0] == "split_direct",
+                   interpret=_config.mosaic_interpret(interpret))
   if variant == "wide" or isinstance(variant, tuple):
     cols = variant[1] if isinstance(variant, tuple) else WIDE_COLS
+    direct = isinstance(variant, tuple) and variant[0] == "wide_direct"
     return _wide_kernel(x, block_size=block_size, round_sf=round_sf, write_data=write_data, cols=cols,
-                        interpret=_config.mosaic_interpret(interpret))
+                        direct=direct, interpret=_config.mosaic_interpret(interpret))
   f = _fp4_from_f32_kernel if fmt == "e2m1" and x.dtype == jnp.float32 else functools.partial(_kernel, fmt=fmt)
   return f(x, sf_in, block_size=block_size, round_sf=round_sf, write_data=write_data, compute_sf=compute_sf,
            interpret=_config.mosaic_interpret(interpret))

@@ -67,6 +67,9 @@ from jaxkern.types import QuantTensor
 
 _ROWS = 128  # rows per CTA: one group of 128 or four of 32
 _CHUNK = 32  # rows per register load in the row layout
+# Columns per CTA: None = 128 where 128 divides K, else 64. A timing script may force 64 (issue 21: K = 2048
+# at 4096 rows gets 1024 CTAs instead of 512); 128 applies only where it divides K.
+_COLS = None
 
 
 def _per_thread(n: int):
@@ -115,21 +118,24 @@ def _swiglu_rows(x_s, y_s, clamp, r0, n, layout):
   return act
 
 
-@functools.partial(jax.jit, static_argnames=("npt", "round_sf", "transpose_out", "swiglu", "clamp", "interpret"))
-def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, swiglu=False, clamp=None, interpret=False):
+@functools.partial(jax.jit, static_argnames=("npt", "round_sf", "transpose_out", "swiglu", "clamp", "tile_cols",
+                                             "interpret"))
+def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, swiglu=False, clamp=None, tile_cols=None,
+            interpret=False):
   """Per-channel cast of ``x`` ``(M, K)``, ``M % 128 == 0``, ``K % 64 == 0``; ``sf_in`` float32
   ``(M, K/128)`` makes ``x`` (e4m3) a QuantTensor. Returns ``(out (M, K) e4m3, or (K, M) if
   transpose_out, sf (M/npt, K) float32)``. ``interpret``: Pallas interpret mode (a bool).
 
   ``swiglu``: ``x`` is bf16 ``(M, 2K)`` and the cast applies to the bf16-rounded SwiGLU activation of its halves
   (clamp value ``clamp``, a float or None), computed by a prologue (:func:`_swiglu_rows`) during the column-maxima
-  pass, which also stashes it over the gate tile in SMEM for the second pass.
+  pass, which also stashes it over the gate tile in SMEM for the second pass. ``tile_cols=64`` forces 64-column
+  tiles (:data:`_COLS`, timing only).
   """
   m, k = x.shape
   if swiglu:
     k //= 2
   r = _ROWS
-  c = 128 if k % 128 == 0 else 64  # columns per CTA (64 and 256 measured no faster where 128 divides K)
+  c = 128 if k % 128 == 0 and tile_cols != 64 else 64  # columns per CTA (64 / 256 measured no faster on an H200)
   groups, chunk = r // npt, min(_CHUNK, npt)
   lay = row_layout(c, 4 if sf_in is not None else x.dtype.itemsize)[0]  # f32 reductions: 4 per vector
   per_thread = _per_thread(c)
@@ -418,7 +424,8 @@ def per_channel_cast(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False
   x = validate.guard("per_channel_cast", _check_plain(x, fmt, num_per_tokens, (128,), (jnp.bfloat16, jnp.float32)))
   return _dispatch.run(
       "per_channel_cast", implementation,
-      kernel=lambda interpret: QuantTensor(*_kernel(x, npt=num_per_tokens, round_sf=round_sf, interpret=interpret)),
+      kernel=lambda interpret: QuantTensor(*_kernel(x, npt=num_per_tokens, round_sf=round_sf, tile_cols=_COLS,
+                                                    interpret=interpret)),
       xla=lambda: ref.per_channel_cast(x, fmt, num_per_tokens, round_sf=round_sf), empty=x.size == 0)
 
 

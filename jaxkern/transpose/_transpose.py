@@ -98,6 +98,7 @@ def _batched_transpose_kernel(x: jax.Array, interpret=None, tiling=None) -> jax.
   return kernel(x)
 
 
+_TILING_OVERRIDE = None  # (BM, BN, order) for the one-tile kernel of 2-D transposes (timing scripts only)
 _RING_BYTES = {1: (8_000_000, None), 2: (12 << 20, 64 << 20)}  # 2-D sizes (bytes) taking the ring kernel
 _RING_TILE = {1: (64, 128), 2: (128, 128)}  # words per tile (per plane for 8-bit data): 32 KB
 _RING_STAGES = 5  # input tiles in flight per CTA; with 2 output buffers 224 KB of SMEM
@@ -263,7 +264,8 @@ def _transpose(x, implementation: str):
   def kernel(interpret):
     if _use_ring(x):
       return _ring_kernel(x, interpret=_config.mosaic_interpret(interpret))
-    return _batched_transpose_kernel(x[None], interpret=_config.mosaic_interpret(interpret))[0]
+    return _batched_transpose_kernel(x[None], interpret=_config.mosaic_interpret(interpret),
+                                     tiling=_TILING_OVERRIDE)[0]
 
   return _dispatch.run("transpose", implementation, kernel=kernel, xla=lambda: ref.transpose(x),
                        unsupported=_unsupported(x), empty=x.size == 0)

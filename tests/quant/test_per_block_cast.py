@@ -358,3 +358,99 @@ def test_wide_kernel_narrower_ctas(key, monkeypatch, cols):
   monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", ("wide", cols))
   x = _input(key, 40, 320, jnp.bfloat16)
   assert_same(quant.per_block_cast(x, "e4m3", (32, 32), **FLAGS["C"]), ref.per_block_cast(x, "e4m3", (32, 32), **FLAGS["C"]))
+
+
+# The chunked ("split") per-block kernel: rows per chunk 32 / 64; block rows with 2 and 1 rows (every
+# chunk moved back onto them), 72 rows (a chunk moved back across its predecessor), fewer rows than a
+# chunk, 128x32 blocks (4 per CTA), and split = bm (one chunk).
+SPLIT_CASES = [(130, 576, (128, 128), "A"), (257, 384, (128, 128), "C"), (200, 192, (128, 128), "A-round"),
+               (10, 256, (128, 128), "B"), (150, 192, (128, 32), "A"), (40, 256, (32, 128), "C"),
+               (256, 256, (128, 128), "A")]  # every block inside the array
+
+
+@pytest.mark.parametrize("kind", ["split", "split_direct"])
+@pytest.mark.parametrize("split", [32, 64])
+@pytest.mark.parametrize("m, k, block, flags", SPLIT_CASES)
+def test_split_variant_bit_exact(key, monkeypatch, m, k, block, flags, split, kind):
+  from jaxkern.quant import _per_block_cast as pbc
+  if block[0] % split:
+    pytest.skip("split must divide bm")
+  monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", (kind, split))
+  x = _input(key, m, k, jnp.bfloat16)
+  x = x.at[m - 1, k - 1].set(jnp.bfloat16(3e4))  # the last row's block has the largest value: a lost row shows
+  want = ref.per_block_cast(x, "e4m3", block, **FLAGS[flags])
+  assert_same(jax.jit(lambda x: quant.per_block_cast(x, "e4m3", block, **FLAGS[flags]))(x), want)
+  assert_bitwise_equal(jax.jit(lambda x: quant.per_block_cast_with_sf_only(x, "e4m3", block, **FLAGS[flags]))(x),
+                       want.sf)
+
+
+def test_split_variant_rejects_bad_split(key):
+  from jaxkern.quant import _per_block_cast as pbc
+  x = _input(key, 64, 128, jnp.bfloat16)
+  with pytest.raises(ValueError, match="split"):
+    pbc._kernel(x, None, fmt="e4m3", block_size=(32, 32), round_sf=False, write_data=True, compute_sf=True,
+                split=64, interpret=True)
+
+
+@pytest.mark.parametrize("split", [32, 64])
+@pytest.mark.parametrize("m, k, block, dtype", [(4001, 576, (128, 128), jnp.bfloat16), (8001, 2048, (128, 128), jnp.bfloat16),
+                                                (4001, 576, (128, 128), jnp.float32), (4001, 7168, (128, 32), jnp.bfloat16)])
+def test_split_variant_lowers_for_h100(m, k, block, dtype, split):
+  from jaxkern.quant import _per_block_cast as pbc
+  s = jax.ShapeDtypeStruct((m, k), dtype)
+  for write_data, direct in ((True, False), (False, False), (True, True)):
+    f = functools.partial(pbc._kernel, sf_in=None, fmt="e4m3", block_size=block, round_sf=True, write_data=write_data,
+                          compute_sf=True, split=split, direct=direct, interpret=None)
+    assert "mosaic_gpu" in lower_for_h100(f, s).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["split", "split_direct"])
+@pytest.mark.parametrize("split", [32, 64])
+@pytest.mark.parametrize("m, k, block, dtype", [(4001, 576, (128, 128), jnp.bfloat16), (8001, 2048, (128, 128), jnp.bfloat16),
+                                                (4001, 576, (128, 128), jnp.float32), (4033, 320, (128, 32), jnp.bfloat16),
+                                                (37, 64, (128, 128), jnp.bfloat16)])
+def test_split_variant_gpu(key, monkeypatch, split, m, k, block, dtype, kind):
+  """The chunked per-block kernel, compiled, against the reference on ragged spec-sized shapes."""
+  from jaxkern.quant import _per_block_cast as pbc
+  monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", (kind, split))
+  x = _input(key, m, k, dtype)
+  for flags in ("A", "C"):
+    got = jax.jit(lambda x: quant.per_block_cast(x, "e4m3", block, **FLAGS[flags]))(x)
+    assert_same(got, ref.per_block_cast(x, "e4m3", block, **FLAGS[flags]))
+    sf = jax.jit(lambda x: quant.per_block_cast_with_sf_only(x, "e4m3", block, **FLAGS[flags]))(x)
+    assert_bitwise_equal(sf, got.sf)
+
+
+# The wide kernel storing interior tiles straight from registers ("wide_direct"): interior and edge CTAs in
+# both directions (70 rows: a partial last block row; K = 320: the last CTA column partial), and a shape
+# with interior CTAs only.
+@pytest.mark.parametrize("cols", [256, 64])
+@pytest.mark.parametrize("m, k, flags", [(70, 320, "A"), (64, 512, "C"), (5, 64, "A-round")])
+def test_wide_direct_variant_bit_exact(key, monkeypatch, m, k, flags, cols):
+  from jaxkern.quant import _per_block_cast as pbc
+  monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", ("wide_direct", cols))
+  x = _input(key, m, k, jnp.bfloat16)
+  want = ref.per_block_cast(x, "e4m3", (32, 32), **FLAGS[flags])
+  assert_same(jax.jit(lambda x: quant.per_block_cast(x, "e4m3", (32, 32), **FLAGS[flags]))(x), want)
+
+
+@pytest.mark.parametrize("cols", [256, 128, 64])
+@pytest.mark.parametrize("m, k", [(4001, 576), (8001, 2048)])
+def test_wide_direct_variant_lowers_for_h100(m, k, cols):
+  from jaxkern.quant import _per_block_cast as pbc
+  f = functools.partial(pbc._wide_kernel, block_size=(32, 32), round_sf=False, write_data=True, cols=cols, direct=True,
+                        interpret=None)
+  assert "mosaic_gpu" in lower_for_h100(f, jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cols", [256, 128, 64])
+@pytest.mark.parametrize("m, k", [(4001, 576), (8001, 2048), (4001, 320)])
+def test_wide_direct_variant_gpu(key, monkeypatch, cols, m, k):
+  from jaxkern.quant import _per_block_cast as pbc
+  monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", ("wide_direct", cols))
+  x = _input(key, m, k, jnp.bfloat16)
+  for flags in ("A", "C"):
+    got = jax.jit(lambda x: quant.per_block_cast(x, "e4m3", (32, 32), **FLAGS[flags]))(x)
+    assert_same(got, ref.per_block_cast(x, "e4m3", (32, 32), **FLAGS[flags]))

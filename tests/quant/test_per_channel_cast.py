@@ -354,3 +354,31 @@ def test_non_finite_inputs_gpu(key, round_sf):
   pos = jnp.arange(1024, dtype=jnp.int32)
   fused = jax.jit(lambda x, p: quant.per_channel_cast_fused(x, "e4m3", 128, round_sf=round_sf, pos_to_token=p))
   _assert_quant_equal(fused(x, pos), want)
+
+
+def test_tile_cols_override_bit_exact(key, monkeypatch):
+  """``_COLS = 64`` (timing scripts, issue 21) forces 64-column tiles where 128 divides K."""
+  from jaxkern.quant import _per_channel_cast as pcc
+  monkeypatch.setattr(pcc, "_COLS", 64)
+  x = randn(key, (256, 256), jnp.bfloat16) * 100
+  got = jax.jit(lambda x: quant.per_channel_cast(x, "e4m3", 128))(x)
+  _assert_quant_equal(got, ref.per_channel_cast(x, "e4m3", 128))
+
+
+@pytest.mark.parametrize("m, k", [(4096, 2048), (8064, 2048)])
+def test_tile_cols_override_lowers_for_h100(monkeypatch, m, k):
+  from jaxkern.quant import _per_channel_cast as pcc
+  from jaxkern.testing import lower_for_h100
+  monkeypatch.setattr(pcc, "_COLS", 64)
+  f = lambda x: quant.per_channel_cast(x, "e4m3", 128, implementation="pallas")
+  text = lower_for_h100(f, jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).as_text()
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+def test_tile_cols_override_gpu(key, monkeypatch):
+  from jaxkern.quant import _per_channel_cast as pcc
+  monkeypatch.setattr(pcc, "_COLS", 64)
+  x = randn(key, (4096, 2048), jnp.bfloat16)
+  got = jax.jit(lambda x: quant.per_channel_cast(x, "e4m3", 128))(x)
+  _assert_quant_equal(got, ref.per_channel_cast(x, "e4m3", 128))

@@ -178,3 +178,41 @@ def test_list_and_bool_inputs():
   assert_bitwise_equal(transpose(b, implementation="auto"), np.asarray(b).T)
   with pytest.raises(jaxkern.KernelUnavailableError, match="bool data"):
     batched_transpose(b[None], implementation="interpret")
+
+
+@pytest.mark.parametrize("tiling", [(64, 64, "bij"), (64, 64, "bji"), (128, 64, "bji")])
+def test_tiling_override_bit_exact(key, monkeypatch, tiling):
+  """``_TILING_OVERRIDE`` (timing scripts, issue 21: 8064x576 e4m3) reaches the one-tile kernel of transpose."""
+  from jaxkern.transpose import _transpose as tr
+  monkeypatch.setattr(tr, "_TILING_OVERRIDE", tiling)
+  x = random_bits(key, (256, 192), jnp.float8_e4m3fn)
+  assert_bitwise_equal(jax.jit(transpose)(x), np.asarray(x).T)
+
+
+@pytest.mark.parametrize("override", [("tiling", (64, 64, "bij")), ("tiling", (64, 64, "bji")),
+                                      ("tiling", (128, 64, "bji")), ("ring", None)], ids=str)
+def test_narrow_e4m3_variants_lower_for_h100(monkeypatch, override):
+  """The variants the issue-21 timing script runs on 8064x576 e4m3 lower for an H100 (the ring kernel
+  forced below its size threshold)."""
+  from jaxkern.transpose import _transpose as tr
+  if override[0] == "tiling":
+    monkeypatch.setattr(tr, "_TILING_OVERRIDE", override[1])
+  else:
+    monkeypatch.setattr(tr, "_RING_BYTES", {**tr._RING_BYTES, 1: (0, None)})
+  x = jax.ShapeDtypeStruct((8064, 576), jnp.float8_e4m3fn)
+  assert tr._use_ring(x) == (override[0] == "ring")
+  assert "mosaic_gpu" in lower_for_h100(functools.partial(transpose, implementation="pallas"), x).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("override", [("tiling", (64, 64, "bij")), ("tiling", (64, 64, "bji")),
+                                      ("tiling", (128, 64, "bji")), ("ring", None)], ids=str)
+def test_narrow_e4m3_variants_gpu(key, monkeypatch, override):
+  from jaxkern.transpose import _transpose as tr
+  if override[0] == "tiling":
+    monkeypatch.setattr(tr, "_TILING_OVERRIDE", override[1])
+  else:
+    monkeypatch.setattr(tr, "_RING_BYTES", {**tr._RING_BYTES, 1: (0, None)})
+  for shape in ((8064, 576), (4032, 576)):
+    x = random_bits(key, shape, jnp.float8_e4m3fn)
+    assert_bitwise_equal(jax.jit(transpose)(x), np.asarray(x).T)
