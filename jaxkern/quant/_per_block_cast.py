@@ -65,14 +65,25 @@ WIDE_DTYPES = ("bfloat16",)  # inputs for which "auto" picks the wide kernel (fl
 _VARIANT_OVERRIDE = None
 
 
-def _variant(x_dtype, fmt, block_size, precomputed) -> str:
+# 128x128 blocks of a WIDE_DTYPES input with K up to this run the wide kernel one block wide (("wide", 128)).
+# H100, 2026-11-26 (scratch/time_narrow2.py, CUPTI cold L2, bit-exact): M=4001 / 8001 x K=576 / 2048 all 1.02-1.05x
+# faster than the per-block kernel (K=576 7.10 -> 6.75 µs at M=4001); K > 2048 not timed.
+WIDE128_MAX_K = 2048
+
+
+def _variant(x_dtype, fmt, block_size, precomputed, k: int) -> str | tuple:
   """The e4m3 kernel for these arguments: ``"wide"`` (:func:`_wide_kernel`) for 32x32 blocks with computed
-  sf from a :data:`WIDE_DTYPES` input, else ``"blocks"`` (:func:`_kernel`)."""
+  sf from a :data:`WIDE_DTYPES` input, ``("wide", 128)`` for 128x128 ones with ``K <= WIDE128_MAX_K``, else
+  ``"blocks"`` (:func:`_kernel`)."""
   if fmt != "e4m3" or precomputed:
     return "blocks"
   if _VARIANT_OVERRIDE is not None:  # the wide kernel also runs 128-row blocks (one or two per CTA)
     return _VARIANT_OVERRIDE
-  return "wide" if block_size == (32, 32) and jnp.dtype(x_dtype).name in WIDE_DTYPES else "blocks"
+  if jnp.dtype(x_dtype).name not in WIDE_DTYPES:
+    return "blocks"
+  if block_size == (32, 32):
+    return "wide"
+  return ("wide", 128) if block_size == (128, 128) and k <= WIDE128_MAX_K else "blocks"
 
 
 def _untiled(width, array_width):
@@ -410,7 +421,7 @@ def _fp4_from_f32_kernel(x, sf_in, *, block_size, round_sf, write_data, compute_
 
 
 def _run_kernel(x, fmt, block_size, interpret, *, sf_in=None, round_sf=False, write_data=True, compute_sf=True):
-  variant = _variant(x.dtype, fmt, block_size, sf_in is not None)
+  variant = _variant(x.dtype, fmt, block_size, sf_in is not None, x.shape[1])
   if isinstance(variant, tuple) and variant[0] in ("split", "split_direct"):
     return _kernel(x, sf_in, fmt=fmt, block_size=block_size, round_sf=round_sf, write_data=write_data,
                    compute_sf=compute_sf, split=variant[1], direct=variant[0] == "split_direct",

@@ -316,12 +316,14 @@ def test_e4m3_variants_bit_exact(key, monkeypatch, m, k, block, dtype, flags, va
 
 def test_variant_choice():
   from jaxkern.quant import _per_block_cast as pbc
-  assert pbc._variant(jnp.bfloat16, "e4m3", (32, 32), False) == "wide"
-  assert pbc._variant(jnp.bfloat16, "e4m3", (32, 32), True) == "blocks"  # precomputed sf
-  assert pbc._variant(jnp.bfloat16, "e2m1", (32, 32), False) == "blocks"
-  assert pbc._variant(jnp.bfloat16, "e4m3", (128, 128), False) == "blocks"
-  assert pbc._variant(jnp.bfloat16, "e4m3", (32, 128), False) == "blocks"
-  assert pbc._variant(jnp.float32, "e4m3", (32, 32), False) == "blocks"
+  assert pbc._variant(jnp.bfloat16, "e4m3", (32, 32), False, 7168) == "wide"
+  assert pbc._variant(jnp.bfloat16, "e4m3", (32, 32), True, 576) == "blocks"  # precomputed sf
+  assert pbc._variant(jnp.bfloat16, "e2m1", (32, 32), False, 576) == "blocks"
+  assert pbc._variant(jnp.bfloat16, "e4m3", (128, 128), False, 2048) == ("wide", 128)
+  assert pbc._variant(jnp.bfloat16, "e4m3", (128, 128), False, 2560) == "blocks"
+  assert pbc._variant(jnp.float32, "e4m3", (128, 128), False, 576) == "blocks"
+  assert pbc._variant(jnp.bfloat16, "e4m3", (32, 128), False, 576) == "blocks"
+  assert pbc._variant(jnp.float32, "e4m3", (32, 32), False, 576) == "blocks"
 
 
 @pytest.mark.parametrize("m, k, block, dtype", [(4001, 576, (32, 32), jnp.bfloat16), (8001, 7168, (32, 32), jnp.float32),
