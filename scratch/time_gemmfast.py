@@ -113,6 +113,8 @@ def main():
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--kernels", default="fwd,dgrad,wgrad")
   p.add_argument("--variants", default=None, help="comma list of forward variants (default: all)")
+  p.add_argument("--dgrad-variants", default=None, help="forward variants timed on transposed weights "
+                 "(default: ws,k2,tma,k2tma)")
   p.add_argument("--budget", type=float, default=1e9, help="seconds: skip what starts after this")
   a = p.parse_args()
   tiny = a.tiny
@@ -121,6 +123,8 @@ def main():
   names = list(a.shapes) if a.shapes else list(shapes)
   kernels = a.kernels.split(",")
   fwd_variants = a.variants.split(",") if a.variants else list(_grouped.VARIANTS)
+  dgrad_variants = (a.dgrad_variants.split(",") if a.dgrad_variants
+                    else [v for v in ("ws", "k2", "tma", "k2tma") if v in _grouped.VARIANTS])
   t_start = time.time()
   print(f"# {jax.devices()[0].device_kind}  jax {jax.__version__}  impl={impl}  forward default "
         f"{_grouped.VARIANT!r}, wgrad default {_backward.WGRAD_VARIANT!r}", flush=True)
@@ -133,23 +137,21 @@ def main():
       return True
     return False
 
-  if "fwd" in kernels or "dgrad" in kernels:
+  def fwd_like(kind, variants):
     for name in names:
       rows, n, k = shapes[name]
       x, w, be = fwd_inputs(key, rows, n, k, tiny)
       m = x.data.shape[0]
-      if "fwd" in kernels:
+      if kind == "fwd":
         want = jax.jit(ref.dequantized_product)(x, w, be)
-        for v in fwd_variants:
+        for v in variants:
           if over_budget():
-            return
+            return False
           _grouped.VARIANT = v
           attempt("fwd", v, name, 2 * m * n * k,
                   lambda x, w, be: gemm.fp8_grouped_gemm(x, w, be, out_dtype=jnp.bfloat16, implementation=impl),
                   (x, w, be), want, a.iters, tiny)
-        _grouped.VARIANT = "ws"
-        del want
-      if "dgrad" in kernels:
+      else:
         # dy (M, N) with per-token sf along N (layout A), the forward weights (G, N, K) -> dx (M, K).
         kd1, kd2 = jax.random.split(jax.random.key(1))
         dy = QuantTensor(jnp.clip(jax.random.normal(kd1, (m, n)) * 100, -448, 448).astype(E4M3),
@@ -157,22 +159,22 @@ def main():
         wt = jax.jit(gemm.transpose_weights)(w)
         want = jax.jit(ref.dequantized_product)(dy, wt, be)
         if over_budget():
-          return
-        attempt("dgrad", "op", name, 2 * m * n * k,
+          return False
+        _grouped.VARIANT = "ws"
+        attempt("dgrad", "op(ws)", name, 2 * m * n * k,
                 lambda dy, w, be: gemm.fp8_grouped_gemm_input_grad(dy, w, be, implementation=impl),
                 (dy, w, be), want, a.iters, tiny)
-        for v in fwd_variants:  # the kernel alone, on pre-transposed weights (what a layer caching w^T runs)
+        for v in variants:  # the kernel alone, on pre-transposed weights (what a layer caching w^T runs)
           if over_budget():
-            return
+            return False
           _grouped.VARIANT = v
           attempt("dgradT", v, name, 2 * m * n * k,
                   lambda dy, wt, be: gemm.fp8_grouped_gemm(dy, wt, be, implementation=impl),
                   (dy, wt, be), want, a.iters, tiny)
-        _grouped.VARIANT = "ws"
-        del want, dy, wt
-      del x, w, be
+      _grouped.VARIANT = "ws"
+    return True
 
-  if "wgrad" in kernels:
+  def wgrad():
     for name in names:
       rows, n, k = shapes[name]
       dyt, xt, be = wgrad_inputs(key, rows, n, k)
@@ -180,14 +182,27 @@ def main():
       want = wgrad_want(dyt, xt, rows)
       for v in _backward.WGRAD_VARIANTS:
         if over_budget():
-          return
+          return False
         _backward.WGRAD_VARIANT = v
         attempt("wgrad", v, name, 2 * m * n * k,
                 lambda dyt, xt, be: gemm.fp8_grouped_gemm_weight_grad(dyt, xt, be, num_experts=len(rows),
                                                                        implementation=impl),
                 (dyt, xt, be), want, a.iters, tiny)
       _backward.WGRAD_VARIANT = "ws"
-      del want, dyt, xt
+    return True
+
+  # order: forward, weight grad, input grad (the forward kernel on transposed weights), then the old variants
+  # ws6 / simple (timed before) go last, so a spent budget loses the least new information
+  late = [v for v in fwd_variants if v in ("ws6", "simple")] if not a.variants else []
+  first = [v for v in fwd_variants if v not in late]
+  if "fwd" in kernels and not fwd_like("fwd", first):
+    return
+  if "wgrad" in kernels and not wgrad():
+    return
+  if "dgrad" in kernels and not fwd_like("dgrad", dgrad_variants):
+    return
+  if "fwd" in kernels and late and not fwd_like("fwd", late):
+    return
   print(f"# done in {time.time() - t_start:.0f}s", flush=True)
 
 
