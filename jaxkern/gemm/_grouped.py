@@ -9,6 +9,12 @@ Mosaic GPU kernels (:data:`VARIANT` picks one at trace time; ``scratch/gpu_gemm.
   compute warpgroups of 64 rows each; 64x128 float32 per warpgroup, 128x128 spilled in the notes).
 * ``"simple"`` (:func:`_simple_kernel`): one CTA per (64-row tile, 128-column tile), one warpgroup, a
   ``plgpu.emit_pipeline`` TMA pipeline.
+* Speed variants of ``"ws"`` (issue 24, :func:`_ws2_kernel`; not yet timed on a GPU, see
+  ``scratch/time_gemmfast.py``): ``"k2"`` (deferred promotion: 2 x 128 of K per pipeline step, two wgmma
+  accumulators, the first promoted while the second runs; 3 stages), ``"tma"`` (SMEM + TMA-store epilogue
+  overlapped with the next item; 4 stages), ``"k2tma"`` / ``"k2tma2"`` (both; 3 / 2 stages), ``"tma6"``
+  (6 stages), ``"k2tma_g8"`` / ``"tma_g8"`` (grouped rasterisation: 8 column tiles per group for L2 reuse),
+  ``"k2tma_g1"`` (row blocks fastest; for the tests of the item order).
 
 Both: per 128-deep K step the ``(rows, 128)`` e4m3 tile of ``x`` and the ``(128, 128)`` e4m3 tile of ``w[e]``
 (stored ``(N, K)``, i.e. K-major, passed to wgmma transposed: FP8 wgmma needs K-major operands on both sides)
@@ -176,9 +182,10 @@ def _out_transforms(dtype):
   return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages", "kpair", "epilogue"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages", "kpair", "epilogue",
+                                             "group_n"))
 def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, stages=4, kpair=2,
-                epilogue="tma"):
+                epilogue="tma", group_n=None):
   """:func:`_ws_kernel` (arguments as :func:`_simple_kernel`) with two speed options (issue 24):
 
   * ``kpair=2`` (deferred promotion): a pipeline step carries ``2 x 128`` of K (``stages`` such steps in
@@ -190,6 +197,9 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
   * ``epilogue="tma"``: the result goes registers -> swizzled SMEM (one ``(64, 128)`` tile per compute
     warpgroup) -> TMA store, whose completion is only awaited before the next item's result is staged, so
     the store overlaps the next item's main loop (``"reg"``: registers straight to GMEM).
+  * ``group_n`` (grouped rasterisation for L2 reuse): items walk ``gcd(group_n, N/128)`` column tiles at a
+    time, 128-row blocks slower, column groups slowest, so the CTAs of one wave share fewer distinct ``x``
+    row blocks and weight tiles (``None``: all column tiles of a row block, then the next row block).
   """
   m, k = xq.shape
   _, n, _ = wq.shape
@@ -199,6 +209,7 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
   m_iters, n_iters = m // BLOCK, n // BN
   wm = BLOCK // 2  # rows per compute warpgroup
   tma_out = epilogue == "tma"
+  gn = n // BN if group_n is None else int(np.gcd(group_n, n // BN))
   out_bytes = 2 * wm * BN * jnp.dtype(out_dtype).itemsize if tma_out else 0
   while stages > 2 and stages * kp * (BLOCK + BN) * BLOCK + out_bytes > SMEM_LIMIT - 1024:
     stages -= 1  # e.g. the float32 staging tile leaves room for one stage fewer
@@ -225,7 +236,8 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
       def _items(info):
         (lin,) = info.index
-        mi, ni = lin // n_iters, lin % n_iters
+        grp, within = lin // (m_iters * gn), lin % (m_iters * gn)
+        mi, ni = within // gn, grp * gn + within % gn
         e = be_g[mi]
         rows = pl.ds(mi * BLOCK + wg * wm, wm)
         cols = pl.ds(ni * BN, BN)
@@ -290,7 +302,10 @@ VARIANTS = {"ws": _ws_kernel, "ws6": functools.partial(_ws_kernel, stages=6), "s
             "tma": functools.partial(_ws2_kernel, stages=4, kpair=1, epilogue="tma"),
             "k2tma": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma"),
             "k2tma2": functools.partial(_ws2_kernel, stages=2, kpair=2, epilogue="tma"),
-            "tma6": functools.partial(_ws2_kernel, stages=6, kpair=1, epilogue="tma")}
+            "tma6": functools.partial(_ws2_kernel, stages=6, kpair=1, epilogue="tma"),
+            "k2tma_g8": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n=8),
+            "tma_g8": functools.partial(_ws2_kernel, stages=4, kpair=1, epilogue="tma", group_n=8),
+            "k2tma_g1": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n=1)}
 VARIANT = "ws"
 
 
