@@ -45,28 +45,53 @@ def row(kernel, variant, shape, us, flops, err, note=""):
   print(f"{kernel:6s} {variant:12s} {shape:2s} {us_s} {tfs:7.0f} {err_s}{flag} {note}", flush=True)
 
 
-def timed(fn, args, iters, tiny):
-  """(median µs or None, output)."""
-  f = jax.jit(fn)
-  out = jax.block_until_ready(f(*args))
+def fail(kernel, variant, shape, e, tiny):
+  msg = " ".join(str(e).split())[:200]
+  print(f"{kernel:6s} {variant:12s} {shape:2s} FAILED {type(e).__name__}: {msg}", flush=True)
   if tiny:
-    return None, out
-  from jaxkern.testing.timing import device_times_us
-  return float(np.median(device_times_us(f, *args, iterations=iters))), out
+    traceback.print_exc()
 
 
-def attempt(kernel, variant, shape, flops, fn, args, want, iters, tiny):
-  try:
-    t0 = time.time()
-    us, out = timed(fn, args, iters, tiny)
-    err = rel_err(out, want) if want is not None else None
-    del out
-    row(kernel, variant, shape, us, flops, err, f"({time.time() - t0:.0f}s)")
-  except Exception as e:  # noqa: BLE001 -- one line per failing variant, then go on
-    msg = " ".join(str(e).split())[:200]
-    print(f"{kernel:6s} {variant:12s} {shape:2s} FAILED {type(e).__name__}: {msg}", flush=True)
-    if tiny:
-      traceback.print_exc()
+def attempt_batch(kernel, shape, flops, items, args, want, iters, tiny, setdown=None):
+  """Time each ``(variant, fn, setup)`` of ``items`` on ``args``: ``setup()`` (e.g. picking the module's variant)
+  then trace + lower one after another (the variant is read at trace time), compile all in threads (the
+  compiles release the GIL), then run each once for its error and time it (GPU: CUPTI, cold L2 via
+  jaxkern.testing.timing; ``tiny``: no timing, no flush)."""
+  from concurrent.futures import ThreadPoolExecutor
+  from jaxkern.testing import timing
+  flush = not tiny
+  lowered = {}
+  for variant, fn, setup in items:
+    try:
+      setup()
+      # a fresh function object per variant: jax.jit's trace cache is keyed on the function, and the variant is
+      # a module attribute read at trace time
+      lowered[variant] = timing.lower_timed(lambda *a, _fn=fn: _fn(*a), *args, flush=flush)
+    except Exception as e:  # noqa: BLE001 -- one line per failing variant, then go on
+      fail(kernel, variant, shape, e, tiny)
+  if setdown:
+    setdown()
+  t0 = time.time()
+  with ThreadPoolExecutor(max_workers=8) as ex:
+    futures = {v: ex.submit(low.compile) for v, low in lowered.items()}
+    compiled = {}
+    for v, fut in futures.items():
+      try:
+        compiled[v] = fut.result()
+      except Exception as e:  # noqa: BLE001
+        fail(kernel, v, shape, e, tiny)
+  note = f"(compile {time.time() - t0:.0f}s for {len(lowered)})"
+  for v, c in compiled.items():
+    try:
+      out = c(timing.flush_buffer(), *args)[1] if flush else c(*args)
+      err = rel_err(out, want) if want is not None else None
+      del out
+      us = float(np.median(timing.device_times_us(None, *args, iterations=iters, compiled=c))) if flush else None
+      row(kernel, v, shape, us, flops, err, note)
+      note = ""
+    except Exception as e:  # noqa: BLE001
+      fail(kernel, v, shape, e, tiny)
+  del compiled
 
 
 def segments_of(rows):
@@ -137,6 +162,12 @@ def main():
       return True
     return False
 
+  def pick(v):
+    return lambda: setattr(_grouped, "VARIANT", v)
+
+  def pick_w(v):
+    return lambda: setattr(_backward, "WGRAD_VARIANT", v)
+
   def fwd_like(kind, variants):
     for name in names:
       rows, n, k = shapes[name]
@@ -144,13 +175,11 @@ def main():
       m = x.data.shape[0]
       if kind == "fwd":
         want = jax.jit(ref.dequantized_product)(x, w, be)
-        for v in variants:
-          if over_budget():
-            return False
-          _grouped.VARIANT = v
-          attempt("fwd", v, name, 2 * m * n * k,
-                  lambda x, w, be: gemm.fp8_grouped_gemm(x, w, be, out_dtype=jnp.bfloat16, implementation=impl),
-                  (x, w, be), want, a.iters, tiny)
+        if over_budget():
+          return False
+        fn = lambda x, w, be: gemm.fp8_grouped_gemm(x, w, be, out_dtype=jnp.bfloat16, implementation=impl)
+        attempt_batch("fwd", name, 2 * m * n * k, [(v, fn, pick(v)) for v in variants], (x, w, be), want,
+                      a.iters, tiny, setdown=pick("ws"))
       else:
         # dy (M, N) with per-token sf along N (layout A), the forward weights (G, N, K) -> dx (M, K).
         kd1, kd2 = jax.random.split(jax.random.key(1))
@@ -160,17 +189,13 @@ def main():
         want = jax.jit(ref.dequantized_product)(dy, wt, be)
         if over_budget():
           return False
-        _grouped.VARIANT = "ws"
-        attempt("dgrad", "op(ws)", name, 2 * m * n * k,
-                lambda dy, w, be: gemm.fp8_grouped_gemm_input_grad(dy, w, be, implementation=impl),
-                (dy, w, be), want, a.iters, tiny)
-        for v in variants:  # the kernel alone, on pre-transposed weights (what a layer caching w^T runs)
-          if over_budget():
-            return False
-          _grouped.VARIANT = v
-          attempt("dgradT", v, name, 2 * m * n * k,
-                  lambda dy, wt, be: gemm.fp8_grouped_gemm(dy, wt, be, implementation=impl),
-                  (dy, wt, be), want, a.iters, tiny)
+        attempt_batch("dgrad", name, 2 * m * n * k,
+                      [("op(ws)", lambda dy, w, be: gemm.fp8_grouped_gemm_input_grad(dy, w, be, implementation=impl),
+                        pick("ws"))], (dy, w, be), want, a.iters, tiny)
+        # the kernel alone, on pre-transposed weights (what a layer caching w^T runs)
+        fn = lambda dy, wt, be: gemm.fp8_grouped_gemm(dy, wt, be, implementation=impl)
+        attempt_batch("dgradT", name, 2 * m * n * k, [(v, fn, pick(v)) for v in variants], (dy, wt, be), want,
+                      a.iters, tiny, setdown=pick("ws"))
       _grouped.VARIANT = "ws"
     return True
 
@@ -180,15 +205,12 @@ def main():
       dyt, xt, be = wgrad_inputs(key, rows, n, k)
       m = sum(rows)
       want = wgrad_want(dyt, xt, rows)
-      for v in _backward.WGRAD_VARIANTS:
-        if over_budget():
-          return False
-        _backward.WGRAD_VARIANT = v
-        attempt("wgrad", v, name, 2 * m * n * k,
-                lambda dyt, xt, be: gemm.fp8_grouped_gemm_weight_grad(dyt, xt, be, num_experts=len(rows),
-                                                                       implementation=impl),
-                (dyt, xt, be), want, a.iters, tiny)
-      _backward.WGRAD_VARIANT = "ws"
+      if over_budget():
+        return False
+      fn = lambda dyt, xt, be, g=len(rows): gemm.fp8_grouped_gemm_weight_grad(dyt, xt, be, num_experts=g,
+                                                                              implementation=impl)
+      attempt_batch("wgrad", name, 2 * m * n * k, [(v, fn, pick_w(v)) for v in _backward.WGRAD_VARIANTS],
+                    (dyt, xt, be), want, a.iters, tiny, setdown=pick_w("ws"))
     return True
 
   # order: forward, weight grad, input grad (the forward kernel on transposed weights), then the old variants
