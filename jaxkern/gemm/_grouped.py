@@ -9,6 +9,12 @@ Mosaic GPU kernels (:data:`VARIANT` picks one at trace time; ``scratch/gpu_gemm.
   compute warpgroups of 64 rows each; 64x128 float32 per warpgroup, 128x128 spilled in the notes).
 * ``"simple"`` (:func:`_simple_kernel`): one CTA per (64-row tile, 128-column tile), one warpgroup, a
   ``plgpu.emit_pipeline`` TMA pipeline.
+* Speed variants of ``"ws"`` (issue 24, :func:`_ws2_kernel`; not yet timed on a GPU, see
+  ``scratch/time_gemmfast.py``): ``"k2"`` (deferred promotion: 2 x 128 of K per pipeline step, two wgmma
+  accumulators, the first promoted while the second runs; 3 stages), ``"tma"`` (SMEM + TMA-store epilogue
+  overlapped with the next item; 4 stages), ``"k2tma"`` / ``"k2tma2"`` (both; 3 / 2 stages), ``"tma6"``
+  (6 stages), ``"k2tma_g8"`` / ``"tma_g8"`` (grouped rasterisation: 8 column tiles per group for L2 reuse),
+  ``"k2tma_g1"`` (row blocks fastest; for the tests of the item order).
 
 Both: per 128-deep K step the ``(rows, 128)`` e4m3 tile of ``x`` and the ``(128, 128)`` e4m3 tile of ``w[e]``
 (stored ``(N, K)``, i.e. K-major, passed to wgmma transposed: FP8 wgmma needs K-major operands on both sides)
@@ -45,6 +51,7 @@ BLOCK = 128  # rows per expert block of the fused layout, K step, weight-scale b
 BM = 64  # rows per CTA (one wgmma M per warpgroup)
 BN = 128  # output columns per CTA
 STAGES = 4  # TMA pipeline depth: 4 x (8 + 16) KiB of SMEM
+SMEM_LIMIT = 232_448  # bytes per CTA on an H100
 OUT_DTYPES = (jnp.bfloat16, jnp.float32)
 WG = plgpu.Layout.WGMMA
 FP8_TILED = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))  # 128-byte rows of e4m3
@@ -170,8 +177,135 @@ def _ws_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sm
   return kernel(block_expert, xq, sfx_t, wq, wsf)
 
 
+def _out_transforms(dtype):
+  """Swizzled SMEM tiling of a ``(rows, 128)`` output staging tile (128-byte rows)."""
+  return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages", "kpair", "epilogue",
+                                             "group_n"))
+def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, stages=4, kpair=2,
+                epilogue="tma", group_n=None):
+  """:func:`_ws_kernel` (arguments as :func:`_simple_kernel`) with two speed options (issue 24):
+
+  * ``kpair=2`` (deferred promotion): a pipeline step carries ``2 x 128`` of K (``stages`` such steps in
+    SMEM, 64 KiB each: 3 fit); each compute warpgroup issues both steps' wgmmas into two accumulators, then
+    waits for the first only (``wgmma_accumulator_load(wait_n=1)``) and promotes it while the second runs,
+    then promotes the second. Same numerics: every 128-deep product is promoted on its own, in step order.
+    Falls back to ``kpair=1`` when ``K/128`` is odd.
+  ``stages`` shrinks (down to 2) until the pipeline and the staging tile fit SMEM.
+  * ``epilogue="tma"``: the result goes registers -> swizzled SMEM (one ``(64, 128)`` tile per compute
+    warpgroup) -> TMA store, whose completion is only awaited before the next item's result is staged, so
+    the store overlaps the next item's main loop (``"reg"``: registers straight to GMEM).
+  * ``group_n`` (grouped rasterisation for L2 reuse): items walk ``gcd(group_n, N/128)`` column tiles at a
+    time, 128-row blocks slower, column groups slowest, so the CTAs of one wave share fewer distinct ``x``
+    row blocks and weight tiles (``None``: all column tiles of a row block, then the next row block).
+  """
+  m, k = xq.shape
+  _, n, _ = wq.shape
+  ks = k // BLOCK
+  kp = kpair if ks % kpair == 0 else 1
+  steps = ks // kp
+  m_iters, n_iters = m // BLOCK, n // BN
+  wm = BLOCK // 2  # rows per compute warpgroup
+  tma_out = epilogue == "tma"
+  gn = n // BN if group_n is None else int(np.gcd(group_n, n // BN))
+  out_bytes = 2 * wm * BN * jnp.dtype(out_dtype).itemsize if tma_out else 0
+  while stages > 2 and stages * kp * (BLOCK + BN) * BLOCK + out_bytes > SMEM_LIMIT - 1024:
+    stages -= 1  # e.g. the float32 staging tile leaves room for one stage fewer
+
+  def body(be_g, x_g, sfx_g, w_g, sfw_g, o_g):
+    wg = lax.axis_index("wg")
+
+    def pipeline(mma_body, compute_context):
+      return plgpu.emit_pipeline_warp_specialized(
+          mma_body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+          max_concurrent_steps=min(stages, steps), compute_context=compute_context,
+          in_specs=[plgpu.BlockSpec((BLOCK, kp * BLOCK), lambda kk: (0, kk), transforms=FP8_TILED,
+                                    memory_space=plgpu.SMEM),
+                    plgpu.BlockSpec((BN, kp * BLOCK), lambda kk: (0, kk), transforms=FP8_TILED,
+                                    memory_space=plgpu.SMEM)])
+
+    ignore = lambda *_, **__: None
+    allocs = dict(pipe=pipeline(ignore, ignore).get_allocations(x_g, w_g.at[0]))
+    if tma_out:
+      allocs["out_s"] = plgpu.SMEM((2, wm, BN), out_dtype, transforms=_out_transforms(out_dtype))
+
+    @functools.partial(pl.run_scoped, collective_axes="wg", **allocs)
+    def _scope(pipe, out_s=None):
+      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+      def _items(info):
+        (lin,) = info.index
+        grp, within = lin // (m_iters * gn), lin % (m_iters * gn)
+        mi, ni = within // gn, grp * gn + within % gn
+        e = be_g[mi]
+        rows = pl.ds(mi * BLOCK + wg * wm, wm)
+        cols = pl.ds(ni * BN, BN)
+
+        def scales(step):
+          step = jnp.minimum(step, ks - 1)
+          return plgpu.load(sfx_g.at[step, rows], layout=WG.reduce(1), optimized=False), sfw_g[e, ni, step]
+
+        def compute_context(run_pipeline):
+          init = tuple(scales(j) for j in range(kp))
+          total, _ = run_pipeline((plgpu.layout_cast(jnp.zeros((wm, BN), jnp.float32), WG), init))
+          if tma_out:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store has read out_s
+            out_s[wg] = total.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_s.at[wg], o_g.at[rows, cols])
+          else:
+            o_g[rows, cols] = total.astype(out_dtype)
+
+        def mma_body(idx, x_s, w_s, carry):
+          (kk,) = idx
+          total, sc = carry
+          xs = x_s.at[pl.ds(wg * wm, wm)]
+
+          def scope(*accs):
+            for j, acc in enumerate(accs):
+              plgpu.wgmma(acc, xs.at[:, pl.ds(j * BLOCK, BLOCK)], w_s.at[:, pl.ds(j * BLOCK, BLOCK)].T)
+            nxt = tuple(scales((kk + 1) * kp + j) for j in range(kp))
+            t = total
+            for j, acc in enumerate(accs):
+              part = plgpu.wgmma_accumulator_load(acc, wait_n=kp - 1 - j)
+              sx, sw = sc[j]
+              t = t + part * (sx * sw)[:, None]
+            return t, nxt
+
+          return pl.run_scoped(scope, *[plgpu.ACC((wm, BN), jnp.float32) for _ in range(kp)])
+
+        @pl.when(e >= 0)
+        def _compute():
+          pipeline(mma_body, compute_context)(x_g.at[pl.ds(mi * BLOCK, BLOCK), :], w_g.at[e, cols, :],
+                                              allocations=pipe)
+
+        @pl.when((e < 0) & (wg < 2))
+        def _skip():
+          o_g[rows, cols] = plgpu.layout_cast(jnp.zeros((wm, BN), out_dtype), WG)
+
+      if tma_out:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+                        grid=(min(num_sms, m_iters * n_iters),), grid_names=("sm",), num_threads=3,
+                        thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+                        interpret=interpret)
+  return kernel(block_expert, xq, sfx_t, wq, wsf)
+
+
 # Kernel variants (module attribute read at trace time; scratch/gpu_gemm.sh times each).
-VARIANTS = {"ws": _ws_kernel, "ws6": functools.partial(_ws_kernel, stages=6), "simple": _simple_kernel}
+VARIANTS = {"ws": _ws_kernel, "ws6": functools.partial(_ws_kernel, stages=6), "simple": _simple_kernel,
+            # issue 24 speed variants (:func:`_ws2_kernel`): deferred promotion over 2 x 128 K per step, TMA epilogue
+            "k2": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="reg"),
+            "tma": functools.partial(_ws2_kernel, stages=4, kpair=1, epilogue="tma"),
+            "k2tma": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma"),
+            "k2tma2": functools.partial(_ws2_kernel, stages=2, kpair=2, epilogue="tma"),
+            "tma6": functools.partial(_ws2_kernel, stages=6, kpair=1, epilogue="tma"),
+            "k2tma_g8": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n=8),
+            "tma_g8": functools.partial(_ws2_kernel, stages=4, kpair=1, epilogue="tma", group_n=8),
+            "k2tma_g1": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n=1)}
 VARIANT = "ws"
 
 

@@ -60,10 +60,13 @@ def variant(request, monkeypatch):
   return request.param
 
 
-@pytest.mark.parametrize("variant, out_dtype", [("ws", jnp.float32), ("ws", jnp.bfloat16), ("simple", jnp.float32)],
-                         indirect=["variant"])
-def test_kernel_matches_reference(key, variant, out_dtype):
-  g, m, n, k = 3, 512, 256, 384
+@pytest.mark.parametrize("variant, out_dtype, k", [
+    ("ws", jnp.float32, 384), ("ws", jnp.bfloat16, 384), ("simple", jnp.float32, 384),
+    # issue 24 speed variants: K/128 even (deferred promotion of 2 x 128 per step) and odd (falls back to 1 x 128)
+    ("k2", jnp.float32, 512), ("k2", jnp.float32, 384), ("tma", jnp.bfloat16, 384), ("k2tma", jnp.bfloat16, 512),
+    ("k2tma", jnp.float32, 512), ("tma6", jnp.float32, 384)], indirect=["variant"])
+def test_kernel_matches_reference(key, variant, out_dtype, k):
+  g, m, n = 3, 512, 256
   x, w = make_inputs(key, g, m, n, k)
   be = jnp.array([2, 0, -1, 1], jnp.int32)
   got = run(x, w, be, out_dtype=out_dtype)
@@ -211,13 +214,15 @@ def test_gpu_accuracy(key, g, rows, n, k):
   assert rel_err(got, want) <= 5e-3
 
 
-def test_persistent_kernel_loops_over_items(key, monkeypatch):
+@pytest.mark.parametrize("variant, k", [("ws", 384), ("k2", 768), ("k2tma2", 768), ("tma", 384), ("k2tma_g1", 512)],
+                         indirect=["variant"])
+def test_persistent_kernel_loops_over_items(key, variant, k, monkeypatch):
   """3 CTAs for 8 work items: each CTA runs several pipelines in turn (barrier phases carried over, a skipped
-  block in between), as every CTA does at the real shapes."""
+  block in between; with the TMA epilogue, each item's store still in flight while the next one runs), as every
+  CTA does at the real shapes. k=768: 3 pipeline steps of 2 x 128 (2 stages: the SMEM ring wraps)."""
   from jaxkern import _config
-  monkeypatch.setattr(_grouped, "VARIANT", "ws")
   monkeypatch.setattr(_config, "num_sms", lambda: 3)
-  g, m, n, k = 3, 512, 256, 384
+  g, m, n = 3, 512, 256
   x, w = make_inputs(key, g, m, n, k)
   be = jnp.array([1, -1, 0, 2], jnp.int32)
   got = run(x, w, be, out_dtype=jnp.float32)
