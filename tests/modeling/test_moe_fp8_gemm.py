@@ -1,0 +1,168 @@
+"""MoeConfig(fp8_gemm=True): the MoE layer's expert matmuls through jaxkern.modeling.fp8_grouped_linear (FP8 e4m3
+forward and backward GEMMs) against the dense float32 layer, the reference vs interpret-mode kernels, gradients
+under jit, the configuration checks and the H100 lowering.
+
+Tolerances against float32 (why they are loose): every GEMM operand is rounded to e4m3 (3 mantissa bits: up to
+2^-4 relative per element, ~2^-4/sqrt(3) ≈ 3.6% RMS, more for small entries of a 128x128 weight block scaled by
+its largest), i.e. x and [Wg | Wu] in the first GEMM, the activation and Wd in the second, and the gradients see
+the cotangents rounded the same way. A dot product of independently rounded operands then carries a relative
+error of ~sqrt(2) x 3.6% ≈ 5% RMS per projection; the two projections compound. So the outputs and gradients are
+checked by their relative Frobenius error (≤ 12%) and their largest elementwise error (≤ 25% of the largest entry),
+which a wrong weight layout, block-expert map or scale (O(1) errors, see test_wrong_layout_would_fail) exceed by
+far; the bf16 (fp8_gemm=False) path is checked to be much closer, so the FP8 path is really taken."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkern import moe
+from jaxkern.modeling import MoeConfig, MoeParams, init_moe_params, moe_layer, moe_layer_dense, swiglu_experts
+from jaxkern.modeling.moe import _group_sizes, fused_block_experts
+from jaxkern.testing import lower_for_h100
+
+T, H, I = 32, 256, 128
+FP8 = MoeConfig(num_experts=4, num_topk=2, num_shared_experts=1, routed_scaling_factor=1.5, alignment=128,
+                fp8_gemm=True)
+BF16 = dataclasses.replace(FP8, fp8_gemm=False)
+NAMES = ["router", "router_bias", "w_gate", "w_up", "w_down", "x"]
+
+
+def _inputs(key, config=FP8, tokens=T):
+  k_params, k_x = jax.random.split(key)
+  params = init_moe_params(k_params, config, H, I, jnp.bfloat16)
+  return params, jax.random.normal(k_x, (tokens, H), jnp.float32).astype(jnp.bfloat16)
+
+
+def _f32(tree):
+  return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "config", "implementation"))
+def _forward(params, x, *, layer, config, implementation):
+  return layer(params, x, config=config, implementation=implementation)
+
+
+def _loss(params, x, layer, config, implementation):
+  return jnp.sum(jnp.sin(layer(params, x, config=config, implementation=implementation).astype(jnp.float32)))
+
+
+_grads = jax.jit(jax.grad(_loss, argnums=(0, 1)), static_argnums=(2, 3, 4))
+
+
+def _dense32(params, x, fn):
+  """The dense float32 layer (every expert on every token, highest matmul precision) on the same bf16 values."""
+  with jax.default_matmul_precision("highest"):
+    return fn(_f32(params), x.astype(jnp.float32))
+
+
+def _errors(actual, expected):
+  a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  scale = np.abs(e).max()
+  return np.linalg.norm(a - e) / np.linalg.norm(e), np.abs(a - e).max() / scale
+
+
+def _assert_e4m3_close(actual, expected, name=""):
+  fro, mx = _errors(actual, expected)
+  assert fro <= 0.12 and mx <= 0.25, (name, fro, mx)
+
+
+def test_config_checks():
+  with pytest.raises(ValueError, match="alignment must be 128 with fp8_gemm"):
+    MoeConfig(num_experts=4, num_topk=2, alignment=64, fp8_gemm=True)
+  MoeConfig(num_experts=4, num_topk=2, alignment=64)  # the default path keeps any alignment
+
+
+def test_widths_not_multiples_of_128_raise(key):
+  params, x = _inputs(key)
+  bad_i = params._replace(w_gate=params.w_gate[:, :, :64], w_up=params.w_up[:, :, :64], w_down=params.w_down[:, :64])
+  with pytest.raises(ValueError, match=r"multiples of 128, got H=256, I=64"):
+    _forward(bad_i, x, layer=moe_layer, config=FP8, implementation="reference")
+  xf = jnp.zeros((200, H), jnp.bfloat16)
+  with pytest.raises(ValueError, match="multiple of 128 fused rows"):
+    swiglu_experts(xf, params, jnp.array([200, 0, 0, 0, 0], jnp.int32), fp8_gemm=True, implementation="reference")
+
+
+def test_block_experts_of_the_fused_mapping(key):
+  params, x = _inputs(key)
+  routing = jax.jit(lambda p, x: __import__("jaxkern").modeling.route_tokens(p, x, config=FP8,
+                                                                             implementation="reference"))(params, x)
+  mapping = moe.get_fused_mapping(routing.topk_idx, FP8.num_all_experts, 0, 128, force_no_sync=True,
+                                  implementation="reference")
+  be = np.asarray(fused_block_experts(mapping.pos_to_expert))
+  rows = np.asarray(mapping.pos_to_expert)
+  assert be.shape == (rows.shape[0] // 128,) and be.dtype == np.int32
+  for b, e in enumerate(be):  # every real row of a block belongs to the block's expert; unused blocks are -1
+    blk = rows[b * 128:(b + 1) * 128]
+    assert set(blk[blk >= 0]) <= {e} and (e >= 0) == bool(np.any(blk >= 0))
+  sizes_be = swiglu_experts.__globals__["_block_experts_from_sizes"](_group_sizes(mapping), rows.shape[0])
+  used = be >= 0  # derived from group sizes: the same ids on the used blocks (the tail runs as the last expert)
+  np.testing.assert_array_equal(np.asarray(sizes_be)[used], be[used])
+
+
+@pytest.mark.parametrize("fp8_swiglu, fp8_expand", [(False, False), (True, True)], ids=["plain", "fp8_all"])
+def test_forward_close_to_dense_float32(key, fp8_swiglu, fp8_expand):
+  config = dataclasses.replace(FP8, fp8_swiglu=fp8_swiglu, fp8_expand=fp8_expand)
+  params, x = _inputs(key)
+  y = _forward(params, x, layer=moe_layer, config=config, implementation="reference")
+  assert y.shape == (T, H) and y.dtype == jnp.bfloat16
+  want = _dense32(params, x, functools.partial(moe_layer_dense, config=BF16, implementation="reference"))
+  _assert_e4m3_close(y, want)
+  y16 = _forward(params, x, layer=moe_layer, config=dataclasses.replace(BF16, fp8_swiglu=fp8_swiglu,
+                                                                        fp8_expand=fp8_expand), implementation="reference")
+  assert _errors(y, want)[0] > 2 * _errors(y16, want)[0] or fp8_expand, "the FP8 GEMMs are really used"
+  y32 = _forward(_f32(params), x.astype(jnp.float32), layer=moe_layer, config=config, implementation="reference")
+  assert y32.dtype == jnp.float32  # float32 tokens and weights: rounded to bf16 for the GEMMs, result float32
+  _assert_e4m3_close(y32, want)
+
+
+def test_wrong_layout_would_fail(key):
+  """The tolerance discriminates: the layer with Wg and Wu swapped (a plausible layout bug) is far outside it."""
+  params, x = _inputs(key)
+  want = _dense32(params, x, functools.partial(moe_layer_dense, config=BF16, implementation="reference"))
+  swapped = params._replace(w_gate=params.w_up, w_up=params.w_gate)
+  fro, mx = _errors(_forward(swapped, x, layer=moe_layer, config=FP8, implementation="reference"), want)
+  assert fro > 0.5 or mx > 0.5
+
+
+def test_interpret_kernels_match_reference(key):
+  """Interpret-mode Mosaic GPU kernels (per_token_cast, per_block_cast, fp8_grouped_gemm, ...) against the jnp
+  references of the same ops: the same FP8 roundings, so close to bf16 rounding of the outputs."""
+  params, x = _inputs(key, tokens=16)
+  y_ref = _forward(params, x, layer=moe_layer, config=FP8, implementation="reference")
+  y_int = _forward(params, x, layer=moe_layer, config=FP8, implementation="interpret")
+  np.testing.assert_allclose(np.asarray(y_int, np.float32), np.asarray(y_ref, np.float32), rtol=2 ** -7,
+                             atol=2 ** -7 * float(jnp.max(jnp.abs(y_ref.astype(jnp.float32)))))
+
+
+def test_gradients_close_to_dense_float32(key):
+  params, x = _inputs(key)
+  grads = _grads(params, x, moe_layer, FP8, "reference")
+  dense = jax.grad(lambda p, x: jnp.sum(jnp.sin(moe_layer_dense(p, x, config=BF16, implementation="reference"))),
+                   argnums=(0, 1))
+  expected = _dense32(params, x, jax.jit(dense))
+  for name, g, e in zip(NAMES, jax.tree.leaves(grads), jax.tree.leaves(expected)):
+    assert g.shape == e.shape, name
+    if name == "router_bias":
+      assert not np.any(np.asarray(g)), "the balancing bias is a buffer"
+      continue
+    assert g.dtype == (jnp.float32 if name == "router" else jnp.bfloat16), name
+    _assert_e4m3_close(g, e, name)
+
+
+def test_zero_tokens(key):
+  params, x = _inputs(key, tokens=0)
+  assert _forward(params, x, layer=moe_layer, config=FP8, implementation="reference").shape == (0, H)
+
+
+def test_lowers_for_h100(key):
+  """Forward and backward of the layer with every FP8 option lower for an H100 (the Mosaic GPU kernels inside)."""
+  params, x = _inputs(key)
+  config = dataclasses.replace(FP8, fp8_swiglu=True, fp8_expand=True)
+  f = jax.grad(lambda p, x: _loss(p, x, moe_layer, config, "pallas"), argnums=(0, 1))
+  spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+  text = lower_for_h100(f, jax.tree.map(spec, params), spec(x)).as_text()
+  assert "mosaic_gpu" in text
