@@ -30,11 +30,18 @@ unsharded step runs with params and batch placed on the one-device mesh. With N 
 :func:`jaxkern.modeling.block.sharded_train_step`: data parallelism over the batch's sequences and expert
 parallelism over the routed experts (``moe_layer_ep``, shared experts replicated) inside ``jax.shard_map``. ``--small``: a tiny model that runs in seconds on a CPU
 (the ops' references there: ``"auto"`` off a GPU runs them).
+
+``--fp8-gemm``: the block is built with ``BlockConfig(fp8_gemm=True)``: the experts' matmuls run
+:func:`jaxkern.modeling.fp8_grouped_linear` (FP8 forward and both FP8 backward GEMMs, ``jaxkern.gemm``) instead of
+``jax.lax.ragged_dot``, with ``alignment=128``; the ``gemms`` row of the split then times those FP8 GEMMs (gate+up
+as one GEMM, down; forward + backward, including their casts and weight transposes). E.g.
+``python -m benchmarks.train_step --fp8-gemm`` against the same command without it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -51,6 +58,7 @@ import optax
 from jaxkern import moe, quant
 from jaxkern.modeling import block, mhc_head, mhc_post, mhc_pre, expand_from_embedding, MoeConfig
 from jaxkern.modeling import moe as moe_module
+from jaxkern.modeling._fp8_linear import fp8_grouped_linear
 from jaxkern.modeling._grouped_matmul import grouped_matmul
 from jaxkern.modeling._swiglu import swiglu
 from jaxkern.modeling.sharding import shard_params
@@ -167,6 +175,16 @@ def components(params, batch, config: block.BlockConfig, implementation: str) ->
   }
   if mc.fp8_swiglu:
     out["swiglu"] = (_fwd_bwd(lambda gu: swiglu(gu, implementation=impl)), (gate_up,), L)
+  if mc.fp8_gemm:  # --fp8-gemm: the step's FP8 grouped GEMMs (as swiglu_experts runs them) instead of ragged_dot
+    block_expert = moe_module.fused_block_experts(p2e)
+
+    def fp8_gemms(xff, wg, wu, wd):
+      linear = functools.partial(fp8_grouped_linear, block_expert=block_expert, implementation=impl)
+      a = linear(xff, jnp.swapaxes(jnp.concatenate([wg, wu], axis=2), 1, 2))
+      i = wg.shape[2]
+      return linear(jnp.maximum(a[:, :i], a[:, i:]), jnp.swapaxes(wd, 1, 2))
+
+    out["gemms"] = (_fwd_bwd(fp8_gemms), (xf, *w), L)
   return out
 
 
@@ -214,8 +232,12 @@ def main(argv=None) -> int:
   parser.add_argument("--implementations", default="auto,xla")
   parser.add_argument("--no-split", action="store_true", help="time the whole step only")
   parser.add_argument("--out", type=pathlib.Path, default=None)
+  parser.add_argument("--fp8-gemm", action="store_true",
+                      help="expert matmuls in FP8 (BlockConfig(fp8_gemm=True): fp8_grouped_linear, alignment 128)")
   args = parser.parse_args(argv)
   config, batch_size, seq_len = small_config() if args.small else gpu_config()
+  if args.fp8_gemm:
+    config = dataclasses.replace(config, fp8_gemm=True)
   iterations = args.iterations or (2 if args.small else 20)
   if args.devices > 1:  # the sharded step splits the batch's sequences over the devices
     batch_size = -(-batch_size // args.devices) * args.devices
@@ -229,6 +251,7 @@ def main(argv=None) -> int:
   optimizer = optax.adamw(1e-3)
   label = (f"T={batch.tokens.size} H={config.hidden} L={config.num_layers} E={config.moe.num_experts} "
            f"K={config.moe.num_topk} S={config.moe.num_shared_experts} I={config.intermediate} V={config.vocab_size}")
+  label += " fp8_gemm" if args.fp8_gemm else ""
   print(f"{device}, jax {jax.__version__}: {label}, devices={args.devices or 'no mesh'}")
   rows = []
   stamp = datetime.datetime.now(datetime.timezone.utc)
