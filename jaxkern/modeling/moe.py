@@ -210,15 +210,15 @@ def _fp8_experts(xf, params, block_expert, fp8_swiglu, implementation):
   """The FP8 GEMM path of :func:`swiglu_experts` (see there)."""
   i = params.w_gate.shape[2]
   linear = functools.partial(fp8_grouped_linear, implementation=implementation)
-  x16 = xf.astype(jnp.bfloat16)
-  w_gate_up = jnp.swapaxes(jnp.concatenate([params.w_gate, params.w_up], axis=2), 1, 2)  # (G, 2I, H)
+  x16, w_gate, w_up, w_down = xf.astype(jnp.bfloat16), params.w_gate, params.w_up, params.w_down
+  w_gate_up = jnp.swapaxes(jnp.concatenate([w_gate, w_up], axis=2), 1, 2)  # (G, 2I, H)
   gate_up = linear(x16, w_gate_up, block_expert)  # (N, 2I) bf16: [gate | up]
   if fp8_swiglu:
     act = swiglu(gate_up, implementation=implementation)
   else:
     g32, u32 = gate_up[:, :i].astype(jnp.float32), gate_up[:, i:].astype(jnp.float32)
     act = jax.nn.silu(g32) * u32
-  out = linear(act.astype(jnp.bfloat16), jnp.swapaxes(params.w_down, 1, 2), block_expert)  # (N, H)
+  out = linear(act.astype(jnp.bfloat16), jnp.swapaxes(w_down, 1, 2), block_expert)  # (N, H)
   return out.astype(xf.dtype)
 
 
