@@ -213,3 +213,13 @@ def test_expert_parallel_layer_one_device_mesh(key):
   y_ref = _forward(params, x, layer=moe_layer, config=FP8, implementation="reference")
   np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref, np.float32), rtol=2 ** -7,
                              atol=2 ** -7 * float(jnp.max(jnp.abs(y_ref.astype(jnp.float32)))))
+
+
+def test_block_config_passes_fp8_gemm_through():
+  from jaxkern.modeling.block import BlockConfig
+
+  config = BlockConfig(fp8_gemm=True)
+  assert config.moe.fp8_gemm and config.moe.alignment == 128
+  assert dataclasses.replace(config.moe, fp8_gemm=False) == dataclasses.replace(BlockConfig().moe, alignment=128)
+  assert not BlockConfig().moe.fp8_gemm and BlockConfig().moe.alignment == 16  # the default is unchanged
+  assert hash(config) == hash(BlockConfig(fp8_gemm=True))  # still a static jit argument
