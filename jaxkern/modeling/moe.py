@@ -15,7 +15,10 @@ experts, ``K`` routed slots per token:
    dequantised for the matmuls (:func:`jaxkern.quant.per_token_cast_back`), a straight-through ``custom_vjp``;
 4. SwiGLU experts on the fused rows, one grouped matmul per projection (``jax.lax.ragged_dot``
    through :func:`jaxkern.modeling._grouped_matmul.grouped_matmul`): ``silu(x Wg) * (x Wu) @ Wd``, the activation
-   in float32 or, with ``MoeConfig.fp8_swiglu``, :func:`jaxkern.modeling.swiglu` (fused FP8 kernels);
+   in float32 or, with ``MoeConfig.fp8_swiglu``, :func:`jaxkern.modeling.swiglu` (fused FP8 kernels); with
+   ``MoeConfig.fp8_gemm`` the matmuls are FP8 grouped GEMMs instead (:func:`jaxkern.modeling.fp8_grouped_linear`,
+   gate and up in one, FP8 forward and backward; ``alignment=128``, the expert of each 128-row block from the
+   mapping);
 5. :func:`jaxkern.moe.reduce_fused` sums each token's expert outputs times its routing weights.
 
 All functions are plain functions of a params pytree (:class:`MoeParams`) and a static
