@@ -247,3 +247,19 @@ def test_compiled_kernels_on_gpu(key):
   for name, g, e in zip(NAMES, jax.tree.leaves(grads), jax.tree.leaves(expected)):
     if name != "router_bias":
       _assert_e4m3_close(g, e, name)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU smoke run of the benchmark")
+def test_train_step_benchmark_fp8_gemm_flag(tmp_path, capsys):
+  """benchmarks.train_step --fp8-gemm builds the block with BlockConfig(fp8_gemm=True) and runs its training step
+  (the small model, the references on a CPU, the step only)."""
+  import json
+
+  from benchmarks import train_step
+
+  out = tmp_path / "rows.jsonl"
+  assert train_step.main(["--small", "--fp8-gemm", "--no-split", "--implementations", "auto", "--iterations", "1",
+                          "--out", str(out)]) == 0
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r["component"] for r in rows] == ["step"] and np.isfinite(rows[0]["loss"])
+  assert rows[0]["shape"].endswith(" fp8_gemm") and "fp8_gemm" in capsys.readouterr().out
