@@ -69,6 +69,12 @@ tolerance of this check (the 8-device tests compare the step with the references
 top-4 + 1 shared, 8192 tokens, one layer); ``--experts`` / ``--topk`` / ``--layers`` override a config's sizes;
 ``--memory`` prints the unsharded step's compiled memory estimate on this backend and exits. ``--small``: a tiny model
 that runs in seconds on a CPU (the ops' references there: ``"auto"`` off a GPU runs them).
+
+``--fp8-gemm``: the block is built with ``BlockConfig(fp8_gemm=True)``: the experts' matmuls run
+:func:`jaxkern.modeling.fp8_grouped_linear` (FP8 forward and both FP8 backward GEMMs, ``jaxkern.gemm``) instead of
+``jax.lax.ragged_dot``, with ``alignment=128``; the ``gemms`` row of the split then times those FP8 GEMMs (gate+up
+as one GEMM, down; forward + backward, including their casts and weight transposes). E.g.
+``python -m benchmarks.train_step --fp8-gemm`` against the same command without it.
 """
 
 from __future__ import annotations
@@ -91,6 +97,7 @@ import optax
 from jaxkern import moe, quant
 from jaxkern.modeling import block, mhc_head, mhc_post, mhc_pre, expand_from_embedding, MoeConfig
 from jaxkern.modeling import moe as moe_module
+from jaxkern.modeling._fp8_linear import fp8_grouped_linear
 from jaxkern.modeling._grouped_matmul import grouped_matmul
 from jaxkern.modeling._swiglu import swiglu
 from jaxkern.modeling.sharding import shard_params, sharded_value_and_grad
@@ -251,6 +258,16 @@ def components(params, batch, config: block.BlockConfig, implementation: str) ->
   }
   if mc.fp8_swiglu:
     out["swiglu"] = (_fwd_bwd(lambda gu: swiglu(gu, implementation=impl)), (gate_up,), L)
+  if mc.fp8_gemm:  # --fp8-gemm: the step's FP8 grouped GEMMs (as swiglu_experts runs them) instead of ragged_dot
+    block_expert = moe_module.fused_block_experts(p2e)
+
+    def fp8_gemms(xff, wg, wu, wd):
+      linear = functools.partial(fp8_grouped_linear, block_expert=block_expert, implementation=impl)
+      a = linear(xff, jnp.swapaxes(jnp.concatenate([wg, wu], axis=2), 1, 2))
+      i = wg.shape[2]
+      return linear(jnp.maximum(a[:, :i], a[:, i:]), jnp.swapaxes(wd, 1, 2))
+
+    out["gemms"] = (_fwd_bwd(fp8_gemms), (xf, *w), L)
   return out
 
 
@@ -443,6 +460,8 @@ def main(argv=None) -> int:
   parser.add_argument("--memory", action="store_true",
                       help="print the unsharded step's compiled memory estimate (GiB) for this backend and exit")
   parser.add_argument("--out", type=pathlib.Path, default=None)
+  parser.add_argument("--fp8-gemm", action="store_true",
+                      help="expert matmuls in FP8 (BlockConfig(fp8_gemm=True): fp8_grouped_linear, alignment 128)")
   args = parser.parse_args(argv)
   counts = parse_devices(args.devices)
   config, batch_size, seq_len = small_config() if args.small else CONFIGS[args.config]()
@@ -450,6 +469,8 @@ def main(argv=None) -> int:
       config, num_layers=args.layers or config.num_layers,
       moe=dataclasses.replace(config.moe, num_experts=args.experts or config.moe.num_experts,
                               num_topk=args.topk or config.moe.num_topk))
+  if args.fp8_gemm:
+    config = dataclasses.replace(config, fp8_gemm=True)
   if args.memory:
     for impl in args.implementations.split(","):
       m = memory_estimate(config, batch_size, seq_len, impl)
@@ -472,6 +493,7 @@ def main(argv=None) -> int:
   optimizer = optax.adamw(1e-3)
   label = (f"T={tokens} H={config.hidden} L={config.num_layers} E={config.moe.num_experts} "
            f"K={config.moe.num_topk} S={config.moe.num_shared_experts} I={config.intermediate} V={config.vocab_size}")
+  label += " fp8_gemm" if args.fp8_gemm else ""
   print(f"{device}, jax {jax.__version__}: {label}, devices={args.devices or 'no mesh'}")
   rows, failed = [], False
   stamp = datetime.datetime.now(datetime.timezone.utc)

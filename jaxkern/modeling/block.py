@@ -86,6 +86,9 @@ class BlockConfig:
     engram_seed: seeds the hash multipliers (fixed per config: part of the model, not trained).
     router_bias_rate: the step of :func:`jaxkern.modeling.balance_router_bias` in :func:`train_step` (0: off;
       with a rate, :func:`train_step` routes each layer's input once more to count the load).
+    fp8_gemm: the experts' matmuls run in FP8 (:func:`jaxkern.modeling.fp8_grouped_linear`, forward and backward):
+      sets ``moe.fp8_gemm`` and ``moe.alignment = 128`` (see :class:`jaxkern.modeling.MoeConfig`); needs
+      ``intermediate % 128 == 0``. False leaves ``moe`` as given.
   """
 
   vocab_size: int = 64
@@ -104,8 +107,11 @@ class BlockConfig:
   engram_eps: float = 1e-6
   engram_seed: int = 0
   router_bias_rate: float = 0.0
+  fp8_gemm: bool = False
 
   def __post_init__(self):
+    if self.fp8_gemm and not self.moe.fp8_gemm:
+      object.__setattr__(self, "moe", dataclasses.replace(self.moe, fp8_gemm=True, alignment=128))
     if self.engram_max_ngram < 2:
       raise ValueError(f"engram_max_ngram must be at least 2, got {self.engram_max_ngram}")
     if self.hidden % 256:

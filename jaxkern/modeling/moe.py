@@ -15,7 +15,10 @@ experts, ``K`` routed slots per token:
    dequantised for the matmuls (:func:`jaxkern.quant.per_token_cast_back`), a straight-through ``custom_vjp``;
 4. SwiGLU experts on the fused rows, one grouped matmul per projection (``jax.lax.ragged_dot``
    through :func:`jaxkern.modeling._grouped_matmul.grouped_matmul`): ``silu(x Wg) * (x Wu) @ Wd``, the activation
-   in float32 or, with ``MoeConfig.fp8_swiglu``, :func:`jaxkern.modeling.swiglu` (fused FP8 kernels);
+   in float32 or, with ``MoeConfig.fp8_swiglu``, :func:`jaxkern.modeling.swiglu` (fused FP8 kernels); with
+   ``MoeConfig.fp8_gemm`` the matmuls are FP8 grouped GEMMs instead (:func:`jaxkern.modeling.fp8_grouped_linear`,
+   gate and up in one, FP8 forward and backward; ``alignment=128``, the expert of each 128-row block from the
+   mapping);
 5. :func:`jaxkern.moe.reduce_fused` sums each token's expert outputs times its routing weights.
 
 All functions are plain functions of a params pytree (:class:`MoeParams`) and a static
@@ -40,12 +43,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkern import _config, moe, quant
+from jaxkern.modeling._fp8_linear import fp8_grouped_linear
 from jaxkern.modeling._grouped_matmul import grouped_matmul
 from jaxkern.modeling._swiglu import swiglu
 from jaxkern.moe._expand_to_fused import _sum_slots
 from jaxkern.types import QuantTensor, TopkRouting
 
 FP8_EXPAND_GROUP = 128  # columns per scale of the FP8 tokens (upstream's per-token activation cast)
+FP8_GEMM_BLOCK = 128  # rows per expert block, K step and weight-scale block of the FP8 grouped GEMMs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +74,13 @@ class MoeConfig:
       of 128, expand data and scales, dequantise to the tokens' dtype) instead of :func:`jaxkern.moe.expand_to_fused`;
       each expanded element carries the e4m3 rounding of its group (relative error at most 2^-4); the backward
       is straight-through (the slot sums of ``expand_to_fused``'s backward). Needs ``H % 128 == 0``.
+    fp8_gemm: the experts' matmuls run :func:`jaxkern.modeling.fp8_grouped_linear` (FP8 e4m3 forward and both
+      backward GEMMs, DeepSeek-V3's recipe: per-token 1x128 activation and 128x128 weight scales, float32
+      accumulation) on the fused rows instead of ``jax.lax.ragged_dot``: one GEMM for gate and up together
+      (``[Wg | Wu]``, N = 2I) and one for down; see :func:`swiglu_experts`. Needs ``alignment == 128`` and
+      ``H % 128 == 0``, ``I % 128 == 0`` (ValueError otherwise). Every GEMM operand carries e4m3 rounding (up to
+      2^-4 relative per element); the gradients are straight-through (those of the unquantised product on the
+      rounded operands). The params layout is unchanged (the weights are transposed to ``(G, N, K)`` per step).
   """
 
   num_experts: int
@@ -81,6 +93,12 @@ class MoeConfig:
   alignment: int = 128
   fp8_swiglu: bool = False
   fp8_expand: bool = False
+  fp8_gemm: bool = False
+
+  def __post_init__(self):
+    if self.fp8_gemm and self.alignment != FP8_GEMM_BLOCK:
+      raise ValueError(f"MoeConfig.alignment must be {FP8_GEMM_BLOCK} with fp8_gemm=True (the FP8 grouped GEMM "
+                       f"takes one expert per {FP8_GEMM_BLOCK}-row block), got {self.alignment}")
 
   @property
   def num_all_experts(self) -> int:
@@ -161,7 +179,54 @@ def _group_sizes(mapping: moe.FusedMapping) -> jax.Array:
   return mapping.num_tokens_per_expert.at[-1].add(tail)
 
 
+def fused_block_experts(pos_to_expert: jax.Array) -> jax.Array:
+  """``(N/128,)`` int32 expert of each 128-row block of a fused mapping with ``alignment=128``, -1 for the unused
+  blocks past the last segment (the ``block_expert`` of :func:`jaxkern.modeling.fp8_grouped_linear`): each
+  segment starts on a block boundary with a real row, so the first row of a block names its expert."""
+  n = pos_to_expert.shape[0]
+  if n % FP8_GEMM_BLOCK:
+    raise ValueError(f"pos_to_expert must have a multiple of {FP8_GEMM_BLOCK} rows (alignment {FP8_GEMM_BLOCK}), "
+                     f"got {n}")
+  return pos_to_expert[::FP8_GEMM_BLOCK].astype(jnp.int32)
+
+
+def _block_experts_from_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+  """``(N/128,)`` expert of each 128-row block of rows grouped by ``group_sizes`` (each a multiple of 128
+  but the last); blocks past the sizes' sum are -1."""
+  ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+  starts = jnp.arange(0, num_rows, FP8_GEMM_BLOCK, dtype=jnp.int32)
+  ids = jnp.searchsorted(ends, starts, side="right").astype(jnp.int32)
+  return jnp.where(ids < group_sizes.shape[0], ids, -1)
+
+
+def _check_fp8_gemm_widths(xf, params):
+  h, i = xf.shape[1], params.w_gate.shape[2]
+  if h % FP8_GEMM_BLOCK or i % FP8_GEMM_BLOCK:
+    raise ValueError(f"fp8_gemm needs the hidden width H and the intermediate width I to be multiples of "
+                     f"{FP8_GEMM_BLOCK}, got H={h}, I={i}")
+  if xf.shape[0] % FP8_GEMM_BLOCK:
+    raise ValueError(f"fp8_gemm needs a multiple of {FP8_GEMM_BLOCK} fused rows (alignment {FP8_GEMM_BLOCK}), "
+                     f"got {xf.shape[0]}")
+
+
+def _fp8_experts(xf, params, block_expert, fp8_swiglu, implementation):
+  """The FP8 GEMM path of :func:`swiglu_experts` (see there)."""
+  i = params.w_gate.shape[2]
+  linear = functools.partial(fp8_grouped_linear, implementation=implementation)
+  x16, w_gate, w_up, w_down = xf.astype(jnp.bfloat16), params.w_gate, params.w_up, params.w_down
+  w_gate_up = jnp.swapaxes(jnp.concatenate([w_gate, w_up], axis=2), 1, 2)  # (G, 2I, H)
+  gate_up = linear(x16, w_gate_up, block_expert)  # (N, 2I) bf16: [gate | up]
+  if fp8_swiglu:
+    act = swiglu(gate_up, implementation=implementation)
+  else:
+    g32, u32 = gate_up[:, :i].astype(jnp.float32), gate_up[:, i:].astype(jnp.float32)
+    act = jax.nn.silu(g32) * u32
+  out = linear(act.astype(jnp.bfloat16), jnp.swapaxes(w_down, 1, 2), block_expert)  # (N, H)
+  return out.astype(xf.dtype)
+
+
 def swiglu_experts(xf: jax.Array, params: MoeParams, group_sizes: jax.Array, *, fp8_swiglu: bool = False,
+                   fp8_gemm: bool = False, block_expert: jax.Array | None = None,
                    implementation: str | None = None) -> jax.Array:
   """``silu(x Wg) * (x Wu) @ Wd`` of each fused row with its expert's weights.
 
@@ -171,11 +236,27 @@ def swiglu_experts(xf: jax.Array, params: MoeParams, group_sizes: jax.Array, *, 
     group_sizes: ``(E+S,)`` int32 rows of each expert's segment, summing to ``N``.
     fp8_swiglu: the activation is :func:`jaxkern.modeling.swiglu` of ``[x Wg | x Wu]`` (FP8 e4m3 numerics, fused
       kernels; ``I % 128 == 0``); otherwise the SwiGLU product in float32.
-    implementation: passed to :func:`jaxkern.modeling.swiglu`.
+    fp8_gemm: the matmuls are :func:`jaxkern.modeling.fp8_grouped_linear` (FP8 e4m3 GEMMs forward and backward)
+      instead of ``jax.lax.ragged_dot``: ``[gate | up] = linear(x, [Wg | Wu]ᵀ)`` (one GEMM, N = 2I, weights
+      concatenated and transposed to ``(G, N, K)`` per call) and ``linear(act, Wdᵀ)``; the operands are bfloat16
+      (a float32 ``xf`` is rounded to bfloat16 first), the result is cast to ``xf.dtype``. Needs ``N``, ``H``,
+      ``I`` multiples of 128 and every expert segment starting on a 128-row boundary (``alignment=128``).
+    block_expert: with ``fp8_gemm``, the ``(N/128,)`` int32 expert of each 128-row block, -1 to skip
+      (:func:`fused_block_experts` of the mapping); by default derived from ``group_sizes`` (then the rows past
+      the last segment, zeros, run as the last expert's).
+    implementation: passed to :func:`jaxkern.modeling.swiglu` and :func:`jaxkern.modeling.fp8_grouped_linear`.
 
   Returns:
     ``(N, H)`` of ``xf.dtype``.
+
+  Raises:
+    ValueError: with ``fp8_gemm``, ``N``, ``H`` or ``I`` not multiples of 128.
   """
+  if fp8_gemm:
+    _check_fp8_gemm_widths(xf, params)
+    if block_expert is None:
+      block_expert = _block_experts_from_sizes(group_sizes, xf.shape[0])
+    return _fp8_experts(xf, params, block_expert, fp8_swiglu, implementation)
   gate = grouped_matmul(xf, params.w_gate, group_sizes)
   up = grouped_matmul(xf, params.w_up, group_sizes)
   if fp8_swiglu:
@@ -256,7 +337,9 @@ def apply_experts(params: MoeParams, x: jax.Array, routing: TopkRouting, *, conf
                                   force_no_sync=True, implementation=implementation)
   expand = expand_fp8 if config.fp8_expand else moe.expand_to_fused
   xf = expand(x, mapping.token_topk_to_pos, mapping.pos_to_expert, implementation=implementation)
-  yf = swiglu_experts(xf, params, _group_sizes(mapping), fp8_swiglu=config.fp8_swiglu, implementation=implementation)
+  block_expert = fused_block_experts(mapping.pos_to_expert) if config.fp8_gemm else None
+  yf = swiglu_experts(xf, params, _group_sizes(mapping), fp8_swiglu=config.fp8_swiglu, fp8_gemm=config.fp8_gemm,
+                      block_expert=block_expert, implementation=implementation)
   return moe.reduce_fused(yf, routing.topk_weights, mapping.token_topk_to_pos, implementation=implementation)
 
 

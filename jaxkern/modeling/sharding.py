@@ -80,7 +80,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkern import moe
-from jaxkern.modeling.moe import MoeConfig, MoeParams, _group_sizes, expand_fp8, route_tokens, swiglu_experts
+from jaxkern.modeling.moe import (MoeConfig, MoeParams, _group_sizes, expand_fp8, fused_block_experts, route_tokens,
+                                  swiglu_experts)
 
 
 class MoeEpParams(NamedTuple):
@@ -197,7 +198,9 @@ def _experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights: jax.A
   mapping = moe.get_fused_mapping(idx, num_experts, rows, config.alignment, force_no_sync=True, **kw)
   expand = expand_fp8 if config.fp8_expand else moe.expand_to_fused  # as apply_experts
   xf = expand(x, mapping.token_topk_to_pos, mapping.pos_to_expert, **kw)
-  yf = swiglu_experts(xf, params, _group_sizes(mapping), fp8_swiglu=config.fp8_swiglu, **kw)
+  block_expert = fused_block_experts(mapping.pos_to_expert) if config.fp8_gemm else None  # as apply_experts
+  yf = swiglu_experts(xf, params, _group_sizes(mapping), fp8_swiglu=config.fp8_swiglu, fp8_gemm=config.fp8_gemm,
+                      block_expert=block_expert, **kw)
   return moe.reduce_fused(yf.astype(jnp.float32), weights, mapping.token_topk_to_pos, **kw)
 
 
