@@ -336,6 +336,23 @@ def test_summary(tmp_path):
   assert "Skipped in its newest run: M=8001 K=576 bf16 (needs 99 GiB)." in text
 
 
+def test_train_step_tables(tmp_path):
+  common = dict(gpu="NVIDIA-H200", shape="T=8 H=256", date="2026-11-26", time="10:00:00")
+  rows = [dict(component="step", implementation="auto", devices=1, times=1, wall_ms=100.0, device_ms=30.0,
+               tokens_per_s=80.0, loss=2.5, **common),
+          dict(component="step", implementation="auto", devices=2, times=1, wall_ms=62.5, tokens_per_s=128.0,
+               scaling_efficiency=0.8, loss=2.5, **common),
+          dict(component="gemms", implementation="auto", devices=1, times=4, wall_ms=20.0, device_ms=19.0, **common),
+          dict(component="collectives", implementation="auto", devices=2, times=4, wall_ms=1.0, **common)]
+  path = tmp_path / "s.jsonl"
+  path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+  text = "\n".join(summarize.train_step_tables([path]))
+  assert "| auto | 1 | 100.00 | 80 | — | 2.5000 |" in text and "| auto | 2 | 62.50 | 128 | 80.0% | 2.5000 |" in text
+  assert "| gemms | 80.00 | 76.00 |" in text and "| rest (wall) | 20.00 | — |" in text
+  assert "collectives" not in text  # the split is the one-device one
+  assert summarize.train_step_tables([]) == []
+
+
 def test_summarize_builds_no_benchmark_case():
   code = "import sys, benchmarks.summarize; print(sorted(m for m in sys.modules if m.startswith(('benchmarks.', 'jax'))))"
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

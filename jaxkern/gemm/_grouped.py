@@ -1,27 +1,29 @@
 """FP8 grouped GEMM on the fused MoE layout: ``out[r] = x[r] · w[block_expert[r // 128]]ᵀ`` (issue 24).
 
-Mosaic GPU kernels (:data:`VARIANT` picks one at trace time; ``scratch/gpu_gemm.sh`` times each; ``"ws6"`` is
-``"ws"`` with 6 pipeline stages):
+Mosaic GPU kernels (:func:`default_variant` picks one per K; :data:`VARIANT` forces one at trace time):
 
-* ``"ws"`` (default, :func:`_ws_kernel`), the design of ../shared/notes/fp8_grouped_gemm.md that reached
-  1,033-1,065 TF/s with scales on an H100: persistent (one CTA per SM looping over (128-row block,
-  128-column tile) items, N fastest), warp-specialised (a TMA warpgroup runs ``STAGES`` steps ahead of two
-  compute warpgroups of 64 rows each; 64x128 float32 per warpgroup, 128x128 spilled in the notes).
+* ``"k2tma"`` / ``"k2tma_g8"`` (the defaults, :func:`_ws2_kernel`): persistent and warp-specialised like ``"ws"``,
+  with deferred promotion (2 x 128 of K per pipeline step into two wgmma accumulators, the first promoted while
+  the second runs; 3 stages) and an SMEM + TMA-store epilogue overlapped with the next item; ``_g8`` walks 8
+  column tiles per group (L2 reuse), chosen from ``K >= GROUPED_RASTER_MIN_K``. H100: 1008-1134 TF/s at
+  DeepSeek-V3 expert shapes (benchmarks/NOTES.md).
+* ``"ws"`` (:func:`_ws_kernel`, the first kernel, 780-857 TF/s), the design of ../shared/notes/fp8_grouped_gemm.md
+  that reached 1,033-1,065 TF/s with scales on an H100 without an epilogue: persistent (one CTA per SM looping
+  over (128-row block, 128-column tile) items, N fastest), warp-specialised (a TMA warpgroup runs ``STAGES``
+  steps ahead of two compute warpgroups of 64 rows each; 64x128 float32 per warpgroup, 128x128 spilled in the
+  notes); ``"ws6"`` the same with 6 stages.
 * ``"simple"`` (:func:`_simple_kernel`): one CTA per (64-row tile, 128-column tile), one warpgroup, a
   ``plgpu.emit_pipeline`` TMA pipeline.
-* Speed variants of ``"ws"`` (issue 24, :func:`_ws2_kernel`; not yet timed on a GPU, see
-  ``scratch/time_gemmfast.py``): ``"k2"`` (deferred promotion: 2 x 128 of K per pipeline step, two wgmma
-  accumulators, the first promoted while the second runs; 3 stages), ``"tma"`` (SMEM + TMA-store epilogue
-  overlapped with the next item; 4 stages), ``"k2tma"`` / ``"k2tma2"`` (both; 3 / 2 stages), ``"tma6"``
-  (6 stages), ``"k2tma_g8"`` / ``"tma_g8"`` (grouped rasterisation: 8 column tiles per group for L2 reuse),
-  ``"k2tma_g1"`` (row blocks fastest; for the tests of the item order).
+* Other timed variants of :func:`_ws2_kernel`: ``"k2"`` (register epilogue), ``"tma"`` (no deferred promotion;
+  4 stages), ``"k2tma2"`` (2 stages), ``"tma6"`` (6 stages), ``"tma_g8"``, and ``"k2tma_g1"`` (row blocks
+  fastest; for the tests of the item order).
 
 Both: per 128-deep K step the ``(rows, 128)`` e4m3 tile of ``x`` and the ``(128, 128)`` e4m3 tile of ``w[e]``
 (stored ``(N, K)``, i.e. K-major, passed to wgmma transposed: FP8 wgmma needs K-major operands on both sides)
 land in swizzled SMEM; the step's wgmma accumulates into a fresh float32 accumulator, whose value is promoted
 into the float32 carry as ``total += p · (sf_x[rows, step] · sf_w[e, n_block, step])`` (DeepGEMM's numerics;
 the scale loads are issued after the wgmma, in ``"ws"`` one step ahead). Items whose block id is -1 (or
-outside ``[0, G)``) write zeros and load nothing. Results go from registers straight to GMEM.
+outside ``[0, G)``) write zeros and load nothing. Results go from registers straight to GMEM (``"ws"``) or through SMEM and a TMA store (``"tma"`` variants).
 
 Scale layouts: the kernel reads the per-token sf of ``x`` as the column-major ``(K/128, M)`` float32
 matrix (layout B's buffer, one contiguous vector of rows per step); the wrapper transposes layout A
@@ -306,7 +308,17 @@ VARIANTS = {"ws": _ws_kernel, "ws6": functools.partial(_ws_kernel, stages=6), "s
             "k2tma_g8": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n=8),
             "tma_g8": functools.partial(_ws2_kernel, stages=4, kpair=1, epilogue="tma", group_n=8),
             "k2tma_g1": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n=1)}
-VARIANT = "ws"
+VARIANT = None  # a VARIANTS key forces that kernel (tests, timing scripts); None: default_variant(K)
+# From this K the forward walks 8 column tiles per group (L2 reuse of the x rows). H100, 2026-11-26, CUPTI cold L2,
+# bf16 out (scratch/time_gemmfast.py): K=7168 N=4096 "k2tma_g8" 1134 / 1085 TF/s (A / C) against "k2tma" 1049 /
+# 1068; K=2048 N=7168 "k2tma" 1008 / 1011 (B / D) against "k2tma_g8" 981 / 961; "ws" (the first kernel) 780-857.
+GROUPED_RASTER_MIN_K = 4096
+
+
+def default_variant(k: int) -> str:
+  """The forward kernel for a contraction of ``k``: deferred promotion with a TMA-store epilogue (``"k2tma"``),
+  grouped over 8 column tiles from :data:`GROUPED_RASTER_MIN_K`."""
+  return "k2tma_g8" if k >= GROUPED_RASTER_MIN_K else "k2tma"
 
 
 def _quant(name, x):
@@ -423,7 +435,7 @@ def fp8_grouped_gemm(x, w, block_expert, *, out_dtype=jnp.bfloat16, x_use_tma_al
   def kernel(interpret):
     be = jnp.where((block_expert >= 0) & (block_expert < g), block_expert, -1)
     sfx_t = column_major_x_scales(x.sf, m, k // BLOCK, flag)
-    return VARIANTS[VARIANT](be, x.data, sfx_t, w.data, w.sf, out_dtype=out_dtype,
+    return VARIANTS[VARIANT or default_variant(k)](be, x.data, sfx_t, w.data, w.sf, out_dtype=out_dtype,
                              interpret=_config.mosaic_interpret(interpret), num_sms=_config.num_sms())
 
   def xla():

@@ -229,3 +229,10 @@ def test_persistent_kernel_loops_over_items(key, variant, k, monkeypatch):
   want = ref.fp8_grouped_gemm(x, w, be, out_dtype=jnp.float32)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(want))
   np.testing.assert_array_equal(np.asarray(got[128:256]), 0)
+
+
+def test_default_variant_by_contraction():
+  assert _grouped.VARIANT is None  # the shipped default picks per K
+  assert _grouped.default_variant(7168) == "k2tma_g8" and _grouped.default_variant(4096) == "k2tma_g8"
+  assert _grouped.default_variant(2048) == "k2tma" and _grouped.default_variant(128) == "k2tma"
+  assert {"k2tma", "k2tma_g8"} <= set(_grouped.VARIANTS)
