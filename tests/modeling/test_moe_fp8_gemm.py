@@ -24,6 +24,7 @@ from jaxkern.modeling import (MoeConfig, init_moe_params, moe_layer, moe_layer_d
                               swiglu_experts)
 from jaxkern.modeling.moe import _block_experts_from_sizes, _group_sizes, fused_block_experts
 from jaxkern.testing import lower_for_h100
+from tests.modeling import layer_calls
 
 T, H, I = 32, 256, 128
 FP8 = MoeConfig(num_experts=4, num_topk=2, num_shared_experts=1, routed_scaling_factor=1.5, alignment=128,
@@ -42,16 +43,7 @@ def _f32(tree):
   return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "config", "implementation"))
-def _forward(params, x, *, layer, config, implementation):
-  return layer(params, x, config=config, implementation=implementation)
-
-
-def _loss(params, x, layer, config, implementation):
-  return jnp.sum(jnp.sin(layer(params, x, config=config, implementation=implementation).astype(jnp.float32)))
-
-
-_grads = jax.jit(jax.grad(_loss, argnums=(0, 1)), static_argnums=(2, 3, 4))
+_forward, _loss, _grads = layer_calls.forward, layer_calls.loss, layer_calls.grads
 
 
 def _dense32(params, x, fn):

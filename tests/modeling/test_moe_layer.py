@@ -15,6 +15,7 @@ from jaxkern.modeling import (MoeConfig, balance_router_bias, init_moe_params, m
                               route_tokens)
 from jaxkern.modeling.moe import _group_sizes
 from jaxkern.testing import assert_diff_below
+from tests.modeling import layer_calls
 
 T, H, I = 32, 256, 128  # H: reduce_fused needs a multiple of 256
 CONFIG = MoeConfig(num_experts=8, num_topk=2, num_shared_experts=1, routed_scaling_factor=1.5, alignment=8)
@@ -41,17 +42,7 @@ def _assert_close(actual, expected):
   np.testing.assert_allclose(np.asarray(actual, np.float32), expected, rtol=1e-4, atol=atol)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "config", "implementation"))
-def _forward(params, x, *, layer, config, implementation):
-  return layer(params, x, config=config, implementation=implementation)
-
-
-def _loss(params, x, layer, config, implementation):
-  """A nonlinear scalar of the output, so that every output element gets its own cotangent."""
-  return jnp.sum(jnp.sin(layer(params, x, config=config, implementation=implementation).astype(jnp.float32)))
-
-
-_grads = jax.jit(jax.grad(_loss, argnums=(0, 1)), static_argnums=(2, 3, 4))
+_forward, _loss, _grads = layer_calls.forward, layer_calls.loss, layer_calls.grads
 
 
 @pytest.mark.parametrize("implementation, config", [

@@ -337,12 +337,9 @@ def test_wide_kernel_lowers_for_h100(m, k, block, dtype):
     assert "mosaic_gpu" in lower_for_h100(f, s).as_text()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["wide", "blocks", ("wide", 64), ("wide", 128)], ids=str)
-@pytest.mark.parametrize("m, k, block, dtype", [(4001, 576, (32, 32), jnp.bfloat16), (8001, 2048, (32, 32), jnp.float32),
-                                                (4001, 576, (32, 128), jnp.bfloat16), (37, 64, (32, 32), jnp.bfloat16)])
-def test_e4m3_variants_gpu(key, monkeypatch, variant, m, k, block, dtype):
-  """Both e4m3 kernels for 32-row blocks, compiled, against the reference on ragged spec-sized shapes."""
+def _check_e4m3_variant_compiled(key, monkeypatch, variant, m, k, block, dtype):
+  """``per_block_cast`` (layouts A and C) and its sf-only form with the e4m3 ``variant`` forced, compiled, against
+  the reference."""
   from jaxkern.quant import _per_block_cast as pbc
   monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", variant)
   x = _input(key, m, k, dtype)
@@ -351,6 +348,15 @@ def test_e4m3_variants_gpu(key, monkeypatch, variant, m, k, block, dtype):
     assert_same(got, ref.per_block_cast(x, "e4m3", block, **FLAGS[flags]))
     sf = jax.jit(lambda x: quant.per_block_cast_with_sf_only(x, "e4m3", block, **FLAGS[flags]))(x)
     assert_bitwise_equal(sf, got.sf)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["wide", "blocks", ("wide", 64), ("wide", 128)], ids=str)
+@pytest.mark.parametrize("m, k, block, dtype", [(4001, 576, (32, 32), jnp.bfloat16), (8001, 2048, (32, 32), jnp.float32),
+                                                (4001, 576, (32, 128), jnp.bfloat16), (37, 64, (32, 32), jnp.bfloat16)])
+def test_e4m3_variants_gpu(key, monkeypatch, variant, m, k, block, dtype):
+  """Both e4m3 kernels for 32-row blocks, compiled, against the reference on ragged spec-sized shapes."""
+  _check_e4m3_variant_compiled(key, monkeypatch, variant, m, k, block, dtype)
 
 
 @pytest.mark.parametrize("cols", [64, 128])
@@ -414,14 +420,7 @@ def test_split_variant_lowers_for_h100(m, k, block, dtype, split):
                                                 (37, 64, (128, 128), jnp.bfloat16)])
 def test_split_variant_gpu(key, monkeypatch, split, m, k, block, dtype, kind):
   """The chunked per-block kernel, compiled, against the reference on ragged spec-sized shapes."""
-  from jaxkern.quant import _per_block_cast as pbc
-  monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", (kind, split))
-  x = _input(key, m, k, dtype)
-  for flags in ("A", "C"):
-    got = jax.jit(lambda x: quant.per_block_cast(x, "e4m3", block, **FLAGS[flags]))(x)
-    assert_same(got, ref.per_block_cast(x, "e4m3", block, **FLAGS[flags]))
-    sf = jax.jit(lambda x: quant.per_block_cast_with_sf_only(x, "e4m3", block, **FLAGS[flags]))(x)
-    assert_bitwise_equal(sf, got.sf)
+  _check_e4m3_variant_compiled(key, monkeypatch, (kind, split), m, k, block, dtype)
 
 
 # The wide kernel storing interior tiles straight from registers ("wide_direct"): interior and edge CTAs in
