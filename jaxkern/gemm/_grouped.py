@@ -104,6 +104,26 @@ def _simple_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, nu
   return kernel(block_expert, xq, sfx_t, wq, wsf)
 
 
+def _k_pipeline(mma_body, compute_context, *, steps, step_k, stages):
+  """The warp-specialised K pipeline of the persistent kernels: a memory warpgroup loads the ``(128, step_k)``
+  tile of ``x`` and the ``(BN, step_k)`` tile of ``w`` of each of ``steps`` K steps into swizzled SMEM, up to
+  ``stages`` steps ahead of two compute warpgroups running ``mma_body``."""
+  return plgpu.emit_pipeline_warp_specialized(
+      mma_body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+      max_concurrent_steps=min(stages, steps), compute_context=compute_context,
+      in_specs=[plgpu.BlockSpec((BLOCK, step_k), lambda kk: (0, kk), transforms=FP8_TILED, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((BN, step_k), lambda kk: (0, kk), transforms=FP8_TILED, memory_space=plgpu.SMEM)])
+
+
+def _persistent_call(body, out_shape, out_dtype, items: int, num_sms: int, interpret):
+  """``body`` as a persistent kernel: one CTA per SM (at most one per work item) of three warpgroups (axis
+  ``"wg"``: two compute, one memory), Warpgroup lowering."""
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(min(num_sms, items),),
+                      grid_names=("sm",), num_threads=3, thread_name="wg",
+                      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+                      interpret=interpret)
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages"))
 def _ws_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, stages=STAGES):
   """The persistent warp-specialised kernel (arguments as :func:`_simple_kernel`): one CTA per SM loops
@@ -120,14 +140,7 @@ def _ws_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sm
   def body(be_g, x_g, sfx_g, w_g, sfw_g, o_g):
     wg = lax.axis_index("wg")
 
-    def pipeline(mma_body, compute_context):
-      return plgpu.emit_pipeline_warp_specialized(
-          mma_body, grid=(ks,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-          max_concurrent_steps=min(stages, ks), compute_context=compute_context,
-          in_specs=[plgpu.BlockSpec((BLOCK, BLOCK), lambda kk: (0, kk), transforms=FP8_TILED,
-                                    memory_space=plgpu.SMEM),
-                    plgpu.BlockSpec((BN, BLOCK), lambda kk: (0, kk), transforms=FP8_TILED,
-                                    memory_space=plgpu.SMEM)])
+    pipeline = functools.partial(_k_pipeline, steps=ks, step_k=BLOCK, stages=stages)
 
     ignore = lambda *_, **__: None
 
@@ -171,12 +184,8 @@ def _ws_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sm
         def _skip():
           o_g[rows, cols] = plgpu.layout_cast(jnp.zeros((wm, BN), out_dtype), WG)
 
-  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-                        grid=(min(num_sms, m_iters * n_iters),), grid_names=("sm",), num_threads=3,
-                        thread_name="wg",
-                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-                        interpret=interpret)
-  return kernel(block_expert, xq, sfx_t, wq, wsf)
+  return _persistent_call(body, (m, n), out_dtype, m_iters * n_iters, num_sms, interpret)(
+      block_expert, xq, sfx_t, wq, wsf)
 
 
 def _out_transforms(dtype):
@@ -219,14 +228,7 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
   def body(be_g, x_g, sfx_g, w_g, sfw_g, o_g):
     wg = lax.axis_index("wg")
 
-    def pipeline(mma_body, compute_context):
-      return plgpu.emit_pipeline_warp_specialized(
-          mma_body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-          max_concurrent_steps=min(stages, steps), compute_context=compute_context,
-          in_specs=[plgpu.BlockSpec((BLOCK, kp * BLOCK), lambda kk: (0, kk), transforms=FP8_TILED,
-                                    memory_space=plgpu.SMEM),
-                    plgpu.BlockSpec((BN, kp * BLOCK), lambda kk: (0, kk), transforms=FP8_TILED,
-                                    memory_space=plgpu.SMEM)])
+    pipeline = functools.partial(_k_pipeline, steps=steps, step_k=kp * BLOCK, stages=stages)
 
     ignore = lambda *_, **__: None
     allocs = dict(pipe=pipeline(ignore, ignore).get_allocations(x_g, w_g.at[0]))
@@ -289,12 +291,8 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
       if tma_out:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-                        grid=(min(num_sms, m_iters * n_iters),), grid_names=("sm",), num_threads=3,
-                        thread_name="wg",
-                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-                        interpret=interpret)
-  return kernel(block_expert, xq, sfx_t, wq, wsf)
+  return _persistent_call(body, (m, n), out_dtype, m_iters * n_iters, num_sms, interpret)(
+      block_expert, xq, sfx_t, wq, wsf)
 
 
 # Kernel variants (module attribute read at trace time; scratch/gpu_gemm.sh times each).
