@@ -233,11 +233,20 @@ def test_compiled_kernels_on_gpu(key):
   fro, mx = _errors(y, y_ref)
   assert fro < 2 ** -6 and mx < 2 ** -4, (fro, mx)
   grads = _grads(params, x, moe_layer, config, "pallas")
+  same_roundings = _grads(params, x, moe_layer, config, "reference")
   dense = jax.grad(lambda p, x: jnp.sum(jnp.sin(moe_layer_dense(p, x, config=dataclasses.replace(
       config, fp8_gemm=False, fp8_swiglu=False, fp8_expand=False), implementation="reference"))), argnums=(0, 1))
   expected = _dense32(params, x, jax.jit(dense))
-  for name, g, e in zip(NAMES, jax.tree.leaves(grads), jax.tree.leaves(expected)):
-    if name != "router_bias":
+  for name, g, r, e in zip(NAMES, jax.tree.leaves(grads), jax.tree.leaves(same_roundings), jax.tree.leaves(expected)):
+    if name == "router_bias":
+      continue
+    # Against the references' FP8 path: H100 2026-11-27, seeds 0 and 1: 0.6-4.5% in norm, at most 4.8% max.
+    fro, mx = _errors(g, r)
+    assert fro <= 0.08 and mx <= 0.12, (name, fro, mx)
+    # Against the dense float32 layer: e4m3 tolerances, except the router's gradient (a sum over tokens of
+    # expert-output dot products, which cancel): there the references' own FP8 path is 7-14% off in norm
+    # depending on the inputs (H100, 2026-11-27), so the comparison above stands for it.
+    if name != "router":
       _assert_e4m3_close(g, e, name)
 
 
