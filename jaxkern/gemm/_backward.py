@@ -191,9 +191,149 @@ def _wgrad_ws_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, st
   return kernel(starts, counts, dyq, sdy, xq, sx)
 
 
+def _wgrad_item(lin, order_g, *, n_iters, k_iters, gk):
+  """Work item ``lin`` -> ``(expert, N tile, K tile)``: experts slowest (in ``order_g``'s order), then groups of
+  ``gk`` K tiles, then N tiles, then the K tiles of the group."""
+  per_e = n_iters * k_iters
+  ei, r = lin // per_e, lin % per_e
+  grp, within = r // (n_iters * gk), r % (n_iters * gk)
+  return order_g[ei], within // gk, grp * gk + within % gk
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "num_sms", "stages", "kpair", "epilogue", "group_k",
+                                             "balance"))
+def _wgrad_ws2_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, stages=3, kpair=2, epilogue="reg",
+                      group_k=None, balance=False):
+  """:func:`_wgrad_ws_kernel` (arguments as :func:`_wgrad_kernel`) with the forward's speed options (issue 24):
+
+  * ``kpair=2`` (deferred promotion): a pipeline step carries two 128-row blocks of the expert (four ``(128, 128)``
+    e4m3 tiles, 64 KiB); each compute warpgroup issues both blocks' wgmmas into two accumulators, waits for the
+    first only (``wgmma_accumulator_load(wait_n=1)``) and promotes it while the second runs, then promotes the
+    second. For an odd block count the last step's second block is the expert's last block loaded again with a
+    zero column scale (its wgmma result, finite for finite e4m3 data, adds exactly 0). Same numerics as ``"ws"``:
+    every block promoted on its own, in block order.
+  * The row and column scales of each block travel with the tiles: ``(1, 128)`` float32 TMA boxes of ``sdy`` and
+    ``sx`` into SMEM (no GMEM-latency loads in the compute warpgroups, no scale vectors carried across steps:
+    a 128-column scale vector is 32 registers per thread in the WGMMA layout).
+  * ``epilogue="tma"``: the float32 result goes registers -> SMEM (one ``(64, 128)`` tile per compute warpgroup,
+    64 KiB in all) -> TMA store, awaited only before the next item's result is staged (``"reg"``: registers ->
+    GMEM). ``stages`` shrinks (down to 2) until the pipeline and the staging tile fit SMEM.
+  * ``group_k``: within an expert, items walk ``gcd(group_k, K/128)`` K tiles at a time, N tiles slower, K groups
+    slowest (L2 reuse: the CTAs of one wave share fewer x tiles); ``None``: all K tiles of an N tile first.
+  * ``balance``: experts in descending block count (``argsort`` in XLA), so the longest items start first and the
+    last wave holds the short ones (the ragged tail of a skewed routing).
+  """
+  n, m = dyq.shape
+  k = xq.shape[0]
+  g = starts.shape[0]
+  n_iters, k_iters = n // BLOCK, k // BLOCK
+  items = g * n_iters * k_iters
+  kp = kpair
+  gk = k_iters if group_k is None else int(np.gcd(group_k, k_iters))
+  tma_out = epilogue == "tma"
+  out_bytes = 2 * WN * BLOCK * 4 if tma_out else 0
+  while stages > 2 and stages * kp * (2 * BLOCK * BLOCK + 2 * BLOCK * 4) + out_bytes > _grouped.SMEM_LIMIT - 1024:
+    stages -= 1
+  order = (jnp.argsort(-counts, stable=True) if balance else jnp.arange(g)).astype(jnp.int32)
+
+  def body(ord_g, st_g, ct_g, dy_g, sdy_g, x_g, sx_g, o_g):
+    wg = lax.axis_index("wg")
+
+    def pipeline(mma_body, compute_context, count, start):
+      def blk(s, j):  # the j-th block of step s, clamped to the expert's last block
+        return start + jnp.minimum(s * kp + j, count - 1)
+
+      tile = lambda j: plgpu.BlockSpec((BLOCK, BLOCK), lambda s: (0, blk(s, j)), transforms=FP8_TILED,
+                                       memory_space=plgpu.SMEM)
+      scale = lambda j: plgpu.BlockSpec((1, BLOCK), lambda s: (blk(s, j), 0), memory_space=plgpu.SMEM)
+      specs = ([tile(j) for j in range(kp)] + [tile(j) for j in range(kp)] + [scale(j) for j in range(kp)]
+               + [scale(j) for j in range(kp)])  # dy tiles, x tiles, dy scales, x scales
+      return plgpu.emit_pipeline_warp_specialized(
+          mma_body, grid=((count + kp - 1) // kp,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+          max_concurrent_steps=stages, compute_context=compute_context, in_specs=specs)
+
+    def operands(ni, kj):
+      dy_t, x_t = dy_g.at[pl.ds(ni * BLOCK, BLOCK)], x_g.at[pl.ds(kj * BLOCK, BLOCK)]
+      sdy_t, sx_t = sdy_g.at[:, pl.ds(ni * BLOCK, BLOCK)], sx_g.at[:, pl.ds(kj * BLOCK, BLOCK)]
+      return [dy_t] * kp + [x_t] * kp + [sdy_t] * kp + [sx_t] * kp
+
+    ignore = lambda *_, **__: None
+    allocs = dict(pipe=pipeline(ignore, ignore, stages * kp, 0).get_allocations(*operands(0, 0)))
+    if tma_out:
+      allocs["out_s"] = plgpu.SMEM((2, WN, BLOCK), jnp.float32, transforms=_grouped._out_transforms(jnp.float32))
+
+    @functools.partial(pl.run_scoped, collective_axes="wg", **allocs)
+    def _scope(pipe, out_s=None):
+      @plgpu.nd_loop((items,), collective_axes="sm")
+      def _items(info):
+        (lin,) = info.index
+        e, ni, kj = _wgrad_item(lin, ord_g, n_iters=n_iters, k_iters=k_iters, gk=gk)
+        start, count = st_g[e], ct_g[e]
+        rows = pl.ds(ni * BLOCK + wg * WN, WN)
+        cols = pl.ds(kj * BLOCK, BLOCK)
+        out = o_g.at[e, rows, cols]
+
+        def compute_context(run_pipeline):
+          total = run_pipeline(plgpu.layout_cast(jnp.zeros((WN, BLOCK), jnp.float32), WG))
+          if tma_out:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store has read out_s
+            out_s[wg] = total
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_s.at[wg], out)
+          else:
+            out[...] = total
+
+        def mma_body(idx, *refs):
+          (s,) = idx
+          *refs, total = refs
+          dys, xs, sdys, sxs = (refs[i * kp:(i + 1) * kp] for i in range(4))
+
+          def scope(*accs):
+            for j, acc in enumerate(accs):
+              plgpu.wgmma(acc, dys[j].at[pl.ds(wg * WN, WN)], xs[j].T)
+            t = total
+            for j, acc in enumerate(accs):
+              part = plgpu.wgmma_accumulator_load(acc, wait_n=kp - 1 - j)
+              a = plgpu.load(sdys[j].at[0, pl.ds(wg * WN, WN)], layout=WG.reduce(1), optimized=False)
+              c = plgpu.load(sxs[j].at[0], layout=WG.reduce(0), optimized=False)
+              if j:  # the second block of the last step of an odd count: a repeated block, promoted with 0
+                c = c * (s * kp + j < count).astype(jnp.float32)
+              t = t + part * (a[:, None] * c[None, :])
+            return t
+
+          return pl.run_scoped(scope, *[plgpu.ACC((WN, BLOCK), jnp.float32) for _ in range(kp)])
+
+        @pl.when(count > 0)
+        def _compute():
+          pipeline(mma_body, compute_context, count, start)(*operands(ni, kj), allocations=pipe)
+
+        @pl.when((count == 0) & (wg < 2))
+        def _empty():
+          out[...] = plgpu.layout_cast(jnp.zeros((WN, BLOCK), jnp.float32), WG)
+
+      if tma_out:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((g, n, k), jnp.float32),
+                        grid=(min(num_sms, items),), grid_names=("sm",), num_threads=3, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+                        interpret=interpret)
+  return kernel(order, starts, counts, dyq, sdy, xq, sx)
+
+
 # Weight-gradient kernel variants (read at trace time; scratch/gpu_gemm.sh times each).
 WGRAD_VARIANTS = {"ws": _wgrad_ws_kernel, "ws6": functools.partial(_wgrad_ws_kernel, stages=6),
-                  "simple": _wgrad_kernel}
+                  "simple": _wgrad_kernel,
+                  # issue 24 speed variants (:func:`_wgrad_ws2_kernel`): scales by TMA with the tiles, deferred
+                  # promotion over two 128-row blocks per step, TMA-store epilogue, grouped / balanced item order
+                  "s1": functools.partial(_wgrad_ws2_kernel, stages=4, kpair=1, epilogue="reg"),
+                  "k2": functools.partial(_wgrad_ws2_kernel, stages=3, kpair=2, epilogue="reg"),
+                  "k2tma": functools.partial(_wgrad_ws2_kernel, stages=3, kpair=2, epilogue="tma"),
+                  "k2_g8": functools.partial(_wgrad_ws2_kernel, stages=3, kpair=2, epilogue="reg", group_k=8),
+                  "k2_g8b": functools.partial(_wgrad_ws2_kernel, stages=3, kpair=2, epilogue="reg", group_k=8,
+                                              balance=True),
+                  "k2tma_g8b": functools.partial(_wgrad_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_k=8,
+                                                 balance=True)}
 WGRAD_VARIANT = "ws"
 
 

@@ -68,7 +68,8 @@ def wgrad_variant(request, monkeypatch):
   return request.param
 
 
-@pytest.mark.parametrize("wgrad_variant", ["ws", "simple"], indirect=True)  # "ws6": "ws" with 6 stages
+# "ws6": "ws" with 6 stages; "k2_g8" / "k2_g8b": "k2" / "k2tma_g8b" in another item order (test_wgrad_item_orders)
+@pytest.mark.parametrize("wgrad_variant", ["ws", "simple", "s1", "k2", "k2tma", "k2tma_g8b"], indirect=True)
 def test_weight_grad_matches_reference(key, wgrad_variant):
   g, m, n, k = 4, 640, 128, 256
   dyt, xt = _wgrad_inputs(key, m, n, k)
@@ -145,10 +146,12 @@ def test_gpu_weight_grad_accuracy(key):
   assert rel_err(got, want) <= 5e-3
 
 
-def test_persistent_weight_grad_loops_over_items(key, monkeypatch):
-  """2 CTAs for 8 items (experts with 3, 0, 1 and 1 blocks): several dynamic-length pipelines per CTA."""
+@pytest.mark.parametrize("variant", ["ws", "k2", "k2tma"])
+def test_persistent_weight_grad_loops_over_items(key, monkeypatch, variant):
+  """2 CTAs for 8 items (experts with 3, 0, 1 and 1 blocks): several dynamic-length pipelines per CTA; for the
+  two-block steps of "k2" an odd count (3: a repeated last block promoted with 0) and a single block."""
   from jaxkern import _config
-  monkeypatch.setattr(_backward, "WGRAD_VARIANT", "ws")
+  monkeypatch.setattr(_backward, "WGRAD_VARIANT", variant)
   monkeypatch.setattr(_config, "num_sms", lambda: 2)
   g, m, n, k = 4, 768, 128, 256
   dyt, xt = _wgrad_inputs(key, m, n, k)
@@ -157,3 +160,36 @@ def test_persistent_weight_grad_loops_over_items(key, monkeypatch):
   want = ref.fp8_grouped_gemm_weight_grad(dyt, xt, be, num_experts=g)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), **_tol(want))
   np.testing.assert_array_equal(np.asarray(got[1]), 0)
+
+
+def test_wgrad_item_orders():
+  """The item decode of :func:`_backward._wgrad_ws2_kernel`: every (expert, N tile, K tile) exactly once, in the
+  expert order given, K tiles grouped ``gk`` at a time."""
+  g, n_iters, k_iters = 3, 2, 4
+  order = np.array([2, 0, 1], np.int32)
+  for gk in (1, 2, 4):
+    seen = [tuple(int(v) for v in _backward._wgrad_item(lin, order, n_iters=n_iters, k_iters=k_iters, gk=gk))
+            for lin in range(g * n_iters * k_iters)]
+    assert sorted(seen) == [(e, i, j) for e in range(g) for i in range(n_iters) for j in range(k_iters)]
+    assert [s[0] for s in seen[::n_iters * k_iters]] == [2, 0, 1]
+    assert [s[2] for s in seen[:2 * gk]] == list(range(gk)) * 2  # gk K tiles of N tile 0, then of N tile 1
+  assert seen[:4] == [(2, 0, 0), (2, 0, 1), (2, 0, 2), (2, 0, 3)]
+
+
+def test_weight_grad_grouped_balanced(key, monkeypatch):
+  """Grouped (2 K tiles per group) and balanced (experts by descending count: 1, 3, 0 with counts 1, 3, 0 and
+  a -1 block) order of the two-block kernel, 3 CTAs for 24 items."""
+  from jaxkern import _config
+  monkeypatch.setitem(_backward.WGRAD_VARIANTS, "test_g2b",
+                      functools.partial(_backward._wgrad_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_k=2,
+                                        balance=True))
+  monkeypatch.setattr(_backward, "WGRAD_VARIANT", "test_g2b")
+  monkeypatch.setattr(_config, "num_sms", lambda: 3)
+  g, m, n, k = 4, 768, 256, 512
+  dyt, xt = _wgrad_inputs(key, m, n, k)
+  be = jnp.array([1, 3, 3, 3, -1, -1], jnp.int32)  # experts 0 and 2 without rows
+  got = jax.jit(functools.partial(gemm.fp8_grouped_gemm_weight_grad, num_experts=g))(dyt, xt, be)
+  want = ref.fp8_grouped_gemm_weight_grad(dyt, xt, be, num_experts=g)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **_tol(want))
+  np.testing.assert_array_equal(np.asarray(got[0::2]), 0)
+  assert np.count_nonzero(np.asarray(want[1])) and np.count_nonzero(np.asarray(want[3]))
