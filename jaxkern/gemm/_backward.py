@@ -8,11 +8,20 @@ GEMM's time at the DeepSeek-V3 shapes), and their 128x128 block scales transpose
 Weight gradient ``dw[e] = Σ_{rows r of e} dy[r]ᵀ x[r]`` (:func:`fp8_grouped_gemm_weight_grad`): the
 contraction runs over each expert's ragged range of 128-row blocks, so both operands come token-major
 -> K-major, i.e. transposed, with per-channel scales (one per column and 128-row block), as
-:func:`jaxkern.quant.per_channel_cast_and_transpose` makes them. Mosaic GPU kernel (:func:`_wgrad_kernel`):
-one CTA per (expert, 64 rows of N, 128 columns of K), one warpgroup; a TMA pipeline over the expert's
-blocks (a dynamic trip count: the blocks of one expert must be contiguous, as in the fused layout)
-with one fresh float32 wgmma accumulator per block, promoted as ``total += p · (sf_dy[b, n] ·
-sf_x[b, k])`` (an outer product of the row and column scale vectors).
+:func:`jaxkern.quant.per_channel_cast_and_transpose` makes them. Every kernel runs a TMA pipeline over the
+expert's blocks (a dynamic trip count: the blocks of one expert must be contiguous, as in the fused layout) with
+one fresh float32 wgmma accumulator per block, promoted as ``total += p · (sf_dy[b, n] · sf_x[b, k])`` (an outer
+product of the row and column scale vectors). Variants (:data:`WGRAD_VARIANTS`, :data:`WGRAD_VARIANT` picks):
+
+* ``"ws"`` (the default, :func:`_wgrad_ws_kernel`): persistent, warp-specialised, one CTA per SM looping over
+  (expert, 128 rows of N, 128 columns of K) items, two compute warpgroups of 64 rows; 665 / 764 TF/s on an H100
+  at shapes A / B (benchmarks/NOTES.md); ``"ws6"`` 6 stages; ``"simple"`` (:func:`_wgrad_kernel`) one CTA per
+  (expert, 64 rows of N, 128 columns of K), one warpgroup.
+* Issue 24 speed variants, not yet timed (:func:`_wgrad_ws2_kernel`): scales by TMA with the tiles (``"s1"``),
+  plus two blocks per step with deferred promotion (``"k2"``), plus a TMA-store epilogue (``"k2tma"``), plus
+  grouped (8 K tiles) and balanced (experts by descending block count) item order (``"k2_g8"``, ``"k2_g8b"``,
+  ``"k2tma_g8b"``); and :func:`_wgrad_xp_kernel`, the same with one pipeline across all the items of a CTA
+  (``"xp"``, ``"xptma"``, ``"xp_g8b"``).
 """
 
 from __future__ import annotations
