@@ -218,3 +218,29 @@ def test_weight_grad_grouped_balanced(key, monkeypatch, kernel):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), **_tol(want))
   np.testing.assert_array_equal(np.asarray(got[0::2]), 0)
   assert np.count_nonzero(np.asarray(want[1])) and np.count_nonzero(np.asarray(want[3]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wgrad_variant", [v for v in _backward.WGRAD_VARIANTS if v not in ("ws", "ws6", "simple")],
+                         indirect=True)
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_weight_grad_variants_ragged(key, wgrad_variant, out_dtype):
+  """The issue-24 variants on the GPU: ragged experts with odd block counts (9, 3, 1), one without blocks, a -1
+  block, against the float32 product of the dequantised operands (≤ 0.5%), zeros for the empty expert."""
+  counts = [9, 0, 3, 1]
+  g, n, k = len(counts), 512, 768
+  be = jnp.asarray(np.concatenate([np.full(c, e, np.int32) for e, c in enumerate(counts)] + [[-1]]))
+  m = 128 * be.shape[0]
+  dyt, xt = _wgrad_inputs(key, m, n, k)
+  got = gemm.fp8_grouped_gemm_weight_grad(dyt, xt, be, num_experts=g, out_dtype=out_dtype, implementation="pallas")
+  assert got.dtype == out_dtype
+  dyd = dyt.data.astype(jnp.float32) * jnp.repeat(dyt.sf, 128, axis=0).T
+  xd = xt.data.astype(jnp.float32) * jnp.repeat(xt.sf, 128, axis=0).T
+  starts = np.concatenate([[0], np.cumsum(counts)]) * 128
+  for e in range(g):
+    a, b = int(starts[e]), int(starts[e + 1])
+    if a == b:
+      np.testing.assert_array_equal(np.asarray(got[e], np.float32), 0)
+      continue
+    want = jnp.dot(dyd[:, a:b], xd[:, a:b].T, precision=jax.lax.Precision.HIGHEST)
+    assert rel_err(got[e], want) <= 5e-3, e
