@@ -8,11 +8,20 @@ GEMM's time at the DeepSeek-V3 shapes), and their 128x128 block scales transpose
 Weight gradient ``dw[e] = Σ_{rows r of e} dy[r]ᵀ x[r]`` (:func:`fp8_grouped_gemm_weight_grad`): the
 contraction runs over each expert's ragged range of 128-row blocks, so both operands come token-major
 -> K-major, i.e. transposed, with per-channel scales (one per column and 128-row block), as
-:func:`jaxkern.quant.per_channel_cast_and_transpose` makes them. Mosaic GPU kernel (:func:`_wgrad_kernel`):
-one CTA per (expert, 64 rows of N, 128 columns of K), one warpgroup; a TMA pipeline over the expert's
-blocks (a dynamic trip count: the blocks of one expert must be contiguous, as in the fused layout)
-with one fresh float32 wgmma accumulator per block, promoted as ``total += p · (sf_dy[b, n] ·
-sf_x[b, k])`` (an outer product of the row and column scale vectors).
+:func:`jaxkern.quant.per_channel_cast_and_transpose` makes them. Every kernel runs a TMA pipeline over the
+expert's blocks (a dynamic trip count: the blocks of one expert must be contiguous, as in the fused layout) with
+one fresh float32 wgmma accumulator per block, promoted as ``total += p · (sf_dy[b, n] · sf_x[b, k])`` (an outer
+product of the row and column scale vectors). Variants (:data:`WGRAD_VARIANTS`, :data:`WGRAD_VARIANT` picks):
+
+* ``"ws"`` (the default, :func:`_wgrad_ws_kernel`): persistent, warp-specialised, one CTA per SM looping over
+  (expert, 128 rows of N, 128 columns of K) items, two compute warpgroups of 64 rows; 665 / 764 TF/s on an H100
+  at shapes A / B (benchmarks/NOTES.md); ``"ws6"`` 6 stages; ``"simple"`` (:func:`_wgrad_kernel`) one CTA per
+  (expert, 64 rows of N, 128 columns of K), one warpgroup.
+* Issue 24 speed variants, not yet timed (:func:`_wgrad_ws2_kernel`): scales by TMA with the tiles (``"s1"``),
+  plus two blocks per step with deferred promotion (``"k2"``), plus a TMA-store epilogue (``"k2tma"``), plus
+  grouped (8 K tiles) and balanced (experts by descending block count) item order (``"k2_g8"``, ``"k2_g8b"``,
+  ``"k2tma_g8b"``); and :func:`_wgrad_xp_kernel`, the same with one pipeline across all the items of a CTA
+  (``"xp"``, ``"xptma"``, ``"xp_g8b"``).
 """
 
 from __future__ import annotations
@@ -66,16 +75,17 @@ def fp8_grouped_gemm_input_grad(dy, w, block_expert, *, out_dtype=jnp.bfloat16,
                           implementation=implementation)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "num_sms"))
-def _wgrad_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms=None):
+@functools.partial(jax.jit, static_argnames=("interpret", "num_sms", "out_dtype"))
+def _wgrad_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms=None, out_dtype=jnp.float32):
   """``dyq (N, M)``, ``xq (K, M)`` e4m3, ``sdy (M/128, N)``, ``sx (M/128, K)`` float32, ``starts`` / ``counts``
-  ``(G,)`` int32 (each expert's first block and number of blocks) -> ``(G, N, K)`` float32 (``num_sms`` unused)."""
+  ``(G,)`` int32 (each expert's first block and number of blocks) -> ``(G, N, K)`` ``out_dtype`` (the float32
+  total rounded once; ``num_sms`` unused)."""
   del num_sms
   n, m = dyq.shape
   k = xq.shape[0]
   g = starts.shape[0]
 
-  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((g, n, k), jnp.float32),
+  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((g, n, k), out_dtype),
                      grid=(g, n // WN, k // BLOCK), grid_names=("g", "n", "k"), interpret=interpret)
   def kernel(st_g, ct_g, dy_g, sdy_g, x_g, sx_g, o_g):
     e, i, j = lax.axis_index("g"), lax.axis_index("n"), lax.axis_index("k")
@@ -84,7 +94,7 @@ def _wgrad_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms=None):
 
     @pl.when(count == 0)
     def _empty():
-      o_g[e, rows, cols] = plgpu.layout_cast(jnp.zeros((WN, BLOCK), jnp.float32), WG)
+      o_g[e, rows, cols] = plgpu.layout_cast(jnp.zeros((WN, BLOCK), out_dtype), WG)
 
     @pl.when(count > 0)
     def _compute():
@@ -107,13 +117,13 @@ def _wgrad_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms=None):
                     plgpu.BlockSpec((BLOCK, BLOCK), lambda s: (0, start + s), transforms=FP8_TILED)],
           init_carry=plgpu.layout_cast(jnp.zeros((WN, BLOCK), jnp.float32), WG),
       )(dy_g.at[rows, :], x_g.at[cols, :])
-      o_g[e, rows, cols] = total
+      o_g[e, rows, cols] = total.astype(out_dtype)
 
   return kernel(starts, counts, dyq, sdy, xq, sx)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "num_sms", "stages"))
-def _wgrad_ws_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, stages=STAGES):
+@functools.partial(jax.jit, static_argnames=("interpret", "num_sms", "stages", "out_dtype"))
+def _wgrad_ws_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, stages=STAGES, out_dtype=jnp.float32):
   """The persistent warp-specialised weight-gradient kernel (arguments as :func:`_wgrad_kernel`): one CTA per SM
   loops over the (expert, 128 rows of N, 128 columns of K) items, expert slowest; a memory warpgroup issues the
   TMA loads of the expert's blocks ``stages`` ahead (a dynamic trip count), two compute warpgroups take 64 rows
@@ -161,7 +171,7 @@ def _wgrad_ws_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, st
         def compute_context(run_pipeline):
           a, c = scales(0)
           total, _, _ = run_pipeline((plgpu.layout_cast(jnp.zeros((WN, BLOCK), jnp.float32), WG), a, c))
-          o_g[e, rows, cols] = total
+          o_g[e, rows, cols] = total.astype(out_dtype)
 
         def mma_body(idx, dy_s, x_s, carry):
           (s,) = idx
@@ -182,18 +192,292 @@ def _wgrad_ws_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, st
 
         @pl.when((count == 0) & (wg < 2))
         def _empty():
-          o_g[e, rows, cols] = plgpu.layout_cast(jnp.zeros((WN, BLOCK), jnp.float32), WG)
+          o_g[e, rows, cols] = plgpu.layout_cast(jnp.zeros((WN, BLOCK), out_dtype), WG)
 
-  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((g, n, k), jnp.float32),
+  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((g, n, k), out_dtype),
                         grid=(min(num_sms, items),), grid_names=("sm",), num_threads=3, thread_name="wg",
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
                         interpret=interpret)
   return kernel(starts, counts, dyq, sdy, xq, sx)
 
 
+def _wgrad_item(lin, order_g, *, n_iters, k_iters, gk):
+  """Work item ``lin`` -> ``(expert, N tile, K tile)``: experts slowest (in ``order_g``'s order), then groups of
+  ``gk`` K tiles, then N tiles, then the K tiles of the group."""
+  per_e = n_iters * k_iters
+  ei, r = lin // per_e, lin % per_e
+  grp, within = r // (n_iters * gk), r % (n_iters * gk)
+  return order_g[ei], within // gk, grp * gk + within % gk
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "num_sms", "stages", "kpair", "epilogue", "group_k",
+                                             "balance", "out_dtype"))
+def _wgrad_ws2_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, stages=3, kpair=2, epilogue="reg",
+                      group_k=None, balance=False, out_dtype=jnp.float32):
+  """:func:`_wgrad_ws_kernel` (arguments as :func:`_wgrad_kernel`) with the forward's speed options (issue 24):
+
+  * ``kpair=2`` (deferred promotion): a pipeline step carries two 128-row blocks of the expert (four ``(128, 128)``
+    e4m3 tiles, 64 KiB); each compute warpgroup issues both blocks' wgmmas into two accumulators, waits for the
+    first only (``wgmma_accumulator_load(wait_n=1)``) and promotes it while the second runs, then promotes the
+    second. For an odd block count the last step's second block is the expert's last block loaded again with a
+    zero column scale (its wgmma result, finite for finite e4m3 data, adds exactly 0). Same numerics as ``"ws"``:
+    every block promoted on its own, in block order.
+  * The row and column scales of each block travel with the tiles: ``(1, 128)`` float32 TMA boxes of ``sdy`` and
+    ``sx`` into SMEM (no GMEM-latency loads in the compute warpgroups, no scale vectors carried across steps:
+    a 128-column scale vector is 32 registers per thread in the WGMMA layout).
+  * ``epilogue="tma"``: the result (``out_dtype``) goes registers -> SMEM (one ``(64, 128)`` tile per compute
+    warpgroup, 64 KiB in all for float32, 32 KiB for bfloat16) -> TMA store, awaited only before the next item's result is staged (``"reg"``: registers ->
+    GMEM). ``stages`` shrinks (down to 2) until the pipeline and the staging tile fit SMEM.
+  * ``group_k``: within an expert, items walk ``gcd(group_k, K/128)`` K tiles at a time, N tiles slower, K groups
+    slowest (L2 reuse: the CTAs of one wave share fewer x tiles); ``None``: all K tiles of an N tile first.
+  * ``balance``: experts in descending block count (``argsort`` in XLA), so the longest items start first and the
+    last wave holds the short ones (the ragged tail of a skewed routing).
+  """
+  n, m = dyq.shape
+  k = xq.shape[0]
+  g = starts.shape[0]
+  n_iters, k_iters = n // BLOCK, k // BLOCK
+  items = g * n_iters * k_iters
+  kp = kpair
+  gk = k_iters if group_k is None else int(np.gcd(group_k, k_iters))
+  tma_out = epilogue == "tma"
+  out_bytes = 2 * WN * BLOCK * jnp.dtype(out_dtype).itemsize if tma_out else 0
+  while stages > 2 and stages * kp * (2 * BLOCK * BLOCK + 2 * BLOCK * 4) + out_bytes > _grouped.SMEM_LIMIT - 1024:
+    stages -= 1
+  order = (jnp.argsort(-counts, stable=True) if balance else jnp.arange(g)).astype(jnp.int32)
+
+  def body(ord_g, st_g, ct_g, dy_g, sdy_g, x_g, sx_g, o_g):
+    wg = lax.axis_index("wg")
+
+    def pipeline(mma_body, compute_context, count, start):
+      def blk(s, j):  # the j-th block of step s, clamped to the expert's last block
+        return start + jnp.minimum(s * kp + j, count - 1)
+
+      tile = lambda j: plgpu.BlockSpec((BLOCK, BLOCK), lambda s: (0, blk(s, j)), transforms=FP8_TILED,
+                                       memory_space=plgpu.SMEM)
+      scale = lambda j: plgpu.BlockSpec((1, BLOCK), lambda s: (blk(s, j), 0), memory_space=plgpu.SMEM)
+      specs = ([tile(j) for j in range(kp)] + [tile(j) for j in range(kp)] + [scale(j) for j in range(kp)]
+               + [scale(j) for j in range(kp)])  # dy tiles, x tiles, dy scales, x scales
+      return plgpu.emit_pipeline_warp_specialized(
+          mma_body, grid=((count + kp - 1) // kp,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+          max_concurrent_steps=stages, compute_context=compute_context, in_specs=specs)
+
+    def operands(ni, kj):
+      dy_t, x_t = dy_g.at[pl.ds(ni * BLOCK, BLOCK)], x_g.at[pl.ds(kj * BLOCK, BLOCK)]
+      sdy_t, sx_t = sdy_g.at[:, pl.ds(ni * BLOCK, BLOCK)], sx_g.at[:, pl.ds(kj * BLOCK, BLOCK)]
+      return [dy_t] * kp + [x_t] * kp + [sdy_t] * kp + [sx_t] * kp
+
+    ignore = lambda *_, **__: None
+    allocs = dict(pipe=pipeline(ignore, ignore, stages * kp, 0).get_allocations(*operands(0, 0)))
+    if tma_out:
+      allocs["out_s"] = plgpu.SMEM((2, WN, BLOCK), out_dtype, transforms=_grouped._out_transforms(out_dtype))
+
+    @functools.partial(pl.run_scoped, collective_axes="wg", **allocs)
+    def _scope(pipe, out_s=None):
+      @plgpu.nd_loop((items,), collective_axes="sm")
+      def _items(info):
+        (lin,) = info.index
+        e, ni, kj = _wgrad_item(lin, ord_g, n_iters=n_iters, k_iters=k_iters, gk=gk)
+        start, count = st_g[e], ct_g[e]
+        rows = pl.ds(ni * BLOCK + wg * WN, WN)
+        cols = pl.ds(kj * BLOCK, BLOCK)
+        out = o_g.at[e, rows, cols]
+
+        def compute_context(run_pipeline):
+          total = run_pipeline(plgpu.layout_cast(jnp.zeros((WN, BLOCK), jnp.float32), WG))
+          if tma_out:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store has read out_s
+            out_s[wg] = total.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_s.at[wg], out)
+          else:
+            out[...] = total.astype(out_dtype)
+
+        def mma_body(idx, *refs):
+          (s,) = idx
+          *refs, total = refs
+          dys, xs, sdys, sxs = (refs[i * kp:(i + 1) * kp] for i in range(4))
+
+          def scope(*accs):
+            for j, acc in enumerate(accs):
+              plgpu.wgmma(acc, dys[j].at[pl.ds(wg * WN, WN)], xs[j].T)
+            t = total
+            for j, acc in enumerate(accs):
+              part = plgpu.wgmma_accumulator_load(acc, wait_n=kp - 1 - j)
+              a = plgpu.load(sdys[j].at[0, pl.ds(wg * WN, WN)], layout=WG.reduce(1), optimized=False)
+              c = plgpu.load(sxs[j].at[0], layout=WG.reduce(0), optimized=False)
+              if j:  # the second block of the last step of an odd count: a repeated block, promoted with 0
+                c = c * (s * kp + j < count).astype(jnp.float32)
+              t = t + part * (a[:, None] * c[None, :])
+            return t
+
+          return pl.run_scoped(scope, *[plgpu.ACC((WN, BLOCK), jnp.float32) for _ in range(kp)])
+
+        @pl.when(count > 0)
+        def _compute():
+          pipeline(mma_body, compute_context, count, start)(*operands(ni, kj), allocations=pipe)
+
+        @pl.when((count == 0) & (wg < 2))
+        def _empty():
+          out[...] = plgpu.layout_cast(jnp.zeros((WN, BLOCK), out_dtype), WG)
+
+      if tma_out:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((g, n, k), out_dtype),
+                        grid=(min(num_sms, items),), grid_names=("sm",), num_threads=3, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+                        interpret=interpret)
+  return kernel(order, starts, counts, dyq, sdy, xq, sx)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "num_sms", "stages", "kpair", "epilogue", "group_k",
+                                             "balance", "out_dtype"))
+def _wgrad_xp_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, stages=3, kpair=2, epilogue="tma",
+                     group_k=None, balance=False, out_dtype=jnp.float32):
+  """:func:`_wgrad_ws2_kernel` (same options, tiles and numerics) with one pipeline across all the items of a CTA
+  instead of one ``emit_pipeline_warp_specialized`` per item: the memory warpgroup walks the CTA's items and their
+  blocks with a global step counter (slot ``step % stages``, explicit produced / consumed barriers) and so loads the
+  next item's first blocks while the compute warpgroups finish the current item (promotion, epilogue), instead of
+  waiting for every slot to drain at each item's end. Matters most for short items (experts with few blocks).
+  An expert without blocks goes through the same epilogue with a zero total."""
+  n, m = dyq.shape
+  k = xq.shape[0]
+  g = starts.shape[0]
+  n_iters, k_iters = n // BLOCK, k // BLOCK
+  items = g * n_iters * k_iters
+  kp = kpair
+  gk = k_iters if group_k is None else int(np.gcd(group_k, k_iters))
+  tma_out = epilogue == "tma"
+  out_bytes = 2 * WN * BLOCK * jnp.dtype(out_dtype).itemsize if tma_out else 0
+  while stages > 2 and stages * kp * (2 * BLOCK * BLOCK + 2 * BLOCK * 4) + out_bytes > _grouped.SMEM_LIMIT - 1024:
+    stages -= 1
+  grid = min(num_sms, items)
+  order = (jnp.argsort(-counts, stable=True) if balance else jnp.arange(g)).astype(jnp.int32)
+
+  def body(ord_g, st_g, ct_g, dy_g, sdy_g, x_g, sx_g, o_g):
+    wg, sm = lax.axis_index("wg"), lax.axis_index("sm")
+    mine = (items - sm + grid - 1) // grid  # this CTA's items: sm, sm + grid, ...
+
+    def item_of(i):
+      e, ni, kj = _wgrad_item(sm + i * grid, ord_g, n_iters=n_iters, k_iters=k_iters, gk=gk)
+      return e, ni, kj, st_g[e], ct_g[e]
+
+    allocs = dict(
+        dy_s=plgpu.SMEM((stages, kp, BLOCK, BLOCK), dyq.dtype, transforms=FP8_TILED),
+        x_s=plgpu.SMEM((stages, kp, BLOCK, BLOCK), xq.dtype, transforms=FP8_TILED),
+        sdy_s=plgpu.SMEM((stages, kp, 1, BLOCK), jnp.float32),
+        sx_s=plgpu.SMEM((stages, kp, 1, BLOCK), jnp.float32),
+        produced=plgpu.Barrier(num_arrivals=4 * kp, num_barriers=stages),
+        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+    if tma_out:
+      allocs["out_s"] = plgpu.SMEM((2, WN, BLOCK), out_dtype, transforms=_grouped._out_transforms(out_dtype))
+
+    @functools.partial(pl.run_scoped, collective_axes="wg", **allocs)
+    def _scope(dy_s, x_s, sdy_s, sx_s, produced, consumed, out_s=None):
+      def memory():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def item(i, step0):
+          _, ni, kj, start, count = item_of(i)
+
+          def step(s, gstep):
+            slot = lax.rem(gstep, stages)
+
+            @pl.when(gstep >= stages)
+            def _():
+              plgpu.barrier_wait(consumed.at[slot])
+
+            for j in range(kp):
+              b = start + jnp.minimum(s * kp + j, count - 1)
+              bar = produced.at[slot]
+              plgpu.copy_gmem_to_smem(dy_g.at[pl.ds(ni * BLOCK, BLOCK), pl.ds(b * BLOCK, BLOCK)], dy_s.at[slot, j],
+                                      bar)
+              plgpu.copy_gmem_to_smem(x_g.at[pl.ds(kj * BLOCK, BLOCK), pl.ds(b * BLOCK, BLOCK)], x_s.at[slot, j], bar)
+              plgpu.copy_gmem_to_smem(sdy_g.at[pl.ds(b, 1), pl.ds(ni * BLOCK, BLOCK)], sdy_s.at[slot, j], bar)
+              plgpu.copy_gmem_to_smem(sx_g.at[pl.ds(b, 1), pl.ds(kj * BLOCK, BLOCK)], sx_s.at[slot, j], bar)
+            return gstep + 1
+
+          return lax.fori_loop(0, (count + kp - 1) // kp, step, step0)
+
+        total = lax.fori_loop(0, mine, item, jnp.int32(0))
+
+        @pl.loop(jnp.maximum(total - stages, 0), total)
+        def _quiesce(gstep):  # observe the last consumed phases (the barriers' state stays consistent)
+          plgpu.barrier_wait(consumed.at[lax.rem(gstep, stages)])
+
+      def compute():
+        plgpu.set_max_registers(232, action="increase")
+
+        def item(i, step0):
+          e, ni, kj, _, count = item_of(i)
+          rows = pl.ds(ni * BLOCK + wg * WN, WN)
+          out = o_g.at[e, rows, pl.ds(kj * BLOCK, BLOCK)]
+
+          def step(s, carry):
+            gstep, total = carry
+            slot = lax.rem(gstep, stages)
+            plgpu.barrier_wait(produced.at[slot])
+
+            def scope(*accs):
+              for j, acc in enumerate(accs):
+                plgpu.wgmma(acc, dy_s.at[slot, j].at[pl.ds(wg * WN, WN)], x_s.at[slot, j].T)
+              t = total
+              for j, acc in enumerate(accs):
+                part = plgpu.wgmma_accumulator_load(acc, wait_n=kp - 1 - j)
+                a = plgpu.load(sdy_s.at[slot, j, 0, pl.ds(wg * WN, WN)], layout=WG.reduce(1), optimized=False)
+                c = plgpu.load(sx_s.at[slot, j, 0], layout=WG.reduce(0), optimized=False)
+                if j:  # the second block of the last step of an odd count: a repeated block, promoted with 0
+                  c = c * (s * kp + j < count).astype(jnp.float32)
+                t = t + part * (a[:, None] * c[None, :])
+              return t
+
+            total = pl.run_scoped(scope, *[plgpu.ACC((WN, BLOCK), jnp.float32) for _ in range(kp)])
+            plgpu.barrier_arrive(consumed.at[slot])
+            return gstep + 1, total
+
+          zero = plgpu.layout_cast(jnp.zeros((WN, BLOCK), jnp.float32), WG)
+          step_end, total = lax.fori_loop(0, (count + kp - 1) // kp, step, (step0, zero))
+          if tma_out:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store has read out_s
+            out_s[wg] = total.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_s.at[wg], out)
+          else:
+            out[...] = total.astype(out_dtype)
+          return step_end
+
+        lax.fori_loop(0, mine, item, jnp.int32(0))
+        if tma_out:
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      lax.cond(wg < 2, compute, memory)
+
+  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((g, n, k), out_dtype), grid=(grid,), grid_names=("sm",),
+                        num_threads=3, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+                        interpret=interpret)
+  return kernel(order, starts, counts, dyq, sdy, xq, sx)
+
+
 # Weight-gradient kernel variants (read at trace time; scratch/gpu_gemm.sh times each).
 WGRAD_VARIANTS = {"ws": _wgrad_ws_kernel, "ws6": functools.partial(_wgrad_ws_kernel, stages=6),
-                  "simple": _wgrad_kernel}
+                  "simple": _wgrad_kernel,
+                  # issue 24 speed variants (:func:`_wgrad_ws2_kernel`): scales by TMA with the tiles, deferred
+                  # promotion over two 128-row blocks per step, TMA-store epilogue, grouped / balanced item order
+                  "s1": functools.partial(_wgrad_ws2_kernel, stages=4, kpair=1, epilogue="reg"),
+                  "k2": functools.partial(_wgrad_ws2_kernel, stages=3, kpair=2, epilogue="reg"),
+                  "k2tma": functools.partial(_wgrad_ws2_kernel, stages=3, kpair=2, epilogue="tma"),
+                  "k2_g8": functools.partial(_wgrad_ws2_kernel, stages=3, kpair=2, epilogue="reg", group_k=8),
+                  "k2_g8b": functools.partial(_wgrad_ws2_kernel, stages=3, kpair=2, epilogue="reg", group_k=8,
+                                              balance=True),
+                  "k2tma_g8b": functools.partial(_wgrad_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_k=8,
+                                                 balance=True),
+                  # one pipeline across a CTA's items (:func:`_wgrad_xp_kernel`)
+                  "xp": functools.partial(_wgrad_xp_kernel, stages=3, kpair=2, epilogue="reg"),
+                  "xptma": functools.partial(_wgrad_xp_kernel, stages=3, kpair=2, epilogue="tma"),
+                  "xp_g8b": functools.partial(_wgrad_xp_kernel, stages=3, kpair=2, epilogue="reg", group_k=8,
+                                              balance=True)}
 WGRAD_VARIANT = "ws"
 
 
@@ -239,9 +523,9 @@ def _check_wgrad(dy_t, x_t, block_expert, num_experts):
   return dy_t, x_t, block_expert
 
 
-def fp8_grouped_gemm_weight_grad(dy_t, x_t, block_expert, *, num_experts: int,
+def fp8_grouped_gemm_weight_grad(dy_t, x_t, block_expert, *, num_experts: int, out_dtype=jnp.float32,
                                  implementation: str | None = None) -> jax.Array:
-  """``dw[e] = Σ_{r in blocks of e} dy[r]ᵀ · x[r]``: the weight gradient of :func:`fp8_grouped_gemm`, float32.
+  """``dw[e] = Σ_{r in blocks of e} dy[r]ᵀ · x[r]``: the weight gradient of :func:`fp8_grouped_gemm`.
 
   Args:
     dy_t: QuantTensor ``(data (N, M) float8_e4m3fn, sf (M/128, N) float32)``: the output gradient transposed,
@@ -252,33 +536,41 @@ def fp8_grouped_gemm_weight_grad(dy_t, x_t, block_expert, *, num_experts: int,
       (the fused layout; checked for concrete values); blocks of -1 (or, traced, outside ``[0, G)``) contribute
       nothing.
     num_experts: ``G`` (a Python int).
+    out_dtype: float32 (default) or bfloat16 (for bfloat16 weights: the kernel writes half the bytes and no
+      separate cast runs; the same values as a float32 result cast to bfloat16).
     implementation: see :mod:`jaxkern._dispatch`.
 
-  Returns ``(G, N, K)`` float32 (zeros for an expert without blocks).
+  Returns ``(G, N, K)`` ``out_dtype`` (zeros for an expert without blocks). Passing ``x_t`` first and ``dy_t``
+  second gives the transpose ``(G, K, N)``.
 
   Numerics: per 128-row block a float32 wgmma product, promoted into a float32 accumulator with
-  ``sf_dy[b, n] · sf_x[b, k]`` in block order (:func:`jaxkern.reference.gemm.fp8_grouped_gemm_weight_grad`).
+  ``sf_dy[b, n] · sf_x[b, k]`` in block order, one rounding to ``out_dtype`` at the end
+  (:func:`jaxkern.reference.gemm.fp8_grouped_gemm_weight_grad`).
 
   Raises ValueError for non-e4m3 data, dims not multiples of 128, other sf shapes or dtypes, different M,
   ``block_expert`` not ``(M/128,)`` int32, (concrete) out of range or not contiguous per expert, a bad
-  ``num_experts``. XLA cases: ``M == 0`` (zeros). Not differentiable (quantised inputs).
+  ``num_experts``, another ``out_dtype``. XLA cases: ``M == 0`` (zeros). Not differentiable (quantised inputs).
   """
   dy_t, x_t, block_expert = _check_wgrad(dy_t, x_t, block_expert, num_experts)
+  if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"out_dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype).name}")
+  out_dtype = jnp.dtype(out_dtype)
   dy_t = QuantTensor(*_autodiff.guard("fp8_grouped_gemm_weight_grad", _autodiff.DEQUANT_ADVICE, *dy_t))
   x_t = QuantTensor(*_autodiff.guard("fp8_grouped_gemm_weight_grad", _autodiff.DEQUANT_ADVICE, *x_t))
   n, m = dy_t.data.shape
   k = x_t.data.shape[0]
 
   def reference():
-    return ref.fp8_grouped_gemm_weight_grad(dy_t, x_t, block_expert, num_experts=num_experts)
+    return ref.fp8_grouped_gemm_weight_grad(dy_t, x_t, block_expert, num_experts=num_experts, out_dtype=out_dtype)
 
   def kernel(interpret):
     starts, counts = expert_block_ranges(block_expert, num_experts)
     return WGRAD_VARIANTS[WGRAD_VARIANT](starts, counts, dy_t.data, dy_t.sf, x_t.data, x_t.sf,
-                         interpret=_config.mosaic_interpret(interpret), num_sms=_config.num_sms())
+                                         interpret=_config.mosaic_interpret(interpret), num_sms=_config.num_sms(),
+                                         out_dtype=out_dtype)
 
   def xla():
-    return jnp.zeros((num_experts, n, k), jnp.float32) if m == 0 else reference()
+    return jnp.zeros((num_experts, n, k), out_dtype) if m == 0 else reference()
 
   return _dispatch.run("fp8_grouped_gemm_weight_grad", implementation, kernel=kernel, xla=xla, reference=reference,
                        empty=m == 0)

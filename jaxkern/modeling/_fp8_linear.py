@@ -48,8 +48,9 @@ def _linear_vjp(implementation):
     dyq = quant.per_token_cast(dy, "e4m3", BLOCK, **impl)  # (M, N), sf (M, N/128)
     dx = gemm.fp8_grouped_gemm_input_grad(dyq, wq, block_expert, out_dtype=jnp.bfloat16, **impl)
     dyt = quant.per_channel_cast_and_transpose(dy, "e4m3", BLOCK, **impl)  # (N, M), sf (M/128, N)
-    dw = gemm.fp8_grouped_gemm_weight_grad(dyt, xt, block_expert, num_experts=wq.data.shape[0], **impl)
-    return dx, dw.astype(w_dtype.dtype), None
+    dw = gemm.fp8_grouped_gemm_weight_grad(dyt, xt, block_expert, num_experts=wq.data.shape[0],
+                                           out_dtype=w_dtype.dtype, **impl)  # rounded once, in the kernel
+    return dx, dw, None
 
   f.defvjp(fwd, bwd)
   return f
@@ -66,7 +67,8 @@ def fp8_grouped_linear(x, w, block_expert, *, implementation: str | None = None)
 
   Backward (both GEMMs in FP8): the bf16 cotangent ``dy`` is cast per token along N for the input gradient
   (:func:`jaxkern.gemm.fp8_grouped_gemm_input_grad` with the transposed FP8 weights) and per channel, transposed,
-  for the weight gradient (:func:`jaxkern.gemm.fp8_grouped_gemm_weight_grad`, float32, then ``w.dtype``). Every
+  for the weight gradient (:func:`jaxkern.gemm.fp8_grouped_gemm_weight_grad`, float32 accumulation written as
+  ``w.dtype``). Every
   quantisation is straight-through: the gradients are those of the unquantised product ``x · wᵀ`` evaluated on
   e4m3-rounded operands (each operand element relative error ≤ 2^-4, and different roundings of ``x`` in the
   forward (per token) and in the weight gradient (per channel)), so they match the float32 gradients only to a

@@ -102,10 +102,11 @@ def fp8_grouped_gemm_input_grad(dy, w, block_expert, *, out_dtype=jnp.bfloat16,
                           x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
 
 
-def fp8_grouped_gemm_weight_grad(dy_t, x_t, block_expert, *, num_experts: int):
+def fp8_grouped_gemm_weight_grad(dy_t, x_t, block_expert, *, num_experts: int, out_dtype=jnp.float32):
   """Reference of :func:`jaxkern.gemm.fp8_grouped_gemm_weight_grad`: ``dw[e] += (dy_bᵀ x_b) · (sf_dy[b, n] ·
   sf_x[b, k])`` for every 128-row block ``b`` of expert ``e`` in block order (float32 products, promoted per
-  block); blocks with ids outside ``[0, G)`` skipped. Returns ``(G, N, K)`` float32."""
+  block); blocks with ids outside ``[0, G)`` skipped. Returns ``(G, N, K)`` ``out_dtype`` (the float32 sums
+  rounded once)."""
   dq, dsf = dy_t
   xq, xsf = x_t
   n, m = dq.shape
@@ -113,7 +114,7 @@ def fp8_grouped_gemm_weight_grad(dy_t, x_t, block_expert, *, num_experts: int):
   g = num_experts
   dw = jnp.zeros((g, n, k), jnp.float32)
   if m == 0:
-    return dw
+    return dw.astype(out_dtype)
   be = block_expert.astype(jnp.int32)
 
   def step(b, dw):
@@ -127,7 +128,7 @@ def fp8_grouped_gemm_weight_grad(dy_t, x_t, block_expert, *, num_experts: int):
     upd = dw[ec] + p * (dsf[b][:, None] * xsf[b][None, :])
     return dw.at[ec].set(jnp.where(ok, upd, dw[ec]))
 
-  return lax.fori_loop(0, m // BLOCK, step, dw)
+  return lax.fori_loop(0, m // BLOCK, step, dw).astype(out_dtype)
 
 
 def transpose_weights(w) -> QuantTensor:

@@ -68,7 +68,8 @@ def wgrad_variant(request, monkeypatch):
   return request.param
 
 
-@pytest.mark.parametrize("wgrad_variant", ["ws", "simple"], indirect=True)  # "ws6": "ws" with 6 stages
+# "ws6": "ws" with 6 stages; "k2_g8" / "k2_g8b": "k2" / "k2tma_g8b" in another item order (test_wgrad_item_orders)
+@pytest.mark.parametrize("wgrad_variant", ["ws", "simple", "s1", "k2", "k2tma", "k2tma_g8b", "xp_g8b"], indirect=True)
 def test_weight_grad_matches_reference(key, wgrad_variant):
   g, m, n, k = 4, 640, 128, 256
   dyt, xt = _wgrad_inputs(key, m, n, k)
@@ -86,6 +87,26 @@ def test_weight_grad_matches_reference(key, wgrad_variant):
   assert rel_err(got[0], dyd[:, :256] @ xd[:, :256].T) < bound
 
 
+@pytest.mark.parametrize("wgrad_variant", ["ws", "simple", "k2", "k2tma"], indirect=True)
+def test_weight_grad_bf16_output(key, wgrad_variant):
+  """``out_dtype=bfloat16``: the float32 total rounded once, in the kernel (what the layer's bf16 weights take):
+  against the reference's float32 result to half a bf16 ulp (the float32 totals differ in summation order only),
+  zeros for experts without blocks."""
+  g, m, n, k = 3, 384, 128, 256
+  dyt, xt = _wgrad_inputs(key, m, n, k)
+  be = jnp.array([2, 2, 2], jnp.int32)  # an odd count; experts 0, 1 empty
+  got = jax.jit(functools.partial(gemm.fp8_grouped_gemm_weight_grad, num_experts=g, out_dtype=jnp.bfloat16))(
+      dyt, xt, be)
+  assert got.shape == (g, n, k) and got.dtype == jnp.bfloat16
+  want = ref.fp8_grouped_gemm_weight_grad(dyt, xt, be, num_experts=g)
+  np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=2 ** -8,
+                             atol=_tol(want)["atol"])
+  np.testing.assert_array_equal(np.asarray(got[:2], np.float32), 0)
+  want16 = ref.fp8_grouped_gemm_weight_grad(dyt, xt, be, num_experts=g, out_dtype=jnp.bfloat16)
+  assert want16.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(want16), np.asarray(want.astype(jnp.bfloat16)))
+
+
 def test_weight_grad_zero_rows_and_traced_ids():
   out = gemm.fp8_grouped_gemm_weight_grad((jnp.zeros((128, 0), E4M3), jnp.zeros((0, 128), jnp.float32)),
                                           (jnp.zeros((256, 0), E4M3), jnp.zeros((0, 256), jnp.float32)),
@@ -101,6 +122,7 @@ def test_weight_grad_zero_rows_and_traced_ids():
     (dict(x_t=(jnp.zeros((256, 256), E4M3), jnp.ones((2, 256), jnp.float32))), "same M"),
     (dict(x_t=(jnp.zeros((256, 384), E4M3), jnp.ones((3, 128), jnp.float32))), "x_t.sf"),
     (dict(dy_t=(jnp.zeros((128, 384), jnp.bfloat16), jnp.ones((3, 128), jnp.float32))), "dy_t.data"),
+    (dict(out_dtype=jnp.float16), "out_dtype"),
 ])
 def test_weight_grad_bad_inputs(kw, match):
   args = dict(dy_t=(jnp.zeros((128, 384), E4M3), jnp.ones((3, 128), jnp.float32)),
@@ -123,9 +145,11 @@ def test_not_differentiable(key):
 @pytest.mark.parametrize("wgrad_variant", list(_backward.WGRAD_VARIANTS), indirect=True)
 def test_lowers_for_h100(wgrad_variant):
   g, m, n, k = 8, 1024, 512, 896
-  lower_for_h100(lambda a, b, be: gemm.fp8_grouped_gemm_weight_grad(a, b, be, num_experts=g, implementation="pallas"),
-                 (S((n, m), E4M3), S((m // 128, n), jnp.float32)), (S((k, m), E4M3), S((m // 128, k), jnp.float32)),
-                 S((m // 128,), jnp.int32))
+  for out_dtype in (jnp.float32, jnp.bfloat16):
+    lower_for_h100(lambda a, b, be: gemm.fp8_grouped_gemm_weight_grad(a, b, be, num_experts=g, out_dtype=out_dtype,
+                                                                      implementation="pallas"),
+                   (S((n, m), E4M3), S((m // 128, n), jnp.float32)),
+                   (S((k, m), E4M3), S((m // 128, k), jnp.float32)), S((m // 128,), jnp.int32))
   lower_for_h100(lambda a, b, be: gemm.fp8_grouped_gemm_input_grad(a, b, be, implementation="pallas"),
                  (S((m, n), E4M3), S((m, n // 128), jnp.float32)),
                  (S((g, n, k), E4M3), S((g, n // 128, k // 128), jnp.float32)), S((m // 128,), jnp.int32))
@@ -145,10 +169,13 @@ def test_gpu_weight_grad_accuracy(key):
   assert rel_err(got, want) <= 5e-3
 
 
-def test_persistent_weight_grad_loops_over_items(key, monkeypatch):
-  """2 CTAs for 8 items (experts with 3, 0, 1 and 1 blocks): several dynamic-length pipelines per CTA."""
+@pytest.mark.parametrize("variant", ["ws", "k2", "k2tma", "xp", "xptma"])
+def test_persistent_weight_grad_loops_over_items(key, monkeypatch, variant):
+  """2 CTAs for 8 items (experts with 3, 0, 1 and 1 blocks): several dynamic-length pipelines per CTA; for the
+  two-block steps of "k2" an odd count (3: a repeated last block promoted with 0) and a single block; for "xp" one
+  pipeline across the items (an item without blocks in between)."""
   from jaxkern import _config
-  monkeypatch.setattr(_backward, "WGRAD_VARIANT", "ws")
+  monkeypatch.setattr(_backward, "WGRAD_VARIANT", variant)
   monkeypatch.setattr(_config, "num_sms", lambda: 2)
   g, m, n, k = 4, 768, 128, 256
   dyt, xt = _wgrad_inputs(key, m, n, k)
@@ -157,3 +184,63 @@ def test_persistent_weight_grad_loops_over_items(key, monkeypatch):
   want = ref.fp8_grouped_gemm_weight_grad(dyt, xt, be, num_experts=g)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), **_tol(want))
   np.testing.assert_array_equal(np.asarray(got[1]), 0)
+
+
+def test_wgrad_item_orders():
+  """The item decode of :func:`_backward._wgrad_ws2_kernel`: every (expert, N tile, K tile) exactly once, in the
+  expert order given, K tiles grouped ``gk`` at a time."""
+  g, n_iters, k_iters = 3, 2, 4
+  order = np.array([2, 0, 1], np.int32)
+  for gk in (1, 2, 4):
+    seen = [tuple(int(v) for v in _backward._wgrad_item(lin, order, n_iters=n_iters, k_iters=k_iters, gk=gk))
+            for lin in range(g * n_iters * k_iters)]
+    assert sorted(seen) == [(e, i, j) for e in range(g) for i in range(n_iters) for j in range(k_iters)]
+    assert [s[0] for s in seen[::n_iters * k_iters]] == [2, 0, 1]
+    assert [s[2] for s in seen[:2 * gk]] == list(range(gk)) * 2  # gk K tiles of N tile 0, then of N tile 1
+  assert seen[:4] == [(2, 0, 0), (2, 0, 1), (2, 0, 2), (2, 0, 3)]
+
+
+@pytest.mark.parametrize("kernel", ["ws2", "xp"])
+def test_weight_grad_grouped_balanced(key, monkeypatch, kernel):
+  """Grouped (2 K tiles per group) and balanced (experts by descending count: 3, 1, then 0 and 2 without blocks;
+  two -1 blocks) order of the two-block kernels, 3 CTAs for 32 items."""
+  from jaxkern import _config
+  fn = {"ws2": _backward._wgrad_ws2_kernel, "xp": _backward._wgrad_xp_kernel}[kernel]
+  monkeypatch.setitem(_backward.WGRAD_VARIANTS, "test_g2b",
+                      functools.partial(fn, stages=3, kpair=2, epilogue="tma", group_k=2, balance=True))
+  monkeypatch.setattr(_backward, "WGRAD_VARIANT", "test_g2b")
+  monkeypatch.setattr(_config, "num_sms", lambda: 3)
+  g, m, n, k = 4, 768, 256, 512
+  dyt, xt = _wgrad_inputs(key, m, n, k)
+  be = jnp.array([1, 3, 3, 3, -1, -1], jnp.int32)  # experts 0 and 2 without rows
+  got = jax.jit(functools.partial(gemm.fp8_grouped_gemm_weight_grad, num_experts=g))(dyt, xt, be)
+  want = ref.fp8_grouped_gemm_weight_grad(dyt, xt, be, num_experts=g)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **_tol(want))
+  np.testing.assert_array_equal(np.asarray(got[0::2]), 0)
+  assert np.count_nonzero(np.asarray(want[1])) and np.count_nonzero(np.asarray(want[3]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wgrad_variant", [v for v in _backward.WGRAD_VARIANTS if v not in ("ws", "ws6", "simple")],
+                         indirect=True)
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_weight_grad_variants_ragged(key, wgrad_variant, out_dtype):
+  """The issue-24 variants on the GPU: ragged experts with odd block counts (9, 3, 1), one without blocks, a -1
+  block, against the float32 product of the dequantised operands (≤ 0.5%), zeros for the empty expert."""
+  counts = [9, 0, 3, 1]
+  g, n, k = len(counts), 512, 768
+  be = jnp.asarray(np.concatenate([np.full(c, e, np.int32) for e, c in enumerate(counts)] + [[-1]]))
+  m = 128 * be.shape[0]
+  dyt, xt = _wgrad_inputs(key, m, n, k)
+  got = gemm.fp8_grouped_gemm_weight_grad(dyt, xt, be, num_experts=g, out_dtype=out_dtype, implementation="pallas")
+  assert got.dtype == out_dtype
+  dyd = dyt.data.astype(jnp.float32) * jnp.repeat(dyt.sf, 128, axis=0).T
+  xd = xt.data.astype(jnp.float32) * jnp.repeat(xt.sf, 128, axis=0).T
+  starts = np.concatenate([[0], np.cumsum(counts)]) * 128
+  for e in range(g):
+    a, b = int(starts[e]), int(starts[e + 1])
+    if a == b:
+      np.testing.assert_array_equal(np.asarray(got[e], np.float32), 0)
+      continue
+    want = jnp.dot(dyd[:, a:b], xd[:, a:b].T, precision=jax.lax.Precision.HIGHEST)
+    assert rel_err(got[e], want) <= 5e-3, e
