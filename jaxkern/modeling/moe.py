@@ -80,7 +80,8 @@ class MoeConfig:
       (``[Wg | Wu]``, N = 2I) and one for down; see :func:`swiglu_experts`. Needs ``alignment == 128`` and
       ``H % 128 == 0``, ``I % 128 == 0`` (ValueError otherwise). Every GEMM operand carries e4m3 rounding (up to
       2^-4 relative per element); the gradients are straight-through (those of the unquantised product on the
-      rounded operands). The params layout is unchanged (the weights are transposed to ``(G, N, K)`` per step).
+      rounded operands). The params layout is unchanged: the GEMMs take the ``(G, K, N)`` weights as stored
+      (``weight_layout="kn"``).
   """
 
   num_experts: int
@@ -212,16 +213,17 @@ def _check_fp8_gemm_widths(xf, params):
 def _fp8_experts(xf, params, block_expert, fp8_swiglu, implementation):
   """The FP8 GEMM path of :func:`swiglu_experts` (see there)."""
   i = params.w_gate.shape[2]
-  linear = functools.partial(fp8_grouped_linear, implementation=implementation)
+  # The params' (G, K, N) layout as it is (no bf16 transposes of the weights or their gradients).
+  linear = functools.partial(fp8_grouped_linear, weight_layout="kn", implementation=implementation)
   x16, w_gate, w_up, w_down = xf.astype(jnp.bfloat16), params.w_gate, params.w_up, params.w_down
-  w_gate_up = jnp.swapaxes(jnp.concatenate([w_gate, w_up], axis=2), 1, 2)  # (G, 2I, H)
+  w_gate_up = jnp.concatenate([w_gate, w_up], axis=2)  # (G, H, 2I)
   gate_up = linear(x16, w_gate_up, block_expert)  # (N, 2I) bf16: [gate | up]
   if fp8_swiglu:
     act = swiglu(gate_up, implementation=implementation)
   else:
     g32, u32 = gate_up[:, :i].astype(jnp.float32), gate_up[:, i:].astype(jnp.float32)
     act = jax.nn.silu(g32) * u32
-  out = linear(act.astype(jnp.bfloat16), jnp.swapaxes(w_down, 1, 2), block_expert)  # (N, H)
+  out = linear(act.astype(jnp.bfloat16), w_down, block_expert)  # (N, H)
   return out.astype(xf.dtype)
 
 
@@ -237,8 +239,9 @@ def swiglu_experts(xf: jax.Array, params: MoeParams, group_sizes: jax.Array, *, 
     fp8_swiglu: the activation is :func:`jaxkern.modeling.swiglu` of ``[x Wg | x Wu]`` (FP8 e4m3 numerics, fused
       kernels; ``I % 128 == 0``); otherwise the SwiGLU product in float32.
     fp8_gemm: the matmuls are :func:`jaxkern.modeling.fp8_grouped_linear` (FP8 e4m3 GEMMs forward and backward)
-      instead of ``jax.lax.ragged_dot``: ``[gate | up] = linear(x, [Wg | Wu]ᵀ)`` (one GEMM, N = 2I, weights
-      concatenated and transposed to ``(G, N, K)`` per call) and ``linear(act, Wdᵀ)``; the operands are bfloat16
+      instead of ``jax.lax.ragged_dot``: ``[gate | up] = linear(x, [Wg | Wu])`` (one GEMM, N = 2I, the weights
+      concatenated per call, ``weight_layout="kn"``: the stored ``(G, K, N)`` layout) and ``linear(act, Wd)``; the
+      operands are bfloat16
       (a float32 ``xf`` is rounded to bfloat16 first), the result is cast to ``xf.dtype``. Needs ``N``, ``H``,
       ``I`` multiples of 128 and every expert segment starting on a 128-row boundary (``alignment=128``).
     block_expert: with ``fp8_gemm``, the ``(N/128,)`` int32 expert of each 128-row block, -1 to skip

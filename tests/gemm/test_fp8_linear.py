@@ -80,3 +80,30 @@ def test_bad_inputs():
                                 jnp.zeros((1,), jnp.int32))
   with pytest.raises(ValueError, match="w must have rank"):
     modeling.fp8_grouped_linear(jnp.zeros((128, 128), jnp.bfloat16), jnp.zeros((128, 128)), jnp.zeros((1,), jnp.int32))
+  with pytest.raises(ValueError, match="weight_layout must be one of"):
+    modeling.fp8_grouped_linear(jnp.zeros((128, 128), jnp.bfloat16), jnp.zeros((1, 128, 128)),
+                                jnp.zeros((1,), jnp.int32), weight_layout="mk")
+
+
+@pytest.mark.parametrize("implementation", ["reference", "interpret"])
+def test_kn_layout_is_the_transposed_nk_layer(implementation):
+  """``weight_layout="kn"`` with ``(G, K, N)`` weights is the ``"nk"`` layer on the transposed weights: the same
+  forward (bit-exact: the 128x128 block cast commutes with the transpose), the same input gradient (the same GEMM
+  on the same K-major operand) and the weight gradient transposed (the same products and scale products; the
+  kernel's wgmma may sum them in another order)."""
+  x, w, dy = _inputs(jax.random.key(11))
+  w_kn = jnp.swapaxes(w, 1, 2)  # (G, K, N)
+
+  def vjp(w, layout):
+    f = lambda a, b: modeling.fp8_grouped_linear(a, b, BE, weight_layout=layout, implementation=implementation)
+    y, pullback = jax.vjp(f, x, w)
+    return (y, *pullback(dy))
+
+  y_nk, dx_nk, dw_nk = jax.jit(lambda w: vjp(w, "nk"))(w)
+  y_kn, dx_kn, dw_kn = jax.jit(lambda w: vjp(w, "kn"))(w_kn)
+  assert dw_kn.shape == w_kn.shape and dw_kn.dtype == w_kn.dtype
+  np.testing.assert_array_equal(np.asarray(y_kn, np.float32), np.asarray(y_nk, np.float32))
+  np.testing.assert_array_equal(np.asarray(dx_kn, np.float32), np.asarray(dx_nk, np.float32))
+  np.testing.assert_allclose(np.asarray(dw_kn), np.asarray(jnp.swapaxes(dw_nk, 1, 2)), rtol=1e-5,
+                             atol=1e-6 * float(jnp.max(jnp.abs(dw_nk))))
+  assert float(jnp.max(jnp.abs(dw_kn[1]))) > 0  # a real gradient, not two zero arrays
