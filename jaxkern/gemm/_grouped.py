@@ -314,9 +314,10 @@ def _zero_acc(acc, interpret):
     acc[...] = zeros
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages", "group_n", "defer"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages", "group_n", "defer",
+                                             "multicast"))
 def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, stages=5, group_n=None,
-                defer=True):
+                defer=True, multicast=False):
   """A persistent, warp-specialised kernel with its own K pipeline (issue 24; arguments as :func:`_simple_kernel`).
 
   Unlike :func:`_ws2_kernel` (one ``emit_pipeline_warp_specialized`` per work item, whose memory warpgroup waits
@@ -335,13 +336,21 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
   Same numerics as the other kernels: ``total += part_s * (sf_x[rows, s] * sf_w[e, n_block, s])`` in step order.
   ``group_n``: column tiles per raster group as in :func:`_ws2_kernel`. Epilogue: registers -> swizzled SMEM ->
   TMA store, awaited only before the warpgroup's next item is staged. ``stages`` shrinks until SMEM fits.
+
+  ``multicast=True`` (when ``N/128`` is even): clusters of 2 CTAs, one cluster per pair of column tiles
+  ``(2j, 2j + 1)`` of a row block, each CTA one tile; the ``x`` tile both need is loaded once for the pair by TMA
+  multicast (each CTA's memory warpgroup fetches half of it into both CTAs' SMEM), so each CTA reads 24 KiB
+  instead of 32 KiB from L2 per K step. A slot is then refilled only when the compute warpgroups of both CTAs
+  have released it (a cluster barrier).
   """
   m, k = xq.shape
   _, n, _ = wq.shape
   ks = k // BLOCK
   m_iters, n_iters = m // BLOCK, n // BN
   wm = BLOCK // 2  # rows per compute warpgroup
-  gn = n_iters if group_n is None else int(np.gcd(group_n, n_iters))
+  cs = 2 if multicast and n_iters % 2 == 0 else 1  # CTAs per cluster, one column tile each
+  n_units = n_iters // cs  # column units (of cs tiles) per row block
+  gn = n_units if group_n is None else int(np.gcd(max(group_n // cs, 1), n_units))
   out_bytes = 2 * wm * BN * jnp.dtype(out_dtype).itemsize
   stage_bytes = (BLOCK + BN) * BLOCK + BLOCK * 4
   while stages > 2 and stages * stage_bytes + out_bytes > SMEM_LIMIT - 1024:
@@ -352,11 +361,18 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
       sx_s=plgpu.SMEM((stages, BLOCK), jnp.float32),
       out_s=plgpu.SMEM((2, wm, BN), out_dtype, transforms=_out_transforms(out_dtype)),
       produced=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
-      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+      consumed=(plgpu.ClusterBarrier(collective_axes=("cl",), num_arrivals=2, num_barriers=stages) if cs > 1
+                else plgpu.Barrier(num_arrivals=2, num_barriers=stages)))
 
   def body(be_g, x_g, sfx_g, w_g, sfw_g, o_g, *, x_s, w_s, sx_s, out_s, produced, consumed):
     wg = lax.axis_index("wg")
-    items = (m_iters * n_iters,)
+    items = (m_iters * n_units,)
+    cta = lax.axis_index("cl") if cs > 1 else 0
+    x_copy = dict(collective_axes="cl") if cs > 1 else {}
+
+    def coords(lin):
+      mi, nu = _raster(lin, m_iters, gn)
+      return mi, nu * cs + cta
 
     @pl.when(wg == 2)
     def _memory():
@@ -364,7 +380,7 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
 
       @plgpu.nd_loop(items, collective_axes="sm", init_carry=jnp.int32(0))
       def _items(info, carry):
-        mi, ni = _raster(info.index[0], m_iters, gn)
+        mi, ni = coords(info.index[0])
         e = be_g[mi]
 
         @pl.when(e >= 0)
@@ -379,7 +395,8 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
               plgpu.barrier_wait(consumed.at[slot])
 
             kcols = pl.ds(s * BLOCK, BLOCK)
-            plgpu.copy_gmem_to_smem(x_g.at[pl.ds(mi * BLOCK, BLOCK), kcols], x_s.at[slot], produced.at[slot])
+            plgpu.copy_gmem_to_smem(x_g.at[pl.ds(mi * BLOCK, BLOCK), kcols], x_s.at[slot], produced.at[slot],
+                                    **x_copy)
             plgpu.copy_gmem_to_smem(w_g.at[e, pl.ds(ni * BN, BN), kcols], w_s.at[slot], produced.at[slot])
             plgpu.copy_gmem_to_smem(sfx_g.at[s, pl.ds(mi * BLOCK, BLOCK)], sx_s.at[slot], produced.at[slot])
 
@@ -398,7 +415,7 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
 
       @plgpu.nd_loop(items, collective_axes="sm", init_carry=jnp.int32(0))
       def _items(info, carry):
-        mi, ni = _raster(info.index[0], m_iters, gn)
+        mi, ni = coords(info.index[0])
         e = be_g[mi]
         rows = pl.ds(mi * BLOCK + wg * wm, wm)
         cols = pl.ds(ni * BN, BN)
@@ -472,8 +489,15 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  return _persistent_call(body, (m, n), out_dtype, m_iters * n_iters, num_sms, interpret, scratch_types=scratch)(
-      block_expert, xq, sfx_t, wq, wsf)
+  if cs == 1:
+    call = _persistent_call(body, (m, n), out_dtype, m_iters * n_iters, num_sms, interpret, scratch_types=scratch)
+  else:
+    call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+                        grid=(max(min(num_sms // cs, m_iters * n_units), 1),), grid_names=("sm",),
+                        cluster=(cs,), cluster_names=("cl",), num_threads=3, thread_name="wg",
+                        scratch_types=scratch, interpret=interpret,
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  return call(block_expert, xq, sfx_t, wq, wsf)
 
 
 # Kernel variants (module attribute read at trace time; scratch/gpu_gemm.sh times each).
@@ -491,7 +515,9 @@ VARIANTS = {"ws": _ws_kernel, "ws6": functools.partial(_ws_kernel, stages=6), "s
             "ring": functools.partial(_ws3_kernel, stages=5),
             "ring_g8": functools.partial(_ws3_kernel, stages=5, group_n=8),
             "ring_nodefer": functools.partial(_ws3_kernel, stages=5, defer=False),
-            "ring3": functools.partial(_ws3_kernel, stages=3)}
+            "ring3": functools.partial(_ws3_kernel, stages=3),
+            "ring_mc": functools.partial(_ws3_kernel, stages=5, multicast=True),
+            "ring_mc_g8": functools.partial(_ws3_kernel, stages=5, multicast=True, group_n=8)}
 VARIANT = None  # a VARIANTS key forces that kernel (tests, timing scripts); None: default_variant(K)
 # From this K the forward walks 8 column tiles per group (L2 reuse of the x rows). H100, 2026-11-26, CUPTI cold L2,
 # bf16 out (scratch/time_gemmfast.py): K=7168 N=4096 "k2tma_g8" 1134 / 1085 TF/s (A / C) against "k2tma" 1049 /
