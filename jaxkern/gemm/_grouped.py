@@ -14,6 +14,11 @@ Mosaic GPU kernels (:func:`default_variant` picks one per K; :data:`VARIANT` for
   notes); ``"ws6"`` the same with 6 stages.
 * ``"simple"`` (:func:`_simple_kernel`): one CTA per (64-row tile, 128-column tile), one warpgroup, a
   ``plgpu.emit_pipeline`` TMA pipeline.
+* ``"ring"`` variants (:func:`_ws3_kernel`, issue 24 round 3, not timed yet): the persistent kernel with its own
+  K pipeline, one SMEM ring of 128-deep steps through all items of a CTA (the memory warpgroup loads the next
+  item's tiles while the compute warpgroups finish the current one), promotion of each step under the next step's
+  wgmma, the x scales TMA'd with the tiles; ``_g8`` grouped raster, ``_nodefer`` without the deferral, ``ring3``
+  3 stages, ``ring_mc`` clusters of 2 CTAs sharing the x tile by TMA multicast.
 * Other timed variants of :func:`_ws2_kernel`: ``"k2"`` (register epilogue), ``"tma"`` (no deferred promotion;
   4 stages), ``"k2tma2"`` (2 stages), ``"tma6"`` (6 stages), ``"tma_g8"``, and ``"k2tma_g1"`` (row blocks
   fastest; for the tests of the item order).
