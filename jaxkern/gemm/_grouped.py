@@ -379,20 +379,30 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
       mi, nu = _raster(lin, m_iters, gn)
       return mi, nu * cs + cta
 
+    def expert_of(lin):  # the expert of item ``lin`` (clamped into range: a prefetch past the last item is unused)
+      return be_g[coords(jnp.minimum(lin, items[0] - 1))[0]]
+
+    # Each warpgroup loads the expert id of its next item one item ahead (the loop carry), so the GMEM latency of
+    # that load is not paid at the start of every item.
+    ctas = lax.axis_size("sm")
+    first = (jnp.int32(0), expert_of(lax.axis_index("sm")))
+
     @pl.when(wg == 2)
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
 
-      @plgpu.nd_loop(items, collective_axes="sm", init_carry=jnp.int32(0))
+      @plgpu.nd_loop(items, collective_axes="sm", init_carry=first)
       def _items(info, carry):
-        mi, ni = coords(info.index[0])
-        e = be_g[mi]
+        (lin,) = info.index
+        t0, e = carry
+        e_next = expert_of(lin + ctas)
+        mi, ni = coords(lin)
 
         @pl.when(e >= 0)
         def _load():
           @pl.loop(0, ks)
           def _step(s):
-            t = carry + s
+            t = t0 + s
             slot = lax.rem(t, stages)
 
             @pl.when(t >= stages)
@@ -405,10 +415,10 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
             plgpu.copy_gmem_to_smem(w_g.at[e, pl.ds(ni * BN, BN), kcols], w_s.at[slot], produced.at[slot])
             plgpu.copy_gmem_to_smem(sfx_g.at[s, pl.ds(mi * BLOCK, BLOCK)], sx_s.at[slot], produced.at[slot])
 
-        return carry + jnp.where(e >= 0, ks, 0).astype(jnp.int32)
+        return t0 + jnp.where(e >= 0, ks, 0).astype(jnp.int32), e_next
 
       # Observe the last releases (every phase of the consumed barriers) before the kernel ends.
-      total_steps = _items
+      total_steps = _items[0]
 
       @pl.loop(jnp.maximum(total_steps - stages, 0), total_steps)
       def _drain(t):
@@ -418,15 +428,17 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
     def _compute():
       plgpu.set_max_registers(232, action="increase")
 
-      @plgpu.nd_loop(items, collective_axes="sm", init_carry=jnp.int32(0))
+      @plgpu.nd_loop(items, collective_axes="sm", init_carry=first)
       def _items(info, carry):
-        mi, ni = coords(info.index[0])
-        e = be_g[mi]
+        (lin,) = info.index
+        t0, e = carry
+        e_next = expert_of(lin + ctas)
+        mi, ni = coords(lin)
         rows = pl.ds(mi * BLOCK + wg * wm, wm)
         cols = pl.ds(ni * BN, BN)
 
         def slot_of(s):
-          return lax.rem(carry + s, stages)
+          return lax.rem(t0 + s, stages)
 
         def w_scale(s):
           return sfw_g[e, ni, jnp.minimum(s, ks - 1)]
@@ -490,7 +502,7 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
         def _skip():
           o_g[rows, cols] = plgpu.layout_cast(jnp.zeros((wm, BN), out_dtype), WG)
 
-        return carry + jnp.where(e >= 0, ks, 0).astype(jnp.int32)
+        return t0 + jnp.where(e >= 0, ks, 0).astype(jnp.int32), e_next
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
