@@ -18,7 +18,8 @@ Mosaic GPU kernels (:func:`default_variant` picks one per K; :data:`VARIANT` for
   K pipeline, one SMEM ring of 128-deep steps through all items of a CTA (the memory warpgroup loads the next
   item's tiles while the compute warpgroups finish the current one), promotion of each step under the next step's
   wgmma, the x scales TMA'd with the tiles; ``_g8`` grouped raster, ``_nodefer`` without the deferral, ``ring3``
-  3 stages, ``ring_mc`` clusters of 2 CTAs sharing the x tile by TMA multicast.
+  3 stages, ``ring_mc`` clusters of 2 CTAs sharing the x tile by TMA multicast, ``ring_late`` each item's epilogue
+  under the next item's first wgmma.
 * Other timed variants of :func:`_ws2_kernel`: ``"k2"`` (register epilogue), ``"tma"`` (no deferred promotion;
   4 stages), ``"k2tma2"`` (2 stages), ``"tma6"`` (6 stages), ``"tma_g8"``, and ``"k2tma_g1"`` (row blocks
   fastest; for the tests of the item order).
@@ -320,9 +321,9 @@ def _zero_acc(acc, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages", "group_n", "defer",
-                                             "multicast"))
+                                             "multicast", "late_epilogue"))
 def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, stages=5, group_n=None,
-                defer=True, multicast=False):
+                defer=True, multicast=False, late_epilogue=False):
   """A persistent, warp-specialised kernel with its own K pipeline (issue 24; arguments as :func:`_simple_kernel`).
 
   Unlike :func:`_ws2_kernel` (one ``emit_pipeline_warp_specialized`` per work item, whose memory warpgroup waits
@@ -347,6 +348,10 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
   multicast (each CTA's memory warpgroup fetches half of it into both CTAs' SMEM), so each CTA reads 24 KiB
   instead of 32 KiB from L2 per K step. A slot is then refilled only when the compute warpgroups of both CTAs
   have released it (a cluster barrier).
+
+  ``late_epilogue=True``: a compute warpgroup keeps an item's result in registers and stages / stores it only
+  after it has issued the next item's first wgmma (the result and its position are the item loop's carry), so the
+  epilogue runs under a wgmma instead of leaving the tensor cores idle between items.
   """
   m, k = xq.shape
   _, n, _ = wq.shape
@@ -424,14 +429,25 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
       def _drain(t):
         plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
 
+    def store(total, r0, c0):  # registers -> swizzled SMEM -> TMA store of one warpgroup's (wm, BN) result
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read out_s
+      out_s[wg] = total.astype(out_dtype)
+      plgpu.commit_smem()
+      dst = o_g.at[pl.ds(pl.multiple_of(r0, wm), wm), pl.ds(pl.multiple_of(c0, BN), BN)]
+      plgpu.copy_smem_to_gmem(out_s.at[wg], dst)
+
     @pl.when(wg < 2)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
+      init = first
+      if late_epilogue:  # (pending?, its result, its first row, its first column)
+        init = (*first, jnp.int32(0), plgpu.layout_cast(jnp.zeros((wm, BN), jnp.float32), WG), jnp.int32(0),
+                jnp.int32(0))
 
-      @plgpu.nd_loop(items, collective_axes="sm", init_carry=first)
+      @plgpu.nd_loop(items, collective_axes="sm", init_carry=init)
       def _items(info, carry):
         (lin,) = info.index
-        t0, e = carry
+        t0, e, *late = carry
         e_next = expert_of(lin + ctas)
         mi, ni = coords(lin)
         rows = pl.ds(mi * BLOCK + wg * wm, wm)
@@ -456,12 +472,10 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
           plgpu.barrier_arrive(consumed.at[slot])
           return total + part * (sx * sw)[:, None]
 
-        @pl.when(e >= 0)
-        def _run():
-          zero = plgpu.layout_cast(jnp.zeros((wm, BN), jnp.float32), WG)
-
-          def k_loop(acc_a, acc_b):
+        def k_loop(after_first_issue, acc_a, acc_b):
+            zero = plgpu.layout_cast(jnp.zeros((wm, BN), jnp.float32), WG)
             if not defer:
+              after_first_issue()
               def one(s, c):
                 total, sw, sw1 = c
                 issue(acc_a, s)
@@ -470,6 +484,7 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
               return total
             # step s in acc_a (s even) / acc_b (s odd); invariant at a pair's start: step 2p issued into acc_a
             issue(acc_a, 0)
+            after_first_issue()
 
             def pair(p, c):
               total, sw0, sw1 = c
@@ -492,18 +507,40 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
               total = retire(acc_a, s, total, sw0, 0)
             return total
 
-          total = pl.run_scoped(k_loop, plgpu.ACC((wm, BN), jnp.float32), plgpu.ACC((wm, BN), jnp.float32))
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read out_s
-          out_s[wg] = total.astype(out_dtype)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(out_s.at[wg], o_g.at[rows, cols])
+        def run_item(after_first_issue):
+          return pl.run_scoped(functools.partial(k_loop, after_first_issue), plgpu.ACC((wm, BN), jnp.float32),
+                               plgpu.ACC((wm, BN), jnp.float32))
 
-        @pl.when(e < 0)
-        def _skip():
+        def skip_item():
           o_g[rows, cols] = plgpu.layout_cast(jnp.zeros((wm, BN), out_dtype), WG)
 
-        return t0 + jnp.where(e >= 0, ks, 0).astype(jnp.int32), e_next
+        t_next = t0 + jnp.where(e >= 0, ks, 0).astype(jnp.int32)
+        if not late_epilogue:
+          @pl.when(e >= 0)
+          def _run():
+            store(run_item(lambda: None), mi * BLOCK + wg * wm, ni * BN)
 
+          pl.when(e < 0)(skip_item)
+          return t_next, e_next
+
+        pend, tot_prev, prow, pcol = late
+
+        def flush():
+          pl.when(pend != 0)(lambda: store(tot_prev, prow, pcol))
+
+        def real():
+          return jnp.int32(1), run_item(flush), mi * BLOCK + wg * wm, ni * BN
+
+        def skip():
+          flush()
+          skip_item()
+          return jnp.int32(0), tot_prev, prow, pcol
+
+        return t_next, e_next, *lax.cond(e >= 0, real, skip)
+
+      if late_epilogue:
+        _, _, pend, tot_prev, prow, pcol = _items
+        pl.when(pend != 0)(lambda: store(tot_prev, prow, pcol))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   if cs == 1:
@@ -534,7 +571,9 @@ VARIANTS = {"ws": _ws_kernel, "ws6": functools.partial(_ws_kernel, stages=6), "s
             "ring_nodefer": functools.partial(_ws3_kernel, stages=5, defer=False),
             "ring3": functools.partial(_ws3_kernel, stages=3),
             "ring_mc": functools.partial(_ws3_kernel, stages=5, multicast=True),
-            "ring_mc_g8": functools.partial(_ws3_kernel, stages=5, multicast=True, group_n=8)}
+            "ring_mc_g8": functools.partial(_ws3_kernel, stages=5, multicast=True, group_n=8),
+            "ring_late": functools.partial(_ws3_kernel, stages=5, late_epilogue=True),
+            "ring_late_g8": functools.partial(_ws3_kernel, stages=5, late_epilogue=True, group_n=8)}
 VARIANT = None  # a VARIANTS key forces that kernel (tests, timing scripts); None: default_variant(K)
 # From this K the forward walks 8 column tiles per group (L2 reuse of the x rows). H100, 2026-11-26, CUPTI cold L2,
 # bf16 out (scratch/time_gemmfast.py): K=7168 N=4096 "k2tma_g8" 1134 / 1085 TF/s (A / C) against "k2tma" 1049 /
