@@ -573,7 +573,10 @@ VARIANTS = {"ws": _ws_kernel, "ws6": functools.partial(_ws_kernel, stages=6), "s
             "ring_mc": functools.partial(_ws3_kernel, stages=5, multicast=True),
             "ring_mc_g8": functools.partial(_ws3_kernel, stages=5, multicast=True, group_n=8),
             "ring_late": functools.partial(_ws3_kernel, stages=5, late_epilogue=True),
-            "ring_late_g8": functools.partial(_ws3_kernel, stages=5, late_epilogue=True, group_n=8)}
+            "ring_late_g8": functools.partial(_ws3_kernel, stages=5, late_epilogue=True, group_n=8),
+            "ring_late_mc": functools.partial(_ws3_kernel, stages=5, late_epilogue=True, multicast=True),
+            "ring_late_mc_g8": functools.partial(_ws3_kernel, stages=5, late_epilogue=True, multicast=True,
+                                                 group_n=8)}
 VARIANT = None  # a VARIANTS key forces that kernel (tests, timing scripts); None: default_variant(K)
 # From this K the forward walks 8 column tiles per group (L2 reuse of the x rows). H100, 2026-11-26, CUPTI cold L2,
 # bf16 out (scratch/time_gemmfast.py): K=7168 N=4096 "k2tma_g8" 1134 / 1085 TF/s (A / C) against "k2tma" 1049 /

@@ -220,7 +220,8 @@ def test_gpu_accuracy(key, g, rows, n, k):
 
 @pytest.mark.parametrize("variant, k", [("ws", 384), ("k2", 768), ("k2tma2", 768), ("tma", 384), ("k2tma_g1", 512),
                                         ("ring", 384), ("ring", 768), ("ring3", 512), ("ring_g8", 256),
-                                        ("ring_mc", 768), ("ring_late", 384), ("ring_late", 512)],
+                                        ("ring_mc", 768), ("ring_late", 384), ("ring_late", 512),
+                                        ("ring_late_mc", 384)],
                          indirect=["variant"])
 def test_persistent_kernel_loops_over_items(key, variant, k, monkeypatch):
   """3 CTAs for 8 work items: each CTA runs several pipelines in turn (barrier phases carried over, a skipped
