@@ -14,6 +14,12 @@ Mosaic GPU kernels (:func:`default_variant` picks one per K; :data:`VARIANT` for
   notes); ``"ws6"`` the same with 6 stages.
 * ``"simple"`` (:func:`_simple_kernel`): one CTA per (64-row tile, 128-column tile), one warpgroup, a
   ``plgpu.emit_pipeline`` TMA pipeline.
+* ``"ring"`` variants (:func:`_ws3_kernel`, issue 24 round 3, not timed yet): the persistent kernel with its own
+  K pipeline, one SMEM ring of 128-deep steps through all items of a CTA (the memory warpgroup loads the next
+  item's tiles while the compute warpgroups finish the current one), promotion of each step under the next step's
+  wgmma, the x scales TMA'd with the tiles; ``_g8`` grouped raster, ``_nodefer`` without the deferral, ``ring3``
+  3 stages, ``ring_mc`` clusters of 2 CTAs sharing the x tile by TMA multicast, ``ring_late`` each item's epilogue
+  under the next item's first wgmma.
 * Other timed variants of :func:`_ws2_kernel`: ``"k2"`` (register epilogue), ``"tma"`` (no deferred promotion;
   4 stages), ``"k2tma2"`` (2 stages), ``"tma6"`` (6 stages), ``"tma_g8"``, and ``"k2tma_g1"`` (row blocks
   fastest; for the tests of the item order).
@@ -41,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src.state import primitives as state_primitives  # ref_set on an accumulator in interpret mode
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -115,13 +122,15 @@ def _k_pipeline(mma_body, compute_context, *, steps, step_k, stages):
                 plgpu.BlockSpec((BN, step_k), lambda kk: (0, kk), transforms=FP8_TILED, memory_space=plgpu.SMEM)])
 
 
-def _persistent_call(body, out_shape, out_dtype, items: int, num_sms: int, interpret):
+def _persistent_call(body, out_shape, out_dtype, items: int, num_sms: int, interpret, scratch_types=None):
   """``body`` as a persistent kernel: one CTA per SM (at most one per work item) of three warpgroups (axis
-  ``"wg"``: two compute, one memory), Warpgroup lowering."""
+  ``"wg"``: two compute, one memory), Warpgroup lowering; ``scratch_types`` (a dict, passed to ``body`` as
+  keyword arguments) only where given."""
+  extra = {} if scratch_types is None else dict(scratch_types=scratch_types)
   return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(min(num_sms, items),),
                       grid_names=("sm",), num_threads=3, thread_name="wg",
                       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-                      interpret=interpret)
+                      interpret=interpret, **extra)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages"))
@@ -295,6 +304,256 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
       block_expert, xq, sfx_t, wq, wsf)
 
 
+def _raster(lin, m_iters: int, gn: int):
+  """Item ``lin`` -> (128-row block, column tile): ``gn`` column tiles per group, row blocks slower, groups slowest."""
+  grp, within = lin // (m_iters * gn), lin % (m_iters * gn)
+  return within // gn, grp * gn + within % gn
+
+
+def _zero_acc(acc, interpret):
+  """Zero a wgmma accumulator for the next step's product. Compiled: ``acc[...] = 0`` (Mosaic GPU's accumulator
+  store). GPU interpret mode has no rule for that primitive, so there a plain ref store writes the zeros."""
+  zeros = plgpu.layout_cast(jnp.zeros(acc.shape, jnp.float32), WG)
+  if interpret:
+    state_primitives.ref_set(acc, (), zeros)
+  else:
+    acc[...] = zeros
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages", "group_n", "defer",
+                                             "multicast", "late_epilogue"))
+def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, stages=5, group_n=None,
+                defer=True, multicast=False, late_epilogue=False):
+  """A persistent, warp-specialised kernel with its own K pipeline (issue 24; arguments as :func:`_simple_kernel`).
+
+  Unlike :func:`_ws2_kernel` (one ``emit_pipeline_warp_specialized`` per work item, whose memory warpgroup waits
+  for the compute warpgroups to drain each item before it loads the next item's first tiles), one ring of
+  ``stages`` SMEM slots of 128-deep K steps runs through all items of a CTA: the memory warpgroup walks the same
+  item sequence as the compute warpgroups and loads the next item's first steps while they finish the current
+  one (no bubble between items; the slot counter runs on across items, so any number of stages works).
+  Each slot holds the ``(128, 128)`` e4m3 tile of ``x``, the ``(BN, 128)`` tile of ``w[e]`` and the step's 128
+  per-token scales of ``x`` (one 512-byte TMA row of the column-major ``(K/128, M)`` scales, so no GMEM load of
+  them on the compute warpgroups' path); the weight scale is a scalar GMEM load two steps ahead.
+
+  ``defer=True``: the promotion of step ``s`` runs while the wgmma of step ``s + 1`` is in flight, across pipeline
+  steps (two accumulators alternate; step ``s``'s slot is released once its wgmma has completed), so every
+  promotion of a compute warpgroup overlaps one of its own wgmmas (``_ws2_kernel``'s ``kpair=2`` leaves every
+  second promotion without one). ``defer=False``: wait for each step's wgmma, then promote it.
+  Same numerics as the other kernels: ``total += part_s * (sf_x[rows, s] * sf_w[e, n_block, s])`` in step order.
+  ``group_n``: column tiles per raster group as in :func:`_ws2_kernel`. Epilogue: registers -> swizzled SMEM ->
+  TMA store, awaited only before the warpgroup's next item is staged. ``stages`` shrinks until SMEM fits.
+
+  ``multicast=True`` (when ``N/128`` is even): clusters of 2 CTAs, one cluster per pair of column tiles
+  ``(2j, 2j + 1)`` of a row block, each CTA one tile; the ``x`` tile both need is loaded once for the pair by TMA
+  multicast (each CTA's memory warpgroup fetches half of it into both CTAs' SMEM), so each CTA reads 24 KiB
+  instead of 32 KiB from L2 per K step. A slot is then refilled only when the compute warpgroups of both CTAs
+  have released it (a cluster barrier).
+
+  ``late_epilogue=True``: a compute warpgroup keeps an item's result in registers and stages / stores it only
+  after it has issued the next item's first wgmma (the result and its position are the item loop's carry), so the
+  epilogue runs under a wgmma instead of leaving the tensor cores idle between items.
+  """
+  m, k = xq.shape
+  _, n, _ = wq.shape
+  ks = k // BLOCK
+  m_iters, n_iters = m // BLOCK, n // BN
+  wm = BLOCK // 2  # rows per compute warpgroup
+  cs = 2 if multicast and n_iters % 2 == 0 else 1  # CTAs per cluster, one column tile each
+  n_units = n_iters // cs  # column units (of cs tiles) per row block
+  gn = n_units if group_n is None else int(np.gcd(max(group_n // cs, 1), n_units))
+  out_bytes = 2 * wm * BN * jnp.dtype(out_dtype).itemsize
+  stage_bytes = (BLOCK + BN) * BLOCK + BLOCK * 4
+  while stages > 2 and stages * stage_bytes + out_bytes > SMEM_LIMIT - 1024:
+    stages -= 1
+  scratch = dict(
+      x_s=plgpu.SMEM((stages, BLOCK, BLOCK), xq.dtype, transforms=FP8_TILED),
+      w_s=plgpu.SMEM((stages, BN, BLOCK), wq.dtype, transforms=FP8_TILED),
+      sx_s=plgpu.SMEM((stages, BLOCK), jnp.float32),
+      out_s=plgpu.SMEM((2, wm, BN), out_dtype, transforms=_out_transforms(out_dtype)),
+      produced=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+      consumed=(plgpu.ClusterBarrier(collective_axes=("cl",), num_arrivals=2, num_barriers=stages) if cs > 1
+                else plgpu.Barrier(num_arrivals=2, num_barriers=stages)))
+
+  def body(be_g, x_g, sfx_g, w_g, sfw_g, o_g, *, x_s, w_s, sx_s, out_s, produced, consumed):
+    wg = lax.axis_index("wg")
+    items = (m_iters * n_units,)
+    cta = lax.axis_index("cl") if cs > 1 else 0
+    x_copy = dict(collective_axes="cl") if cs > 1 else {}
+
+    def coords(lin):
+      mi, nu = _raster(lin, m_iters, gn)
+      return mi, nu * cs + cta
+
+    def expert_of(lin):  # the expert of item ``lin`` (clamped into range: a prefetch past the last item is unused)
+      return be_g[coords(jnp.minimum(lin, items[0] - 1))[0]]
+
+    # Each warpgroup loads the expert id of its next item one item ahead (the loop carry), so the GMEM latency of
+    # that load is not paid at the start of every item.
+    ctas = lax.axis_size("sm")
+    first = (jnp.int32(0), expert_of(lax.axis_index("sm")))
+
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      @plgpu.nd_loop(items, collective_axes="sm", init_carry=first)
+      def _items(info, carry):
+        (lin,) = info.index
+        t0, e = carry
+        e_next = expert_of(lin + ctas)
+        mi, ni = coords(lin)
+
+        @pl.when(e >= 0)
+        def _load():
+          @pl.loop(0, ks)
+          def _step(s):
+            t = t0 + s
+            slot = lax.rem(t, stages)
+
+            @pl.when(t >= stages)
+            def _wait_free():
+              plgpu.barrier_wait(consumed.at[slot])
+
+            kcols = pl.ds(s * BLOCK, BLOCK)
+            plgpu.copy_gmem_to_smem(x_g.at[pl.ds(mi * BLOCK, BLOCK), kcols], x_s.at[slot], produced.at[slot],
+                                    **x_copy)
+            plgpu.copy_gmem_to_smem(w_g.at[e, pl.ds(ni * BN, BN), kcols], w_s.at[slot], produced.at[slot])
+            plgpu.copy_gmem_to_smem(sfx_g.at[s, pl.ds(mi * BLOCK, BLOCK)], sx_s.at[slot], produced.at[slot])
+
+        return t0 + jnp.where(e >= 0, ks, 0).astype(jnp.int32), e_next
+
+      # Observe the last releases (every phase of the consumed barriers) before the kernel ends.
+      total_steps = _items[0]
+
+      @pl.loop(jnp.maximum(total_steps - stages, 0), total_steps)
+      def _drain(t):
+        plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
+
+    def store(total, r0, c0):  # registers -> swizzled SMEM -> TMA store of one warpgroup's (wm, BN) result
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read out_s
+      out_s[wg] = total.astype(out_dtype)
+      plgpu.commit_smem()
+      dst = o_g.at[pl.ds(pl.multiple_of(r0, wm), wm), pl.ds(pl.multiple_of(c0, BN), BN)]
+      plgpu.copy_smem_to_gmem(out_s.at[wg], dst)
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      init = first
+      if late_epilogue:  # (pending?, its result, its first row, its first column)
+        init = (*first, jnp.int32(0), plgpu.layout_cast(jnp.zeros((wm, BN), jnp.float32), WG), jnp.int32(0),
+                jnp.int32(0))
+
+      @plgpu.nd_loop(items, collective_axes="sm", init_carry=init)
+      def _items(info, carry):
+        (lin,) = info.index
+        t0, e, *late = carry
+        e_next = expert_of(lin + ctas)
+        mi, ni = coords(lin)
+        rows = pl.ds(mi * BLOCK + wg * wm, wm)
+        cols = pl.ds(ni * BN, BN)
+
+        def slot_of(s):
+          return lax.rem(t0 + s, stages)
+
+        def w_scale(s):
+          return sfw_g[e, ni, jnp.minimum(s, ks - 1)]
+
+        def issue(acc, s):
+          slot = slot_of(s)
+          plgpu.barrier_wait(produced.at[slot])
+          _zero_acc(acc, interpret)
+          plgpu.wgmma(acc, x_s.at[slot, pl.ds(wg * wm, wm)], w_s.at[slot].T)
+
+        def retire(acc, s, total, sw, wait_n):
+          slot = slot_of(s)
+          part = plgpu.wgmma_accumulator_load(acc, wait_n=wait_n)
+          sx = plgpu.load(sx_s.at[slot, pl.ds(wg * wm, wm)], layout=WG.reduce(1), optimized=False)
+          plgpu.barrier_arrive(consumed.at[slot])
+          return total + part * (sx * sw)[:, None]
+
+        def k_loop(after_first_issue, acc_a, acc_b):
+            zero = plgpu.layout_cast(jnp.zeros((wm, BN), jnp.float32), WG)
+            if not defer:
+              after_first_issue()
+              def one(s, c):
+                total, sw, sw1 = c
+                issue(acc_a, s)
+                return retire(acc_a, s, total, sw, 0), sw1, w_scale(s + 2)
+              total, _, _ = lax.fori_loop(0, ks, one, (zero, w_scale(0), w_scale(1)))
+              return total
+            # step s in acc_a (s even) / acc_b (s odd); invariant at a pair's start: step 2p issued into acc_a
+            issue(acc_a, 0)
+            after_first_issue()
+
+            def pair(p, c):
+              total, sw0, sw1 = c
+              s = 2 * p
+              nxt = (w_scale(s + 2), w_scale(s + 3))
+              issue(acc_b, s + 1)
+              total = retire(acc_a, s, total, sw0, 1)
+              issue(acc_a, s + 2)
+              total = retire(acc_b, s + 1, total, sw1, 1)
+              return (total, *nxt)
+
+            full = (ks - 1) // 2
+            total, sw0, sw1 = lax.fori_loop(0, full, pair, (zero, w_scale(0), w_scale(1)))
+            s = 2 * full  # issued into acc_a, not retired
+            if ks % 2 == 0:
+              issue(acc_b, s + 1)
+              total = retire(acc_a, s, total, sw0, 1)
+              total = retire(acc_b, s + 1, total, sw1, 0)
+            else:
+              total = retire(acc_a, s, total, sw0, 0)
+            return total
+
+        def run_item(after_first_issue):
+          return pl.run_scoped(functools.partial(k_loop, after_first_issue), plgpu.ACC((wm, BN), jnp.float32),
+                               plgpu.ACC((wm, BN), jnp.float32))
+
+        def skip_item():
+          o_g[rows, cols] = plgpu.layout_cast(jnp.zeros((wm, BN), out_dtype), WG)
+
+        t_next = t0 + jnp.where(e >= 0, ks, 0).astype(jnp.int32)
+        if not late_epilogue:
+          @pl.when(e >= 0)
+          def _run():
+            store(run_item(lambda: None), mi * BLOCK + wg * wm, ni * BN)
+
+          pl.when(e < 0)(skip_item)
+          return t_next, e_next
+
+        pend, tot_prev, prow, pcol = late
+
+        def flush():
+          pl.when(pend != 0)(lambda: store(tot_prev, prow, pcol))
+
+        def real():
+          return jnp.int32(1), run_item(flush), mi * BLOCK + wg * wm, ni * BN
+
+        def skip():
+          flush()
+          skip_item()
+          return jnp.int32(0), tot_prev, prow, pcol
+
+        return t_next, e_next, *lax.cond(e >= 0, real, skip)
+
+      if late_epilogue:
+        _, _, pend, tot_prev, prow, pcol = _items
+        pl.when(pend != 0)(lambda: store(tot_prev, prow, pcol))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  if cs == 1:
+    call = _persistent_call(body, (m, n), out_dtype, m_iters * n_iters, num_sms, interpret, scratch_types=scratch)
+  else:
+    call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+                        grid=(max(min(num_sms // cs, m_iters * n_units), 1),), grid_names=("sm",),
+                        cluster=(cs,), cluster_names=("cl",), num_threads=3, thread_name="wg",
+                        scratch_types=scratch, interpret=interpret,
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  return call(block_expert, xq, sfx_t, wq, wsf)
+
+
 # Kernel variants (module attribute read at trace time; scratch/gpu_gemm.sh times each).
 VARIANTS = {"ws": _ws_kernel, "ws6": functools.partial(_ws_kernel, stages=6), "simple": _simple_kernel,
             # issue 24 speed variants (:func:`_ws2_kernel`): deferred promotion over 2 x 128 K per step, TMA epilogue
@@ -305,7 +564,19 @@ VARIANTS = {"ws": _ws_kernel, "ws6": functools.partial(_ws_kernel, stages=6), "s
             "tma6": functools.partial(_ws2_kernel, stages=6, kpair=1, epilogue="tma"),
             "k2tma_g8": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n=8),
             "tma_g8": functools.partial(_ws2_kernel, stages=4, kpair=1, epilogue="tma", group_n=8),
-            "k2tma_g1": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n=1)}
+            "k2tma_g1": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n=1),
+            # issue 24, round 3 (:func:`_ws3_kernel`): one SMEM ring across items, promotion deferred across steps
+            "ring": functools.partial(_ws3_kernel, stages=5),
+            "ring_g8": functools.partial(_ws3_kernel, stages=5, group_n=8),
+            "ring_nodefer": functools.partial(_ws3_kernel, stages=5, defer=False),
+            "ring3": functools.partial(_ws3_kernel, stages=3),
+            "ring_mc": functools.partial(_ws3_kernel, stages=5, multicast=True),
+            "ring_mc_g8": functools.partial(_ws3_kernel, stages=5, multicast=True, group_n=8),
+            "ring_late": functools.partial(_ws3_kernel, stages=5, late_epilogue=True),
+            "ring_late_g8": functools.partial(_ws3_kernel, stages=5, late_epilogue=True, group_n=8),
+            "ring_late_mc": functools.partial(_ws3_kernel, stages=5, late_epilogue=True, multicast=True),
+            "ring_late_mc_g8": functools.partial(_ws3_kernel, stages=5, late_epilogue=True, multicast=True,
+                                                 group_n=8)}
 VARIANT = None  # a VARIANTS key forces that kernel (tests, timing scripts); None: default_variant(K)
 # From this K the forward walks 8 column tiles per group (L2 reuse of the x rows). H100, 2026-11-26, CUPTI cold L2,
 # bf16 out (scratch/time_gemmfast.py): K=7168 N=4096 "k2tma_g8" 1134 / 1085 TF/s (A / C) against "k2tma" 1049 /

@@ -64,7 +64,11 @@ def variant(request, monkeypatch):
     ("ws", jnp.float32, 384), ("ws", jnp.bfloat16, 384), ("simple", jnp.float32, 384),
     # issue 24 speed variants: K/128 even (deferred promotion of 2 x 128 per step) and odd (falls back to 1 x 128)
     ("k2", jnp.float32, 512), ("k2", jnp.float32, 384), ("tma", jnp.bfloat16, 384), ("k2tma", jnp.bfloat16, 512),
-    ("k2tma", jnp.float32, 512), ("tma6", jnp.float32, 384)], indirect=["variant"])
+    ("k2tma", jnp.float32, 512), ("tma6", jnp.float32, 384),
+    # the SMEM ring across items (_ws3_kernel): K/128 even and odd (the deferred promotion's two tails), one step
+    ("ring", jnp.bfloat16, 512), ("ring", jnp.float32, 384), ("ring", jnp.float32, 128),
+    ("ring_nodefer", jnp.float32, 384), ("ring_mc", jnp.bfloat16, 512), ("ring_late", jnp.bfloat16, 384)],
+    indirect=["variant"])
 def test_kernel_matches_reference(key, variant, out_dtype, k):
   g, m, n = 3, 512, 256
   x, w = make_inputs(key, g, m, n, k)
@@ -214,12 +218,19 @@ def test_gpu_accuracy(key, g, rows, n, k):
   assert rel_err(got, want) <= 5e-3
 
 
-@pytest.mark.parametrize("variant, k", [("ws", 384), ("k2", 768), ("k2tma2", 768), ("tma", 384), ("k2tma_g1", 512)],
+@pytest.mark.parametrize("variant, k", [("ws", 384), ("k2", 768), ("k2tma2", 768), ("tma", 384), ("k2tma_g1", 512),
+                                        ("ring", 384), ("ring", 768), ("ring3", 512), ("ring_g8", 256),
+                                        ("ring_mc", 768), ("ring_late", 384), ("ring_late", 512),
+                                        ("ring_late_mc", 384)],
                          indirect=["variant"])
 def test_persistent_kernel_loops_over_items(key, variant, k, monkeypatch):
   """3 CTAs for 8 work items: each CTA runs several pipelines in turn (barrier phases carried over, a skipped
   block in between; with the TMA epilogue, each item's store still in flight while the next one runs), as every
-  CTA does at the real shapes. k=768: 3 pipeline steps of 2 x 128 (2 stages: the SMEM ring wraps)."""
+  CTA does at the real shapes. k=768: 3 pipeline steps of 2 x 128 (2 stages: the SMEM ring wraps). The "ring"
+  variants keep one ring of slots across a CTA's items: 6-9 steps per CTA over 5 (3) slots, so slots are reused
+  across items, mid-item and (ring3, k=512) at an item boundary; ring_mc: one cluster of 2 CTAs walks all column
+  tile pairs, the x tiles multicast; ring_late: an item's result is stored during the next item (a skipped item
+  in between flushes it, the last one after the loop)."""
   from jaxkern import _config
   monkeypatch.setattr(_config, "num_sms", lambda: 3)
   g, m, n = 3, 512, 256
