@@ -13,15 +13,16 @@ expert's blocks (a dynamic trip count: the blocks of one expert must be contiguo
 one fresh float32 wgmma accumulator per block, promoted as ``total += p · (sf_dy[b, n] · sf_x[b, k])`` (an outer
 product of the row and column scale vectors). Variants (:data:`WGRAD_VARIANTS`, :data:`WGRAD_VARIANT` picks):
 
-* ``"ws"`` (the default, :func:`_wgrad_ws_kernel`): persistent, warp-specialised, one CTA per SM looping over
-  (expert, 128 rows of N, 128 columns of K) items, two compute warpgroups of 64 rows; 665 / 764 TF/s on an H100
-  at shapes A / B (benchmarks/NOTES.md); ``"ws6"`` 6 stages; ``"simple"`` (:func:`_wgrad_kernel`) one CTA per
-  (expert, 64 rows of N, 128 columns of K), one warpgroup.
-* Issue 24 speed variants, not yet timed (:func:`_wgrad_ws2_kernel`): scales by TMA with the tiles (``"s1"``),
-  plus two blocks per step with deferred promotion (``"k2"``), plus a TMA-store epilogue (``"k2tma"``), plus
-  grouped (8 K tiles) and balanced (experts by descending block count) item order (``"k2_g8"``, ``"k2_g8b"``,
-  ``"k2tma_g8b"``); and :func:`_wgrad_xp_kernel`, the same with one pipeline across all the items of a CTA
-  (``"xp"``, ``"xptma"``, ``"xp_g8b"``).
+* ``"k2tma"`` (the default, :func:`_wgrad_ws2_kernel`): persistent, warp-specialised, two compute warpgroups of 64
+  rows on 128x128 tiles of dw; each block's row / column scales come by TMA with the tiles, two 128-row blocks per
+  pipeline step into two accumulators (the first promoted while the second's wgmma runs; an odd count repeats the
+  last block with a zero scale), a TMA-store epilogue. H100, bf16 out: 850 / 921 TF/s at shapes A / B.
+* Other variants: ``"ws"`` (:func:`_wgrad_ws_kernel`, the first: 686 / 766 TF/s), ``"ws6"`` 6 stages; ``"simple"``
+  (:func:`_wgrad_kernel`) one CTA per (expert, 64 rows of N, 128 columns of K), one warpgroup; of
+  :func:`_wgrad_ws2_kernel` ``"s1"`` (scales by TMA, one block per step), ``"k2"`` (register epilogue), grouped (8 K
+  tiles) and balanced (experts by descending block count) item orders (``"k2_g8"``, ``"k2_g8b"``, ``"k2tma_g8b"``);
+  :func:`_wgrad_xp_kernel`, the same with one pipeline across all the items of a CTA (``"xp"``, ``"xptma"``,
+  ``"xp_g8b"``).
 """
 
 from __future__ import annotations
@@ -478,7 +479,10 @@ WGRAD_VARIANTS = {"ws": _wgrad_ws_kernel, "ws6": functools.partial(_wgrad_ws_ker
                   "xptma": functools.partial(_wgrad_xp_kernel, stages=3, kpair=2, epilogue="tma"),
                   "xp_g8b": functools.partial(_wgrad_xp_kernel, stages=3, kpair=2, epilogue="reg", group_k=8,
                                               balance=True)}
-WGRAD_VARIANT = "ws"
+# H100, 2026-11-27, CUPTI cold L2, bf16 out (scratch/time_gemmfast.py), TF/s at A (8 x 4096 rows, N=4096 K=7168) /
+# B (N=7168 K=2048): "k2tma" 850 / 921, "xptma" 856 / 914, "k2_g8b" 834 / 793, "k2" 803 / 811, "s1" 797 / 841,
+# "xp" 790 / 824, "ws" 686 / 766 (C / D not timed).
+WGRAD_VARIANT = "k2tma"
 
 
 def expert_block_ranges(block_expert, num_experts: int):

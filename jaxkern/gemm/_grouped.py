@@ -2,11 +2,14 @@
 
 Mosaic GPU kernels (:func:`default_variant` picks one per K; :data:`VARIANT` forces one at trace time):
 
-* ``"k2tma"`` / ``"k2tma_g8"`` (the defaults, :func:`_ws2_kernel`): persistent and warp-specialised like ``"ws"``,
-  with deferred promotion (2 x 128 of K per pipeline step into two wgmma accumulators, the first promoted while
-  the second runs; 3 stages) and an SMEM + TMA-store epilogue overlapped with the next item; ``_g8`` walks 8
-  column tiles per group (L2 reuse), chosen from ``K >= GROUPED_RASTER_MIN_K``. H100: 1008-1134 TF/s at
-  DeepSeek-V3 expert shapes (benchmarks/NOTES.md).
+* ``"k2tma_g8"`` (the default from ``K >= GROUPED_RASTER_MIN_K``, :func:`_ws2_kernel`): persistent and
+  warp-specialised like ``"ws"``, with deferred promotion (2 x 128 of K per pipeline step into two wgmma
+  accumulators, the first promoted while the second runs; 3 stages), an SMEM + TMA-store epilogue overlapped with
+  the next item, and 8 column tiles per group (L2 reuse); ``"k2tma"`` without the grouping. H100: 1101-1110 TF/s at
+  the DeepSeek-V3 expert shapes with K = 7168 (benchmarks/NOTES.md).
+* ``"ring_nodefer"`` (the default below ``GROUPED_RASTER_MIN_K``, :func:`_ws3_kernel`): one SMEM ring of 128-deep
+  steps through all items of a CTA (the next item's tiles load while the current one finishes), promotion after
+  each step's wgmma. H100: 1101-1108 TF/s at K = 2048.
 * ``"ws"`` (:func:`_ws_kernel`, the first kernel, 780-857 TF/s), the design of ../shared/notes/fp8_grouped_gemm.md
   that reached 1,033-1,065 TF/s with scales on an H100 without an epilogue: persistent (one CTA per SM looping
   over (128-row block, 128-column tile) items, N fastest), warp-specialised (a TMA warpgroup runs ``STAGES``
@@ -14,7 +17,7 @@ Mosaic GPU kernels (:func:`default_variant` picks one per K; :data:`VARIANT` for
   notes); ``"ws6"`` the same with 6 stages.
 * ``"simple"`` (:func:`_simple_kernel`): one CTA per (64-row tile, 128-column tile), one warpgroup, a
   ``plgpu.emit_pipeline`` TMA pipeline.
-* ``"ring"`` variants (:func:`_ws3_kernel`, issue 24 round 3, not timed yet): the persistent kernel with its own
+* Other ``"ring"`` variants (:func:`_ws3_kernel`, issue 24 round 3): the persistent kernel with its own
   K pipeline, one SMEM ring of 128-deep steps through all items of a CTA (the memory warpgroup loads the next
   item's tiles while the compute warpgroups finish the current one), promotion of each step under the next step's
   wgmma, the x scales TMA'd with the tiles; ``_g8`` grouped raster, ``_nodefer`` without the deferral, ``ring3``
@@ -578,16 +581,19 @@ VARIANTS = {"ws": _ws_kernel, "ws6": functools.partial(_ws_kernel, stages=6), "s
             "ring_late_mc_g8": functools.partial(_ws3_kernel, stages=5, late_epilogue=True, multicast=True,
                                                  group_n=8)}
 VARIANT = None  # a VARIANTS key forces that kernel (tests, timing scripts); None: default_variant(K)
-# From this K the forward walks 8 column tiles per group (L2 reuse of the x rows). H100, 2026-11-26, CUPTI cold L2,
-# bf16 out (scratch/time_gemmfast.py): K=7168 N=4096 "k2tma_g8" 1134 / 1085 TF/s (A / C) against "k2tma" 1049 /
-# 1068; K=2048 N=7168 "k2tma" 1008 / 1011 (B / D) against "k2tma_g8" 981 / 961; "ws" (the first kernel) 780-857.
+# The forward kernel per contraction K. H100, 2026-11-27, CUPTI cold L2, bf16 out (scratch/time_gemmfast.py, every
+# variant within 3.5e-3 of the float32 product), TF/s at A (K=7168 N=4096) / C (32 skewed experts, K=7168) and
+# B (K=2048 N=7168) / D (32 skewed, K=2048): "k2tma_g8" 1110 / 1101 and 970 / 955; "ring_nodefer" 1092 / 1063 and
+# 1108 / 1101; "k2tma" 1055 / 1057 and 998 / 996; "ring" (deferred promotion) 1000 / 1008 and 1046 / 1029. From
+# GROUPED_RASTER_MIN_K the grouped raster (L2 reuse of the x rows over 8 column tiles) wins; below it the SMEM ring
+# across items without deferral (short K loops: the gap between items is a larger share).
 GROUPED_RASTER_MIN_K = 4096
 
 
 def default_variant(k: int) -> str:
-  """The forward kernel for a contraction of ``k``: deferred promotion with a TMA-store epilogue (``"k2tma"``),
-  grouped over 8 column tiles from :data:`GROUPED_RASTER_MIN_K`."""
-  return "k2tma_g8" if k >= GROUPED_RASTER_MIN_K else "k2tma"
+  """The forward kernel for a contraction of ``k``: ``"k2tma_g8"`` (deferred promotion, TMA-store epilogue, 8 column
+  tiles per group) from :data:`GROUPED_RASTER_MIN_K`, else ``"ring_nodefer"`` (one SMEM ring through all items)."""
+  return "k2tma_g8" if k >= GROUPED_RASTER_MIN_K else "ring_nodefer"
 
 
 def _quant(name, x):

@@ -127,12 +127,12 @@ def test_kernel_variants_match_reference(key, monkeypatch, variant, t, e, k):
 
 def test_variant_choice():
   from jaxkern.moe import _topk_gate as tg
-  assert tg._variant(72) == ("wgmma", None)
+  assert tg._variant(32) == ("wgmma", None) and tg._variant(72) == ("narrow", tg.LANES_PER_ROW)
   assert tg._variant(tg.NARROW_MIN_EXPERTS) == ("narrow", tg.LANES_PER_ROW)
 
 
 @pytest.mark.parametrize("lanes", [4, 8, 16])
-@pytest.mark.parametrize("e, k", [(96, 6), (108, 6), (144, 6), (256, 8)])
+@pytest.mark.parametrize("e, k", [(36, 6), (72, 6), (96, 6), (108, 6), (144, 6), (256, 8)])
 def test_narrow_kernel_lowers_for_h100(monkeypatch, lanes, e, k):
   from jaxkern.moe import _topk_gate as tg
   monkeypatch.setattr(tg, "_VARIANT_OVERRIDE", ("narrow", lanes))
