@@ -72,6 +72,8 @@ the unsharded loss when ``loss_fn`` is a mean over equally sized token shards.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -80,6 +82,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkern import moe
+from jaxkern._autodiff import vary_like
 from jaxkern.modeling.moe import (MoeConfig, MoeParams, _group_sizes, expand_fp8, fused_block_experts, route_tokens,
                                   swiglu_experts)
 
@@ -178,16 +181,63 @@ def moe_layer_ep(params: MoeParams | MoeEpParams, x: jax.Array, *, config: MoeCo
   w_all = lax.all_gather(routing.topk_weights[:, :k], mesh_axis, axis=0, tiled=True)
   rank = lax.axis_index(mesh_axis).astype(jnp.int32)
   local_idx = moe.mask_indices_by_tp(idx_all, e, num_ranks, rank, num_ranks, **kw)
-  # A token's K experts are distinct, so at most min(K, E/P) of its slots are on this device.
   a = config.alignment
-  rows = -(-(idx_all.shape[0] * min(k, local_e) + (a - 1) * local_e) // a) * a
-  partial = _experts_sum(routed, x_all, local_idx, w_all, local_e, rows, config, kw)
+  rows, worst_rows = ep_fused_rows(config, idx_all.shape[0], num_ranks)
+  if rows < worst_rows:  # the capacity layout, with the worst case as the exact fallback
+    fits = _fits_capacity(idx_all, num_experts=e, num_ranks=num_ranks, alignment=a, rows=rows)
+    partial = _capped_experts_sum(routed, x_all, local_idx, w_all, fits, local_e, rows, worst_rows, config, kw)
+  else:
+    partial = _experts_sum(routed, x_all, local_idx, w_all, local_e, worst_rows, config, kw)
   out = lax.psum_scatter(partial, mesh_axis, scatter_dimension=0, tiled=True)  # (T/P, H) float32
   if s:
     shared_idx = routing.topk_idx[:, k:] - e  # 0..S-1
-    rows = -(-(x.shape[0] * s + (a - 1) * s) // a) * a
+    rows = _round_up(x.shape[0] * s + (a - 1) * s, a)
     out = out + _experts_sum(shared, x, shared_idx, routing.topk_weights[:, k:], s, rows, config, kw)
   return out.astype(x.dtype)
+
+
+def _round_up(n: int, a: int) -> int:
+  return -(-n // a) * a
+
+
+def ep_fused_rows(config: MoeConfig, num_tokens: int, num_ranks: int) -> tuple[int, int]:
+  """``(rows, worst_rows)``: the fused rows of one device's routed experts in :func:`moe_layer_ep` (static).
+
+  ``worst_rows = round_up(T·min(K, E/P) + (a-1)·E/P, a)``: every token's slots on this device's experts (a token's
+  ``K`` experts are distinct, so at most ``min(K, E/P)`` of its slots are here), each of the ``E/P`` segments
+  padded to the alignment ``a``. ``rows = round_up(ceil(f·T·K/P) + (a-1)·E/P, a)`` with ``f =
+  config.ep_capacity_factor``: ``f`` times the mean slots per device plus the worst padding, at most
+  ``worst_rows``; ``rows == worst_rows`` when ``f`` is ``None`` / 0 (the capacity is off) or no smaller.
+
+  Args:
+    config: the layer's :class:`~jaxkern.modeling.MoeConfig`.
+    num_tokens: ``T``, the tokens of all devices of the mesh axis.
+    num_ranks: ``P``, the mesh axis' size.
+  """
+  e, k, a = config.num_experts, config.num_topk, config.alignment
+  local_e = e // num_ranks
+  worst = _round_up(num_tokens * min(k, local_e) + (a - 1) * local_e, a)
+  f = config.ep_capacity_factor
+  if not f:
+    return worst, worst
+  rows = _round_up(math.ceil(f * num_tokens * k / num_ranks) + (a - 1) * local_e, a)
+  return min(rows, worst), worst
+
+
+def device_rows_needed(topk_idx: jax.Array, *, num_experts: int, num_ranks: int, alignment: int) -> jax.Array:
+  """``(P,)`` int32: the fused rows each of ``P`` devices needs for the routed slots ``topk_idx`` ``(T, K)`` (ids
+  ``0..E-1``, device ``r`` holding experts ``[r E/P, (r+1) E/P)``): the sum over its experts of their slot counts
+  rounded up to ``alignment`` (the layout of :func:`jaxkern.moe.get_fused_mapping`)."""
+  counts = jnp.bincount(topk_idx.reshape(-1), length=num_experts).astype(jnp.int32)
+  aligned = (counts + alignment - 1) // alignment * alignment
+  return jnp.sum(aligned.reshape(num_ranks, num_experts // num_ranks), axis=1)
+
+
+def _fits_capacity(idx_all, *, num_experts, num_ranks, alignment, rows) -> jax.Array:
+  """The capacity predicate: every device's routed slots of ``idx_all`` (all tokens, so the same value on every
+  device) fit ``rows`` fused rows. A function of its own so that a test can force either branch."""
+  need = device_rows_needed(idx_all, num_experts=num_experts, num_ranks=num_ranks, alignment=alignment)
+  return jnp.max(need) <= rows
 
 
 def _experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights: jax.Array, num_experts: int, rows: int,
@@ -202,6 +252,80 @@ def _experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights: jax.A
   yf = swiglu_experts(xf, params, _group_sizes(mapping), fp8_swiglu=config.fp8_swiglu, fp8_gemm=config.fp8_gemm,
                       block_expert=block_expert, **kw)
   return moe.reduce_fused(yf.astype(jnp.float32), weights, mapping.token_topk_to_pos, **kw)
+
+
+def _capped_experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights: jax.Array, fits: jax.Array,
+                        num_experts: int, rows: int, worst_rows: int, config: MoeConfig, kw: dict) -> jax.Array:
+  """:func:`_experts_sum` with ``rows`` fused rows where ``fits`` (a scalar bool, the same on every device), else
+  with ``worst_rows``: a ``jax.custom_vjp`` whose forward and backward each run one ``lax.cond`` (module
+  docstring, "Capacity").
+
+  Forward: the fast branch runs ``jax.vjp`` of the ``rows`` pipeline and returns its output and the leaves of its
+  pullback (the residuals, ``rows``-sized); the fallback runs the ``worst_rows`` pipeline without residuals and
+  returns zeros of the fast residuals' types. Backward: the fast branch applies the saved pullback; the fallback
+  recomputes the ``worst_rows`` forward (``jax.vjp``) and pulls back through it. So no worst-case-sized tensor
+  crosses from the forward to the backward, and the fast path saves exactly what plain autodiff of the
+  ``rows`` pipeline would. (A plain ``lax.cond`` under ``jax.grad`` would not: JAX's partial evaluation of a cond
+  returns the union of both branches' residuals, the untaken branch's filled with zeros, so every fast step would
+  write worst-case-sized zero residuals.)"""
+  diff = (x, weights, params.w_gate, params.w_up, params.w_down)
+
+  def pipeline(num_rows, x, weights, w_gate, w_up, w_down, idx):
+    p = MoeParams(params.router, params.router_bias, w_gate, w_up, w_down)
+    return _experts_sum(p, x, idx, weights, num_experts, num_rows, config, kw)
+
+  fast = functools.partial(pipeline, rows)
+  slow = functools.partial(pipeline, worst_rows)
+  pullback = {}  # the fast pullback's treedef, which leaves are inputs, the other leaves' types (set while tracing)
+
+  def fast_fwd(diff, idx):
+    out, vjp_fn = jax.vjp(lambda *d: fast(*d, idx), *diff)
+    leaves, pullback["treedef"] = jax.tree.flatten(vjp_fn)
+    inputs = [*diff, idx]
+    # Leaves that are inputs (the expert weights, the routing weights) are not returned through the cond (that
+    # would copy them): the backward takes them from its own residuals.
+    pullback["forwarded"] = [next((j for j, a in enumerate(inputs) if leaf is a), None) for leaf in leaves]
+    saved = [leaf for leaf, j in zip(leaves, pullback["forwarded"]) if j is None]
+    pullback["types"] = [jax.typeof(leaf) for leaf in saved]
+    return out, saved
+
+  def slow_fwd(diff, idx):
+    if "types" not in pullback:  # lax.cond traces the true branch first (jax 0.11); be safe if that changes
+      jax.eval_shape(fast_fwd, diff, idx)
+    zeros = [_zeros_of_type(t) for t in pullback["types"]]
+    return slow(*diff, idx), zeros
+
+  @jax.custom_vjp
+  def f(diff, idx, fits):
+    return lax.cond(fits, lambda d, i: fast(*d, i), lambda d, i: slow(*d, i), diff, idx)
+
+  def f_fwd(diff, idx, fits):
+    out, saved = lax.cond(fits, fast_fwd, slow_fwd, diff, idx)
+    return out, (diff, idx, fits, saved)
+
+  def f_bwd(res, ct):
+    diff, idx, fits, saved = res
+
+    def fast_bwd(ct, saved, diff, idx):
+      inputs, saved = [*diff, idx], iter(saved)
+      leaves = [next(saved) if j is None else inputs[j] for j in pullback["forwarded"]]
+      return jax.tree.unflatten(pullback["treedef"], leaves)(ct)
+
+    def slow_bwd(ct, saved, diff, idx):
+      return jax.vjp(lambda *d: slow(*d, idx), *diff)[1](ct)
+
+    return lax.cond(fits, fast_bwd, slow_bwd, ct, saved, diff, idx), None, None
+
+  f.defvjp(f_fwd, f_bwd)
+  diff, idx, fits = vary_like(diff, idx, fits)  # one varying type under shard_map (check_vma=True)
+  return f(diff, idx, fits)
+
+
+def _zeros_of_type(aval) -> jax.Array:
+  """Zeros of ``aval``'s shape and dtype, varying over the same manual mesh axes (under ``shard_map``)."""
+  z = jnp.zeros(aval.shape, aval.dtype)
+  axes = tuple(sorted(aval.manual_axis_type.varying))
+  return lax.pcast(z, axes, to="varying") if axes else z
 
 
 # --------------------------------------------------------------------------------------------------------------
