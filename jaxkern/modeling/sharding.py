@@ -26,8 +26,9 @@ The all-gather scheme, per device ``r`` (collectives over ``mesh_axis`` only):
    the EP ranks ``q`` with ``q % P == r``, i.e. only ``q = r``) keeps the slots of this device's experts,
    renumbered ``0..E/P-1``, and sets the others to -1;
 4. the routed experts of this device on all tokens: :func:`jaxkern.moe.get_fused_mapping`,
-   :func:`jaxkern.moe.expand_to_fused` (:func:`jaxkern.modeling.expand_fp8` with ``config.fp8_expand``), the SwiGLU grouped matmuls, :func:`jaxkern.moe.reduce_fused` in
-   float32 (unused slots add nothing): a ``(T, H)`` float32 partial sum;
+   :func:`jaxkern.moe.expand_to_fused` (:func:`jaxkern.modeling.expand_fp8` with ``config.fp8_expand``), the SwiGLU
+   grouped matmuls, :func:`jaxkern.moe.reduce_fused` in float32 (unused slots add nothing): a ``(T, H)`` float32
+   partial sum; the fused rows are the capacity's where every device's slots fit it, else the worst case's (below);
 5. ``psum_scatter`` the partial sums back to the token shards: ``(T, H) -> (T/P, H)``, summed over devices;
 6. the shared experts on the local tokens (the same four ops over ``S`` experts), added; one rounding to
    ``x.dtype``.
@@ -52,15 +53,44 @@ in ``top2_sum_gate``, the grouped matmul, ``reduce_fused``, the FP8 ``swiglu``, 
 ``expand_to_fused`` (Mosaic GPU) fails (``AssertionError: Barrier remains allocated at key
 HostAllocationKey(...)``); ``top2_sum_gate``, ``mask_indices_by_tp``, ``reduce_fused`` and ``swiglu`` run.
 
+**Capacity** (``MoeConfig.ep_capacity_factor``, default :data:`jaxkern.modeling.moe.EP_CAPACITY_FACTOR` = 1.25;
+:func:`ep_fused_rows`). The fused layout of step 4 has a static row count. Sized for the worst case, ``T·min(K,
+E/P)`` slots on one device (routing may send every token to one device's experts) plus the alignment padding of
+``E/P`` segments, it is as large on each of ``P`` devices as on one GPU for ``K >= E/P`` (e.g. ``K = 4``, ``E/P =
+4``), although on average a device gets ``T·K/P`` slots. The FP8 GEMMs skip the unused 128-row blocks, but every op
+that walks all fused rows (the expand, the casts, the SwiGLU, the float32 cast before ``reduce_fused``, their
+backward passes, the per-channel cast for the weight gradient, the zero padding) would cost each device what it
+costs one GPU. So the layer sizes the rows for ``rows = round_up(ceil(f·T·K/P) + (a-1)·E/P, a)`` (``f`` the
+factor, ``a`` the alignment; at most the worst case) and runs that layout when every device's need fits: after the
+all-gather of the routed ids every device sees every token's experts, so each computes every device's need
+(:func:`device_rows_needed`: the sum over its experts of the slot counts rounded up to ``a``, the rows
+``get_fused_mapping`` uses) and their maximum, the same predicate on every device, without a collective. Otherwise
+it runs the worst-case layout: an exact fallback, no token is dropped. Both give the same result bit for bit where
+the ops are row-local (CPU tests): within the used rows the layout is the same (segments start at the same
+offsets), the rows past the last segment are unused (-1 in the maps, zero rows, -1 blocks for the FP8 GEMMs), and
+the casts and GEMMs work per row / per 128-row block. The collectives stay outside the branch (the all-gathers
+before, the ``psum_scatter`` after). ``f = None`` or 0: always the worst case.
+
+The branch is a ``jax.custom_vjp`` whose forward and backward each run one ``lax.cond`` (not a plain ``lax.cond``:
+JAX's partial evaluation of a cond under ``jax.grad`` returns the union of both branches' residuals, the untaken
+branch's filled with zeros, so every fast step would write zero-filled worst-case-sized residuals and keep them to
+the backward, eating much of the saving). The fast branch saves exactly the residuals of plain autodiff of the
+capacity layout (the leaves of its ``jax.vjp`` pullback; inputs among them are not copied through the cond); the
+fallback saves nothing (it returns zeros of the fast residuals' capacity-sized types) and its backward recomputes
+its forward before pulling back: an extra forward pass, only in steps that need the fallback. On a GPU each cond
+reads its predicate on the host (XLA copies it back to choose the branch): two small synchronisations per layer
+and step.
+
 Memory and bandwidth, per device and layer (``B`` = bytes of an ``x`` element): the all-gather receives
 ``(P-1)/P * T * H * B`` bytes and holds the ``(T, H)`` gathered tokens, and the ``psum_scatter`` moves
 ``(P-1)/P * T * H * 4`` bytes of float32 partials (twice the bfloat16 volume; the price of one rounding),
-whatever the routing. The fused rows are sized statically for the worst case ``T * min(K, E/P)`` slots on
-one device (plus alignment padding), since routing can send every token to one device. An ``all_to_all``
-exchange sends each token only to the devices holding its experts: at most ``min(K, P)`` of the ``P``
-copies, which is a bandwidth saving only with dynamically sized (ragged) exchanges or a capacity factor that
-drops tokens past a per-device budget (which changes the function); with static, no-drop buffers its
-volume equals the all-gather's. Not implemented here.
+whatever the routing. The fused rows, and the residuals kept from the forward to the backward, are
+capacity-sized on the fast path (0.63 of the worst case for the v3 benchmark's ``K = 4``, ``E/P = 4``, ``P = 2``:
+20992 rows against 33280 for 8192 tokens); the fallback's worst-case-sized temporaries live only inside its
+branches (XLA still reserves them). An ``all_to_all`` exchange sends each token only to the devices holding its
+experts: at most ``min(K, P)`` of the ``P`` copies, which is a bandwidth saving only with dynamically sized
+(ragged) exchanges or a capacity that drops tokens past a per-device budget (which changes the function); with
+static, no-drop buffers its volume equals the all-gather's. Not implemented here.
 
 **Sharded training step** (:func:`sharded_value_and_grad`, :func:`make_sharded_train_step`): the loss, its
 gradients and the optimiser update of a params pytree under a :class:`jax.sharding.Mesh`; the loss and its
@@ -144,7 +174,8 @@ def moe_layer_ep(params: MoeParams | MoeEpParams, x: jax.Array, *, config: MoeCo
       Shard with :func:`moe_param_specs`.
     x: ``(T/P, H)`` float32 or bfloat16 tokens of this device (the experts' dtype), ``H`` a multiple of 256.
     config: :class:`~jaxkern.modeling.MoeConfig` of the whole layer (``E = config.num_experts``, a multiple
-      of ``P``).
+      of ``P``); ``config.ep_capacity_factor`` sizes this device's fused rows, with the worst case as the exact
+      fallback (module docstring, "Capacity").
     mesh_axis: the mesh axis (name) of size ``P`` that splits the tokens and the routed experts; other mesh
       axes of an enclosing ``shard_map`` are independent replicas of this exchange (e.g. data parallelism).
     implementation: passed to every :mod:`jaxkern.moe` op and to :func:`jaxkern.modeling.swiglu`.
