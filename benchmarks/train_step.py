@@ -369,7 +369,10 @@ def capacity_report(params, batch, config: block.BlockConfig, implementation: st
   aligned = -(-load // mc.alignment) * mc.alignment
   need = aligned.reshape(load.shape[0], n, -1).sum(axis=2).max(axis=1)  # busiest device per layer
   rows, worst = ep_fused_rows(mc, batch.tokens.size, n)
-  paths = ["fast" if rows < worst and m <= rows else "worst case" for m in need]
+  if rows < worst:
+    paths = ["capacity" if m <= rows else "worst-case fallback" for m in need]
+  else:
+    paths = ["worst case (the capacity is not below it: no branch)"] * len(need)
   return (f"ep capacity {implementation} {n} devices: factor {mc.ep_capacity_factor}, rows {rows} (worst case {worst}, "
           f"mean slots {batch.tokens.size * mc.num_topk // n}); busiest device needs {need.tolist()} per layer: "
           f"{', '.join(paths)} (initial params)")

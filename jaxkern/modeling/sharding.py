@@ -259,7 +259,8 @@ def device_rows_needed(topk_idx: jax.Array, *, num_experts: int, num_ranks: int,
   """``(P,)`` int32: the fused rows each of ``P`` devices needs for the routed slots ``topk_idx`` ``(T, K)`` (ids
   ``0..E-1``, device ``r`` holding experts ``[r E/P, (r+1) E/P)``): the sum over its experts of their slot counts
   rounded up to ``alignment`` (the layout of :func:`jaxkern.moe.get_fused_mapping`)."""
-  counts = jnp.bincount(topk_idx.reshape(-1), length=num_experts).astype(jnp.int32)
+  # A compare-and-sum (XLA fuses it into one reduction) rather than a scatter-add: no atomics on E counters.
+  counts = jnp.sum(topk_idx.reshape(-1, 1) == jnp.arange(num_experts, dtype=topk_idx.dtype), axis=0, dtype=jnp.int32)
   aligned = (counts + alignment - 1) // alignment * alignment
   return jnp.sum(aligned.reshape(num_ranks, num_experts // num_ranks), axis=1)
 

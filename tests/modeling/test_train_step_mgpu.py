@@ -65,7 +65,7 @@ def test_benchmark_2dev_check_and_scaling(tmp_path, capsys):
                           "--no-split", "--ep-capacity-factor", "1.5", "--out", str(out)]) == 0
   printed = capsys.readouterr().out
   assert "ep capacity auto 2 devices: factor 1.5, rows 64 (worst case 80, mean slots 32)" in printed
-  assert ": fast (initial params)" in printed
+  assert ": capacity (initial params)" in printed
   assert "check auto 2 devices vs 1: loss" in printed and "check auto 2 devices: ok (largest" in printed
   assert "| layers.moe.w_gate | 1 |" in printed and "| layers.moe.router_bias |" in printed
   rows = [json.loads(line) for line in out.read_text().splitlines()]
