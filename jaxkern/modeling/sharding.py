@@ -65,10 +65,11 @@ factor, ``a`` the alignment; at most the worst case) and runs that layout when e
 all-gather of the routed ids every device sees every token's experts, so each computes every device's need
 (:func:`device_rows_needed`: the sum over its experts of the slot counts rounded up to ``a``, the rows
 ``get_fused_mapping`` uses) and their maximum, the same predicate on every device, without a collective. Otherwise
-it runs the worst-case layout: an exact fallback, no token is dropped. Both give the same result bit for bit where
-the ops are row-local (CPU tests): within the used rows the layout is the same (segments start at the same
-offsets), the rows past the last segment are unused (-1 in the maps, zero rows, -1 blocks for the FP8 GEMMs), and
-the casts and GEMMs work per row / per 128-row block. The collectives stay outside the branch (the all-gathers
+it runs the worst-case layout: an exact fallback, no token is dropped. Both compute the same function: within the
+used rows the layout is the same (segments start at the same offsets), the rows past the last segment are unused
+(-1 in the maps, zero rows, -1 blocks for the FP8 GEMMs), and the casts and GEMMs work per row / per 128-row block,
+so the results are bit-equal where each op's arithmetic does not depend on the row count (on a CPU, tested; a GPU
+GEMM whose algorithm is chosen per shape, e.g. XLA's for ``ragged_dot``, may round differently). The collectives stay outside the branch (the all-gathers
 before, the ``psum_scatter`` after). ``f = None`` or 0: always the worst case.
 
 The branch is a ``jax.custom_vjp`` whose forward and backward each run one ``lax.cond`` (not a plain ``lax.cond``:
