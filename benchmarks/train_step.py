@@ -68,6 +68,13 @@ that is a sum with cancellation; the kernels against the references differ by 2e
 misrouted token block moves a gradient by O(1); a dropped single token among thousands is below any usable
 tolerance of this check (the 8-device tests compare the step with the references at small sizes).
 
+``--ep-capacity-factor F`` sets ``MoeConfig.ep_capacity_factor`` of every layer (default: the config's, 1.25): the
+expert-parallel layer (N > 1) sizes each device's fused rows for ``F`` times the mean routed slots per device and
+falls back to the worst-case layout, exactly, when the routing needs more; ``0`` always runs the worst case (the
+layer before issue 23's capacity). Rows get ``ep_capacity_factor``; the shape label gets ``ep_capacity=F`` when the
+flag is given. With ``--check`` a line per N > 1 (``ep capacity ...``) gives the capacity and worst-case rows and the
+rows the initial params' routing needs on the busiest device, per layer, and so which path the step takes.
+
 ``--config v3``: a DeepSeek-V3-like layer size that fits one H100 (:func:`v3_config`: H 7168, I 2048, 8 experts
 top-4 + 1 shared, 8192 tokens, one layer); ``--experts`` / ``--topk`` / ``--layers`` override a config's sizes;
 ``--memory`` prints the unsharded step's compiled memory estimate on this backend and exits. ``--small``: a tiny model
@@ -103,7 +110,7 @@ from jaxkern.modeling import moe as moe_module
 from jaxkern.modeling._fp8_linear import fp8_grouped_linear
 from jaxkern.modeling._grouped_matmul import grouped_matmul
 from jaxkern.modeling._swiglu import swiglu
-from jaxkern.modeling.sharding import shard_params, sharded_value_and_grad
+from jaxkern.modeling.sharding import ep_fused_rows, shard_params, sharded_value_and_grad
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "train_step"
 STATIC = ("config", "optimizer", "implementation", "moe_fn")
@@ -373,6 +380,26 @@ def check_devices(params, batch, config: block.BlockConfig, implementation: str,
   return compare_grads(ln, gn, l1, g1, label=f"{implementation} {n} devices", rtol=rtol, loss_rtol=loss_rtol)
 
 
+def capacity_report(params, batch, config: block.BlockConfig, implementation: str, n: int) -> str:
+  """One line (``--check``): the expert-parallel layer's fused rows per device on ``n`` devices (capacity and worst
+  case, :func:`jaxkern.modeling.sharding.ep_fused_rows`) and the rows the routing of ``params`` on ``batch`` needs
+  on the busiest device, per layer: whether the step's first iterations take the capacity path or the fallback."""
+  mc = config.moe
+  load = jax.jit(functools.partial(block.expert_load, config=config, implementation=implementation))(
+      jax.device_put(params, jax.devices()[0]), jax.device_put(batch.tokens, jax.devices()[0]))
+  load = np.asarray(load)  # (L, E)
+  aligned = -(-load // mc.alignment) * mc.alignment
+  need = aligned.reshape(load.shape[0], n, -1).sum(axis=2).max(axis=1)  # busiest device per layer
+  rows, worst = ep_fused_rows(mc, batch.tokens.size, n)
+  if rows < worst:
+    paths = ["capacity" if m <= rows else "worst-case fallback" for m in need]
+  else:
+    paths = ["worst case (the capacity is not below it: no branch)"] * len(need)
+  return (f"ep capacity {implementation} {n} devices: factor {mc.ep_capacity_factor}, rows {rows} (worst case {worst}, "
+          f"mean slots {batch.tokens.size * mc.num_topk // n}); busiest device needs {need.tolist()} per layer: "
+          f"{', '.join(paths)} (initial params)")
+
+
 def compare_grads(loss_n: float, grads_n, loss_1: float, grads_1, *, label: str, rtol: float,
                   loss_rtol: float) -> tuple[bool, str]:
   """``(ok, report)`` of ``--check``: host-side (numpy) gradient pytrees of the same structure, compared per leaf
@@ -482,6 +509,10 @@ def main(argv=None) -> int:
   parser.add_argument("--memory", action="store_true",
                       help="print the unsharded step's compiled memory estimate (GiB) for this backend and exit")
   parser.add_argument("--out", type=pathlib.Path, default=None)
+  parser.add_argument("--ep-capacity-factor", type=float, default=None,
+                      help="MoeConfig.ep_capacity_factor of the expert-parallel layer (N > 1): fused rows per device "
+                           "for this many times the mean routed slots, the worst case as the exact fallback; 0 = "
+                           "always the worst case; default the config's (1.25)")
   parser.add_argument("--fp8-gemm", action="store_true",
                       help="expert matmuls in FP8 (BlockConfig(fp8_gemm=True): fp8_grouped_linear, alignment 128)")
   args = parser.parse_args(argv)
@@ -491,6 +522,8 @@ def main(argv=None) -> int:
       config, num_layers=args.layers or config.num_layers,
       moe=dataclasses.replace(config.moe, num_experts=args.experts or config.moe.num_experts,
                               num_topk=args.topk or config.moe.num_topk))
+  if args.ep_capacity_factor is not None:
+    config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, ep_capacity_factor=args.ep_capacity_factor))
   if args.fp8_gemm:
     config = dataclasses.replace(config, fp8_gemm=True)
   if args.memory:
@@ -516,6 +549,8 @@ def main(argv=None) -> int:
   label = (f"T={tokens} H={config.hidden} L={config.num_layers} E={config.moe.num_experts} "
            f"K={config.moe.num_topk} S={config.moe.num_shared_experts} I={config.intermediate} V={config.vocab_size}")
   label += " fp8_gemm" if args.fp8_gemm else ""
+  if args.ep_capacity_factor is not None:
+    label += f" ep_capacity={args.ep_capacity_factor:g}"
   print(f"{device}, jax {jax.__version__}: {label}, devices={args.devices or 'no mesh'}")
   rows, failed = [], False
   stamp = datetime.datetime.now(datetime.timezone.utc)
@@ -523,6 +558,7 @@ def main(argv=None) -> int:
     if args.check:
       for n in counts:
         if n > 1:
+          print(capacity_report(params, batch, config, impl, n), flush=True)
           ok, report = check_devices(params, batch, config, impl, n, rtol=args.check_rtol,
                                      loss_rtol=args.check_loss_rtol)
           print(report, flush=True)
@@ -555,6 +591,7 @@ def main(argv=None) -> int:
           r["scaling_efficiency"] = steps[1]["wall_ms"] / (n * r["wall_ms"])
           r["scaling_efficiency_pipelined"] = steps[1]["pipelined_ms"] / (n * r["pipelined_ms"])
   for r in rows:
+    r.update(ep_capacity_factor=config.moe.ep_capacity_factor)
     r.update(date=stamp.date().isoformat(), time=stamp.strftime("%H:%M:%S"), gpu=device, jax=jax.__version__,
              shape=label, iterations=iterations, bench="train_step", config="small" if args.small else args.config)
   for n in dict.fromkeys(r["devices"] for r in rows):

@@ -51,6 +51,14 @@ from jaxkern.types import QuantTensor, TopkRouting
 
 FP8_EXPAND_GROUP = 128  # columns per scale of the FP8 tokens (upstream's per-token activation cast)
 FP8_GEMM_BLOCK = 128  # rows per expert block, K step and weight-scale block of the FP8 grouped GEMMs
+# Default of MoeConfig.ep_capacity_factor: the expert-parallel layer's fast path sizes each device's fused rows for
+# up to 1.25x the mean routed slots per device (plus alignment padding). With near-balanced routing the busiest
+# device's load is within a few percent of the mean (the aux-loss-free bias of balance_router_bias keeps it so in
+# training: it steers every expert towards the mean load), so 25% covers it with room for the fluctuations of a
+# young router, while the rows every fused-row op walks stay at 1.25·K / (P·min(K, E/P)) of the worst case's
+# (0.63 of it for K = 4, E/P = 4, P = 2). A step whose routing needs more takes the exact worst-case fallback (slower, same
+# result), so the value trades speed only, never correctness.
+EP_CAPACITY_FACTOR = 1.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +90,13 @@ class MoeConfig:
       2^-4 relative per element); the gradients are straight-through (those of the unquantised product on the
       rounded operands). The params layout is unchanged: the GEMMs take the ``(G, K, N)`` weights as stored
       (``weight_layout="kn"``).
+    ep_capacity_factor: only for the expert-parallel layer :func:`jaxkern.modeling.sharding.moe_layer_ep` (the
+      unsharded layer ignores it): each device's fused rows are sized for ``ep_capacity_factor`` times the mean
+      routed slots per device, ``T·K/P`` (plus alignment padding), instead of the worst case ``T·min(K, E/P)``
+      (every token's slots on one device); a step whose routing needs more rows on some device runs the worst-case
+      layout instead (an exact fallback: no token is dropped, the function is the same; see the module docstring
+      of :mod:`jaxkern.modeling.sharding`). ``None`` or 0: always the worst case. Default
+      :data:`EP_CAPACITY_FACTOR` (1.25; the reason is beside it). Must be non-negative.
   """
 
   num_experts: int
@@ -95,8 +110,12 @@ class MoeConfig:
   fp8_swiglu: bool = False
   fp8_expand: bool = False
   fp8_gemm: bool = False
+  ep_capacity_factor: float | None = EP_CAPACITY_FACTOR
 
   def __post_init__(self):
+    f = self.ep_capacity_factor
+    if f is not None and not (isinstance(f, (int, float)) and 0 <= f < float("inf")):
+      raise ValueError(f"MoeConfig.ep_capacity_factor must be None or a finite number >= 0, got {f!r}")
     if self.fp8_gemm and self.alignment != FP8_GEMM_BLOCK:
       raise ValueError(f"MoeConfig.alignment must be {FP8_GEMM_BLOCK} with fp8_gemm=True (the FP8 grouped GEMM "
                        f"takes one expert per {FP8_GEMM_BLOCK}-row block), got {self.alignment}")

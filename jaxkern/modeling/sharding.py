@@ -26,8 +26,9 @@ The all-gather scheme, per device ``r`` (collectives over ``mesh_axis`` only):
    the EP ranks ``q`` with ``q % P == r``, i.e. only ``q = r``) keeps the slots of this device's experts,
    renumbered ``0..E/P-1``, and sets the others to -1;
 4. the routed experts of this device on all tokens: :func:`jaxkern.moe.get_fused_mapping`,
-   :func:`jaxkern.moe.expand_to_fused` (:func:`jaxkern.modeling.expand_fp8` with ``config.fp8_expand``), the SwiGLU grouped matmuls, :func:`jaxkern.moe.reduce_fused` in
-   float32 (unused slots add nothing): a ``(T, H)`` float32 partial sum;
+   :func:`jaxkern.moe.expand_to_fused` (:func:`jaxkern.modeling.expand_fp8` with ``config.fp8_expand``), the SwiGLU
+   grouped matmuls, :func:`jaxkern.moe.reduce_fused` in float32 (unused slots add nothing): a ``(T, H)`` float32
+   partial sum; the fused rows are the capacity's where every device's slots fit it, else the worst case's (below);
 5. ``psum_scatter`` the partial sums back to the token shards: ``(T, H) -> (T/P, H)``, summed over devices;
 6. the shared experts on the local tokens (the same four ops over ``S`` experts), added; one rounding to
    ``x.dtype``.
@@ -52,15 +53,45 @@ in ``top2_sum_gate``, the grouped matmul, ``reduce_fused``, the FP8 ``swiglu``, 
 ``expand_to_fused`` (Mosaic GPU) fails (``AssertionError: Barrier remains allocated at key
 HostAllocationKey(...)``); ``top2_sum_gate``, ``mask_indices_by_tp``, ``reduce_fused`` and ``swiglu`` run.
 
+**Capacity** (``MoeConfig.ep_capacity_factor``, default :data:`jaxkern.modeling.moe.EP_CAPACITY_FACTOR` = 1.25;
+:func:`ep_fused_rows`). The fused layout of step 4 has a static row count. Sized for the worst case, ``T·min(K,
+E/P)`` slots on one device (routing may send every token to one device's experts) plus the alignment padding of
+``E/P`` segments, it is as large on each of ``P`` devices as on one GPU for ``K >= E/P`` (e.g. ``K = 4``, ``E/P =
+4``), although on average a device gets ``T·K/P`` slots. The FP8 GEMMs skip the unused 128-row blocks, but every op
+that walks all fused rows (the expand, the casts, the SwiGLU, the float32 cast before ``reduce_fused``, their
+backward passes, the per-channel cast for the weight gradient, the zero padding) would cost each device what it
+costs one GPU. So the layer sizes the rows for ``rows = round_up(ceil(f·T·K/P) + (a-1)·E/P, a)`` (``f`` the
+factor, ``a`` the alignment; at most the worst case) and runs that layout when every device's need fits: after the
+all-gather of the routed ids every device sees every token's experts, so each computes every device's need
+(:func:`device_rows_needed`: the sum over its experts of the slot counts rounded up to ``a``, the rows
+``get_fused_mapping`` uses) and their maximum, the same predicate on every device, without a collective. Otherwise
+it runs the worst-case layout: an exact fallback, no token is dropped. Both compute the same function: within the
+used rows the layout is the same (segments start at the same offsets), the rows past the last segment are unused
+(-1 in the maps, zero rows, -1 blocks for the FP8 GEMMs), and the casts and GEMMs work per row / per 128-row block,
+so the results are bit-equal where each op's arithmetic does not depend on the row count (on a CPU, tested; a GPU
+GEMM whose algorithm is chosen per shape, e.g. XLA's for ``ragged_dot``, may round differently). The collectives stay outside the branch (the all-gathers
+before, the ``psum_scatter`` after). ``f = None`` or 0: always the worst case.
+
+The branch is a ``jax.custom_vjp`` whose forward and backward each run one ``lax.cond`` (not a plain ``lax.cond``:
+JAX's partial evaluation of a cond under ``jax.grad`` returns the union of both branches' residuals, the untaken
+branch's filled with zeros, so every fast step would write zero-filled worst-case-sized residuals and keep them to
+the backward, eating much of the saving). The fast branch saves exactly the residuals of plain autodiff of the
+capacity layout (the leaves of its ``jax.vjp`` pullback; inputs among them are not copied through the cond); the
+fallback saves nothing (it returns zeros of the fast residuals' capacity-sized types) and its backward recomputes
+its forward before pulling back: an extra forward pass, only in steps that need the fallback. On a GPU each cond
+reads its predicate on the host (XLA copies it back to choose the branch): two small synchronisations per layer
+and step.
+
 Memory and bandwidth, per device and layer (``B`` = bytes of an ``x`` element): the all-gather receives
 ``(P-1)/P * T * H * B`` bytes and holds the ``(T, H)`` gathered tokens, and the ``psum_scatter`` moves
 ``(P-1)/P * T * H * 4`` bytes of float32 partials (twice the bfloat16 volume; the price of one rounding),
-whatever the routing. The fused rows are sized statically for the worst case ``T * min(K, E/P)`` slots on
-one device (plus alignment padding), since routing can send every token to one device. An ``all_to_all``
-exchange sends each token only to the devices holding its experts: at most ``min(K, P)`` of the ``P``
-copies, which is a bandwidth saving only with dynamically sized (ragged) exchanges or a capacity factor that
-drops tokens past a per-device budget (which changes the function); with static, no-drop buffers its
-volume equals the all-gather's. Not implemented here.
+whatever the routing. The fused rows, and the residuals kept from the forward to the backward, are
+capacity-sized on the fast path (0.63 of the worst case for the v3 benchmark's ``K = 4``, ``E/P = 4``, ``P = 2``:
+20992 rows against 33280 for 8192 tokens); the fallback's worst-case-sized temporaries live only inside its
+branches (XLA still reserves them). An ``all_to_all`` exchange sends each token only to the devices holding its
+experts: at most ``min(K, P)`` of the ``P`` copies, which is a bandwidth saving only with dynamically sized
+(ragged) exchanges or a capacity that drops tokens past a per-device budget (which changes the function); with
+static, no-drop buffers its volume equals the all-gather's. Not implemented here.
 
 **Sharded training step** (:func:`sharded_value_and_grad`, :func:`make_sharded_train_step`): the loss, its
 gradients and the optimiser update of a params pytree under a :class:`jax.sharding.Mesh`; the loss and its
@@ -72,6 +103,8 @@ the unsharded loss when ``loss_fn`` is a mean over equally sized token shards.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -80,6 +113,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkern import moe
+from jaxkern._autodiff import vary_like
 from jaxkern.modeling.moe import (MoeConfig, MoeParams, _group_sizes, expand_fp8, fused_block_experts, route_tokens,
                                   swiglu_experts)
 
@@ -141,7 +175,8 @@ def moe_layer_ep(params: MoeParams | MoeEpParams, x: jax.Array, *, config: MoeCo
       Shard with :func:`moe_param_specs`.
     x: ``(T/P, H)`` float32 or bfloat16 tokens of this device (the experts' dtype), ``H`` a multiple of 256.
     config: :class:`~jaxkern.modeling.MoeConfig` of the whole layer (``E = config.num_experts``, a multiple
-      of ``P``).
+      of ``P``); ``config.ep_capacity_factor`` sizes this device's fused rows, with the worst case as the exact
+      fallback (module docstring, "Capacity").
     mesh_axis: the mesh axis (name) of size ``P`` that splits the tokens and the routed experts; other mesh
       axes of an enclosing ``shard_map`` are independent replicas of this exchange (e.g. data parallelism).
     implementation: passed to every :mod:`jaxkern.moe` op and to :func:`jaxkern.modeling.swiglu`.
@@ -178,16 +213,64 @@ def moe_layer_ep(params: MoeParams | MoeEpParams, x: jax.Array, *, config: MoeCo
   w_all = lax.all_gather(routing.topk_weights[:, :k], mesh_axis, axis=0, tiled=True)
   rank = lax.axis_index(mesh_axis).astype(jnp.int32)
   local_idx = moe.mask_indices_by_tp(idx_all, e, num_ranks, rank, num_ranks, **kw)
-  # A token's K experts are distinct, so at most min(K, E/P) of its slots are on this device.
   a = config.alignment
-  rows = -(-(idx_all.shape[0] * min(k, local_e) + (a - 1) * local_e) // a) * a
-  partial = _experts_sum(routed, x_all, local_idx, w_all, local_e, rows, config, kw)
+  rows, worst_rows = ep_fused_rows(config, idx_all.shape[0], num_ranks)
+  if rows < worst_rows:  # the capacity layout, with the worst case as the exact fallback
+    fits = _fits_capacity(idx_all, num_experts=e, num_ranks=num_ranks, alignment=a, rows=rows)
+    partial = _capped_experts_sum(routed, x_all, local_idx, w_all, fits, local_e, rows, worst_rows, config, kw)
+  else:
+    partial = _experts_sum(routed, x_all, local_idx, w_all, local_e, worst_rows, config, kw)
   out = lax.psum_scatter(partial, mesh_axis, scatter_dimension=0, tiled=True)  # (T/P, H) float32
   if s:
     shared_idx = routing.topk_idx[:, k:] - e  # 0..S-1
-    rows = -(-(x.shape[0] * s + (a - 1) * s) // a) * a
+    rows = _round_up(x.shape[0] * s + (a - 1) * s, a)
     out = out + _experts_sum(shared, x, shared_idx, routing.topk_weights[:, k:], s, rows, config, kw)
   return out.astype(x.dtype)
+
+
+def _round_up(n: int, a: int) -> int:
+  return -(-n // a) * a
+
+
+def ep_fused_rows(config: MoeConfig, num_tokens: int, num_ranks: int) -> tuple[int, int]:
+  """``(rows, worst_rows)``: the fused rows of one device's routed experts in :func:`moe_layer_ep` (static).
+
+  ``worst_rows = round_up(T·min(K, E/P) + (a-1)·E/P, a)``: every token's slots on this device's experts (a token's
+  ``K`` experts are distinct, so at most ``min(K, E/P)`` of its slots are here), each of the ``E/P`` segments
+  padded to the alignment ``a``. ``rows = round_up(ceil(f·T·K/P) + (a-1)·E/P, a)`` with ``f =
+  config.ep_capacity_factor``: ``f`` times the mean slots per device plus the worst padding, at most
+  ``worst_rows``; ``rows == worst_rows`` when ``f`` is ``None`` / 0 (the capacity is off) or no smaller.
+
+  Args:
+    config: the layer's :class:`~jaxkern.modeling.MoeConfig`.
+    num_tokens: ``T``, the tokens of all devices of the mesh axis.
+    num_ranks: ``P``, the mesh axis' size.
+  """
+  e, k, a = config.num_experts, config.num_topk, config.alignment
+  local_e = e // num_ranks
+  worst = _round_up(num_tokens * min(k, local_e) + (a - 1) * local_e, a)
+  f = config.ep_capacity_factor
+  if not f:
+    return worst, worst
+  rows = _round_up(math.ceil(f * num_tokens * k / num_ranks) + (a - 1) * local_e, a)
+  return min(rows, worst), worst
+
+
+def device_rows_needed(topk_idx: jax.Array, *, num_experts: int, num_ranks: int, alignment: int) -> jax.Array:
+  """``(P,)`` int32: the fused rows each of ``P`` devices needs for the routed slots ``topk_idx`` ``(T, K)`` (ids
+  ``0..E-1``, device ``r`` holding experts ``[r E/P, (r+1) E/P)``): the sum over its experts of their slot counts
+  rounded up to ``alignment`` (the layout of :func:`jaxkern.moe.get_fused_mapping`)."""
+  # A compare-and-sum (XLA fuses it into one reduction) rather than a scatter-add: no atomics on E counters.
+  counts = jnp.sum(topk_idx.reshape(-1, 1) == jnp.arange(num_experts, dtype=topk_idx.dtype), axis=0, dtype=jnp.int32)
+  aligned = (counts + alignment - 1) // alignment * alignment
+  return jnp.sum(aligned.reshape(num_ranks, num_experts // num_ranks), axis=1)
+
+
+def _fits_capacity(idx_all, *, num_experts, num_ranks, alignment, rows) -> jax.Array:
+  """The capacity predicate: every device's routed slots of ``idx_all`` (all tokens, so the same value on every
+  device) fit ``rows`` fused rows. A function of its own so that a test can force either branch."""
+  need = device_rows_needed(idx_all, num_experts=num_experts, num_ranks=num_ranks, alignment=alignment)
+  return jnp.max(need) <= rows
 
 
 def _experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights: jax.Array, num_experts: int, rows: int,
@@ -202,6 +285,80 @@ def _experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights: jax.A
   yf = swiglu_experts(xf, params, _group_sizes(mapping), fp8_swiglu=config.fp8_swiglu, fp8_gemm=config.fp8_gemm,
                       block_expert=block_expert, **kw)
   return moe.reduce_fused(yf.astype(jnp.float32), weights, mapping.token_topk_to_pos, **kw)
+
+
+def _capped_experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights: jax.Array, fits: jax.Array,
+                        num_experts: int, rows: int, worst_rows: int, config: MoeConfig, kw: dict) -> jax.Array:
+  """:func:`_experts_sum` with ``rows`` fused rows where ``fits`` (a scalar bool, the same on every device), else
+  with ``worst_rows``: a ``jax.custom_vjp`` whose forward and backward each run one ``lax.cond`` (module
+  docstring, "Capacity").
+
+  Forward: the fast branch runs ``jax.vjp`` of the ``rows`` pipeline and returns its output and the leaves of its
+  pullback (the residuals, ``rows``-sized); the fallback runs the ``worst_rows`` pipeline without residuals and
+  returns zeros of the fast residuals' types. Backward: the fast branch applies the saved pullback; the fallback
+  recomputes the ``worst_rows`` forward (``jax.vjp``) and pulls back through it. So no worst-case-sized tensor
+  crosses from the forward to the backward, and the fast path saves exactly what plain autodiff of the
+  ``rows`` pipeline would. (A plain ``lax.cond`` under ``jax.grad`` would not: JAX's partial evaluation of a cond
+  returns the union of both branches' residuals, the untaken branch's filled with zeros, so every fast step would
+  write worst-case-sized zero residuals.)"""
+  diff = (x, weights, params.w_gate, params.w_up, params.w_down)
+
+  def pipeline(num_rows, x, weights, w_gate, w_up, w_down, idx):
+    p = MoeParams(params.router, params.router_bias, w_gate, w_up, w_down)
+    return _experts_sum(p, x, idx, weights, num_experts, num_rows, config, kw)
+
+  fast = functools.partial(pipeline, rows)
+  slow = functools.partial(pipeline, worst_rows)
+  pullback = {}  # the fast pullback's treedef, which leaves are inputs, the other leaves' types (set while tracing)
+
+  def fast_fwd(diff, idx):
+    out, vjp_fn = jax.vjp(lambda *d: fast(*d, idx), *diff)
+    leaves, pullback["treedef"] = jax.tree.flatten(vjp_fn)
+    inputs = [*diff, idx]
+    # Leaves that are inputs (the expert weights, the routing weights) are not returned through the cond (that
+    # would copy them): the backward takes them from its own residuals.
+    pullback["forwarded"] = [next((j for j, a in enumerate(inputs) if leaf is a), None) for leaf in leaves]
+    saved = [leaf for leaf, j in zip(leaves, pullback["forwarded"]) if j is None]
+    pullback["types"] = [jax.typeof(leaf) for leaf in saved]
+    return out, saved
+
+  def slow_fwd(diff, idx):
+    if "types" not in pullback:  # lax.cond traces the true branch first (jax 0.11); be safe if that changes
+      jax.eval_shape(fast_fwd, diff, idx)
+    zeros = [_zeros_of_type(t) for t in pullback["types"]]
+    return slow(*diff, idx), zeros
+
+  @jax.custom_vjp
+  def f(diff, idx, fits):
+    return lax.cond(fits, lambda d, i: fast(*d, i), lambda d, i: slow(*d, i), diff, idx)
+
+  def f_fwd(diff, idx, fits):
+    out, saved = lax.cond(fits, fast_fwd, slow_fwd, diff, idx)
+    return out, (diff, idx, fits, saved)
+
+  def f_bwd(res, ct):
+    diff, idx, fits, saved = res
+
+    def fast_bwd(ct, saved, diff, idx):
+      inputs, saved = [*diff, idx], iter(saved)
+      leaves = [next(saved) if j is None else inputs[j] for j in pullback["forwarded"]]
+      return jax.tree.unflatten(pullback["treedef"], leaves)(ct)
+
+    def slow_bwd(ct, saved, diff, idx):
+      return jax.vjp(lambda *d: slow(*d, idx), *diff)[1](ct)
+
+    return lax.cond(fits, fast_bwd, slow_bwd, ct, saved, diff, idx), None, None
+
+  f.defvjp(f_fwd, f_bwd)
+  diff, idx, fits = vary_like(diff, idx, fits)  # one varying type under shard_map (check_vma=True)
+  return f(diff, idx, fits)
+
+
+def _zeros_of_type(aval) -> jax.Array:
+  """Zeros of ``aval``'s shape and dtype, varying over the same manual mesh axes (under ``shard_map``)."""
+  z = jnp.zeros(aval.shape, aval.dtype)
+  axes = tuple(sorted(aval.manual_axis_type.varying))
+  return lax.pcast(z, axes, to="varying") if axes else z
 
 
 # --------------------------------------------------------------------------------------------------------------

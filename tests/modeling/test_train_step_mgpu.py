@@ -54,19 +54,24 @@ def test_compare_grads_passes_and_fails():
 
 @needs_2
 def test_benchmark_2dev_check_and_scaling(tmp_path, capsys):
-  """``--small --devices 1,2 --check --iterations 1``: the check passes, the global batch is the same for both
-  counts, the 2-device row has tokens/s and a scaling efficiency, the scaling table is printed. (``--no-split``:
+  """``--small --devices 1,2 --check --iterations 1 --ep-capacity-factor 1.5``: the check passes, the global batch is
+  the same for both counts, the 2-device row has tokens/s and a scaling efficiency, the scaling table is printed;
+  the capacity is the flag's (32 tokens, top-2 of 4 experts, alignment 8: 48 + 14 -> 64 rows, worst 64 + 14 -> 80)
+  and the initial routing takes its path. (``--no-split``:
   the compute split of one device is the one-device test's, tests/modeling/test_block.py; the collectives are
   timed below; both at once would take this test past a minute of CPU.)"""
   out = tmp_path / "rows.jsonl"
   assert train_step.main(["--small", "--devices", "1,2", "--check", "--iterations", "1", "--implementations", "auto",
-                          "--no-split", "--out", str(out)]) == 0
+                          "--no-split", "--ep-capacity-factor", "1.5", "--out", str(out)]) == 0
   printed = capsys.readouterr().out
+  assert "ep capacity auto 2 devices: factor 1.5, rows 64 (worst case 80, mean slots 32)" in printed
+  assert ": capacity (initial params)" in printed
   assert "check auto 2 devices vs 1: loss" in printed and "check auto 2 devices: ok (largest" in printed
   assert "| layers.moe.w_gate | 1 |" in printed and "| layers.moe.router_bias |" in printed
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   assert [(r["component"], r["devices"]) for r in rows] == [("step", 1), ("step", 2)]
   assert rows[0]["shape"] == rows[1]["shape"] and rows[0]["shape"].startswith("T=32 ")  # batch 1 -> 2 sequences
+  assert rows[0]["shape"].endswith(" ep_capacity=1.5") and all(r["ep_capacity_factor"] == 1.5 for r in rows)
   for r in rows:
     assert r["tokens_per_s"] == pytest.approx(32 / (1e-3 * r["wall_ms"])) and np.isfinite(r["loss"])
   assert rows[1]["scaling_efficiency"] == pytest.approx(rows[0]["wall_ms"] / (2 * rows[1]["wall_ms"]))
