@@ -68,7 +68,8 @@ that is a sum with cancellation; the kernels against the references differ by 2e
 misrouted token block moves a gradient by O(1); a dropped single token among thousands is below any usable
 tolerance of this check (the 8-device tests compare the step with the references at small sizes).
 
-``--ep-capacity-factor F`` sets ``MoeConfig.ep_capacity_factor`` of every layer (default: the config's, 1.25): the
+``--ep-capacity-factor F`` sets ``MoeConfig.ep_capacity_factor`` of every layer (default: the config's, off; 1.25 is
+the recommended value): the
 expert-parallel layer (N > 1) sizes each device's fused rows for ``F`` times the mean routed slots per device and
 falls back to the worst-case layout, exactly, when the routing needs more; ``0`` always runs the worst case (the
 layer before issue 23's capacity). Rows get ``ep_capacity_factor``; the shape label gets ``ep_capacity=F`` when the

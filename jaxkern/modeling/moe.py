@@ -51,7 +51,8 @@ from jaxkern.types import QuantTensor, TopkRouting
 
 FP8_EXPAND_GROUP = 128  # columns per scale of the FP8 tokens (upstream's per-token activation cast)
 FP8_GEMM_BLOCK = 128  # rows per expert block, K step and weight-scale block of the FP8 grouped GEMMs
-# Default of MoeConfig.ep_capacity_factor: the expert-parallel layer's fast path sizes each device's fused rows for
+# Recommended MoeConfig.ep_capacity_factor (the default is None, off: not yet timed on GPUs, see the field's
+# docstring): the expert-parallel layer's fast path sizes each device's fused rows for
 # up to 1.25x the mean routed slots per device (plus alignment padding). With near-balanced routing the busiest
 # device's load is within a few percent of the mean (the aux-loss-free bias of balance_router_bias keeps it so in
 # training: it steers every expert towards the mean load), so 25% covers it with room for the fluctuations of a
@@ -95,8 +96,12 @@ class MoeConfig:
       routed slots per device, ``T·K/P`` (plus alignment padding), instead of the worst case ``T·min(K, E/P)``
       (every token's slots on one device); a step whose routing needs more rows on some device runs the worst-case
       layout instead (an exact fallback: no token is dropped, the function is the same; see the module docstring
-      of :mod:`jaxkern.modeling.sharding`). ``None`` or 0: always the worst case. Default
-      :data:`EP_CAPACITY_FACTOR` (1.25; the reason is beside it). Must be non-negative.
+      of :mod:`jaxkern.modeling.sharding`). ``None`` (the default) or 0: always the worst case. Recommended:
+      :data:`EP_CAPACITY_FACTOR` (1.25; the reason is beside it). Off by default until it is timed on GPUs: exact and
+      1.76x faster for the layer's gradient on 2 simulated CPU devices, but on GPUs XLA runs each ``lax.cond``
+      after copying its predicate to the host, and both branches compile (2026-11-27: the first 2-GPU run of the v3
+      step with it did not finish within its 210 s limit, compile included; not diagnosed). Must be
+      non-negative.
   """
 
   num_experts: int
@@ -110,7 +115,7 @@ class MoeConfig:
   fp8_swiglu: bool = False
   fp8_expand: bool = False
   fp8_gemm: bool = False
-  ep_capacity_factor: float | None = EP_CAPACITY_FACTOR
+  ep_capacity_factor: float | None = None
 
   def __post_init__(self):
     f = self.ep_capacity_factor

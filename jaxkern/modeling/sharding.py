@@ -53,7 +53,8 @@ in ``top2_sum_gate``, the grouped matmul, ``reduce_fused``, the FP8 ``swiglu``, 
 ``expand_to_fused`` (Mosaic GPU) fails (``AssertionError: Barrier remains allocated at key
 HostAllocationKey(...)``); ``top2_sum_gate``, ``mask_indices_by_tp``, ``reduce_fused`` and ``swiglu`` run.
 
-**Capacity** (``MoeConfig.ep_capacity_factor``, default :data:`jaxkern.modeling.moe.EP_CAPACITY_FACTOR` = 1.25;
+**Capacity** (``MoeConfig.ep_capacity_factor``, off by default, recommended
+:data:`jaxkern.modeling.moe.EP_CAPACITY_FACTOR` = 1.25;
 :func:`ep_fused_rows`). The fused layout of step 4 has a static row count. Sized for the worst case, ``T·min(K,
 E/P)`` slots on one device (routing may send every token to one device's experts) plus the alignment padding of
 ``E/P`` segments, it is as large on each of ``P`` devices as on one GPU for ``K >= E/P`` (e.g. ``K = 4``, ``E/P =

@@ -56,8 +56,9 @@ def _float32_matmuls():
 def test_fused_rows():
   """The static row counts (the v3 benchmark's layer: 8192 tokens, K 4, E 8, 2 devices, alignment 128) and their
   limits; MoeConfig's check of the factor."""
-  v3 = MoeConfig(num_experts=8, num_topk=4, num_shared_experts=1, alignment=128)
-  assert v3.ep_capacity_factor == EP_CAPACITY_FACTOR == 1.25
+  assert MoeConfig(num_experts=8, num_topk=4).ep_capacity_factor is None  # off by default (not timed on GPUs)
+  v3 = MoeConfig(num_experts=8, num_topk=4, num_shared_experts=1, alignment=128, ep_capacity_factor=EP_CAPACITY_FACTOR)
+  assert v3.ep_capacity_factor == 1.25
   # worst: 8192 * min(4, 4) + 127 * 4 = 33276 -> 33280; capacity: ceil(1.25 * 8192 * 4 / 2) + 508 = 20988 -> 20992.
   assert ep_fused_rows(v3, 8192, 2) == (20992, 33280)
   assert ep_fused_rows(v3, 8192, 4) == (10496, 16640)  # 1.25 * 8192 + 254 = 10494 -> 10496; 8192 * 2 + 254 -> 16640
