@@ -240,9 +240,9 @@ def test_compiled_kernels_on_gpu(key):
   for name, g, r, e in zip(NAMES, jax.tree.leaves(grads), jax.tree.leaves(same_roundings), jax.tree.leaves(expected)):
     if name == "router_bias":
       continue
-    # Against the references' FP8 path: H100 2026-11-27, seeds 0 and 1: 0.6-4.5% in norm, at most 4.8% max.
-    fro, mx = _errors(g, r)
-    assert fro <= 0.08 and mx <= 0.12, (name, fro, mx)
+    # Against the references' FP8 path, the e4m3 tolerances (the kernels sum in another order, which flips e4m3
+    # roundings downstream): H100 2026-11-27, seeds 0 and 1: 0.6-4.5% in norm, at most 4.8% max.
+    _assert_e4m3_close(g, r, name)
     # Against the dense float32 layer: e4m3 tolerances, except the router's gradient (a sum over tokens of
     # expert-output dot products, which cancel): there the references' own FP8 path is 7-14% off in norm
     # depending on the inputs (H100, 2026-11-27), so the comparison above stands for it.
