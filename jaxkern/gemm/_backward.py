@@ -211,6 +211,21 @@ def _wgrad_item(lin, order_g, *, n_iters, k_iters, gk):
   return order_g[ei], within // gk, grp * gk + within % gk
 
 
+def _wgrad_plan(dyq, xq, starts, *, stages, kpair, epilogue, group_k, out_dtype):
+  """Sizes shared by :func:`_wgrad_ws2_kernel` and :func:`_wgrad_xp_kernel`: ``(n, m, k, g, n_iters, k_iters, items,
+  gk, tma_out, stages)``, the stages shrunk (down to 2) until the pipeline and the staging tile fit SMEM."""
+  n, m = dyq.shape
+  k = xq.shape[0]
+  g = starts.shape[0]
+  n_iters, k_iters = n // BLOCK, k // BLOCK
+  gk = k_iters if group_k is None else int(np.gcd(group_k, k_iters))
+  tma_out = epilogue == "tma"
+  out_bytes = 2 * WN * BLOCK * jnp.dtype(out_dtype).itemsize if tma_out else 0
+  while stages > 2 and stages * kpair * (2 * BLOCK * BLOCK + 2 * BLOCK * 4) + out_bytes > _grouped.SMEM_LIMIT - 1024:
+    stages -= 1
+  return n, m, k, g, n_iters, k_iters, g * n_iters * k_iters, gk, tma_out, stages
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "num_sms", "stages", "kpair", "epilogue", "group_k",
                                              "balance", "out_dtype"))
 def _wgrad_ws2_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, stages=3, kpair=2, epilogue="reg",
@@ -234,17 +249,9 @@ def _wgrad_ws2_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, s
   * ``balance``: experts in descending block count (``argsort`` in XLA), so the longest items start first and the
     last wave holds the short ones (the ragged tail of a skewed routing).
   """
-  n, m = dyq.shape
-  k = xq.shape[0]
-  g = starts.shape[0]
-  n_iters, k_iters = n // BLOCK, k // BLOCK
-  items = g * n_iters * k_iters
+  n, m, k, g, n_iters, k_iters, items, gk, tma_out, stages = _wgrad_plan(
+      dyq, xq, starts, stages=stages, kpair=kpair, epilogue=epilogue, group_k=group_k, out_dtype=out_dtype)
   kp = kpair
-  gk = k_iters if group_k is None else int(np.gcd(group_k, k_iters))
-  tma_out = epilogue == "tma"
-  out_bytes = 2 * WN * BLOCK * jnp.dtype(out_dtype).itemsize if tma_out else 0
-  while stages > 2 and stages * kp * (2 * BLOCK * BLOCK + 2 * BLOCK * 4) + out_bytes > _grouped.SMEM_LIMIT - 1024:
-    stages -= 1
   order = (jnp.argsort(-counts, stable=True) if balance else jnp.arange(g)).astype(jnp.int32)
 
   def body(ord_g, st_g, ct_g, dy_g, sdy_g, x_g, sx_g, o_g):
@@ -342,17 +349,9 @@ def _wgrad_xp_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, st
   next item's first blocks while the compute warpgroups finish the current item (promotion, epilogue), instead of
   waiting for every slot to drain at each item's end. Matters most for short items (experts with few blocks).
   An expert without blocks goes through the same epilogue with a zero total."""
-  n, m = dyq.shape
-  k = xq.shape[0]
-  g = starts.shape[0]
-  n_iters, k_iters = n // BLOCK, k // BLOCK
-  items = g * n_iters * k_iters
+  n, m, k, g, n_iters, k_iters, items, gk, tma_out, stages = _wgrad_plan(
+      dyq, xq, starts, stages=stages, kpair=kpair, epilogue=epilogue, group_k=group_k, out_dtype=out_dtype)
   kp = kpair
-  gk = k_iters if group_k is None else int(np.gcd(group_k, k_iters))
-  tma_out = epilogue == "tma"
-  out_bytes = 2 * WN * BLOCK * jnp.dtype(out_dtype).itemsize if tma_out else 0
-  while stages > 2 and stages * kp * (2 * BLOCK * BLOCK + 2 * BLOCK * 4) + out_bytes > _grouped.SMEM_LIMIT - 1024:
-    stages -= 1
   grid = min(num_sms, items)
   order = (jnp.argsort(-counts, stable=True) if balance else jnp.arange(g)).astype(jnp.int32)
 
