@@ -211,6 +211,19 @@ def _wgrad_item(lin, order_g, *, n_iters, k_iters, gk):
   return order_g[ei], within // gk, grp * gk + within % gk
 
 
+def _store_result(total, out, out_s, wg, out_dtype):
+  """A compute warpgroup's ``total`` as ``out_dtype`` into the GMEM tile ``out``: through its SMEM staging tile
+  ``out_s[wg]`` and a TMA store (after the previous item's store has read it), or straight from registers when
+  ``out_s`` is None."""
+  if out_s is None:
+    out[...] = total.astype(out_dtype)
+    return
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store has read out_s
+  out_s[wg] = total.astype(out_dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_s.at[wg], out)
+
+
 def _wgrad_plan(dyq, xq, starts, *, stages, kpair, epilogue, group_k, out_dtype):
   """Sizes shared by :func:`_wgrad_ws2_kernel` and :func:`_wgrad_xp_kernel`: ``(n, m, k, g, n_iters, k_iters, items,
   gk, tma_out, stages)``, the stages shrunk (down to 2) until the pipeline and the staging tile fit SMEM."""
@@ -293,13 +306,7 @@ def _wgrad_ws2_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, s
 
         def compute_context(run_pipeline):
           total = run_pipeline(plgpu.layout_cast(jnp.zeros((WN, BLOCK), jnp.float32), WG))
-          if tma_out:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store has read out_s
-            out_s[wg] = total.astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_s.at[wg], out)
-          else:
-            out[...] = total.astype(out_dtype)
+          _store_result(total, out, out_s if tma_out else None, wg, out_dtype)
 
         def mma_body(idx, *refs):
           (s,) = idx
@@ -438,13 +445,7 @@ def _wgrad_xp_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, st
 
           zero = plgpu.layout_cast(jnp.zeros((WN, BLOCK), jnp.float32), WG)
           step_end, total = lax.fori_loop(0, (count + kp - 1) // kp, step, (step0, zero))
-          if tma_out:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store has read out_s
-            out_s[wg] = total.astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_s.at[wg], out)
-          else:
-            out[...] = total.astype(out_dtype)
+          _store_result(total, out, out_s if tma_out else None, wg, out_dtype)
           return step_end
 
         lax.fori_loop(0, mine, item, jnp.int32(0))
