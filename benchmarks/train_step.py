@@ -97,7 +97,9 @@ import functools
 import json
 import pathlib
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -111,7 +113,7 @@ from jaxkern.modeling import moe as moe_module
 from jaxkern.modeling._fp8_linear import fp8_grouped_linear
 from jaxkern.modeling._grouped_matmul import grouped_matmul
 from jaxkern.modeling._swiglu import swiglu
-from jaxkern.modeling.sharding import ep_fused_rows, shard_params, sharded_value_and_grad
+from jaxkern.modeling.sharding import ep_fused_rows, init_optimizer_state, shard_params, sharded_value_and_grad
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "train_step"
 STATIC = ("config", "optimizer", "implementation", "moe_fn")
@@ -310,7 +312,7 @@ def make_mesh(n: int):
   return jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
 
 
-def _mesh_step(n: int, config, optimizer, implementation):
+def _mesh_step(n: int, config, optimizer, implementation, grad_reduce_dtype=None):
   """The jitted step on ``n`` devices (0: no mesh), and a function placing params / batch for it (module
   docstring)."""
   step = jax.jit(functools.partial(block.train_step, config=config, optimizer=optimizer,
@@ -321,7 +323,7 @@ def _mesh_step(n: int, config, optimizer, implementation):
   if n == 1:
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return step, lambda tree: jax.device_put(tree, replicated)
-  return sharded_step(mesh, config, optimizer, implementation)
+  return sharded_step(mesh, config, optimizer, implementation, grad_reduce_dtype)
 
 
 def _placer(mesh, config):
@@ -338,13 +340,15 @@ def _placer(mesh, config):
   return place
 
 
-def sharded_step(mesh, config, optimizer, implementation):
+def sharded_step(mesh, config, optimizer, implementation, grad_reduce_dtype=None):
   """:func:`jaxkern.modeling.block.sharded_train_step` on mesh axis ``"data"``: the batch and the routed experts
   split over it (``B`` and ``E`` multiples of the devices), shared experts and everything else replicated
   (:func:`jaxkern.modeling.block.ep_params` / ``block_param_specs``), ``check_vma=False`` (the Pallas kernels).
   ``place`` turns :class:`~jaxkern.modeling.block.BlockParams` into the sharded EP params, a
-  :class:`~jaxkern.modeling.block.Batch` into one sharded over sequences."""
-  step = block.sharded_train_step(config, optimizer, mesh, expert_axis=AXIS, implementation=implementation)
+  :class:`~jaxkern.modeling.block.Batch` into one sharded over sequences. ``grad_reduce_dtype``: the dtype of the
+  replicated params' gradient all-reduce (``None``: float32)."""
+  step = block.sharded_train_step(config, optimizer, mesh, expert_axis=AXIS, implementation=implementation,
+                                  grad_reduce_dtype=grad_reduce_dtype)
   return step, _placer(mesh, config)
 
 
@@ -360,9 +364,9 @@ def _group(path) -> str:
 
 
 def check_devices(params, batch, config: block.BlockConfig, implementation: str, n: int, *, rtol: float,
-                  loss_rtol: float) -> tuple[bool, str]:
-  """``(ok, report)``: loss and gradients of the ``n``-device sharded loss against the unsharded one on one
-  device (``--check``; module docstring)."""
+                  loss_rtol: float, grad_reduce_dtype=None) -> tuple[bool, str]:
+  """``(ok, report)``: loss and gradients of the ``n``-device sharded loss (its replicated params' gradients summed in
+  ``grad_reduce_dtype``) against the unsharded one on one device (``--check``; module docstring)."""
   dev0 = jax.devices()[0]
   loss1 = functools.partial(block.loss_fn, config=config, implementation=implementation)
   l1, g1 = jax.jit(jax.value_and_grad(loss1))(jax.device_put(params, dev0), jax.device_put(batch, dev0))
@@ -372,7 +376,7 @@ def check_devices(params, batch, config: block.BlockConfig, implementation: str,
   lossn = functools.partial(block.loss_fn, config=config, implementation=implementation, moe_fn=moe_fn)
   ep = block.ep_params(params, config)
   specs = block.block_param_specs(ep, AXIS)
-  vg = jax.jit(sharded_value_and_grad(lossn, mesh, specs, check_vma=False))
+  vg = jax.jit(sharded_value_and_grad(lossn, mesh, specs, check_vma=False, grad_reduce_dtype=grad_reduce_dtype))
   place = _placer(mesh, config)
   ln, gn = vg(place(params), place(batch))
   ln = float(ln)
@@ -514,10 +518,16 @@ def main(argv=None) -> int:
                       help="MoeConfig.ep_capacity_factor of the expert-parallel layer (N > 1): fused rows per device "
                            "for this many times the mean routed slots, the worst case as the exact fallback; 0 = "
                            "always the worst case; default the config's (1.25)")
+  parser.add_argument("--grad-reduce-dtype", choices=("float32", "bfloat16"), default="float32",
+                      help="N > 1: the dtype the replicated params' gradients are all-reduced in (bfloat16: half the "
+                           "bytes, each device's gradient rounded to bfloat16 first)")
   parser.add_argument("--fp8-gemm", action="store_true",
                       help="expert matmuls in FP8 (BlockConfig(fp8_gemm=True): fp8_grouped_linear, alignment 128)")
+  parser.add_argument("--batch-multiple", type=int, default=None, help=argparse.SUPPRESS)  # counts_in_processes
   args = parser.parse_args(argv)
   counts = parse_devices(args.devices)
+  if len(counts) > 1 and not args.small and not args.memory:
+    return counts_in_processes(sys.argv[1:] if argv is None else list(argv), counts, check=args.check, out=args.out)
   config, batch_size, seq_len = small_config() if args.small else CONFIGS[args.config]()
   config = dataclasses.replace(
       config, num_layers=args.layers or config.num_layers,
@@ -537,7 +547,8 @@ def main(argv=None) -> int:
     print(f"--devices {args.devices}: only {len(jax.devices())} devices here", file=sys.stderr)
     raise SystemExit(2)
   if counts:  # the sharded step splits the batch's sequences over the devices: one global batch for all counts
-    batch_size = -(-batch_size // max(counts)) * max(counts)
+    multiple = args.batch_multiple or max(counts)
+    batch_size = -(-batch_size // multiple) * multiple
   device = jax.devices()[0].device_kind.replace(" ", "-")
   if jax.default_backend() != "gpu" and not args.small:
     print("No GPU found: the H100-sized model would run the references on the CPU; use --small", file=sys.stderr)
@@ -552,6 +563,9 @@ def main(argv=None) -> int:
   label += " fp8_gemm" if args.fp8_gemm else ""
   if args.ep_capacity_factor is not None:
     label += f" ep_capacity={args.ep_capacity_factor:g}"
+  grad_reduce_dtype = None if args.grad_reduce_dtype == "float32" else jnp.dtype(args.grad_reduce_dtype)
+  if grad_reduce_dtype is not None:
+    label += f" grad_reduce={args.grad_reduce_dtype}"
   print(f"{device}, jax {jax.__version__}: {label}, devices={args.devices or 'no mesh'}")
   rows, failed = [], False
   stamp = datetime.datetime.now(datetime.timezone.utc)
@@ -561,19 +575,25 @@ def main(argv=None) -> int:
         if n > 1:
           print(capacity_report(params, batch, config, impl, n), flush=True)
           ok, report = check_devices(params, batch, config, impl, n, rtol=args.check_rtol,
-                                     loss_rtol=args.check_loss_rtol)
+                                     loss_rtol=args.check_loss_rtol, grad_reduce_dtype=grad_reduce_dtype)
           print(report, flush=True)
           failed |= not ok
     for n in counts or [0]:
-      step, place = _mesh_step(n, config, optimizer, impl)
+      step, place = _mesh_step(n, config, optimizer, impl, grad_reduce_dtype)
       p, b = place(params), place(batch)
-      opt_state = optimizer.init(p)  # shaped and placed like the (possibly expert-parallel) params
+      # shaped and placed like the (possibly expert-parallel) params, its step count too: chained steps compile once
+      opt_state = init_optimizer_state(optimizer, p, make_mesh(n)) if n else optimizer.init(p)
+      t0 = time.perf_counter()
+      jax.block_until_ready(step(p, opt_state, b))
+      first_call_s = time.perf_counter() - t0  # compilation and one step
       timed = time_ms(lambda p, o, b: step(p, o, b).loss, p, opt_state, b, iterations=iterations,
                       device_time=n <= 1)
       loss = float(step(p, opt_state, b).loss)
       timed["pipelined_ms"] = pipelined_ms(step, p, opt_state, b, iterations=iterations)
       rows.append(dict(component="step", implementation=impl, devices=n, times=1, loss=loss,
-                       tokens_per_s=tokens / (1e-3 * timed["wall_ms"]), **timed))
+                       tokens_per_s=tokens / (1e-3 * timed["wall_ms"]), first_call_s=first_call_s, **timed))
+      print(f"step {impl} devices={n}: {timed['wall_ms']:.2f} ms wall, {timed['pipelined_ms']:.2f} ms pipelined, "
+            f"loss {loss:.6f}, first call {first_call_s:.1f} s", flush=True)
       del p, b, opt_state, step
       if args.no_split:
         continue
@@ -584,13 +604,7 @@ def main(argv=None) -> int:
       for name, (fn, fargs, times) in parts.items():
         rows.append(dict(component=name, implementation=impl, devices=n, times=times,
                          **time_ms(fn, *fargs, iterations=iterations, device_time=n <= 1)))
-  for impl in dict.fromkeys(r["implementation"] for r in rows):
-    steps = {r["devices"]: r for r in rows if r["component"] == "step" and r["implementation"] == impl}
-    if 1 in steps:
-      for n, r in steps.items():
-        if n > 1:
-          r["scaling_efficiency"] = steps[1]["wall_ms"] / (n * r["wall_ms"])
-          r["scaling_efficiency_pipelined"] = steps[1]["pipelined_ms"] / (n * r["pipelined_ms"])
+  add_scaling(rows)
   for r in rows:
     r.update(ep_capacity_factor=config.moe.ep_capacity_factor)
     r.update(date=stamp.date().isoformat(), time=stamp.strftime("%H:%M:%S"), gpu=device, jax=jax.__version__,
@@ -614,6 +628,62 @@ def main(argv=None) -> int:
 
 
 COMMUNICATION = ("collectives", "grad_allreduce")
+
+
+def add_scaling(rows) -> None:
+  """Sets ``scaling_efficiency`` (wall-clock) and ``scaling_efficiency_pipelined`` of the N > 1 step rows that have a
+  one-device step row of the same implementation."""
+  for impl in dict.fromkeys(r["implementation"] for r in rows):
+    steps = {r["devices"]: r for r in rows if r["component"] == "step" and r["implementation"] == impl}
+    if 1 in steps:
+      for n, r in steps.items():
+        if n > 1:
+          r["scaling_efficiency"] = steps[1]["wall_ms"] / (n * r["wall_ms"])
+          r["scaling_efficiency_pipelined"] = steps[1]["pipelined_ms"] / (n * r["pipelined_ms"])
+
+
+def _without_flags(argv, flags) -> list[str]:
+  """``argv`` without the options ``flags`` (``--flag value``, ``--flag=value``; ``--check`` takes no value)."""
+  out, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+      continue
+    name = a.split("=", 1)[0]
+    if name in flags:
+      skip = "=" not in a and name != "--check"
+      continue
+    out.append(a)
+  return out
+
+
+def counts_in_processes(argv, counts, *, check: bool, out: pathlib.Path | None) -> int:
+  """``--devices`` with several counts off ``--small``: each count's step in a process of its own (this module,
+  ``--devices N``, the same global batch), then the scaling table of their rows. In one process a CUPTI-timed
+  one-GPU step followed by the 2-GPU step crashed (segmentation fault) or hung (4 H200s, 2026-11-27, twice); each
+  count alone ran. ``--check`` goes to the counts N > 1 (one against N devices inside that process)."""
+  rest = _without_flags(argv, ("--devices", "--out", "--check", "--batch-multiple"))
+  rows, status = [], 0
+  with tempfile.TemporaryDirectory() as tmp:
+    for n in counts:
+      path = pathlib.Path(tmp) / f"{n}.jsonl"
+      cmd = [sys.executable, "-m", "benchmarks.train_step", *rest, "--devices", str(n),
+             "--batch-multiple", str(max(counts)), "--out", str(path)] + (["--check"] if check and n > 1 else [])
+      print("$", " ".join(cmd[1:]), flush=True)
+      code = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent.parent).returncode
+      status = status or code
+      if path.exists():
+        rows += [json.loads(line) for line in path.read_text().splitlines()]
+  add_scaling(rows)
+  if rows:
+    print("\n" + scaling_table(rows))
+    out = out or RESULTS / f"{rows[0]['date']}_{rows[0]['gpu']}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+      for r in rows:
+        f.write(json.dumps(r) + "\n")
+    print(f"{len(rows)} rows appended to {out}")
+  return 1 if status else 0
 
 
 def scaling_table(rows) -> str:

@@ -7,8 +7,9 @@ from jaxkern.modeling.engram import engram_gate
 from jaxkern.modeling._fp8_linear import fp8_grouped_linear
 from jaxkern.modeling._swiglu import swiglu
 from jaxkern.modeling.mhc import expand_from_embedding, mhc_block, mhc_head, mhc_post, mhc_pre
-from jaxkern.modeling.sharding import (MoeEpParams, make_sharded_train_step, merge_shared_experts, moe_layer_ep,
-                                       moe_param_specs, shard_params, sharded_value_and_grad, split_shared_experts)
+from jaxkern.modeling.sharding import (MoeEpParams, init_optimizer_state, make_sharded_train_step, merge_shared_experts,
+                                       moe_layer_ep, moe_param_specs, shard_params, sharded_value_and_grad,
+                                       split_shared_experts)
 from jaxkern.modeling.moe import (MoeConfig, MoeParams, apply_experts, apply_experts_dense, balance_router_bias,
                                   expand_fp8, init_moe_params, moe_layer, moe_layer_dense, route_tokens, swiglu_experts)
 
@@ -31,6 +32,7 @@ __all__ = [
     "init_block_params",
     "init_moe_params",
     "loss_fn",
+    "init_optimizer_state",
     "make_sharded_train_step",
     "merge_ep_params",
     "merge_shared_experts",

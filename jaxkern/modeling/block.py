@@ -419,7 +419,8 @@ def block_param_specs(params: BlockParams, expert_axis: str | None) -> BlockPara
 
 
 def sharded_train_step(config: BlockConfig, optimizer: optax.GradientTransformation, mesh, *, expert_axis: str,
-                       batch_axes=None, implementation: str | None = None, check_vma: bool = False):
+                       batch_axes=None, implementation: str | None = None, check_vma: bool = False,
+                       grad_reduce_dtype=None):
   """:func:`train_step` under ``mesh``: a jitted ``step(params, opt_state, batch) -> StepResult``.
 
   One ``jax.shard_map`` (:func:`jaxkern.modeling.sharding.make_sharded_train_step`) runs :func:`loss_fn` and its
@@ -439,10 +440,13 @@ def sharded_train_step(config: BlockConfig, optimizer: optax.GradientTransformat
     implementation: passed to every op.
     check_vma: ``jax.shard_map``'s replication check; the Pallas kernels (and interpret mode) need ``False``,
       the references run under either (the gradients are the same).
+    grad_reduce_dtype: the dtype the replicated params' gradients are summed over the devices in (``None``: their
+      own, float32; ``jnp.bfloat16`` halves the all-reduce's bytes; :func:`jaxkern.modeling.sharded_value_and_grad`).
 
   Params and optimiser state: ``params = shard_params(ep_params(params, config), mesh,
   block_param_specs(ep_params(params, config), expert_axis))`` (:func:`jaxkern.modeling.sharding.shard_params`),
-  ``opt_state = optimizer.init(params)``; :func:`merge_ep_params` turns them back into :class:`BlockParams`.
+  ``opt_state = init_optimizer_state(optimizer, params, mesh)`` (:func:`jaxkern.modeling.init_optimizer_state`: plain
+  ``optimizer.init`` leaves the step count off the mesh and the second step compiles again); :func:`merge_ep_params` turns them back into :class:`BlockParams`.
   ``StepResult.load`` is ``None``.
   """
   if config.router_bias_rate:
@@ -452,7 +456,8 @@ def sharded_train_step(config: BlockConfig, optimizer: optax.GradientTransformat
   loss = functools.partial(loss_fn, config=config, implementation=implementation, moe_fn=moe_fn)
   shapes = jax.eval_shape(lambda: ep_params(init_block_params(jax.random.key(0), config), config))
   specs = block_param_specs(shapes, expert_axis)
-  step = make_sharded_train_step(loss, optimizer, mesh, specs, batch_axes=batch_axes, check_vma=check_vma)
+  step = make_sharded_train_step(loss, optimizer, mesh, specs, batch_axes=batch_axes, check_vma=check_vma,
+                                 grad_reduce_dtype=grad_reduce_dtype)
 
   def run(params, opt_state, batch):
     params, opt_state, loss_value = step(params, opt_state, batch)

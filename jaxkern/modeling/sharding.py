@@ -372,7 +372,7 @@ def _batch_specs(batch, batch_axes) -> Any:
 
 def sharded_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array], mesh: Mesh, param_specs: Any, *,
                            batch_axes: str | Sequence[str] | None = None, batch_specs: Any = None,
-                           check_vma: bool = True) -> Callable:
+                           check_vma: bool = True, grad_reduce_dtype: Any = None) -> Callable:
   """``(params, batch) -> (loss, grads)`` of ``loss_fn`` run under ``jax.shard_map`` over ``mesh``.
 
   Args:
@@ -392,12 +392,19 @@ def sharded_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array], mesh: Mesh,
       ``ShapeDtypeStruct`` to carry a ``manual_axis_type``, which jaxkern's kernels do not set): each device
       differentiates its own loss, and the gradient of a param is ``psum``-med over the batch axes its spec
       does not shard it over, then divided by the number of batch shards. Both give the same gradients.
+    grad_reduce_dtype: ``None`` (default): those sums in each gradient's own dtype. A narrower float dtype
+      (``jnp.bfloat16``): each device's gradient is rounded to it, summed in it and cast back (half the bytes of
+      a float32 all-reduce, at a relative rounding of ``2**-8`` per summand and per partial sum; the usual
+      trade of data-parallel training). Needs ``check_vma=False`` (with ``True`` JAX inserts the sums).
 
   Returns:
     A function ``(params, batch) -> (loss, grads)``: ``loss`` the ``pmean`` of the devices' losses over
     ``batch_axes`` (the unsharded loss for a mean over equal shards), ``grads`` sharded like ``params``: the
     gradient of ``loss``. Not jitted itself.
   """
+  if grad_reduce_dtype is not None and check_vma:
+    raise ValueError(f"grad_reduce_dtype={grad_reduce_dtype}: needs check_vma=False (with check_vma=True "
+                     "jax.shard_map inserts the gradient sums itself)")
   if batch_axes is None:
     batch_axes = tuple(mesh.axis_names)
   elif isinstance(batch_axes, str):
@@ -421,6 +428,8 @@ def sharded_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array], mesh: Mesh,
 
     def reduce(g, spec):
       axes = tuple(a for a in batch_axes if a not in spec_axes(spec))
+      if axes and grad_reduce_dtype is not None and g.dtype != grad_reduce_dtype:
+        return lax.psum(g.astype(grad_reduce_dtype), axes).astype(g.dtype) / num_shards
       return (lax.psum(g, axes) if axes else g) / num_shards
 
     grads = jax.tree.map(reduce, grads, param_specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
@@ -439,23 +448,49 @@ def shard_params(params: Any, mesh: Mesh, param_specs: Any) -> Any:
   return jax.tree.map(lambda p, spec: jax.device_put(p, NamedSharding(mesh, spec)), params, param_specs)
 
 
+def init_optimizer_state(optimizer, params: Any, mesh: Mesh) -> Any:
+  """``optimizer.init(params)`` placed as the sharded step returns it, so that chained steps compile once.
+
+  ``optimizer.init`` leaves some leaves off the mesh (optax's step count: a fresh single-device scalar), while the
+  jitted step returns every leaf on the mesh: a step fed its own outputs then sees another input type and compiles
+  again (measured: a second compilation of the DeepSeek-V3-like FP8 step, 50-80 s on an H200, 2026-11-27). Here
+  every leaf not already placed on ``mesh`` is replicated on it (``NamedSharding(mesh, PartitionSpec())``);
+  params-shaped leaves (Adam's moments of placed params) keep their sharding.
+
+  Args:
+    optimizer: an ``optax.GradientTransformation``.
+    params: the params, placed (:func:`shard_params`).
+    mesh: the step's :class:`jax.sharding.Mesh`.
+  """
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def place(leaf):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+      return leaf
+    return jax.device_put(leaf, replicated)
+
+  return jax.tree.map(place, optimizer.init(params))
+
+
 def make_sharded_train_step(loss_fn: Callable[[Any, Any], jax.Array], optimizer, mesh: Mesh, param_specs: Any, *,
                             batch_axes: str | Sequence[str] | None = None, batch_specs: Any = None,
-                            check_vma: bool = True) -> Callable:
+                            check_vma: bool = True, grad_reduce_dtype: Any = None) -> Callable:
   """A jitted ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
 
   The loss and gradients come from :func:`sharded_value_and_grad` (one ``jax.shard_map``), then
   ``optimizer`` (an ``optax.GradientTransformation``) updates the params outside the ``shard_map``, under
   the same ``jax.jit``: elementwise updates keep each param's sharding, so the optimiser state of sharded
   expert weights stays sharded. Equal to the unsharded step (to float32 rounding of the gradient sums) when
-  ``loss_fn`` is a mean over the local tokens. Place ``params`` and ``opt_state`` with :func:`shard_params`
-  / ``optimizer.init`` of placed params; ``batch`` may be any arrays (jit reshards them). Arguments: those
-  of :func:`sharded_value_and_grad`, and ``optimizer``.
+  ``loss_fn`` is a mean over the local tokens. Place ``params`` with :func:`shard_params` and make ``opt_state``
+  with :func:`init_optimizer_state` (plain ``optimizer.init`` leaves optax's step count off the mesh, and the
+  second step compiles again); ``batch`` may be any arrays (jit reshards them). Arguments: those of
+  :func:`sharded_value_and_grad`, and ``optimizer``.
   """
   import optax
 
   value_and_grad = sharded_value_and_grad(loss_fn, mesh, param_specs, batch_axes=batch_axes, batch_specs=batch_specs,
-                                          check_vma=check_vma)
+                                          check_vma=check_vma, grad_reduce_dtype=grad_reduce_dtype)
 
   @jax.jit
   def step(params, opt_state, batch):

@@ -237,9 +237,20 @@ def test_compiled_kernels_on_gpu(key):
   dense = jax.grad(lambda p, x: jnp.sum(jnp.sin(moe_layer_dense(p, x, config=dataclasses.replace(
       config, fp8_gemm=False, fp8_swiglu=False, fp8_expand=False), implementation="reference"))), argnums=(0, 1))
   expected = _dense32(params, x, jax.jit(dense))
+  # The dense layer routes with float32 params at the highest matmul precision, the FP8 layer with the bf16 router
+  # at the GPU's default one: a token whose top-k scores nearly tie may pick another expert there (an O(1) change
+  # of its row of the input gradient; H100 2026-11-27: one such row gave a 47% max error). The input gradient is
+  # compared on the tokens routed alike; nearly all are.
+  routed = jax.jit(route_tokens, static_argnames=("config", "implementation"))
+  ids = routed(params, x, config=config, implementation="pallas").topk_idx
+  ids_dense = _dense32(params, x, functools.partial(routed, config=config, implementation="reference")).topk_idx
+  alike = np.all(np.sort(np.asarray(ids), 1) == np.sort(np.asarray(ids_dense), 1), axis=1)
+  assert alike.mean() >= 0.97, alike.mean()
   for name, g, r, e in zip(NAMES, jax.tree.leaves(grads), jax.tree.leaves(same_roundings), jax.tree.leaves(expected)):
     if name == "router_bias":
       continue
+    if name == "x":
+      g, r, e = g[alike], r[alike], e[alike]
     # Against the references' FP8 path, the e4m3 tolerances (the kernels sum in another order, which flips e4m3
     # roundings downstream): H100 2026-11-27, seeds 0 and 1: 0.6-4.5% in norm, at most 4.8% max.
     _assert_e4m3_close(g, r, name)

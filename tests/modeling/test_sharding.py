@@ -29,8 +29,9 @@ from jax.sharding import PartitionSpec as P
 from jaxkern import moe
 from tests.modeling.multi_device import EIGHT, mesh as _mesh, needs_8, run_8dev_tests
 from jaxkern.modeling import MoeConfig, init_moe_params, moe_layer
-from jaxkern.modeling.sharding import (MoeEpParams, make_sharded_train_step, merge_shared_experts, moe_layer_ep,
-                                       moe_param_specs, shard_params, sharded_value_and_grad, split_shared_experts)
+from jaxkern.modeling.sharding import (MoeEpParams, init_optimizer_state, make_sharded_train_step, merge_shared_experts,
+                                       moe_layer_ep, moe_param_specs, shard_params, sharded_value_and_grad,
+                                       split_shared_experts)
 from jaxkern.testing import lower_for_h100
 
 H, I = 256, 128  # reduce_fused needs H % 256 == 0
@@ -161,7 +162,7 @@ def _check_train_step(key, config, mesh, expert_axis, implementation, check_vma,
                                                           implementation=implementation))
   step = make_sharded_train_step(sharded_loss, optimizer, mesh, specs, check_vma=check_vma)
   ep_params = shard_params(ep_params, mesh, specs)
-  state, ref_state = optimizer.init(ep_params), optimizer.init(params)
+  state, ref_state = init_optimizer_state(optimizer, ep_params, mesh), optimizer.init(params)
   initial_loss = unsharded_loss(params, batch)
   for i in range(steps):
     ep_params, state, loss = step(ep_params, state, batch)
@@ -180,6 +181,29 @@ def test_train_step_one_device_mesh(key):
   """The step's per-device gradient sums (check_vma=False, the kernels' setting) on one device; the reference ops
   (the kernels' gradients under shard_map: test_layer_one_device_mesh_interpret)."""
   _check_train_step(key, SHARED, _mesh((1,), ("data",)), "data", "reference", check_vma=False)
+
+
+def test_chained_adam_steps_compile_once(key):
+  """Adam's step count: with init_optimizer_state the step fed its own outputs does not compile again; with plain
+  optimizer.init (the count off the mesh) it does."""
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, duration, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
+      else None)
+  config, mesh = SHARED, _mesh((1,), ("data",))
+  params, batch = _model_params(key, config), _batch(key)
+  ep_params = {"w_in": params["w_in"], "moe": _ep_params(params["moe"], config)}
+  specs = {"w_in": P(), "moe": moe_param_specs(ep_params["moe"], "data")}
+  loss = _mlp_moe_model(config, functools.partial(moe_layer_ep, mesh_axis="data", implementation="reference"))
+  optimizer = optax.adam(1e-3)
+  ep_params = shard_params(ep_params, mesh, specs)
+  for init, recompiles in [(init_optimizer_state, 0), (lambda opt, p, mesh: opt.init(p), 1)]:
+    step = make_sharded_train_step(loss, optimizer, mesh, specs, check_vma=False)
+    p, state, _ = step(ep_params, init(optimizer, ep_params, mesh), batch)
+    del compiles[:]
+    for _ in range(2):
+      p, state, _ = step(p, state, batch)
+    assert compiles.count("/jax/core/compile/backend_compile_duration") == recompiles, (init, compiles)
 
 
 def test_errors(key):

@@ -7,6 +7,7 @@ The ``*_2dev`` tests need 2 devices; :func:`test_two_device_tests_in_a_subproces
 the ``jnp`` references (``"auto"`` off a GPU).
 """
 
+import functools
 import json
 
 import jax
@@ -104,6 +105,66 @@ def test_collectives_2dev():
   assert all(np.all(np.asarray(x) == 3.0) for x in summed)
   for name, (fn, fargs, times) in parts.items():
     assert train_step.time_ms(fn, *fargs, iterations=1)["wall_ms"] > 0, name
+
+
+def test_without_flags():
+  argv = ["--config", "v3", "--devices", "1,2", "--check", "--out=x.jsonl", "--fp8-gemm", "--out", "y", "--no-split"]
+  assert train_step._without_flags(argv, ("--devices", "--out", "--check")) == ["--config", "v3", "--fp8-gemm",
+                                                                               "--no-split"]
+
+
+@needs_2
+def test_counts_in_processes_2dev(tmp_path, capsys):
+  """Each count in a child process (the GPU path of ``--devices 1,2``): one global batch, the rows of both children,
+  the scaling efficiency computed from them, the bf16 gradient reduce in the label of both."""
+  out = tmp_path / "rows.jsonl"
+  argv = ["--small", "--devices", "1,2", "--iterations", "1", "--implementations", "xla", "--no-split",
+          "--grad-reduce-dtype", "bfloat16"]
+  assert train_step.counts_in_processes(argv, [1, 2], check=False, out=out) == 0
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [(r["component"], r["devices"]) for r in rows] == [("step", 1), ("step", 2)]
+  assert rows[0]["shape"] == rows[1]["shape"] and rows[0]["shape"].startswith("T=32 ")  # batch 1 -> 2 sequences
+  assert rows[0]["shape"].endswith(" grad_reduce=bfloat16")
+  assert rows[1]["scaling_efficiency"] == pytest.approx(rows[0]["wall_ms"] / (2 * rows[1]["wall_ms"]))
+  assert "| xla | 2 |" in capsys.readouterr().out
+
+
+@needs_2
+def test_grad_reduce_dtype_2dev():
+  """sharded_value_and_grad(grad_reduce_dtype=bfloat16): the replicated params' gradients summed in bfloat16 (close
+  to the float32 sums, not equal to them), the sharded ones untouched; check_vma=True refuses it."""
+  from jaxkern.modeling.sharding import sharded_value_and_grad
+
+  config, _, s = train_step.small_config()
+  params = block.init_block_params(jax.random.key(0), config)
+  batch = block.synthetic_batch(np.random.default_rng(0), batch=2, seq_len=s, vocab_size=config.vocab_size)
+  mesh = train_step.make_mesh(2)
+  ep = block.ep_params(params, config)
+  specs = block.block_param_specs(ep, train_step.AXIS)
+  moe_fn = functools.partial(block.moe_ffn_ep, mesh_axis=train_step.AXIS)
+  loss = functools.partial(block.loss_fn, config=config, implementation="xla", moe_fn=moe_fn)
+  place = train_step._placer(mesh, config)
+  results = {}
+  for dtype in (None, jnp.bfloat16):
+    vg = jax.jit(sharded_value_and_grad(loss, mesh, specs, check_vma=False, grad_reduce_dtype=dtype))
+    results[dtype] = jax.tree.map(np.asarray, vg(place(params), place(batch)))
+  (l32, g32), (l16, g16) = results[None], results[jnp.bfloat16]
+  assert l32 == l16
+  replicated = [spec == jax.sharding.PartitionSpec() for spec in jax.tree.leaves(
+      specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))]
+  differs = []
+  for is_replicated, a, b in zip(replicated, jax.tree.leaves(g32), jax.tree.leaves(g16)):
+    if not is_replicated:
+      np.testing.assert_array_equal(a, b)
+      continue
+    # bfloat16 rounds each device's gradient (2**-8 relative) and the sum: in norm, for leaves of many elements (a
+    # one-element gradient whose two device parts nearly cancel, e.g. head.scale, is off by more relative to itself)
+    if a.size >= 64:
+      assert np.linalg.norm(b - a) <= 2 ** -7 * np.linalg.norm(a), (a.shape, np.linalg.norm(b - a) / np.linalg.norm(a))
+    differs.append(not np.array_equal(a, b))
+  assert any(differs), "the bfloat16 reduce took effect"
+  with pytest.raises(ValueError, match="grad_reduce_dtype=.*check_vma=False"):
+    sharded_value_and_grad(loss, mesh, specs, check_vma=True, grad_reduce_dtype=jnp.bfloat16)
 
 
 @pytest.mark.skipif(TWO, reason="this process has 2 devices: the 2dev tests run here")
