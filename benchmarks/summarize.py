@@ -158,9 +158,12 @@ def train_step_tables(paths) -> list[str]:
   rows = [json.loads(line) for p in paths for line in pathlib.Path(p).read_text().splitlines() if line.strip()]
   if not rows:
     return []
+  profiles = [r for r in rows if r["component"] == "profile"]
+  rows = [r for r in rows if r["component"] != "profile"]
   lines = ["## Training step (`python -m benchmarks.train_step`)", "",
            "Wall-clock median per step (each followed by `block_until_ready`), the same global batch for every",
-           "device count; scaling efficiency = t(1) / (N·t(N)). The whole step's CUPTI time is left out: inside the",
+           "device count; scaling efficiency = t(1) / (N·t(N)); pipelined: chained steps as a training loop runs",
+           "them, blocked on once at the end (the host's dispatch overlaps the step before). The whole step's CUPTI time is left out: inside the",
            "step it missed most of the expert GEMMs' kernels (57 ms against 197 ms wall on an H200, while the GEMMs",
            "alone measured 174 ms by both clocks). Split: each component's forward + backward jitted alone with the",
            "step's shapes, times the layers it runs in; `rest` = step - components (what XLA fuses or overlaps",
@@ -170,12 +173,18 @@ def train_step_tables(paths) -> list[str]:
   for gpu, shape in models:
     rs = [r for r in newest.values() if r["gpu"] == gpu and r["shape"] == shape]
     steps = sorted((r for r in rs if r["component"] == "step"), key=lambda r: (r["implementation"], r["devices"]))
-    lines += [f"### {shape} — {gpu}, {', '.join(sorted({r['date'] for r in rs}))}", "",
-              "| implementation | GPUs | step ms | tokens/s | scaling efficiency | loss |", "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"### {shape} — {gpu}, {', '.join(sorted({r['date'] for r in rs}))}", ""]
+    flags = sorted({r.get("xla_flags", "") for r in steps} - {""})
+    if flags:
+      lines += ["XLA_FLAGS: " + "; ".join(f"`{f}`" for f in flags), ""]
+    lines += ["| implementation | GPUs | step ms | tokens/s | scaling efficiency | pipelined step ms | pipelined efficiency "
+              "| loss |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in steps:
-      eff = r.get("scaling_efficiency")
+      eff, piped_eff = r.get("scaling_efficiency"), r.get("scaling_efficiency_pipelined")
+      piped = f"{r['pipelined_ms']:.2f}" if "pipelined_ms" in r else "—"
       lines.append(f"| {r['implementation']} | {r['devices'] or 1} | {r['wall_ms']:.2f} | {r['tokens_per_s']:.0f} | "
-                   f"{f'{100 * eff:.1f}%' if eff else '—'} | {r['loss']:.4f} |")
+                   f"{f'{100 * eff:.1f}%' if eff else '—'} | {piped} | "
+                   f"{f'{100 * piped_eff:.1f}%' if piped_eff else '—'} | {r['loss']:.4f} |")
     parts = [r for r in rs if r["component"] != "step" and r["devices"] in (0, 1)]
     if parts:
       impls = sorted({r["implementation"] for r in parts})
@@ -193,6 +202,26 @@ def train_step_tables(paths) -> list[str]:
       rest = [f"{step[i] - sum(r['wall_ms'] * r['times'] for r in parts if r['implementation'] == i):.2f}"
               if i in step else "—" for i in impls]
       lines.append("| rest (wall) | " + " | ".join(f"{v} | —" for v in rest) + " |")
+    lines.append("")
+  return lines + profile_tables(profiles)
+
+
+def profile_tables(rows) -> list[str]:
+  """Markdown for the ``component == "profile"`` rows: the step's kernel time per GPU by kind, from a profiler trace
+  of chained steps (ms per step; kernels on several streams overlap, so busy <= kernel sum)."""
+  lines = []
+  for gpu, shape, date in sorted({(r["gpu"], r["shape"], r["date"]) for r in rows}):
+    rs = sorted((r for r in rows if (r["gpu"], r["shape"], r["date"]) == (gpu, shape, date)),
+                key=lambda r: (r["devices"], r["gpu_index"]))
+    lines += [f"### Where the step's time goes: {shape} — {gpu}, {date}", "", rs[0].get("note", ""), "",
+              "| GPUs | GPU | jaxkern kernels (Mosaic GPU: routing, casts, expand / reduce, SwiGLU, FP8 GEMMs, mHC, "
+              "Engram) | XLA GEMMs (float32 readout on cuBLAS TF32, Triton) | other XLA fusions (Adam, casts, "
+              "elementwise) | NCCL | kernel sum | busy | span | pipelined step (untraced) |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rs:
+      lines.append(f"| {r['devices']} | {r['gpu_index']} | {r['mosaic']:.2f} | {r['gemm']:.2f} | {r['xla']:.2f} | "
+                   f"{r['nccl']:.2f} | {r['kernel_sum']:.2f} | {r['busy']:.2f} | {r['span']:.2f} | "
+                   f"{r['pipelined']:.2f} |")
     lines.append("")
   return lines
 

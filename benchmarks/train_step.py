@@ -76,6 +76,15 @@ layer before issue 23's capacity). Rows get ``ep_capacity_factor``; the shape la
 flag is given. With ``--check`` a line per N > 1 (``ep capacity ...``) gives the capacity and worst-case rows and the
 rows the initial params' routing needs on the busiest device, per layer, and so which path the step takes.
 
+``--grad-reduce-dtype bfloat16`` (N > 1): the replicated params' gradients are all-reduced in bfloat16 (half the
+bytes; :func:`jaxkern.modeling.sharded_value_and_grad`'s ``grad_reduce_dtype``); the label gets
+``grad_reduce=bfloat16``. Rows record ``XLA_FLAGS`` (e.g. the latency-hiding scheduler) and ``first_call_s`` (the
+compilation and one step). A line per step count is printed as soon as it is timed.
+
+On a GPU, several counts (``--devices 1,2``) run one process per count (:func:`counts_in_processes`), then the scaling
+table of their rows. The optimiser state is made with :func:`jaxkern.modeling.init_optimizer_state`, so the chained
+steps of ``pipelined_ms`` do not compile the step again. ``python -m benchmarks.profile_step`` profiles one count.
+
 ``--config v3``: a DeepSeek-V3-like layer size that fits one H100 (:func:`v3_config`: H 7168, I 2048, 8 experts
 top-4 + 1 shared, 8192 tokens, one layer); ``--experts`` / ``--topk`` / ``--layers`` override a config's sizes;
 ``--memory`` prints the unsharded step's compiled memory estimate on this backend and exits. ``--small``: a tiny model
@@ -95,6 +104,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -486,6 +496,20 @@ def _fwd_bwd_partial(f, num_diff: int):
   return jax.jit(g)
 
 
+def step_label(config: block.BlockConfig, tokens: int, fp8_gemm: bool, ep_capacity_factor: float | None,
+               grad_reduce_dtype: str) -> str:
+  """The rows' ``shape``: the model's sizes and the options that change the step (also
+  :mod:`benchmarks.profile_step`'s, so that both group together)."""
+  label = (f"T={tokens} H={config.hidden} L={config.num_layers} E={config.moe.num_experts} "
+           f"K={config.moe.num_topk} S={config.moe.num_shared_experts} I={config.intermediate} V={config.vocab_size}")
+  label += " fp8_gemm" if fp8_gemm else ""
+  if ep_capacity_factor is not None:
+    label += f" ep_capacity={ep_capacity_factor:g}"
+  if grad_reduce_dtype != "float32":
+    label += f" grad_reduce={grad_reduce_dtype}"
+  return label
+
+
 def parse_devices(text: str) -> list[int]:
   """``"1,2"`` -> ``[1, 2]``; ``""`` / ``"0"`` -> ``[]`` (no mesh)."""
   counts = [int(c) for c in text.replace(" ", "").split(",") if c]
@@ -558,14 +582,8 @@ def main(argv=None) -> int:
                                 vocab_size=config.vocab_size)
   tokens = batch.tokens.size
   optimizer = optax.adamw(1e-3)
-  label = (f"T={tokens} H={config.hidden} L={config.num_layers} E={config.moe.num_experts} "
-           f"K={config.moe.num_topk} S={config.moe.num_shared_experts} I={config.intermediate} V={config.vocab_size}")
-  label += " fp8_gemm" if args.fp8_gemm else ""
-  if args.ep_capacity_factor is not None:
-    label += f" ep_capacity={args.ep_capacity_factor:g}"
+  label = step_label(config, tokens, args.fp8_gemm, args.ep_capacity_factor, args.grad_reduce_dtype)
   grad_reduce_dtype = None if args.grad_reduce_dtype == "float32" else jnp.dtype(args.grad_reduce_dtype)
-  if grad_reduce_dtype is not None:
-    label += f" grad_reduce={args.grad_reduce_dtype}"
   print(f"{device}, jax {jax.__version__}: {label}, devices={args.devices or 'no mesh'}")
   rows, failed = [], False
   stamp = datetime.datetime.now(datetime.timezone.utc)
@@ -607,6 +625,7 @@ def main(argv=None) -> int:
   add_scaling(rows)
   for r in rows:
     r.update(ep_capacity_factor=config.moe.ep_capacity_factor)
+    r.update(xla_flags=os.environ.get("XLA_FLAGS", ""))  # e.g. the latency-hiding scheduler's: part of the setup
     r.update(date=stamp.date().isoformat(), time=stamp.strftime("%H:%M:%S"), gpu=device, jax=jax.__version__,
              shape=label, iterations=iterations, bench="train_step", config="small" if args.small else args.config)
   for n in dict.fromkeys(r["devices"] for r in rows):

@@ -341,16 +341,25 @@ def test_train_step_tables(tmp_path):
   rows = [dict(component="step", implementation="auto", devices=1, times=1, wall_ms=100.0, device_ms=30.0,
                tokens_per_s=80.0, loss=2.5, **common),
           dict(component="step", implementation="auto", devices=2, times=1, wall_ms=62.5, tokens_per_s=128.0,
-               scaling_efficiency=0.8, loss=2.5, **common),
+               scaling_efficiency=0.8, pipelined_ms=50.0, scaling_efficiency_pipelined=0.9, loss=2.5,
+               xla_flags="--xla_a=true", **common),
           dict(component="gemms", implementation="auto", devices=1, times=4, wall_ms=20.0, device_ms=19.0, **common),
           dict(component="collectives", implementation="auto", devices=2, times=4, wall_ms=1.0, **common)]
   path = tmp_path / "s.jsonl"
   path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
   text = "\n".join(summarize.train_step_tables([path]))
-  assert "| auto | 1 | 100.00 | 80 | — | 2.5000 |" in text and "| auto | 2 | 62.50 | 128 | 80.0% | 2.5000 |" in text
+  assert "| auto | 1 | 100.00 | 80 | — | — | — | 2.5000 |" in text
+  assert "| auto | 2 | 62.50 | 128 | 80.0% | 50.00 | 90.0% | 2.5000 |" in text and "XLA_FLAGS: `--xla_a=true`" in text
   assert "| gemms | 80.00 | 76.00 |" in text and "| rest (wall) | 20.00 | — |" in text
   assert "collectives" not in text  # the split is the one-device one
   assert summarize.train_step_tables([]) == []
+  profile = dict(component="profile", devices=2, gpu_index=1, mosaic=1.0, gemm=2.0, xla=3.0, nccl=4.0, busy=8.0,
+                 kernel_sum=10.0, span=9.0, pipelined=9.5, note="a trace", **common)
+  path.write_text("\n".join(json.dumps(r) for r in rows + [profile]) + "\n")
+  text = "\n".join(summarize.train_step_tables([path]))
+  assert "### Where the step's time goes: T=8 H=256 — NVIDIA-H200, 2026-11-26" in text and "a trace" in text
+  assert "| 2 | 1 | 1.00 | 2.00 | 3.00 | 4.00 | 10.00 | 8.00 | 9.00 | 9.50 |" in text
+  assert "| auto | 2 | 62.50 | 128 | 80.0% | 50.00 | 90.0% | 2.5000 |" in text  # the step rows unchanged
 
 
 def test_summarize_builds_no_benchmark_case():
