@@ -111,9 +111,11 @@ backward is the reduce-scatter of the cotangent over ``axis`` (in ``grad_reduce_
 over the other batch axes: each device gets the summed gradient of its shard only, and the optimiser outside the
 ``shard_map`` updates shards (elementwise: XLA keeps the shardings; the step returns params in storage layout).
 Per device and step: an all-gather of the params (``(P-1)/P`` of their bytes) in place of nothing, and a
-reduce-scatter in place of the all-reduce (half its bytes); the update, the optimiser state and the gradient casts
-shrink to ``1/P``. The gathered params are the same values, so the loss and gradients equal those of the replicated
-storage up to the order of the float32 gradient sums.
+reduce-scatter in place of the all-reduce (half its bytes); the update, the optimiser state and the cast back from
+``grad_reduce_dtype`` shrink to ``1/P`` (the cast to it, before the reduce-scatter, stays whole), and the gathered
+params live only inside the step (kept as residuals for the backward, as the stored copies were). The gathered params
+are the same values, so the loss and gradients equal those of the replicated storage up to the order of the
+gradient sums (with ``grad_reduce_dtype``, the reduce-scatter's roundings in place of the all-reduce's).
 """
 
 from __future__ import annotations
