@@ -1,7 +1,7 @@
 """Where the training step's GPU time goes: ``python -m benchmarks.profile_step --config v3 --fp8-gemm --devices 1``.
 
 Runs the step of :mod:`benchmarks.train_step` (same model flags: ``--config``, ``--small``, ``--fp8-gemm``,
-``--ep-capacity-factor``, ``--grad-reduce-dtype``) on one device count at a time (``--devices N``: 1 the unsharded
+``--ep-capacity-factor``, ``--grad-reduce-dtype``, ``--shard-replicated``) on one device count at a time (``--devices N``: 1 the unsharded
 step on a one-device mesh, N > 1 the expert-parallel sharded step), as a training loop runs it: ``--steps`` chained
 steps (each takes the params and optimiser state the one before returned), blocked on once. Then it traces the same
 number of chained steps with ``jax.profiler`` (a perfetto trace) and sums the GPU kernels' durations per GPU, by kind:
@@ -116,6 +116,7 @@ def main(argv=None) -> int:
   parser.add_argument("--fp8-gemm", action="store_true")
   parser.add_argument("--ep-capacity-factor", type=float, default=None)
   parser.add_argument("--grad-reduce-dtype", choices=("float32", "bfloat16"), default="float32")
+  parser.add_argument("--shard-replicated", action="store_true", help="N > 1: the replicated params stored split")
   parser.add_argument("--implementation", default="auto")
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--top", type=int, default=25)
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
                                 vocab_size=config.vocab_size)
   optimizer = optax.adamw(1e-3)
   reduce_dtype = None if args.grad_reduce_dtype == "float32" else jnp.dtype(args.grad_reduce_dtype)
-  step, place = ts._mesh_step(n, config, optimizer, args.implementation, reduce_dtype)
+  step, place = ts._mesh_step(n, config, optimizer, args.implementation, reduce_dtype, args.shard_replicated)
   p, b = place(params), place(batch)
   state = ts.init_optimizer_state(optimizer, p, ts.make_mesh(n))
 
@@ -162,7 +163,8 @@ def main(argv=None) -> int:
   jax.profiler.stop_trace()
   files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
   device = jax.devices()[0].device_kind
-  label = ts.step_label(config, batch.tokens.size, args.fp8_gemm, args.ep_capacity_factor, args.grad_reduce_dtype)
+  label = ts.step_label(config, batch.tokens.size, args.fp8_gemm, args.ep_capacity_factor, args.grad_reduce_dtype,
+                        args.shard_replicated)
   print(f"{device}, {n} device(s), {label}: pipelined {pipelined:.2f} ms/step (untraced); trace {files[-1:]}")
   if not files:
     return 1

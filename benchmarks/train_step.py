@@ -90,6 +90,14 @@ top-4 + 1 shared, 8192 tokens, one layer); ``--experts`` / ``--topk`` / ``--laye
 ``--memory`` prints the unsharded step's compiled memory estimate on this backend and exits. ``--small``: a tiny model
 that runs in seconds on a CPU (the ops' references there: ``"auto"`` off a GPU runs them).
 
+``--shard-replicated`` (N > 1): the replicated params (embedding, Engram, mHC, shared experts, router, readout: those
+whose dim 0 is a multiple of N) and their Adam state are stored split over ``"data"``
+(``block.sharded_train_step(shard_replicated="data")``, :func:`jaxkern.modeling.storage_specs`; ZeRO/FSDP-style):
+all-gathered inside the ``shard_map`` before the loss, their gradients reduce-scattered (in ``--grad-reduce-dtype``)
+instead of all-reduced, so each device updates 1/N of them; ``--check`` runs the sharded loss the same way. The shape
+label gets ``shard_replicated``; the ``grad_allreduce`` row of the split still times the all-reduce of the
+replicated layout.
+
 ``--fp8-gemm``: the block is built with ``BlockConfig(fp8_gemm=True)``: the experts' matmuls run
 :func:`jaxkern.modeling.fp8_grouped_linear` (FP8 forward and both FP8 backward GEMMs, ``jaxkern.gemm``) instead of
 ``jax.lax.ragged_dot``, with ``alignment=128``; the ``gemms`` row of the split then times those FP8 GEMMs (gate+up
@@ -123,7 +131,8 @@ from jaxkern.modeling import moe as moe_module
 from jaxkern.modeling._fp8_linear import fp8_grouped_linear
 from jaxkern.modeling._grouped_matmul import grouped_matmul
 from jaxkern.modeling._swiglu import swiglu
-from jaxkern.modeling.sharding import ep_fused_rows, init_optimizer_state, shard_params, sharded_value_and_grad
+from jaxkern.modeling.sharding import (ep_fused_rows, init_optimizer_state, shard_params, sharded_value_and_grad,
+                                       storage_specs)
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "train_step"
 STATIC = ("config", "optimizer", "implementation", "moe_fn")
@@ -322,9 +331,9 @@ def make_mesh(n: int):
   return jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
 
 
-def _mesh_step(n: int, config, optimizer, implementation, grad_reduce_dtype=None):
+def _mesh_step(n: int, config, optimizer, implementation, grad_reduce_dtype=None, shard_replicated=False):
   """The jitted step on ``n`` devices (0: no mesh), and a function placing params / batch for it (module
-  docstring)."""
+  docstring; ``shard_replicated`` applies to ``n > 1`` only)."""
   step = jax.jit(functools.partial(block.train_step, config=config, optimizer=optimizer,
                                    implementation=implementation))
   if not n:
@@ -333,33 +342,39 @@ def _mesh_step(n: int, config, optimizer, implementation, grad_reduce_dtype=None
   if n == 1:
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return step, lambda tree: jax.device_put(tree, replicated)
-  return sharded_step(mesh, config, optimizer, implementation, grad_reduce_dtype)
+  return sharded_step(mesh, config, optimizer, implementation, grad_reduce_dtype, shard_replicated)
 
 
-def _placer(mesh, config):
-  """``place(tree)``: :class:`~jaxkern.modeling.block.BlockParams` -> the sharded EP params, a
+def _placer(mesh, config, shard_replicated=False):
+  """``place(tree)``: :class:`~jaxkern.modeling.block.BlockParams` -> the sharded EP params (``shard_replicated``:
+  the replicated ones stored split over ``"data"``, :func:`jaxkern.modeling.storage_specs`), a
   :class:`~jaxkern.modeling.block.Batch` -> one sharded over sequences."""
   P = jax.sharding.PartitionSpec
 
   def place(tree):
     if isinstance(tree, block.BlockParams):
       ep = block.ep_params(tree, config)
-      return shard_params(ep, mesh, block.block_param_specs(ep, AXIS))
+      specs = block.block_param_specs(ep, AXIS)
+      if shard_replicated:
+        specs = storage_specs(specs, ep, mesh, AXIS)
+      return shard_params(ep, mesh, specs)
     return jax.device_put(tree, jax.sharding.NamedSharding(mesh, P(AXIS)))
 
   return place
 
 
-def sharded_step(mesh, config, optimizer, implementation, grad_reduce_dtype=None):
+def sharded_step(mesh, config, optimizer, implementation, grad_reduce_dtype=None, shard_replicated=False):
   """:func:`jaxkern.modeling.block.sharded_train_step` on mesh axis ``"data"``: the batch and the routed experts
   split over it (``B`` and ``E`` multiples of the devices), shared experts and everything else replicated
   (:func:`jaxkern.modeling.block.ep_params` / ``block_param_specs``), ``check_vma=False`` (the Pallas kernels).
   ``place`` turns :class:`~jaxkern.modeling.block.BlockParams` into the sharded EP params, a
   :class:`~jaxkern.modeling.block.Batch` into one sharded over sequences. ``grad_reduce_dtype``: the dtype of the
-  replicated params' gradient all-reduce (``None``: float32)."""
+  replicated params' gradient all-reduce (``None``: float32). ``shard_replicated``: the replicated params stored
+  split over ``"data"`` (``block.sharded_train_step(shard_replicated="data")``), placed so by ``place``."""
   step = block.sharded_train_step(config, optimizer, mesh, expert_axis=AXIS, implementation=implementation,
-                                  grad_reduce_dtype=grad_reduce_dtype)
-  return step, _placer(mesh, config)
+                                  grad_reduce_dtype=grad_reduce_dtype,
+                                  shard_replicated=AXIS if shard_replicated else None)
+  return step, _placer(mesh, config, shard_replicated)
 
 
 def _group(path) -> str:
@@ -374,9 +389,10 @@ def _group(path) -> str:
 
 
 def check_devices(params, batch, config: block.BlockConfig, implementation: str, n: int, *, rtol: float,
-                  loss_rtol: float, grad_reduce_dtype=None) -> tuple[bool, str]:
+                  loss_rtol: float, grad_reduce_dtype=None, shard_replicated=False) -> tuple[bool, str]:
   """``(ok, report)``: loss and gradients of the ``n``-device sharded loss (its replicated params' gradients summed in
-  ``grad_reduce_dtype``) against the unsharded one on one device (``--check``; module docstring)."""
+  ``grad_reduce_dtype``; with ``shard_replicated`` stored split over ``"data"``) against the unsharded one on one
+  device (``--check``; module docstring)."""
   dev0 = jax.devices()[0]
   loss1 = functools.partial(block.loss_fn, config=config, implementation=implementation)
   l1, g1 = jax.jit(jax.value_and_grad(loss1))(jax.device_put(params, dev0), jax.device_put(batch, dev0))
@@ -386,8 +402,9 @@ def check_devices(params, batch, config: block.BlockConfig, implementation: str,
   lossn = functools.partial(block.loss_fn, config=config, implementation=implementation, moe_fn=moe_fn)
   ep = block.ep_params(params, config)
   specs = block.block_param_specs(ep, AXIS)
-  vg = jax.jit(sharded_value_and_grad(lossn, mesh, specs, check_vma=False, grad_reduce_dtype=grad_reduce_dtype))
-  place = _placer(mesh, config)
+  vg = jax.jit(sharded_value_and_grad(lossn, mesh, specs, check_vma=False, grad_reduce_dtype=grad_reduce_dtype,
+                                      shard_replicated=AXIS if shard_replicated else None))
+  place = _placer(mesh, config, shard_replicated)
   ln, gn = vg(place(params), place(batch))
   ln = float(ln)
   gn = jax.tree.map(np.asarray, block.merge_ep_params(jax.tree.map(np.asarray, gn)))
@@ -497,7 +514,7 @@ def _fwd_bwd_partial(f, num_diff: int):
 
 
 def step_label(config: block.BlockConfig, tokens: int, fp8_gemm: bool, ep_capacity_factor: float | None,
-               grad_reduce_dtype: str) -> str:
+               grad_reduce_dtype: str, shard_replicated: bool = False) -> str:
   """The rows' ``shape``: the model's sizes and the options that change the step (also
   :mod:`benchmarks.profile_step`'s, so that both group together)."""
   label = (f"T={tokens} H={config.hidden} L={config.num_layers} E={config.moe.num_experts} "
@@ -507,6 +524,8 @@ def step_label(config: block.BlockConfig, tokens: int, fp8_gemm: bool, ep_capaci
     label += f" ep_capacity={ep_capacity_factor:g}"
   if grad_reduce_dtype != "float32":
     label += f" grad_reduce={grad_reduce_dtype}"
+  if shard_replicated:
+    label += " shard_replicated"
   return label
 
 
@@ -545,6 +564,9 @@ def main(argv=None) -> int:
   parser.add_argument("--grad-reduce-dtype", choices=("float32", "bfloat16"), default="float32",
                       help="N > 1: the dtype the replicated params' gradients are all-reduced in (bfloat16: half the "
                            "bytes, each device's gradient rounded to bfloat16 first)")
+  parser.add_argument("--shard-replicated", action="store_true",
+                      help="N > 1: store the replicated params (and their Adam state) split over the devices, "
+                           "all-gathered for the loss, gradients reduce-scattered (ZeRO/FSDP-style)")
   parser.add_argument("--fp8-gemm", action="store_true",
                       help="expert matmuls in FP8 (BlockConfig(fp8_gemm=True): fp8_grouped_linear, alignment 128)")
   parser.add_argument("--batch-multiple", type=int, default=None, help=argparse.SUPPRESS)  # counts_in_processes
@@ -582,7 +604,8 @@ def main(argv=None) -> int:
                                 vocab_size=config.vocab_size)
   tokens = batch.tokens.size
   optimizer = optax.adamw(1e-3)
-  label = step_label(config, tokens, args.fp8_gemm, args.ep_capacity_factor, args.grad_reduce_dtype)
+  label = step_label(config, tokens, args.fp8_gemm, args.ep_capacity_factor, args.grad_reduce_dtype,
+                     bool(args.shard_replicated))
   grad_reduce_dtype = None if args.grad_reduce_dtype == "float32" else jnp.dtype(args.grad_reduce_dtype)
   print(f"{device}, jax {jax.__version__}: {label}, devices={args.devices or 'no mesh'}")
   rows, failed = [], False
@@ -593,11 +616,12 @@ def main(argv=None) -> int:
         if n > 1:
           print(capacity_report(params, batch, config, impl, n), flush=True)
           ok, report = check_devices(params, batch, config, impl, n, rtol=args.check_rtol,
-                                     loss_rtol=args.check_loss_rtol, grad_reduce_dtype=grad_reduce_dtype)
+                                     loss_rtol=args.check_loss_rtol, grad_reduce_dtype=grad_reduce_dtype,
+                                     shard_replicated=args.shard_replicated)
           print(report, flush=True)
           failed |= not ok
     for n in counts or [0]:
-      step, place = _mesh_step(n, config, optimizer, impl, grad_reduce_dtype)
+      step, place = _mesh_step(n, config, optimizer, impl, grad_reduce_dtype, args.shard_replicated)
       p, b = place(params), place(batch)
       # shaped and placed like the (possibly expert-parallel) params, its step count too: chained steps compile once
       opt_state = init_optimizer_state(optimizer, p, make_mesh(n)) if n else optimizer.init(p)

@@ -9,7 +9,7 @@ from jaxkern.modeling._swiglu import swiglu
 from jaxkern.modeling.mhc import expand_from_embedding, mhc_block, mhc_head, mhc_post, mhc_pre
 from jaxkern.modeling.sharding import (MoeEpParams, init_optimizer_state, make_sharded_train_step, merge_shared_experts,
                                        moe_layer_ep, moe_param_specs, shard_params, sharded_value_and_grad,
-                                       split_shared_experts)
+                                       split_shared_experts, storage_specs)
 from jaxkern.modeling.moe import (MoeConfig, MoeParams, apply_experts, apply_experts_dense, balance_router_bias,
                                   expand_fp8, init_moe_params, moe_layer, moe_layer_dense, route_tokens, swiglu_experts)
 
@@ -52,6 +52,7 @@ __all__ = [
     "sharded_train_step",
     "sharded_value_and_grad",
     "split_shared_experts",
+    "storage_specs",
     "swiglu",
     "swiglu_experts",
     "synthetic_batch",

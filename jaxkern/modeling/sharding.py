@@ -100,6 +100,22 @@ gradients run under one ``jax.shard_map`` (batch sharded over tokens, expert wei
 else replicated, as given by ``param_specs``), the optimiser update outside it under ``jax.jit`` (elementwise,
 so XLA keeps the params' shardings). The loss is the mean of the per-device losses (``pmean``), which equals
 the unsharded loss when ``loss_fn`` is a mean over equally sized token shards.
+
+**Sharded storage of the replicated params** (``shard_replicated=axis``, off by default; ZeRO/FSDP-style): params
+whose spec is ``PartitionSpec()`` keep a full copy on every device, so their Adam update and the casts around their
+gradient all-reduce cost every device what they cost one. With ``shard_replicated`` every such param whose dim 0 is a
+multiple of the size of ``axis`` (one of the batch axes) is *stored* split over ``axis`` on dim 0
+(:func:`storage_specs`), its optimiser state too (:func:`init_optimizer_state` on the placed params). Inside the
+``shard_map`` each is all-gathered over ``axis`` before ``loss_fn`` sees it, through a ``jax.custom_vjp`` whose
+backward is the reduce-scatter of the cotangent over ``axis`` (in ``grad_reduce_dtype`` if given), then the ``psum``
+over the other batch axes: each device gets the summed gradient of its shard only, and the optimiser outside the
+``shard_map`` updates shards (elementwise: XLA keeps the shardings; the step returns params in storage layout).
+Per device and step: an all-gather of the params (``(P-1)/P`` of their bytes) in place of nothing, and a
+reduce-scatter in place of the all-reduce (half its bytes); the update, the optimiser state and the cast back from
+``grad_reduce_dtype`` shrink to ``1/P`` (the cast to it, before the reduce-scatter, stays whole), and the gathered
+params live only inside the step (kept as residuals for the backward, as the stored copies were). The gathered params
+are the same values, so the loss and gradients equal those of the replicated storage up to the order of the
+gradient sums (with ``grad_reduce_dtype``, the reduce-scatter's roundings in place of the all-reduce's).
 """
 
 from __future__ import annotations
@@ -370,9 +386,79 @@ def _batch_specs(batch, batch_axes) -> Any:
   return jax.tree.map(lambda _: PartitionSpec(batch_axes), batch)
 
 
+def _is_spec(x) -> bool:
+  return isinstance(x, PartitionSpec)
+
+
+def _spec_axes(spec) -> set:
+  """The mesh axis names a ``PartitionSpec`` shards over."""
+  named = set()
+  for entry in spec:
+    named.update((entry,) if isinstance(entry, str) else (entry or ()))
+  return named
+
+
+def storage_specs(param_specs: Any, params: Any, mesh: Mesh, axis: str) -> Any:
+  """The ``PartitionSpec`` s the params are *stored* with under ``shard_replicated=axis`` (module docstring, "Sharded
+  storage of the replicated params").
+
+  Every leaf whose spec names no mesh axis (``PartitionSpec()``, replicated) and whose dim 0 is a positive multiple of
+  ``mesh.shape[axis]`` gets ``PartitionSpec(axis)``; every other leaf (sharded leaves, scalars, dim 0 not a multiple)
+  keeps its spec. Place the params with ``shard_params(params, mesh, storage_specs(...))`` and make the optimiser
+  state with :func:`init_optimizer_state` on the placed params (its params-shaped leaves are then sharded too).
+
+  Args:
+    param_specs: the params' compute ``PartitionSpec`` pytree (what ``loss_fn`` sees per device), e.g. from
+      :func:`moe_param_specs` / :func:`jaxkern.modeling.block_param_specs`.
+    params: the params, or anything with their shapes (``jax.ShapeDtypeStruct`` s, ``jax.eval_shape``'s output).
+    mesh: the :class:`jax.sharding.Mesh`.
+    axis: the mesh axis name to split the replicated params over.
+
+  Raises:
+    ValueError: ``axis`` not an axis of ``mesh``.
+  """
+  if axis not in mesh.axis_names:
+    raise ValueError(f"axis={axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+  n = mesh.shape[axis]
+
+  def one(spec, leaf):
+    shape = tuple(leaf.shape)
+    if not _spec_axes(spec) and len(shape) >= 1 and shape[0] > 0 and shape[0] % n == 0:
+      return PartitionSpec(axis)
+    return spec
+
+  return jax.tree.map(one, param_specs, params, is_leaf=_is_spec)
+
+
+def _gather_with_scatter_grad(axis: str, other_axes: tuple, reduce_dtype: Any) -> Callable:
+  """``x -> all_gather(x, axis, axis=0, tiled=True)`` whose backward is the reduce-scatter of the cotangent over
+  ``axis`` followed by its ``psum`` over ``other_axes`` (both in ``reduce_dtype`` when given): the gradient of a
+  shard-stored param summed over every batch shard (:func:`sharded_value_and_grad` divides by their count)."""
+
+  @jax.custom_vjp
+  def gather(x):
+    return lax.all_gather(x, axis, axis=0, tiled=True)
+
+  def fwd(x):
+    return gather(x), None
+
+  def bwd(_, ct):
+    dtype = ct.dtype
+    if reduce_dtype is not None and dtype != reduce_dtype:
+      ct = ct.astype(reduce_dtype)
+    ct = lax.psum_scatter(ct, axis, scatter_dimension=0, tiled=True)
+    if other_axes:
+      ct = lax.psum(ct, other_axes)
+    return (ct.astype(dtype),)
+
+  gather.defvjp(fwd, bwd)
+  return gather
+
+
 def sharded_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array], mesh: Mesh, param_specs: Any, *,
                            batch_axes: str | Sequence[str] | None = None, batch_specs: Any = None,
-                           check_vma: bool = True, grad_reduce_dtype: Any = None) -> Callable:
+                           check_vma: bool = True, grad_reduce_dtype: Any = None,
+                           shard_replicated: str | None = None) -> Callable:
   """``(params, batch) -> (loss, grads)`` of ``loss_fn`` run under ``jax.shard_map`` over ``mesh``.
 
   Args:
@@ -396,49 +482,72 @@ def sharded_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array], mesh: Mesh,
       (``jnp.bfloat16``): each device's gradient is rounded to it, summed in it and cast back (half the bytes of
       a float32 all-reduce, at a relative rounding of ``2**-8`` per summand and per partial sum; the usual
       trade of data-parallel training). Needs ``check_vma=False`` (with ``True`` JAX inserts the sums).
+    shard_replicated: ``None`` (default): params are stored as ``param_specs`` says. A mesh axis name (one of
+      ``batch_axes``): the replicated params are stored split over it (:func:`storage_specs` of ``param_specs``;
+      ``params`` must come placed so, e.g. ``shard_params(params, mesh, storage_specs(...))``), all-gathered
+      inside the ``shard_map`` before ``loss_fn`` sees them, their gradients reduce-scattered over the axis (in
+      ``grad_reduce_dtype`` if given), ``psum`` -med over the other batch axes (module docstring, "Sharded storage
+      of the replicated params"). ``loss_fn`` still sees ``param_specs``' local shapes. Needs
+      ``check_vma=False``.
 
   Returns:
     A function ``(params, batch) -> (loss, grads)``: ``loss`` the ``pmean`` of the devices' losses over
-    ``batch_axes`` (the unsharded loss for a mean over equal shards), ``grads`` sharded like ``params``: the
-    gradient of ``loss``. Not jitted itself.
+    ``batch_axes`` (the unsharded loss for a mean over equal shards), ``grads`` sharded like ``params`` (with
+    ``shard_replicated``: like their storage, :func:`storage_specs`): the gradient of ``loss``. Not jitted itself.
+
+  Raises:
+    ValueError: ``grad_reduce_dtype`` or ``shard_replicated`` with ``check_vma=True``; ``shard_replicated`` not one
+      of ``batch_axes``.
   """
   if grad_reduce_dtype is not None and check_vma:
     raise ValueError(f"grad_reduce_dtype={grad_reduce_dtype}: needs check_vma=False (with check_vma=True "
                      "jax.shard_map inserts the gradient sums itself)")
+  if shard_replicated is not None and check_vma:
+    raise ValueError(f"shard_replicated={shard_replicated!r}: needs check_vma=False (the gathered params' gradients "
+                     "are reduce-scattered by a custom_vjp, outside jax.shard_map's replication types)")
   if batch_axes is None:
     batch_axes = tuple(mesh.axis_names)
   elif isinstance(batch_axes, str):
     batch_axes = (batch_axes,)
   else:
     batch_axes = tuple(batch_axes)
+  if shard_replicated is not None and shard_replicated not in batch_axes:
+    raise ValueError(f"shard_replicated={shard_replicated!r} must be one of the batch axes {batch_axes}")
   num_shards = 1
   for axis in batch_axes:
     num_shards *= mesh.shape[axis]
 
-  def spec_axes(spec) -> set:
-    named = set()
-    for entry in spec:
-      named.update((entry,) if isinstance(entry, str) else (entry or ()))
-    return named
-
-  def local(params, batch):
+  def local(params, batch, gathered):
     if check_vma:
       return jax.value_and_grad(lambda p: lax.pmean(loss_fn(p, batch), batch_axes))(params)
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    if shard_replicated is not None:
+      others = tuple(a for a in batch_axes if a != shard_replicated)
+      gather = _gather_with_scatter_grad(shard_replicated, others, grad_reduce_dtype)
+      full = lambda p: jax.tree.map(lambda leaf, g: gather(leaf) if g else leaf, p, gathered)
+    else:
+      full = lambda p: p
+    loss, grads = jax.value_and_grad(lambda p, b: loss_fn(full(p), b))(params, batch)
 
-    def reduce(g, spec):
-      axes = tuple(a for a in batch_axes if a not in spec_axes(spec))
+    def reduce(g, spec, is_gathered):
+      if is_gathered:  # summed over every batch axis by the gather's backward
+        return g / num_shards
+      axes = tuple(a for a in batch_axes if a not in _spec_axes(spec))
       if axes and grad_reduce_dtype is not None and g.dtype != grad_reduce_dtype:
         return lax.psum(g.astype(grad_reduce_dtype), axes).astype(g.dtype) / num_shards
       return (lax.psum(g, axes) if axes else g) / num_shards
 
-    grads = jax.tree.map(reduce, grads, param_specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    grads = jax.tree.map(reduce, grads, param_specs, gathered, is_leaf=_is_spec)
     return lax.pmean(loss, batch_axes), grads
 
   def run(params, batch):
     bspecs = batch_specs if batch_specs is not None else _batch_specs(batch, batch_axes)
-    return jax.shard_map(local, mesh=mesh, in_specs=(param_specs, bspecs), out_specs=(PartitionSpec(), param_specs),
-                         check_vma=check_vma)(params, batch)
+    if shard_replicated is None:
+      specs = param_specs
+    else:
+      specs = storage_specs(param_specs, params, mesh, shard_replicated)
+    gathered = jax.tree.map(lambda spec, stored: spec != stored, param_specs, specs, is_leaf=_is_spec)
+    return jax.shard_map(functools.partial(local, gathered=gathered), mesh=mesh, in_specs=(specs, bspecs),
+                         out_specs=(PartitionSpec(), specs), check_vma=check_vma)(params, batch)
 
   return run
 
@@ -475,7 +584,8 @@ def init_optimizer_state(optimizer, params: Any, mesh: Mesh) -> Any:
 
 def make_sharded_train_step(loss_fn: Callable[[Any, Any], jax.Array], optimizer, mesh: Mesh, param_specs: Any, *,
                             batch_axes: str | Sequence[str] | None = None, batch_specs: Any = None,
-                            check_vma: bool = True, grad_reduce_dtype: Any = None) -> Callable:
+                            check_vma: bool = True, grad_reduce_dtype: Any = None,
+                            shard_replicated: str | None = None) -> Callable:
   """A jitted ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
 
   The loss and gradients come from :func:`sharded_value_and_grad` (one ``jax.shard_map``), then
@@ -484,13 +594,16 @@ def make_sharded_train_step(loss_fn: Callable[[Any, Any], jax.Array], optimizer,
   expert weights stays sharded. Equal to the unsharded step (to float32 rounding of the gradient sums) when
   ``loss_fn`` is a mean over the local tokens. Place ``params`` with :func:`shard_params` and make ``opt_state``
   with :func:`init_optimizer_state` (plain ``optimizer.init`` leaves optax's step count off the mesh, and the
-  second step compiles again); ``batch`` may be any arrays (jit reshards them). Arguments: those of
-  :func:`sharded_value_and_grad`, and ``optimizer``.
+  second step compiles again); ``batch`` may be any arrays (jit reshards them). With ``shard_replicated=axis`` place
+  ``params`` with ``shard_params(params, mesh, storage_specs(param_specs, params, mesh, axis))`` instead: the
+  gradients come in that layout, the optimiser updates (and keeps state for) each device's shard only, and the step
+  returns the params in it. Arguments: those of :func:`sharded_value_and_grad`, and ``optimizer``.
   """
   import optax
 
   value_and_grad = sharded_value_and_grad(loss_fn, mesh, param_specs, batch_axes=batch_axes, batch_specs=batch_specs,
-                                          check_vma=check_vma, grad_reduce_dtype=grad_reduce_dtype)
+                                          check_vma=check_vma, grad_reduce_dtype=grad_reduce_dtype,
+                                          shard_replicated=shard_replicated)
 
   @jax.jit
   def step(params, opt_state, batch):

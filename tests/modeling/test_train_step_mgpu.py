@@ -167,6 +167,67 @@ def test_grad_reduce_dtype_2dev():
     sharded_value_and_grad(loss, mesh, specs, check_vma=True, grad_reduce_dtype=jnp.bfloat16)
 
 
+@needs_2
+def test_shard_replicated_2dev():
+  """sharded_value_and_grad(shard_replicated="data") on the small block: the gradients come in the storage layout
+  (storage_specs: embedding, Engram, mHC, router, readout split over the devices), equal to the replicated storage's
+  (a sum of two is the same sum either way) up to rounding; with grad_reduce_dtype=bfloat16 the reduce-scatter's
+  rounding, close in norm; merge_ep_params works on the gathered host arrays."""
+  from jaxkern.modeling.sharding import sharded_value_and_grad, storage_specs
+
+  config, _, s = train_step.small_config()
+  params = block.init_block_params(jax.random.key(1), config)
+  batch = block.synthetic_batch(np.random.default_rng(1), batch=2, seq_len=s, vocab_size=config.vocab_size)
+  mesh = train_step.make_mesh(2)
+  ep = block.ep_params(params, config)
+  specs = block.block_param_specs(ep, train_step.AXIS)
+  stored = storage_specs(specs, ep, mesh, train_step.AXIS)
+  is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+  split = [a != b for a, b in zip(jax.tree.leaves(stored, is_leaf=is_spec), jax.tree.leaves(specs, is_leaf=is_spec))]
+  assert sum(split) >= 10 and stored.embed == jax.sharding.PartitionSpec(train_step.AXIS)
+  moe_fn = functools.partial(block.moe_ffn_ep, mesh_axis=train_step.AXIS)
+  loss = functools.partial(block.loss_fn, config=config, implementation="xla", moe_fn=moe_fn)
+  results = {}
+  for dtype, axis in [(None, None), (None, train_step.AXIS), (jnp.bfloat16, train_step.AXIS)]:
+    vg = jax.jit(sharded_value_and_grad(loss, mesh, specs, check_vma=False, grad_reduce_dtype=dtype,
+                                        shard_replicated=axis))
+    place = train_step._placer(mesh, config, shard_replicated=axis is not None)
+    value, grads = vg(place(params), place(batch))
+    for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(stored if axis else specs, is_leaf=is_spec)):
+      assert g.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), g.ndim), (g.shape, g.sharding, spec)
+    results[dtype, axis] = float(value), jax.tree.map(np.asarray, grads)
+  (l0, g0), (l1, g1), (l2, g2) = results.values()
+  assert l0 == l1 == l2
+  assert jax.tree.structure(block.merge_ep_params(g1)) == jax.tree.structure(params)
+  differs = []
+  for is_split, a, b, c in zip(split, jax.tree.leaves(g0), jax.tree.leaves(g1), jax.tree.leaves(g2)):
+    np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6 * float(np.abs(a).max(initial=0.0)))
+    if not is_split:
+      continue
+    if a.size >= 64:  # as test_grad_reduce_dtype_2dev: bfloat16 rounding of each device's part and of the sum
+      assert np.linalg.norm(c - a) <= 2 ** -7 * np.linalg.norm(a), (a.shape, np.linalg.norm(c - a) / np.linalg.norm(a))
+    differs.append(not np.array_equal(a, c))
+  assert any(differs), "the bfloat16 reduce-scatter took effect"
+
+
+@needs_2
+def test_benchmark_2dev_shard_replicated(tmp_path, capsys):
+  """``--small --devices 2 --shard-replicated --no-split --iterations 1 --implementations xla`` runs; the label says
+  so."""
+  out = tmp_path / "rows.jsonl"
+  assert train_step.main(["--small", "--devices", "2", "--shard-replicated", "--no-split", "--iterations", "1",
+                          "--implementations", "xla", "--out", str(out)]) == 0
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [(r["component"], r["devices"]) for r in rows] == [("step", 2)]
+  assert rows[0]["shape"].endswith(" shard_replicated") and np.isfinite(rows[0]["loss"])
+  assert "step xla devices=2" in capsys.readouterr().out
+
+
+def test_shard_replicated_flag_passes_to_children():
+  argv = ["--small", "--devices", "1,2", "--shard-replicated", "--out", "x"]
+  assert train_step._without_flags(argv, ("--devices", "--out", "--check")) == ["--small", "--shard-replicated"]
+
+
 @pytest.mark.skipif(TWO, reason="this process has 2 devices: the 2dev tests run here")
 def test_two_device_tests_in_a_subprocess():
   """Runs this file's ``2dev`` tests in a child pytest with 2 simulated CPU devices."""
