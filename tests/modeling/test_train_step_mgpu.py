@@ -129,20 +129,27 @@ def test_counts_in_processes_2dev(tmp_path, capsys):
   assert "| xla | 2 |" in capsys.readouterr().out
 
 
+def _small_sharded_loss(seed: int):
+  """The small block on a 2-device mesh: ``(config, params, batch, mesh, ep_params, specs, loss)``, ``loss`` the
+  per-device loss with the expert-parallel MoE (the XLA paths) that ``sharded_value_and_grad`` takes."""
+  config, _, s = train_step.small_config()
+  params = block.init_block_params(jax.random.key(seed), config)
+  batch = block.synthetic_batch(np.random.default_rng(seed), batch=2, seq_len=s, vocab_size=config.vocab_size)
+  mesh = train_step.make_mesh(2)
+  ep = block.ep_params(params, config)
+  specs = block.block_param_specs(ep, train_step.AXIS)
+  moe_fn = functools.partial(block.moe_ffn_ep, mesh_axis=train_step.AXIS)
+  loss = functools.partial(block.loss_fn, config=config, implementation="xla", moe_fn=moe_fn)
+  return config, params, batch, mesh, ep, specs, loss
+
+
 @needs_2
 def test_grad_reduce_dtype_2dev():
   """sharded_value_and_grad(grad_reduce_dtype=bfloat16): the replicated params' gradients summed in bfloat16 (close
   to the float32 sums, not equal to them), the sharded ones untouched; check_vma=True refuses it."""
   from jaxkern.modeling.sharding import sharded_value_and_grad
 
-  config, _, s = train_step.small_config()
-  params = block.init_block_params(jax.random.key(0), config)
-  batch = block.synthetic_batch(np.random.default_rng(0), batch=2, seq_len=s, vocab_size=config.vocab_size)
-  mesh = train_step.make_mesh(2)
-  ep = block.ep_params(params, config)
-  specs = block.block_param_specs(ep, train_step.AXIS)
-  moe_fn = functools.partial(block.moe_ffn_ep, mesh_axis=train_step.AXIS)
-  loss = functools.partial(block.loss_fn, config=config, implementation="xla", moe_fn=moe_fn)
+  config, params, batch, mesh, ep, specs, loss = _small_sharded_loss(seed=0)
   place = train_step._placer(mesh, config)
   results = {}
   for dtype in (None, jnp.bfloat16):
@@ -175,18 +182,11 @@ def test_shard_replicated_2dev():
   rounding, close in norm; merge_ep_params works on the gathered host arrays."""
   from jaxkern.modeling.sharding import sharded_value_and_grad, storage_specs
 
-  config, _, s = train_step.small_config()
-  params = block.init_block_params(jax.random.key(1), config)
-  batch = block.synthetic_batch(np.random.default_rng(1), batch=2, seq_len=s, vocab_size=config.vocab_size)
-  mesh = train_step.make_mesh(2)
-  ep = block.ep_params(params, config)
-  specs = block.block_param_specs(ep, train_step.AXIS)
+  config, params, batch, mesh, ep, specs, loss = _small_sharded_loss(seed=1)
   stored = storage_specs(specs, ep, mesh, train_step.AXIS)
   is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
   split = [a != b for a, b in zip(jax.tree.leaves(stored, is_leaf=is_spec), jax.tree.leaves(specs, is_leaf=is_spec))]
   assert sum(split) >= 10 and stored.embed == jax.sharding.PartitionSpec(train_step.AXIS)
-  moe_fn = functools.partial(block.moe_ffn_ep, mesh_axis=train_step.AXIS)
-  loss = functools.partial(block.loss_fn, config=config, implementation="xla", moe_fn=moe_fn)
   results = {}
   for dtype, axis in [(None, None), (None, train_step.AXIS), (jnp.bfloat16, train_step.AXIS)]:
     vg = jax.jit(sharded_value_and_grad(loss, mesh, specs, check_vma=False, grad_reduce_dtype=dtype,
