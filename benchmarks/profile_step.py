@@ -1,7 +1,7 @@
 """Where the training step's GPU time goes: ``python -m benchmarks.profile_step --config v3 --fp8-gemm --devices 1``.
 
 Runs the step of :mod:`benchmarks.train_step` (same model flags: ``--config``, ``--small``, ``--fp8-gemm``,
-``--ep-capacity-factor``, ``--grad-reduce-dtype``, ``--shard-replicated``) on one device count at a time
+``--ep-capacity-factor``, ``--ep-combine-dtype``, ``--grad-reduce-dtype``, ``--shard-replicated``) on one device count at a time
 (``--devices N``: 1 the unsharded step on a one-device mesh, N > 1 the expert-parallel sharded step), as a training
 loop runs it: ``--steps`` chained steps (each takes the params and optimiser state the one before returned), blocked
 on once. Then it traces the same number of chained steps with ``jax.profiler`` (a perfetto trace) and sums the GPU
@@ -116,6 +116,7 @@ def main(argv=None) -> int:
   parser.add_argument("--devices", type=int, default=1, help="one device count")
   parser.add_argument("--fp8-gemm", action="store_true")
   parser.add_argument("--ep-capacity-factor", type=float, default=None)
+  parser.add_argument("--ep-combine-dtype", choices=ts.EP_COMBINE_DTYPES, default="float32")
   parser.add_argument("--grad-reduce-dtype", choices=("float32", "bfloat16"), default="float32")
   parser.add_argument("--shard-replicated", action="store_true", help="N > 1: the replicated params stored split")
   parser.add_argument("--implementation", default="auto")
@@ -128,8 +129,7 @@ def main(argv=None) -> int:
   config, batch_size, seq_len = ts.small_config() if args.small else ts.CONFIGS[args.config]()
   if args.fp8_gemm:
     config = dataclasses.replace(config, fp8_gemm=True)
-  if args.ep_capacity_factor is not None:
-    config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, ep_capacity_factor=args.ep_capacity_factor))
+  config = ts.with_moe_options(config, args.ep_capacity_factor, args.ep_combine_dtype)
   n = args.devices
   if n > len(jax.devices()):
     print(f"--devices {n}: only {len(jax.devices())} devices here", file=sys.stderr)
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     print(f"  {name}: busy {s['busy']:.2f}, kernel sum {s['kernel_sum']:.2f}, span {s['span']:.2f} ms/step; "
           + ", ".join(f"{k} {s[k]:.2f}" for k in ("mosaic", "gemm", "xla", "nccl")))
     for top_label, ms in list(s["top"].items())[:args.top]:
-      print(f"    {ms:8.3f} ms  {top_label[:120]}")
+      print(f"    {ms:8.3f} ms  {top_label[:200]}")
     rows.append(dict(component="profile", bench="train_step_profile", devices=n, gpu_index=index,
                      **{k: round(v, 4) for k, v in s.items() if k != "top"}, pipelined=round(pipelined, 4),
                      shape=label, gpu=device.replace(" ", "-"), date=stamp.date().isoformat(),

@@ -76,6 +76,10 @@ layer before issue 23's capacity). Rows get ``ep_capacity_factor``; the shape la
 flag is given. With ``--check`` a line per N > 1 (``ep capacity ...``) gives the capacity and worst-case rows and the
 rows the initial params' routing needs on the busiest device, per layer, and so which path the step takes.
 
+``--ep-combine-dtype bfloat16`` (N > 1) sets ``MoeConfig.ep_combine_dtype``: the expert-parallel layer adds the
+devices' routed partial sums in bfloat16 (half the exchanged bytes, no float32 copy of the fused rows); the label gets
+``ep_combine=bfloat16``.
+
 ``--grad-reduce-dtype bfloat16`` (N > 1): the replicated params' gradients are all-reduced in bfloat16 (half the
 bytes; :func:`jaxkern.modeling.sharded_value_and_grad`'s ``grad_reduce_dtype``); the label gets
 ``grad_reduce=bfloat16``. Rows record ``XLA_FLAGS`` (e.g. the latency-hiding scheduler) and ``first_call_s`` (the
@@ -128,6 +132,7 @@ import optax
 from jaxkern import moe, quant
 from jaxkern.modeling import block, mhc_head, mhc_post, mhc_pre, expand_from_embedding, MoeConfig
 from jaxkern.modeling import moe as moe_module
+from jaxkern.modeling.moe import EP_COMBINE_DTYPES
 from jaxkern.modeling._fp8_linear import fp8_grouped_linear
 from jaxkern.modeling._grouped_matmul import grouped_matmul
 from jaxkern.modeling._swiglu import swiglu
@@ -513,6 +518,16 @@ def _fwd_bwd_partial(f, num_diff: int):
   return jax.jit(g)
 
 
+def with_moe_options(config: block.BlockConfig, ep_capacity_factor: float | None,
+                     ep_combine_dtype: str) -> block.BlockConfig:
+  """``config`` with the expert-parallel layer's options of the command line (``--ep-capacity-factor``, unchanged
+  when ``None``; ``--ep-combine-dtype``), shared with :mod:`benchmarks.profile_step`."""
+  moe_config = dataclasses.replace(config.moe, ep_combine_dtype=ep_combine_dtype)
+  if ep_capacity_factor is not None:
+    moe_config = dataclasses.replace(moe_config, ep_capacity_factor=ep_capacity_factor)
+  return dataclasses.replace(config, moe=moe_config)
+
+
 def step_label(config: block.BlockConfig, tokens: int, fp8_gemm: bool, ep_capacity_factor: float | None,
                grad_reduce_dtype: str, shard_replicated: bool = False) -> str:
   """The rows' ``shape``: the model's sizes and the options that change the step (also
@@ -522,6 +537,8 @@ def step_label(config: block.BlockConfig, tokens: int, fp8_gemm: bool, ep_capaci
   label += " fp8_gemm" if fp8_gemm else ""
   if ep_capacity_factor is not None:
     label += f" ep_capacity={ep_capacity_factor:g}"
+  if config.moe.ep_combine_dtype != "float32":
+    label += f" ep_combine={config.moe.ep_combine_dtype}"
   if grad_reduce_dtype != "float32":
     label += f" grad_reduce={grad_reduce_dtype}"
   if shard_replicated:
@@ -560,7 +577,10 @@ def main(argv=None) -> int:
   parser.add_argument("--ep-capacity-factor", type=float, default=None,
                       help="MoeConfig.ep_capacity_factor of the expert-parallel layer (N > 1): fused rows per device "
                            "for this many times the mean routed slots, the worst case as the exact fallback; 0 = "
-                           "always the worst case; default the config's (1.25)")
+                           "always the worst case; default the config's (off; 1.25 recommended)")
+  parser.add_argument("--ep-combine-dtype", choices=EP_COMBINE_DTYPES, default="float32",
+                      help="MoeConfig.ep_combine_dtype (N > 1): the dtype of the routed partial sums the expert-parallel "
+                           "layer adds over the devices (bfloat16: half the bytes, no float32 copy of the fused rows)")
   parser.add_argument("--grad-reduce-dtype", choices=("float32", "bfloat16"), default="float32",
                       help="N > 1: the dtype the replicated params' gradients are all-reduced in (bfloat16: half the "
                            "bytes, each device's gradient rounded to bfloat16 first)")
@@ -579,8 +599,7 @@ def main(argv=None) -> int:
       config, num_layers=args.layers or config.num_layers,
       moe=dataclasses.replace(config.moe, num_experts=args.experts or config.moe.num_experts,
                               num_topk=args.topk or config.moe.num_topk))
-  if args.ep_capacity_factor is not None:
-    config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, ep_capacity_factor=args.ep_capacity_factor))
+  config = with_moe_options(config, args.ep_capacity_factor, args.ep_combine_dtype)
   if args.fp8_gemm:
     config = dataclasses.replace(config, fp8_gemm=True)
   if args.memory:

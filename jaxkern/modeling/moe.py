@@ -51,8 +51,7 @@ from jaxkern.types import QuantTensor, TopkRouting
 
 FP8_EXPAND_GROUP = 128  # columns per scale of the FP8 tokens (upstream's per-token activation cast)
 FP8_GEMM_BLOCK = 128  # rows per expert block, K step and weight-scale block of the FP8 grouped GEMMs
-# Recommended MoeConfig.ep_capacity_factor (the default is None, off: not yet timed on GPUs, see the field's
-# docstring): the expert-parallel layer's fast path sizes each device's fused rows for
+# Recommended MoeConfig.ep_capacity_factor (the default is None, off: an opt-in, see the field's docstring): the expert-parallel layer's fast path sizes each device's fused rows for
 # up to 1.25x the mean routed slots per device (plus alignment padding). With near-balanced routing the busiest
 # device's load is within a few percent of the mean (the aux-loss-free bias of balance_router_bias keeps it so in
 # training: it steers every expert towards the mean load), so 25% covers it with room for the fluctuations of a
@@ -60,6 +59,7 @@ FP8_GEMM_BLOCK = 128  # rows per expert block, K step and weight-scale block of 
 # (0.63 of it for K = 4, E/P = 4, P = 2). A step whose routing needs more takes the exact worst-case fallback (slower, same
 # result), so the value trades speed only, never correctness.
 EP_CAPACITY_FACTOR = 1.25
+EP_COMBINE_DTYPES = ("float32", "bfloat16")  # MoeConfig.ep_combine_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +97,21 @@ class MoeConfig:
       (every token's slots on one device); a step whose routing needs more rows on some device runs the worst-case
       layout instead (an exact fallback: no token is dropped, the function is the same; see the module docstring
       of :mod:`jaxkern.modeling.sharding`). ``None`` (the default) or 0: always the worst case. Recommended:
-      :data:`EP_CAPACITY_FACTOR` (1.25; the reason is beside it). Off by default until it is timed on GPUs: exact and
-      1.76x faster for the layer's gradient on 2 simulated CPU devices, but on GPUs XLA runs each ``lax.cond``
-      after copying its predicate to the host, and both branches compile (2026-11-27: the first 2-GPU run of the v3
-      step with it did not finish within its 210 s limit, compile included; not diagnosed). Must be
-      non-negative.
+      :data:`EP_CAPACITY_FACTOR` (1.25; the reason is beside it). Off by default, an opt-in: both branches compile
+      (more compile time and reserved memory) and on GPUs XLA runs each ``lax.cond`` after copying its predicate to
+      the host. Measured (2 H200s, 2026-11-27, the v3 benchmark step): 24.00 ms pipelined with 1.25 against 24.82 ms
+      without (``benchmarks/NOTES.md``, issue 23 session 18); 1.76x faster for the layer's gradient on 2 simulated
+      CPU devices. Must be non-negative.
+    ep_combine_dtype: only for :func:`jaxkern.modeling.sharding.moe_layer_ep`: the dtype of each device's routed
+      partial sums, ``(T, H)``, that the ``psum_scatter`` adds over the devices (and of their cotangents, which the
+      backward all-gathers). ``"float32"`` (the default): the experts' outputs are cast to float32 before
+      :func:`jaxkern.moe.reduce_fused` and the devices' partials are summed in float32, one rounding to the tokens'
+      dtype at the end. ``"bfloat16"``: :func:`jaxkern.moe.reduce_fused` sums each device's slots in float32 and
+      rounds them to bfloat16 (float32 experts' outputs are rounded to bfloat16 first), and the exchange adds bfloat16
+      partials (DeepSeek-V3's bf16 combine): half the
+      exchanged bytes, and no float32 copy of the fused rows in either pass, for up to ``P`` more bfloat16 roundings
+      (the partials and their sums; the shared experts' sum stays float32). The backward is unchanged in value
+      for bfloat16 tokens (their cotangent is a bfloat16 value already).
   """
 
   num_experts: int
@@ -116,8 +126,11 @@ class MoeConfig:
   fp8_expand: bool = False
   fp8_gemm: bool = False
   ep_capacity_factor: float | None = None
+  ep_combine_dtype: str = "float32"
 
   def __post_init__(self):
+    if self.ep_combine_dtype not in EP_COMBINE_DTYPES:
+      raise ValueError(f"MoeConfig.ep_combine_dtype must be one of {EP_COMBINE_DTYPES}, got {self.ep_combine_dtype!r}")
     f = self.ep_capacity_factor
     if f is not None and not (isinstance(f, (int, float)) and 0 <= f < float("inf")):
       raise ValueError(f"MoeConfig.ep_capacity_factor must be None or a finite number >= 0, got {f!r}")

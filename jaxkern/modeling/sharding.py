@@ -27,15 +27,18 @@ The all-gather scheme, per device ``r`` (collectives over ``mesh_axis`` only):
    renumbered ``0..E/P-1``, and sets the others to -1;
 4. the routed experts of this device on all tokens: :func:`jaxkern.moe.get_fused_mapping`,
    :func:`jaxkern.moe.expand_to_fused` (:func:`jaxkern.modeling.expand_fp8` with ``config.fp8_expand``), the SwiGLU
-   grouped matmuls, :func:`jaxkern.moe.reduce_fused` in float32 (unused slots add nothing): a ``(T, H)`` float32
-   partial sum; the fused rows are the capacity's where every device's slots fit it, else the worst case's (below);
-5. ``psum_scatter`` the partial sums back to the token shards: ``(T, H) -> (T/P, H)``, summed over devices;
+   grouped matmuls, :func:`jaxkern.moe.reduce_fused` in float32 (unused slots add nothing): a ``(T, H)`` partial
+   sum, float32 or, with ``MoeConfig.ep_combine_dtype="bfloat16"``, rounded to bfloat16; the fused rows are the
+   capacity's where every device's slots fit it, else the worst case's (below);
+5. ``psum_scatter`` the partial sums back to the token shards: ``(T, H) -> (T/P, H)``, summed over devices (in
+   ``ep_combine_dtype``);
 6. the shared experts on the local tokens (the same four ops over ``S`` experts), added; one rounding to
    ``x.dtype``.
 
 Equal to the unsharded layer up to the order of the float32 sums of one token's slots (the routed slots of
 each device are summed on that device, then the devices' partials, then the shared slots) and, with
-bfloat16 experts, the rounding of the routed partials (float32 here, one bfloat16 rounding at the end).
+bfloat16 experts, the rounding of the routed partials (float32 by default, one bfloat16 rounding at the end; with
+``ep_combine_dtype="bfloat16"`` each device's partial and the exchange's sums are rounded to bfloat16 too).
 Gradients: ``jax.grad`` differentiates through the collectives (the transpose of ``all_gather`` is
 ``psum_scatter`` and vice versa); replicated params get their gradients summed over the devices of every
 mesh axis they are replicated over (``jax.shard_map``'s default ``check_vma=True`` inserts the sums; with
@@ -85,8 +88,10 @@ and step.
 
 Memory and bandwidth, per device and layer (``B`` = bytes of an ``x`` element): the all-gather receives
 ``(P-1)/P * T * H * B`` bytes and holds the ``(T, H)`` gathered tokens, and the ``psum_scatter`` moves
-``(P-1)/P * T * H * 4`` bytes of float32 partials (twice the bfloat16 volume; the price of one rounding),
-whatever the routing. The fused rows, and the residuals kept from the forward to the backward, are
+``(P-1)/P * T * H * 4`` bytes of float32 partials (twice the bfloat16 volume; the price of one rounding; the
+backward all-gathers float32 cotangents of the same size), whatever the routing. ``ep_combine_dtype="bfloat16"``
+halves both and drops the float32 copy of the fused rows (written before ``reduce_fused``, and its transpose in the
+backward): on 2 H200s it took NNN ms off the v3 step (``benchmarks/NOTES.md``). The fused rows, and the residuals kept from the forward to the backward, are
 capacity-sized on the fast path (0.63 of the worst case for the v3 benchmark's ``K = 4``, ``E/P = 4``, ``P = 2``:
 20992 rows against 33280 for 8192 tokens); the fallback's worst-case-sized temporaries live only inside its
 branches (XLA still reserves them). An ``all_to_all`` exchange sends each token only to the devices holding its
@@ -236,8 +241,10 @@ def moe_layer_ep(params: MoeParams | MoeEpParams, x: jax.Array, *, config: MoeCo
     fits = _fits_capacity(idx_all, num_experts=e, num_ranks=num_ranks, alignment=a, rows=rows)
     partial = _capped_experts_sum(routed, x_all, local_idx, w_all, fits, local_e, rows, worst_rows, config, kw)
   else:
-    partial = _experts_sum(routed, x_all, local_idx, w_all, local_e, worst_rows, config, kw)
-  out = lax.psum_scatter(partial, mesh_axis, scatter_dimension=0, tiled=True)  # (T/P, H) float32
+    partial = _experts_sum(routed, x_all, local_idx, w_all, local_e, worst_rows, config, kw,
+                           sum_dtype=config.ep_combine_dtype)
+  out = lax.psum_scatter(partial, mesh_axis, scatter_dimension=0, tiled=True)  # (T/P, H) ep_combine_dtype
+  out = out.astype(jnp.float32)
   if s:
     shared_idx = routing.topk_idx[:, k:] - e  # 0..S-1
     rows = _round_up(x.shape[0] * s + (a - 1) * s, a)
@@ -291,17 +298,17 @@ def _fits_capacity(idx_all, *, num_experts, num_ranks, alignment, rows) -> jax.A
 
 
 def _experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights: jax.Array, num_experts: int, rows: int,
-                 config: MoeConfig, kw: dict) -> jax.Array:
-  """``(T, H)`` float32: each token's slots of ``idx`` (-1: skipped) through the experts of ``params``, times
-  ``weights``, summed (the fused-layout pipeline of :func:`jaxkern.modeling.apply_experts` on a subset of
-  experts, ``rows`` fused rows)."""
+                 config: MoeConfig, kw: dict, sum_dtype: str = "float32") -> jax.Array:
+  """``(T, H)`` of ``sum_dtype``: each token's slots of ``idx`` (-1: skipped) through the experts of ``params``,
+  times ``weights``, summed in float32 and rounded to ``sum_dtype`` (the fused-layout pipeline of
+  :func:`jaxkern.modeling.apply_experts` on a subset of experts, ``rows`` fused rows)."""
   mapping = moe.get_fused_mapping(idx, num_experts, rows, config.alignment, force_no_sync=True, **kw)
   expand = expand_fp8 if config.fp8_expand else moe.expand_to_fused  # as apply_experts
   xf = expand(x, mapping.token_topk_to_pos, mapping.pos_to_expert, **kw)
   block_expert = fused_block_experts(mapping.pos_to_expert) if config.fp8_gemm else None  # as apply_experts
   yf = swiglu_experts(xf, params, _group_sizes(mapping), fp8_swiglu=config.fp8_swiglu, fp8_gemm=config.fp8_gemm,
                       block_expert=block_expert, **kw)
-  return moe.reduce_fused(yf.astype(jnp.float32), weights, mapping.token_topk_to_pos, **kw)
+  return moe.reduce_fused(yf.astype(sum_dtype), weights, mapping.token_topk_to_pos, **kw)
 
 
 def _capped_experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights: jax.Array, fits: jax.Array,
@@ -322,7 +329,7 @@ def _capped_experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights
 
   def pipeline(num_rows, x, weights, w_gate, w_up, w_down, idx):
     p = MoeParams(params.router, params.router_bias, w_gate, w_up, w_down)
-    return _experts_sum(p, x, idx, weights, num_experts, num_rows, config, kw)
+    return _experts_sum(p, x, idx, weights, num_experts, num_rows, config, kw, sum_dtype=config.ep_combine_dtype)
 
   fast = functools.partial(pipeline, rows)
   slow = functools.partial(pipeline, worst_rows)
