@@ -91,7 +91,8 @@ Memory and bandwidth, per device and layer (``B`` = bytes of an ``x`` element): 
 ``(P-1)/P * T * H * 4`` bytes of float32 partials (twice the bfloat16 volume; the price of one rounding; the
 backward all-gathers float32 cotangents of the same size), whatever the routing. ``ep_combine_dtype="bfloat16"``
 halves both and drops the float32 copy of the fused rows (written before ``reduce_fused``, and its transpose in the
-backward): on 2 H200s it took NNN ms off the v3 step (``benchmarks/NOTES.md``). The fused rows, and the residuals kept from the forward to the backward, are
+backward): on 2 H200s it took 0.9 ms off the v3 step (22.23 against 23.12 ms pipelined, same run; 2026-11-27,
+``benchmarks/NOTES.md``). The fused rows, and the residuals kept from the forward to the backward, are
 capacity-sized on the fast path (0.63 of the worst case for the v3 benchmark's ``K = 4``, ``E/P = 4``, ``P = 2``:
 20992 rows against 33280 for 8192 tokens); the fallback's worst-case-sized temporaries live only inside its
 branches (XLA still reserves them). An ``all_to_all`` exchange sends each token only to the devices holding its
