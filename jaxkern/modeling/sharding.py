@@ -20,13 +20,19 @@ inside ``jax.shard_map`` over a mesh axis ``mesh_axis`` of ``P`` devices. What e
 The all-gather scheme, per device ``r`` (collectives over ``mesh_axis`` only):
 
 1. route the local tokens (:func:`jaxkern.modeling.route_tokens`, router replicated): ``(T/P, K+S)`` ids/weights;
-2. ``all_gather`` the tokens ``(T/P, H) -> (T, H)`` and their routed ids/weights ``(T/P, K) -> (T, K)``;
+2. ``all_gather`` the tokens ``(T/P, H) -> (T, H)`` and their routed ids/weights ``(T/P, K) -> (T, K)``; with
+   ``config.fp8_expand`` (FP8 dispatch) the tokens are first cast on their own device
+   (:func:`jaxkern.modeling.moe.fp8_expand_cast`: :func:`jaxkern.quant.per_token_cast`, e4m3, one float32 scale
+   per 128 columns) and the all-gather moves the FP8 data ``(T/P, H) -> (T, H)`` and the scales ``(T/P, H/128) ->
+   (T, H/128)``: the scales are per token, so the gathered cast is the cast of the gathered tokens, bit for bit;
 3. :func:`jaxkern.moe.mask_indices_by_tp` with ``n = E``, ``num_ep_ranks = num_tp_ranks = P`` and
    ``tp_rank = r`` (upstream's EP/TP masking, spec moe_transpose.md §3.6: the TP rank keeps the experts of
    the EP ranks ``q`` with ``q % P == r``, i.e. only ``q = r``) keeps the slots of this device's experts,
    renumbered ``0..E/P-1``, and sets the others to -1;
 4. the routed experts of this device on all tokens: :func:`jaxkern.moe.get_fused_mapping`,
-   :func:`jaxkern.moe.expand_to_fused` (:func:`jaxkern.modeling.expand_fp8` with ``config.fp8_expand``), the SwiGLU
+   :func:`jaxkern.moe.expand_to_fused` (with ``config.fp8_expand``: :func:`jaxkern.modeling.moe.expand_fp8_quantized`
+   of the gathered FP8 tokens, i.e. :func:`jaxkern.moe.expand_to_fused_with_sf` and
+   :func:`jaxkern.quant.per_token_cast_back`, the second half of :func:`jaxkern.modeling.expand_fp8`), the SwiGLU
    grouped matmuls, :func:`jaxkern.moe.reduce_fused` in float32 (unused slots add nothing): a ``(T, H)`` float32
    partial sum; the fused rows are the capacity's where every device's slots fit it, else the worst case's (below);
 5. ``psum_scatter`` the partial sums back to the token shards: ``(T, H) -> (T/P, H)``, summed over devices;
@@ -41,7 +47,11 @@ Gradients: ``jax.grad`` differentiates through the collectives (the transpose of
 mesh axis they are replicated over (``jax.shard_map``'s default ``check_vma=True`` inserts the sums; with
 ``check_vma=False`` :func:`sharded_value_and_grad` adds them), sharded expert weights get the gradient of their
 own experts from every device's tokens. Routing gradients flow into the router as in the unsharded layer (the
-routing weights are all-gathered like the tokens).
+routing weights are all-gathered like the tokens). FP8 dispatch: the FP8 arrays have no gradient (``expand_fp8``'s
+backward is straight-through anyway); the tokens' gradient comes through a ``jax.custom_vjp`` anchor, zeros of the
+gathered tokens' type that nothing reads (XLA drops them), whose backward is the ``psum_scatter`` (the all-gather's
+transpose) of the slot sums of the fused rows' cotangent: the same gradient as before, bit for bit. In the capacity
+path the anchor does not enter the conds; each branch differentiates against zeros of its own.
 
 Kernels under ``shard_map``: with ``check_vma=True``, ``pallas_call`` requires a ``manual_axis_type`` on every
 output ``ShapeDtypeStruct`` (``ValueError: When `check_vma=True` on `jax.shard_map`, `manual_axis_type` on
@@ -84,7 +94,9 @@ reads its predicate on the host (XLA copies it back to choose the branch): two s
 and step.
 
 Memory and bandwidth, per device and layer (``B`` = bytes of an ``x`` element): the all-gather receives
-``(P-1)/P * T * H * B`` bytes and holds the ``(T, H)`` gathered tokens, and the ``psum_scatter`` moves
+``(P-1)/P * T * H * B`` bytes and holds the ``(T, H)`` gathered tokens (with ``config.fp8_expand``: ``(P-1)/P * T *
+(H + 4 H/128)`` bytes, the FP8 data and float32 scales, 0.52 of bfloat16's; each device casts its ``T/P`` tokens
+instead of all ``T``), and the ``psum_scatter`` moves
 ``(P-1)/P * T * H * 4`` bytes of float32 partials (twice the bfloat16 volume; the price of one rounding),
 whatever the routing. The fused rows, and the residuals kept from the forward to the backward, are
 capacity-sized on the fast path (0.63 of the worst case for the v3 benchmark's ``K = 4``, ``E/P = 4``, ``P = 2``:
