@@ -10,7 +10,8 @@ for ``fp8_expand`` alone and with every FP8 option (``fp8_swiglu``, ``fp8_gemm``
 all-gather carries ``(T, H)`` float8_e4m3fn tokens and no ``(T, H)`` bfloat16 ones (lowered; XLA:CPU's compiled HLO
 moves them as f16, the old bf16 ones as f32); the op
 :func:`jaxkern.modeling.moe.expand_fp8_quantized` against ``expand_fp8`` (value and gradient) and its input checks;
-the H100 lowering of the layer (tests/modeling/test_ep_capacity.py: ``test_lowers_for_h100_two_devices``).
+the kernels in interpret mode on a one-device mesh; the H100 lowering of the layer with the FP8 all-gather
+(tests/modeling/test_ep_capacity.py: ``test_lowers_for_h100_two_devices``).
 
 The ``*_2dev`` tests need 2 devices: :func:`test_multi_device_tests_in_a_subprocess` reruns them in a child pytest
 with 2 simulated CPU devices (tests/modeling/multi_device.py).
@@ -134,6 +135,34 @@ def test_equals_old_dispatch_2dev(config, tokens, path, check_vma, monkeypatch):
   if path != "worst":
     assert _fits(params, x, config, 2) == (path == "fast")
   _check_against_old(config, params, x, monkeypatch, check_vma=check_vma)
+
+
+def test_interpret_one_device(monkeypatch):
+  """The kernels in interpret mode (the per-token cast of the local tokens, the expand of the gathered FP8 rows, the
+  cast back, the backward's slot sums) on a one-device mesh, check_vma off (one device: the capacity is not below the
+  worst case, so no cond): bit-equal to the old dispatch (the interpreter's multi-device limits: tests/modeling/test_sharding.py)."""
+  config = dataclasses.replace(EXPAND, num_experts=4)
+  params, x = _inputs(jax.random.key(5), config, 16)
+  mesh = _mesh((1,), ("d",))
+  layer = functools.partial(moe_layer_ep, config=config, mesh_axis="d", implementation="interpret")
+  specs = moe_param_specs(split_shared_experts(params, config), "d")
+
+  def run_with(dispatch):
+    with monkeypatch.context() as m:
+      m.setattr(sharding, "_dispatch_tokens", dispatch)
+      f = jax.shard_map(layer, mesh=mesh, in_specs=(specs, P("d")), out_specs=P("d"), check_vma=False)
+
+      @jax.jit
+      def run(ep, x):
+        y, pullback = jax.vjp(f, ep, x)
+        return y, *pullback(jnp.cos(y.astype(jnp.float32)).astype(y.dtype))
+
+      return [np.asarray(a, np.float32) for a in jax.tree.leaves(run(split_shared_experts(params, config), x))]
+
+  new, old = run_with(sharding._dispatch_tokens), run_with(_old_dispatch)
+  for a, b in zip(new, old):
+    np.testing.assert_array_equal(a, b)
+  assert np.any(new[-1]) and np.any(new[0])
 
 
 def _all_gathers(text, op):
