@@ -165,6 +165,21 @@ def test_interpret_one_device(monkeypatch):
   assert np.any(new[-1]) and np.any(new[0])
 
 
+def _cond_inputs(jaxpr):
+  """The ``(shape, dtype)`` operands of every ``cond`` in ``jaxpr`` and its sub-jaxprs (one list per cond)."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "cond":
+      found.append([(tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars[1:]])
+      continue
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          found += _cond_inputs(sub)
+  return found
+
+
 def _all_gathers(text, op):
   """The ``(shape, dtype)`` results of the all-gathers in ``text``: StableHLO (``op="stablehlo.all_gather"``:
   ``-> tensor<64x256xf8E4M3FN>``) or compiled HLO (``op="all-gather("``: ``f16[64,256]{1,0} all-gather(``)."""
@@ -187,7 +202,8 @@ def test_hlo_gathers_fp8_tokens_2dev(capacity, monkeypatch):
   """``jax.grad`` of the layer (bf16 tokens, 2 devices): the tokens' all-gather is ``(T, H)`` float8_e4m3fn (with
   the ``(T, H/128)`` float32 scales) in the lowered StableHLO, and no ``(T, H)`` bf16 all-gather remains there nor in
   XLA:CPU's compiled HLO (which widens FP8 collectives to f16: the CPU has no FP8 types; a GPU keeps them). The
-  oracle's dispatch (the previous scheme) has the bf16 one: the check can fail."""
+  oracle's dispatch (the previous scheme) has the bf16 one: the check can fail. With the capacity, the two conds
+  (forward, backward) take the FP8 tokens and no ``(T, H)`` bf16 operand (the anchor stays out)."""
   config = dataclasses.replace(EXPAND, ep_capacity_factor=capacity)
   params, x = _inputs(jax.random.key(0), config, T)
 
@@ -207,6 +223,13 @@ def test_hlo_gathers_fp8_tokens_2dev(capacity, monkeypatch):
   assert token_dtypes(lowered) == {"f8E4M3FN", "f32"}, lowered
   # XLA:CPU moves FP8 collectives as f16 (no FP8 collectives on the host) and bf16 ones as f32.
   assert token_dtypes(compiled) and token_dtypes(compiled) <= {"f8e4m3fn", "f16"}, compiled
+  if capacity:  # the anchor does not enter the conds (nor their residuals): only the FP8 tokens and scales do
+    f = _sharded(config, _mesh((2,), ("d",)), True)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(f(p, x).astype(jnp.float32)), argnums=(0, 1)))(
+        split_shared_experts(params, config), x).jaxpr
+    inputs = _cond_inputs(jaxpr)
+    assert len(inputs) == 2 and all(((T, H), "float8_e4m3fn") in i for i in inputs), inputs
+    assert not any(((T, H), "bfloat16") in i for i in inputs), inputs
   with monkeypatch.context() as m:
     m.setattr(sharding, "_dispatch_tokens", _old_dispatch)
     lowered, compiled = texts()
