@@ -95,8 +95,8 @@ and step.
 
 Memory and bandwidth, per device and layer (``B`` = bytes of an ``x`` element): the all-gather receives
 ``(P-1)/P * T * H * B`` bytes and holds the ``(T, H)`` gathered tokens (with ``config.fp8_expand``: ``(P-1)/P * T *
-(H + 4 H/128)`` bytes, the FP8 data and float32 scales, 0.52 of bfloat16's; each device casts its ``T/P`` tokens
-instead of all ``T``), and the ``psum_scatter`` moves
+(H + 4 H/128)`` bytes, the FP8 data and float32 scales, 0.52 of bfloat16's, and holds those; each device casts its
+``T/P`` tokens instead of all ``T``), and the ``psum_scatter`` moves
 ``(P-1)/P * T * H * 4`` bytes of float32 partials (twice the bfloat16 volume; the price of one rounding),
 whatever the routing. The fused rows, and the residuals kept from the forward to the backward, are
 capacity-sized on the fast path (0.63 of the worst case for the v3 benchmark's ``K = 4``, ``E/P = 4``, ``P = 2``:
