@@ -306,12 +306,24 @@ def swiglu_experts(xf: jax.Array, params: MoeParams, group_sizes: jax.Array, *, 
   return grouped_matmul(act, params.w_down, group_sizes)
 
 
-def _fp8_expanded(x, token_topk_to_pos, pos_to_expert, implementation):
-  q = quant.per_token_cast(x, "e4m3", FP8_EXPAND_GROUP, implementation=implementation)
+def fp8_expand_cast(x: jax.Array, *, implementation: str | None = None) -> QuantTensor:
+  """The per-token cast of :func:`expand_fp8`'s forward: :func:`jaxkern.quant.per_token_cast` of ``x`` ``(T, H)``
+  to e4m3 with one float32 scale per 128 columns, ``QuantTensor((T, H) float8_e4m3fn, (T, H/128) float32)``. Row-wise:
+  the rows of a cast of stacked tokens are the casts of their rows. Not differentiable (cast ``lax.stop_gradient(x)``
+  and carry the gradient as :func:`expand_fp8_quantized` does)."""
+  return quant.per_token_cast(x, "e4m3", FP8_EXPAND_GROUP, implementation=implementation)
+
+
+def _expand_quantized(q, dtype, token_topk_to_pos, pos_to_expert, implementation):
   qf = moe.expand_to_fused_with_sf(q, FP8_EXPAND_GROUP, token_topk_to_pos, pos_to_expert,
                                    implementation=implementation)
-  fmt = "bf16" if x.dtype == jnp.bfloat16 else "fp32"
+  fmt = "bf16" if dtype == jnp.bfloat16 else "fp32"
   return quant.per_token_cast_back(QuantTensor(*qf), fmt, FP8_EXPAND_GROUP, implementation=implementation)
+
+
+def _fp8_expanded(x, token_topk_to_pos, pos_to_expert, implementation):
+  q = fp8_expand_cast(x, implementation=implementation)
+  return _expand_quantized(q, x.dtype, token_topk_to_pos, pos_to_expert, implementation)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -357,6 +369,56 @@ def expand_fp8(x: jax.Array, token_topk_to_pos: jax.Array, pos_to_expert: jax.Ar
   if x.ndim != 2 or x.shape[1] % FP8_EXPAND_GROUP:
     raise ValueError(f"x must be (T, H) with H % {FP8_EXPAND_GROUP} == 0 for the FP8 expand, got {tuple(x.shape)}")
   return _expand_fp8(x, token_topk_to_pos, pos_to_expert, _config.get_implementation(implementation))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _expand_fp8_quantized(anchor, data, sf, token_topk_to_pos, pos_to_expert, implementation):
+  return _expand_quantized(QuantTensor(data, sf), anchor.dtype, token_topk_to_pos, pos_to_expert, implementation)
+
+
+def _expand_fp8_quantized_fwd(anchor, data, sf, token_topk_to_pos, pos_to_expert, implementation):
+  out = _expand_quantized(QuantTensor(data, sf), anchor.dtype, token_topk_to_pos, pos_to_expert, implementation)
+  return out, token_topk_to_pos
+
+
+def _expand_fp8_quantized_bwd(implementation, token_topk_to_pos, d_out):
+  return _sum_slots("expand_fp8.bwd", d_out, token_topk_to_pos, implementation), None, None, None, None
+
+
+_expand_fp8_quantized.defvjp(_expand_fp8_quantized_fwd, _expand_fp8_quantized_bwd)
+
+
+def expand_fp8_quantized(anchor: jax.Array, x_fp8: QuantTensor, token_topk_to_pos: jax.Array,
+                         pos_to_expert: jax.Array, *, implementation: str | None = None) -> jax.Array:
+  """:func:`expand_fp8` of tokens already cast (:func:`fp8_expand_cast`), with the gradient carried by ``anchor``.
+
+  Forward: :func:`jaxkern.moe.expand_to_fused_with_sf` of ``x_fp8`` and :func:`jaxkern.quant.per_token_cast_back`
+  to ``anchor.dtype``: the value of ``expand_fp8(x, ...)`` when ``x_fp8 = fp8_expand_cast(x)``. ``anchor``'s value is
+  never read (only its shape and dtype): it stands for the unquantised tokens ``x`` in the backward, which is
+  :func:`expand_fp8`'s (straight-through: ``d anchor[t] = Σ_k d_out[token_topk_to_pos[t, k]]``, float32 sums rounded
+  once to ``d_out``'s dtype); ``x_fp8`` gets no gradient. Used by the expert-parallel layer
+  (:func:`jaxkern.modeling.sharding.moe_layer_ep`) to all-gather FP8 tokens, ``anchor`` the zeros whose backward is the
+  ``psum_scatter`` of the all-gather it replaces.
+
+  Args:
+    anchor: ``(T, H)`` bfloat16 or float32, ``H % 128 == 0``: the dtype of the result; its gradient is the tokens'.
+    x_fp8: ``QuantTensor((T, H) float8_e4m3fn, (T, H/128) float32)`` (:func:`fp8_expand_cast`).
+    token_topk_to_pos, pos_to_expert: as :func:`jaxkern.moe.expand_to_fused`.
+    implementation: passed to every op, forward and backward.
+
+  Returns:
+    ``(N, H)`` of ``anchor.dtype``.
+
+  Raises:
+    ValueError: ``anchor`` not ``(T, H)`` with ``H % 128 == 0``, ``x_fp8.data`` of another shape, and as the ops.
+  """
+  if anchor.ndim != 2 or anchor.shape[1] % FP8_EXPAND_GROUP:
+    raise ValueError(f"anchor must be (T, H) with H % {FP8_EXPAND_GROUP} == 0 for the FP8 expand, "
+                     f"got {tuple(anchor.shape)}")
+  if not isinstance(x_fp8, tuple) or len(x_fp8) != 2 or tuple(x_fp8[0].shape) != tuple(anchor.shape):
+    raise ValueError(f"x_fp8 must be a QuantTensor (data, sf) with data of anchor's shape {tuple(anchor.shape)}")
+  return _expand_fp8_quantized(anchor, x_fp8[0], x_fp8[1], token_topk_to_pos, pos_to_expert,
+                               _config.get_implementation(implementation))
 
 
 def apply_experts(params: MoeParams, x: jax.Array, routing: TopkRouting, *, config: MoeConfig,

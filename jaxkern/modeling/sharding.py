@@ -20,13 +20,19 @@ inside ``jax.shard_map`` over a mesh axis ``mesh_axis`` of ``P`` devices. What e
 The all-gather scheme, per device ``r`` (collectives over ``mesh_axis`` only):
 
 1. route the local tokens (:func:`jaxkern.modeling.route_tokens`, router replicated): ``(T/P, K+S)`` ids/weights;
-2. ``all_gather`` the tokens ``(T/P, H) -> (T, H)`` and their routed ids/weights ``(T/P, K) -> (T, K)``;
+2. ``all_gather`` the tokens ``(T/P, H) -> (T, H)`` and their routed ids/weights ``(T/P, K) -> (T, K)``; with
+   ``config.fp8_expand`` (FP8 dispatch) the tokens are first cast on their own device
+   (:func:`jaxkern.modeling.moe.fp8_expand_cast`: :func:`jaxkern.quant.per_token_cast`, e4m3, one float32 scale
+   per 128 columns) and the all-gather moves the FP8 data ``(T/P, H) -> (T, H)`` and the scales ``(T/P, H/128) ->
+   (T, H/128)``: the scales are per token, so the gathered cast is the cast of the gathered tokens, bit for bit;
 3. :func:`jaxkern.moe.mask_indices_by_tp` with ``n = E``, ``num_ep_ranks = num_tp_ranks = P`` and
    ``tp_rank = r`` (upstream's EP/TP masking, spec moe_transpose.md §3.6: the TP rank keeps the experts of
    the EP ranks ``q`` with ``q % P == r``, i.e. only ``q = r``) keeps the slots of this device's experts,
    renumbered ``0..E/P-1``, and sets the others to -1;
 4. the routed experts of this device on all tokens: :func:`jaxkern.moe.get_fused_mapping`,
-   :func:`jaxkern.moe.expand_to_fused` (:func:`jaxkern.modeling.expand_fp8` with ``config.fp8_expand``), the SwiGLU
+   :func:`jaxkern.moe.expand_to_fused` (with ``config.fp8_expand``: :func:`jaxkern.modeling.moe.expand_fp8_quantized`
+   of the gathered FP8 tokens, i.e. :func:`jaxkern.moe.expand_to_fused_with_sf` and
+   :func:`jaxkern.quant.per_token_cast_back`, the second half of :func:`jaxkern.modeling.expand_fp8`), the SwiGLU
    grouped matmuls, :func:`jaxkern.moe.reduce_fused` in float32 (unused slots add nothing): a ``(T, H)`` partial
    sum, float32 or, with ``MoeConfig.ep_combine_dtype="bfloat16"``, rounded to bfloat16; the fused rows are the
    capacity's where every device's slots fit it, else the worst case's (below);
@@ -44,7 +50,11 @@ Gradients: ``jax.grad`` differentiates through the collectives (the transpose of
 mesh axis they are replicated over (``jax.shard_map``'s default ``check_vma=True`` inserts the sums; with
 ``check_vma=False`` :func:`sharded_value_and_grad` adds them), sharded expert weights get the gradient of their
 own experts from every device's tokens. Routing gradients flow into the router as in the unsharded layer (the
-routing weights are all-gathered like the tokens).
+routing weights are all-gathered like the tokens). FP8 dispatch: the FP8 arrays have no gradient (``expand_fp8``'s
+backward is straight-through anyway); the tokens' gradient comes through a ``jax.custom_vjp`` anchor, zeros of the
+gathered tokens' type that nothing reads (XLA drops them), whose backward is the ``psum_scatter`` (the all-gather's
+transpose) of the slot sums of the fused rows' cotangent: the same gradient as before, bit for bit. In the capacity
+path the anchor does not enter the conds; each branch differentiates against zeros of its own.
 
 Kernels under ``shard_map``: with ``check_vma=True``, ``pallas_call`` requires a ``manual_axis_type`` on every
 output ``ShapeDtypeStruct`` (``ValueError: When `check_vma=True` on `jax.shard_map`, `manual_axis_type` on
@@ -87,7 +97,9 @@ reads its predicate on the host (XLA copies it back to choose the branch): two s
 and step.
 
 Memory and bandwidth, per device and layer (``B`` = bytes of an ``x`` element): the all-gather receives
-``(P-1)/P * T * H * B`` bytes and holds the ``(T, H)`` gathered tokens, and the ``psum_scatter`` moves
+``(P-1)/P * T * H * B`` bytes and holds the ``(T, H)`` gathered tokens (with ``config.fp8_expand``: ``(P-1)/P * T *
+(H + 4 H/128)`` bytes, the FP8 data and float32 scales, 0.52 of bfloat16's, and holds those; each device casts its
+``T/P`` tokens instead of all ``T``), and the ``psum_scatter`` moves
 ``(P-1)/P * T * H * 4`` bytes of float32 partials (twice the bfloat16 volume; the price of one rounding; the
 backward all-gathers float32 cotangents of the same size), whatever the routing. ``ep_combine_dtype="bfloat16"``
 halves both and drops the float32 copy of the fused rows (written before ``reduce_fused``, and its transpose in the
@@ -137,8 +149,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkern import moe
 from jaxkern._autodiff import vary_like
-from jaxkern.modeling.moe import (MoeConfig, MoeParams, _group_sizes, expand_fp8, fused_block_experts, route_tokens,
+from jaxkern.modeling.moe import (FP8_EXPAND_GROUP, MoeConfig, MoeParams, _group_sizes, expand_fp8,
+                                  expand_fp8_quantized, fp8_expand_cast, fused_block_experts, route_tokens,
                                   swiglu_experts)
+from jaxkern.types import QuantTensor
 
 
 class MoeEpParams(NamedTuple):
@@ -230,8 +244,9 @@ def moe_layer_ep(params: MoeParams | MoeEpParams, x: jax.Array, *, config: MoeCo
   kw = dict(implementation=implementation)
 
   routing = route_tokens(params, x, config=config, **kw)  # (T/P, K+S): routed slots, then shared ids E..E+S-1
-  # Tokens and their routed slots from every device: (T, H), (T, K), rows in device order.
-  x_all = lax.all_gather(x, mesh_axis, axis=0, tiled=True)
+  # Tokens and their routed slots from every device: (T, H), (T, K), rows in device order. With fp8_expand the
+  # tokens travel as FP8 (x_all is then the gradient anchor, x_fp8 the gathered cast).
+  x_all, x_fp8 = _dispatch_tokens(x, config=config, mesh_axis=mesh_axis, kw=kw)
   idx_all = lax.all_gather(routing.topk_idx[:, :k], mesh_axis, axis=0, tiled=True)
   w_all = lax.all_gather(routing.topk_weights[:, :k], mesh_axis, axis=0, tiled=True)
   rank = lax.axis_index(mesh_axis).astype(jnp.int32)
@@ -240,9 +255,10 @@ def moe_layer_ep(params: MoeParams | MoeEpParams, x: jax.Array, *, config: MoeCo
   rows, worst_rows = ep_fused_rows(config, idx_all.shape[0], num_ranks)
   if rows < worst_rows:  # the capacity layout, with the worst case as the exact fallback
     fits = _fits_capacity(idx_all, num_experts=e, num_ranks=num_ranks, alignment=a, rows=rows)
-    partial = _capped_experts_sum(routed, x_all, local_idx, w_all, fits, local_e, rows, worst_rows, config, kw)
+    partial = _capped_experts_sum(routed, x_all, local_idx, w_all, fits, local_e, rows, worst_rows, config, kw,
+                                  x_fp8)
   else:
-    partial = _experts_sum(routed, x_all, local_idx, w_all, local_e, worst_rows, config, kw,
+    partial = _experts_sum(routed, x_all, local_idx, w_all, local_e, worst_rows, config, kw, x_fp8,
                            sum_dtype=config.ep_combine_dtype)
   out = lax.psum_scatter(partial, mesh_axis, scatter_dimension=0, tiled=True)  # (T/P, H) ep_combine_dtype
   out = out.astype(jnp.float32)
@@ -251,6 +267,47 @@ def moe_layer_ep(params: MoeParams | MoeEpParams, x: jax.Array, *, config: MoeCo
     rows = _round_up(x.shape[0] * s + (a - 1) * s, a)
     out = out + _experts_sum(shared, x, shared_idx, routing.topk_weights[:, k:], s, rows, config, kw)
   return out.astype(x.dtype)
+
+
+def _dispatch_tokens(x: jax.Array, *, config: MoeConfig, mesh_axis: str,
+                     kw: dict) -> tuple[jax.Array, QuantTensor | None]:
+  """``(x_all, x_fp8)``: the tokens of every device for the routed experts (module docstring, step 2).
+
+  Without ``config.fp8_expand``: ``(all_gather(x), None)``, ``(T, H)`` of ``x.dtype`` (its transpose, the
+  ``psum_scatter``, is the tokens' gradient). With it: this device's tokens cast to FP8 (:func:`fp8_expand_cast`,
+  row-wise, so the gathered cast equals the cast of the gathered tokens bit for bit), their data ``(T/P, H)``
+  float8_e4m3fn and scales ``(T/P, H/128)`` float32 all-gathered as ``x_fp8``, and ``x_all`` the gradient anchor
+  (:func:`_gather_anchor`): zeros of the gathered tokens' type whose backward is that ``psum_scatter``, the ``x`` of
+  :func:`jaxkern.modeling.moe.expand_fp8_quantized`."""
+  gather = functools.partial(lax.all_gather, axis_name=mesh_axis, axis=0, tiled=True)
+  if not config.fp8_expand:
+    return gather(x), None
+  if x.ndim != 2 or x.shape[1] % FP8_EXPAND_GROUP:
+    raise ValueError(f"x must be (T/P, H) with H % {FP8_EXPAND_GROUP} == 0 for the FP8 expand, got {tuple(x.shape)}")
+  q = fp8_expand_cast(lax.stop_gradient(x), **kw)  # the gradient flows through the anchor
+  return _gather_anchor(x, mesh_axis), QuantTensor(gather(q.data), gather(q.sf))
+
+
+def _gather_anchor(x: jax.Array, axis: str) -> jax.Array:
+  """Zeros of the type of ``all_gather(x, axis, axis=0, tiled=True)`` whose backward is that all-gather's transpose,
+  ``psum_scatter(ct, axis, scatter_dimension=0, tiled=True)``: the differentiable stand-in for the gathered tokens
+  when only their FP8 cast travels (the zeros are never read, so XLA drops them)."""
+  shape = (x.shape[0] * _axis_size(axis), *x.shape[1:])
+  varying = tuple(sorted(jax.typeof(x).manual_axis_type.varying))  # all_gather's output varies as its input
+
+  @jax.custom_vjp
+  def anchor(x):
+    z = jnp.zeros(shape, x.dtype)
+    return lax.pcast(z, varying, to="varying") if varying else z
+
+  def fwd(x):
+    return anchor(x), None
+
+  def bwd(_, ct):
+    return (lax.psum_scatter(ct, axis, scatter_dimension=0, tiled=True),)
+
+  anchor.defvjp(fwd, bwd)
+  return anchor(x)
 
 
 def _round_up(n: int, a: int) -> int:
@@ -299,13 +356,19 @@ def _fits_capacity(idx_all, *, num_experts, num_ranks, alignment, rows) -> jax.A
 
 
 def _experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights: jax.Array, num_experts: int, rows: int,
-                 config: MoeConfig, kw: dict, sum_dtype: str = "float32") -> jax.Array:
+                 config: MoeConfig, kw: dict, x_fp8: QuantTensor | None = None,
+                 sum_dtype: str = "float32") -> jax.Array:
   """``(T, H)`` of ``sum_dtype``: each token's slots of ``idx`` (-1: skipped) through the experts of ``params``,
   times ``weights``, summed in float32 and rounded to ``sum_dtype`` (the fused-layout pipeline of
-  :func:`jaxkern.modeling.apply_experts` on a subset of experts, ``rows`` fused rows)."""
+  :func:`jaxkern.modeling.apply_experts` on a subset of experts, ``rows`` fused rows). With ``x_fp8`` (the tokens
+  already cast, :func:`_dispatch_tokens`) the rows are expanded from it and ``x`` is the gradient anchor
+  (:func:`jaxkern.modeling.moe.expand_fp8_quantized`)."""
   mapping = moe.get_fused_mapping(idx, num_experts, rows, config.alignment, force_no_sync=True, **kw)
-  expand = expand_fp8 if config.fp8_expand else moe.expand_to_fused  # as apply_experts
-  xf = expand(x, mapping.token_topk_to_pos, mapping.pos_to_expert, **kw)
+  if x_fp8 is not None:
+    xf = expand_fp8_quantized(x, x_fp8, mapping.token_topk_to_pos, mapping.pos_to_expert, **kw)
+  else:
+    expand = expand_fp8 if config.fp8_expand else moe.expand_to_fused  # as apply_experts
+    xf = expand(x, mapping.token_topk_to_pos, mapping.pos_to_expert, **kw)
   block_expert = fused_block_experts(mapping.pos_to_expert) if config.fp8_gemm else None  # as apply_experts
   yf = swiglu_experts(xf, params, _group_sizes(mapping), fp8_swiglu=config.fp8_swiglu, fp8_gemm=config.fp8_gemm,
                       block_expert=block_expert, **kw)
@@ -313,7 +376,8 @@ def _experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights: jax.A
 
 
 def _capped_experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights: jax.Array, fits: jax.Array,
-                        num_experts: int, rows: int, worst_rows: int, config: MoeConfig, kw: dict) -> jax.Array:
+                        num_experts: int, rows: int, worst_rows: int, config: MoeConfig, kw: dict,
+                        x_fp8: QuantTensor | None = None) -> jax.Array:
   """:func:`_experts_sum` with ``rows`` fused rows where ``fits`` (a scalar bool, the same on every device), else
   with ``worst_rows``: a ``jax.custom_vjp`` whose forward and backward each run one ``lax.cond`` (module
   docstring, "Capacity").
@@ -325,21 +389,37 @@ def _capped_experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights
   crosses from the forward to the backward, and the fast path saves exactly what plain autodiff of the
   ``rows`` pipeline would. (A plain ``lax.cond`` under ``jax.grad`` would not: JAX's partial evaluation of a cond
   returns the union of both branches' residuals, the untaken branch's filled with zeros, so every fast step would
-  write worst-case-sized zero residuals.)"""
-  diff = (x, weights, params.w_gate, params.w_up, params.w_down)
+  write worst-case-sized zero residuals.)
 
-  def pipeline(num_rows, x, weights, w_gate, w_up, w_down, idx):
+  With ``x_fp8`` (the gathered FP8 tokens; ``x`` is then the gradient anchor of :func:`_dispatch_tokens`, zeros
+  whose value nobody reads) the anchor does not enter the conds nor the residuals: each branch makes its own zeros of
+  its type to differentiate against, and the backward returns the branch's cotangent for it. ``x_fp8`` enters the
+  conds as an operand without a gradient, like ``idx``."""
+  diff = (x, weights, params.w_gate, params.w_up, params.w_down)
+  anchored = x_fp8 is not None
+  x_type = jax.typeof(x)
+
+  def operands(diff):  # what enters the conds: without the anchor, whose value is never read
+    return diff[1:] if anchored else diff
+
+  def full(ops):  # the pipeline's differentiable inputs inside a branch
+    return (_zeros_of_type(x_type), *ops) if anchored else ops
+
+  def pipeline(num_rows, x, weights, w_gate, w_up, w_down, nondiff):
     p = MoeParams(params.router, params.router_bias, w_gate, w_up, w_down)
-    return _experts_sum(p, x, idx, weights, num_experts, num_rows, config, kw, sum_dtype=config.ep_combine_dtype)
+    idx, x_fp8 = nondiff
+    return _experts_sum(p, x, idx, weights, num_experts, num_rows, config, kw, x_fp8,
+                        sum_dtype=config.ep_combine_dtype)
 
   fast = functools.partial(pipeline, rows)
   slow = functools.partial(pipeline, worst_rows)
   pullback = {}  # the fast pullback's treedef, which leaves are inputs, the other leaves' types (set while tracing)
 
-  def fast_fwd(diff, idx):
-    out, vjp_fn = jax.vjp(lambda *d: fast(*d, idx), *diff)
+  def fast_fwd(ops, nondiff):
+    diff = full(ops)
+    out, vjp_fn = jax.vjp(lambda *d: fast(*d, nondiff), *diff)
     leaves, pullback["treedef"] = jax.tree.flatten(vjp_fn)
-    inputs = [*diff, idx]
+    inputs = [*diff, *jax.tree.leaves(nondiff)]
     # Leaves that are inputs (the expert weights, the routing weights) are not returned through the cond (that
     # would copy them): the backward takes them from its own residuals.
     pullback["forwarded"] = [next((j for j, a in enumerate(inputs) if leaf is a), None) for leaf in leaves]
@@ -347,36 +427,37 @@ def _capped_experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights
     pullback["types"] = [jax.typeof(leaf) for leaf in saved]
     return out, saved
 
-  def slow_fwd(diff, idx):
+  def slow_fwd(ops, nondiff):
     if "types" not in pullback:  # lax.cond traces the true branch first (jax 0.11); be safe if that changes
-      jax.eval_shape(fast_fwd, diff, idx)
+      jax.eval_shape(fast_fwd, ops, nondiff)
     zeros = [_zeros_of_type(t) for t in pullback["types"]]
-    return slow(*diff, idx), zeros
+    return slow(*full(ops), nondiff), zeros
 
   @jax.custom_vjp
-  def f(diff, idx, fits):
-    return lax.cond(fits, lambda d, i: fast(*d, i), lambda d, i: slow(*d, i), diff, idx)
+  def f(diff, nondiff, fits):
+    return lax.cond(fits, lambda o, n: fast(*full(o), n), lambda o, n: slow(*full(o), n), operands(diff), nondiff)
 
-  def f_fwd(diff, idx, fits):
-    out, saved = lax.cond(fits, fast_fwd, slow_fwd, diff, idx)
-    return out, (diff, idx, fits, saved)
+  def f_fwd(diff, nondiff, fits):
+    ops = operands(diff)
+    out, saved = lax.cond(fits, fast_fwd, slow_fwd, ops, nondiff)
+    return out, (ops, nondiff, fits, saved)
 
   def f_bwd(res, ct):
-    diff, idx, fits, saved = res
+    ops, nondiff, fits, saved = res
 
-    def fast_bwd(ct, saved, diff, idx):
-      inputs, saved = [*diff, idx], iter(saved)
+    def fast_bwd(ct, saved, ops, nondiff):
+      inputs, saved = [*full(ops), *jax.tree.leaves(nondiff)], iter(saved)
       leaves = [next(saved) if j is None else inputs[j] for j in pullback["forwarded"]]
       return jax.tree.unflatten(pullback["treedef"], leaves)(ct)
 
-    def slow_bwd(ct, saved, diff, idx):
-      return jax.vjp(lambda *d: slow(*d, idx), *diff)[1](ct)
+    def slow_bwd(ct, saved, ops, nondiff):
+      return jax.vjp(lambda *d: slow(*d, nondiff), *full(ops))[1](ct)
 
-    return lax.cond(fits, fast_bwd, slow_bwd, ct, saved, diff, idx), None, None
+    return lax.cond(fits, fast_bwd, slow_bwd, ct, saved, ops, nondiff), None, None
 
   f.defvjp(f_fwd, f_bwd)
-  diff, idx, fits = vary_like(diff, idx, fits)  # one varying type under shard_map (check_vma=True)
-  return f(diff, idx, fits)
+  diff, nondiff, fits = vary_like(diff, (idx, x_fp8), fits)  # one varying type under shard_map (check_vma=True)
+  return f(diff, nondiff, fits)
 
 
 def _zeros_of_type(aval) -> jax.Array:

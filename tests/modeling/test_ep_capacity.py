@@ -256,6 +256,8 @@ def test_lowers_for_h100_two_devices():
     text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, x).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text and "stablehlo.case" in text
   assert "all_gather" in text and "reduce_scatter" in text
+  # fp8_expand: the tokens travel as FP8 (tests/modeling/test_ep_fp8_dispatch.py)
+  assert any("all_gather" in line and f"tensor<{T_FP8}x{H}xf8E4M3FN>" in line for line in text.splitlines())
 
 
 @pytest.mark.skipif(FOUR, reason="this process has 4 devices: the 4dev tests run here")
