@@ -4,8 +4,9 @@ devices' routed partial sums added in bfloat16 instead of float32.
 Checked on 2 simulated CPU devices (references), bfloat16 tokens and experts, the capacity path and the worst-case
 layout: the forward is within the documented extra roundings of the float32 combine (a few bfloat16 ulps) and differs
 from it (the option takes effect); the gradients for a fixed cotangent equal the float32 combine's bit for bit (the
-backward moves the same bfloat16 values, in half the bytes); the lowered layer all-gathers and reduce-scatters bfloat16
-``(T, H)`` arrays and no float32 ones (H100 lowering, compiled kernels); the config check.
+backward moves the same bfloat16 values, in half the bytes); the lowered layer (FP8 tokens dispatched) all-gathers and
+reduce-scatters its other ``(T, H)`` arrays in bfloat16 and none in float32 (H100 lowering, compiled kernels); the
+config check.
 
 The ``2dev`` tests need 2 devices: :func:`test_multi_device_tests_in_a_subprocess` reruns them in a child pytest.
 """
@@ -82,8 +83,8 @@ def test_bf16_combine_2dev(capacity):
 
 def test_lowered_exchange_is_bf16():
   """The layer with the compiled kernels (FP8 options, v3-like) on a 2-device abstract H100 mesh: with the bfloat16
-  combine every ``(T, H)`` collective moves bfloat16; with the default float32 combine the reduce-scatter is
-  float32."""
+  combine every ``(T, H)`` collective but the FP8 token dispatch moves bfloat16; with the default float32 combine
+  the partials' reduce-scatter and their cotangents' all-gather are float32."""
   from jax.sharding import AbstractMesh, AxisType, use_abstract_mesh
 
   from jaxkern.testing.lowering import H100
@@ -113,10 +114,12 @@ def test_lowered_exchange_is_bf16():
         found.add((op.group(1), m.group(1)))
     return sorted(found)
 
-  assert collectives(fp8) == [("all_gather", "bf16"), ("all_gather", "f32"), ("reduce_scatter", "bf16"),
+  # The tokens travel as FP8 (fp8_expand's dispatch); the partials' reduce-scatter and, in the backward, their
+  # cotangents' all-gather in the combine dtype; the tokens' gradient reduce-scattered in bfloat16.
+  assert collectives(fp8) == [("all_gather", "f32"), ("all_gather", "f8E4M3FN"), ("reduce_scatter", "bf16"),
                               ("reduce_scatter", "f32")]
-  assert collectives(dataclasses.replace(fp8, ep_combine_dtype="bfloat16")) == [("all_gather", "bf16"),
-                                                                                ("reduce_scatter", "bf16")]
+  assert collectives(dataclasses.replace(fp8, ep_combine_dtype="bfloat16")) == [
+      ("all_gather", "bf16"), ("all_gather", "f8E4M3FN"), ("reduce_scatter", "bf16")]
 
 
 @pytest.mark.skipif(TWO, reason="this process has 2 devices: the 2dev tests run here")
