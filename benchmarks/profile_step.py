@@ -1,11 +1,11 @@
 """Where the training step's GPU time goes: ``python -m benchmarks.profile_step --config v3 --fp8-gemm --devices 1``.
 
 Runs the step of :mod:`benchmarks.train_step` (same model flags: ``--config``, ``--small``, ``--fp8-gemm``,
-``--ep-capacity-factor``, ``--ep-combine-dtype``, ``--grad-reduce-dtype``, ``--shard-replicated``) on one device count at a time
-(``--devices N``: 1 the unsharded step on a one-device mesh, N > 1 the expert-parallel sharded step), as a training
-loop runs it: ``--steps`` chained steps (each takes the params and optimiser state the one before returned), blocked
-on once. Then it traces the same number of chained steps with ``jax.profiler`` (a perfetto trace) and sums the GPU
-kernels' durations per GPU, by kind:
+``--ep-capacity-factor``, ``--ep-combine-dtype``, ``--grad-reduce-dtype``, ``--shard-replicated``) on one device
+count at a time (``--devices N``: 1 the unsharded step on a one-device mesh, N > 1 the expert-parallel sharded
+step), as a training loop runs it: ``--steps`` chained steps (each takes the params and optimiser state the one
+before returned), blocked on once. Then it traces the same number of chained steps with ``jax.profiler`` (a perfetto
+trace) and sums the GPU kernels' durations per GPU, by kind:
 
 * ``mosaic``: jaxkern's Pallas Mosaic GPU kernels (routing, casts, expand / reduce, SwiGLU, the FP8 GEMMs, mHC,
   Engram: the trace names them all ``*_mosaic_gpu_kernel``, so they are one kind here);

@@ -51,13 +51,14 @@ from jaxkern.types import QuantTensor, TopkRouting
 
 FP8_EXPAND_GROUP = 128  # columns per scale of the FP8 tokens (upstream's per-token activation cast)
 FP8_GEMM_BLOCK = 128  # rows per expert block, K step and weight-scale block of the FP8 grouped GEMMs
-# Recommended MoeConfig.ep_capacity_factor (the default is None, off: an opt-in, see the field's docstring): the expert-parallel layer's fast path sizes each device's fused rows for
-# up to 1.25x the mean routed slots per device (plus alignment padding). With near-balanced routing the busiest
-# device's load is within a few percent of the mean (the aux-loss-free bias of balance_router_bias keeps it so in
-# training: it steers every expert towards the mean load), so 25% covers it with room for the fluctuations of a
-# young router, while the rows every fused-row op walks stay at 1.25·K / (P·min(K, E/P)) of the worst case's
-# (0.63 of it for K = 4, E/P = 4, P = 2). A step whose routing needs more takes the exact worst-case fallback (slower, same
-# result), so the value trades speed only, never correctness.
+# Recommended MoeConfig.ep_capacity_factor (the default is None, off: an opt-in, see the field's docstring): the
+# expert-parallel layer's fast path sizes each device's fused rows for up to 1.25x the mean routed slots per device
+# (plus alignment padding). With near-balanced routing the busiest device's load is within a few percent of the mean
+# (the aux-loss-free bias of balance_router_bias keeps it so in training: it steers every expert towards the mean
+# load), so 25% covers it with room for the fluctuations of a young router, while the rows every fused-row op walks
+# stay at 1.25·K / (P·min(K, E/P)) of the worst case's (0.63 of it for K = 4, E/P = 4, P = 2). A step whose routing
+# needs more takes the exact worst-case fallback (slower, same result), so the value trades speed only, never
+# correctness.
 EP_CAPACITY_FACTOR = 1.25
 EP_COMBINE_DTYPES = ("float32", "bfloat16")  # MoeConfig.ep_combine_dtype
 
@@ -108,10 +109,11 @@ class MoeConfig:
       :func:`jaxkern.moe.reduce_fused` and the devices' partials are summed in float32, one rounding to the tokens'
       dtype at the end. ``"bfloat16"``: :func:`jaxkern.moe.reduce_fused` sums each device's slots in float32 and
       rounds them to bfloat16 (float32 experts' outputs are rounded to bfloat16 first), and the exchange adds bfloat16
-      partials (DeepSeek-V3's bf16 combine): half the
-      exchanged bytes, and no float32 copy of the fused rows in either pass, for up to ``P`` more bfloat16 roundings
-      (the partials and their sums; the shared experts' sum stays float32). The backward is unchanged in value
-      for bfloat16 tokens (their cotangent is a bfloat16 value already).
+      partials (DeepSeek-V3's bf16 combine): half the exchanged bytes, and no float32 copy of the fused rows in either
+      pass, for up to ``P`` more bfloat16 roundings (the partials and their sums; the shared experts' sum stays
+      float32). The backward is unchanged in value for bfloat16 tokens (their cotangent is a bfloat16 value
+      already). Measured: 0.9 ms off the v3 benchmark step on 2 H200s (``benchmarks/NOTES.md``, issue 23 session
+      19).
   """
 
   num_experts: int

@@ -140,7 +140,8 @@ def test_equals_old_dispatch_2dev(config, tokens, path, check_vma, monkeypatch):
 def test_interpret_one_device(monkeypatch):
   """The kernels in interpret mode (the per-token cast of the local tokens, the expand of the gathered FP8 rows, the
   cast back, the backward's slot sums) on a one-device mesh, check_vma off (one device: the capacity is not below the
-  worst case, so no cond): bit-equal to the old dispatch (the interpreter's multi-device limits: tests/modeling/test_sharding.py)."""
+  worst case, so no cond): bit-equal to the old dispatch (the interpreter's multi-device limits:
+  tests/modeling/test_sharding.py)."""
   config = dataclasses.replace(EXPAND, num_experts=4)
   params, x = _inputs(jax.random.key(5), config, 16)
   mesh = _mesh((1,), ("d",))
