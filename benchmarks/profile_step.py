@@ -1,7 +1,8 @@
 """Where the training step's GPU time goes: ``python -m benchmarks.profile_step --config v3 --fp8-gemm --devices 1``.
 
 Runs the step of :mod:`benchmarks.train_step` (same model flags: ``--config``, ``--small``, ``--fp8-gemm``,
-``--ep-capacity-factor``, ``--ep-combine-dtype``, ``--grad-reduce-dtype``, ``--shard-replicated``) on one device
+``--ep-capacity-factor``, ``--ep-combine-dtype``, ``--grad-reduce-dtype``, ``--shard-replicated``,
+``--shard-optimizer``) on one device
 count at a time (``--devices N``: 1 the unsharded step on a one-device mesh, N > 1 the expert-parallel sharded
 step), as a training loop runs it: ``--steps`` chained steps (each takes the params and optimiser state the one
 before returned), blocked on once. Then it traces the same number of chained steps with ``jax.profiler`` (a perfetto
@@ -119,6 +120,8 @@ def main(argv=None) -> int:
   parser.add_argument("--ep-combine-dtype", choices=ts.EP_COMBINE_DTYPES, default="float32")
   parser.add_argument("--grad-reduce-dtype", choices=("float32", "bfloat16"), default="float32")
   parser.add_argument("--shard-replicated", action="store_true", help="N > 1: the replicated params stored split")
+  parser.add_argument("--shard-optimizer", action="store_true",
+                      help="N > 1: the replicated params' Adam state and update split (ZeRO-1/2-style)")
   parser.add_argument("--implementation", default="auto")
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--top", type=int, default=25)
@@ -140,9 +143,10 @@ def main(argv=None) -> int:
                                 vocab_size=config.vocab_size)
   optimizer = optax.adamw(1e-3)
   reduce_dtype = None if args.grad_reduce_dtype == "float32" else jnp.dtype(args.grad_reduce_dtype)
-  step, place = ts._mesh_step(n, config, optimizer, args.implementation, reduce_dtype, args.shard_replicated)
+  step, place = ts._mesh_step(n, config, optimizer, args.implementation, reduce_dtype, args.shard_replicated,
+                              args.shard_optimizer)
   p, b = place(params), place(batch)
-  state = ts.init_optimizer_state(optimizer, p, ts.make_mesh(n))
+  state = ts.init_state(optimizer, p, n, args.shard_optimizer)
 
   def chained(count, p, state):
     for _ in range(count):
@@ -165,7 +169,7 @@ def main(argv=None) -> int:
   files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
   device = jax.devices()[0].device_kind
   label = ts.step_label(config, batch.tokens.size, args.fp8_gemm, args.ep_capacity_factor, args.grad_reduce_dtype,
-                        args.shard_replicated)
+                        args.shard_replicated, args.shard_optimizer)
   print(f"{device}, {n} device(s), {label}: pipelined {pipelined:.2f} ms/step (untraced); trace {files[-1:]}")
   if not files:
     return 1

@@ -102,6 +102,11 @@ instead of all-reduced, so each device updates 1/N of them; ``--check`` runs the
 label gets ``shard_replicated``; the ``grad_allreduce`` row of the split still times the all-reduce of the
 replicated layout.
 
+``--shard-optimizer`` (N > 1; not with ``--shard-replicated``): the replicated params stay whole on every device, but
+their Adam state and update are split over ``"data"`` (``block.sharded_train_step(shard_optimizer="data")``;
+ZeRO-1/2-style): their gradients reduce-scattered, each device updates 1/N of them, and the step all-gathers the
+updated params at its end. The shape label gets ``shard_optimizer``.
+
 ``--fp8-gemm``: the block is built with ``BlockConfig(fp8_gemm=True)``: the experts' matmuls run
 :func:`jaxkern.modeling.fp8_grouped_linear` (FP8 forward and both FP8 backward GEMMs, ``jaxkern.gemm``) instead of
 ``jax.lax.ragged_dot``, with ``alignment=128``; the ``gemms`` row of the split then times those FP8 GEMMs (gate+up
@@ -336,9 +341,10 @@ def make_mesh(n: int):
   return jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
 
 
-def _mesh_step(n: int, config, optimizer, implementation, grad_reduce_dtype=None, shard_replicated=False):
+def _mesh_step(n: int, config, optimizer, implementation, grad_reduce_dtype=None, shard_replicated=False,
+               shard_optimizer=False):
   """The jitted step on ``n`` devices (0: no mesh), and a function placing params / batch for it (module
-  docstring; ``shard_replicated`` applies to ``n > 1`` only)."""
+  docstring; ``shard_replicated`` and ``shard_optimizer`` apply to ``n > 1`` only)."""
   step = jax.jit(functools.partial(block.train_step, config=config, optimizer=optimizer,
                                    implementation=implementation))
   if not n:
@@ -347,7 +353,16 @@ def _mesh_step(n: int, config, optimizer, implementation, grad_reduce_dtype=None
   if n == 1:
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return step, lambda tree: jax.device_put(tree, replicated)
-  return sharded_step(mesh, config, optimizer, implementation, grad_reduce_dtype, shard_replicated)
+  return sharded_step(mesh, config, optimizer, implementation, grad_reduce_dtype, shard_replicated, shard_optimizer)
+
+
+def init_state(optimizer, params, n: int, shard_optimizer=False):
+  """The optimiser state of the placed ``params`` for :func:`_mesh_step`'s step on ``n`` devices
+  (:func:`jaxkern.modeling.init_optimizer_state`; with ``shard_optimizer`` and ``n > 1`` split over ``"data"``)."""
+  if not n:
+    return optimizer.init(params)
+  shard_over = AXIS if shard_optimizer and n > 1 else None
+  return init_optimizer_state(optimizer, params, make_mesh(n), shard_over=shard_over)
 
 
 def _placer(mesh, config, shard_replicated=False):
@@ -368,17 +383,20 @@ def _placer(mesh, config, shard_replicated=False):
   return place
 
 
-def sharded_step(mesh, config, optimizer, implementation, grad_reduce_dtype=None, shard_replicated=False):
+def sharded_step(mesh, config, optimizer, implementation, grad_reduce_dtype=None, shard_replicated=False,
+                 shard_optimizer=False):
   """:func:`jaxkern.modeling.block.sharded_train_step` on mesh axis ``"data"``: the batch and the routed experts
   split over it (``B`` and ``E`` multiples of the devices), shared experts and everything else replicated
   (:func:`jaxkern.modeling.block.ep_params` / ``block_param_specs``), ``check_vma=False`` (the Pallas kernels).
   ``place`` turns :class:`~jaxkern.modeling.block.BlockParams` into the sharded EP params, a
   :class:`~jaxkern.modeling.block.Batch` into one sharded over sequences. ``grad_reduce_dtype``: the dtype of the
   replicated params' gradient all-reduce (``None``: float32). ``shard_replicated``: the replicated params stored
-  split over ``"data"`` (``block.sharded_train_step(shard_replicated="data")``), placed so by ``place``."""
+  split over ``"data"`` (``block.sharded_train_step(shard_replicated="data")``), placed so by ``place``.
+  ``shard_optimizer``: their optimiser state split over ``"data"`` (make it with :func:`init_state`)."""
   step = block.sharded_train_step(config, optimizer, mesh, expert_axis=AXIS, implementation=implementation,
                                   grad_reduce_dtype=grad_reduce_dtype,
-                                  shard_replicated=AXIS if shard_replicated else None)
+                                  shard_replicated=AXIS if shard_replicated else None,
+                                  shard_optimizer=AXIS if shard_optimizer else None)
   return step, _placer(mesh, config, shard_replicated)
 
 
@@ -394,7 +412,8 @@ def _group(path) -> str:
 
 
 def check_devices(params, batch, config: block.BlockConfig, implementation: str, n: int, *, rtol: float,
-                  loss_rtol: float, grad_reduce_dtype=None, shard_replicated=False) -> tuple[bool, str]:
+                  loss_rtol: float, grad_reduce_dtype=None, shard_replicated=False,
+                  shard_optimizer=False) -> tuple[bool, str]:
   """``(ok, report)``: loss and gradients of the ``n``-device sharded loss (its replicated params' gradients summed in
   ``grad_reduce_dtype``; with ``shard_replicated`` stored split over ``"data"``) against the unsharded one on one
   device (``--check``; module docstring)."""
@@ -408,7 +427,8 @@ def check_devices(params, batch, config: block.BlockConfig, implementation: str,
   ep = block.ep_params(params, config)
   specs = block.block_param_specs(ep, AXIS)
   vg = jax.jit(sharded_value_and_grad(lossn, mesh, specs, check_vma=False, grad_reduce_dtype=grad_reduce_dtype,
-                                      shard_replicated=AXIS if shard_replicated else None))
+                                      shard_replicated=AXIS if shard_replicated else None,
+                                      shard_optimizer=AXIS if shard_optimizer else None))
   place = _placer(mesh, config, shard_replicated)
   ln, gn = vg(place(params), place(batch))
   ln = float(ln)
@@ -529,7 +549,7 @@ def with_moe_options(config: block.BlockConfig, ep_capacity_factor: float | None
 
 
 def step_label(config: block.BlockConfig, tokens: int, fp8_gemm: bool, ep_capacity_factor: float | None,
-               grad_reduce_dtype: str, shard_replicated: bool = False) -> str:
+               grad_reduce_dtype: str, shard_replicated: bool = False, shard_optimizer: bool = False) -> str:
   """The rows' ``shape``: the model's sizes and the options that change the step (also
   :mod:`benchmarks.profile_step`'s, so that both group together)."""
   label = (f"T={tokens} H={config.hidden} L={config.num_layers} E={config.moe.num_experts} "
@@ -543,6 +563,8 @@ def step_label(config: block.BlockConfig, tokens: int, fp8_gemm: bool, ep_capaci
     label += f" grad_reduce={grad_reduce_dtype}"
   if shard_replicated:
     label += " shard_replicated"
+  if shard_optimizer:
+    label += " shard_optimizer"
   return label
 
 
@@ -587,10 +609,15 @@ def main(argv=None) -> int:
   parser.add_argument("--shard-replicated", action="store_true",
                       help="N > 1: store the replicated params (and their Adam state) split over the devices, "
                            "all-gathered for the loss, gradients reduce-scattered (ZeRO/FSDP-style)")
+  parser.add_argument("--shard-optimizer", action="store_true",
+                      help="N > 1: the replicated params whole, their Adam state and update split over the devices, "
+                           "gradients reduce-scattered, updated params all-gathered (ZeRO-1/2-style)")
   parser.add_argument("--fp8-gemm", action="store_true",
                       help="expert matmuls in FP8 (BlockConfig(fp8_gemm=True): fp8_grouped_linear, alignment 128)")
   parser.add_argument("--batch-multiple", type=int, default=None, help=argparse.SUPPRESS)  # counts_in_processes
   args = parser.parse_args(argv)
+  if args.shard_optimizer and args.shard_replicated:
+    parser.error("--shard-optimizer and --shard-replicated: give one (--shard-replicated splits the Adam state too)")
   counts = parse_devices(args.devices)
   if len(counts) > 1 and not args.small and not args.memory:
     return counts_in_processes(sys.argv[1:] if argv is None else list(argv), counts, check=args.check, out=args.out)
@@ -624,7 +651,7 @@ def main(argv=None) -> int:
   tokens = batch.tokens.size
   optimizer = optax.adamw(1e-3)
   label = step_label(config, tokens, args.fp8_gemm, args.ep_capacity_factor, args.grad_reduce_dtype,
-                     bool(args.shard_replicated))
+                     bool(args.shard_replicated), bool(args.shard_optimizer))
   grad_reduce_dtype = None if args.grad_reduce_dtype == "float32" else jnp.dtype(args.grad_reduce_dtype)
   print(f"{device}, jax {jax.__version__}: {label}, devices={args.devices or 'no mesh'}")
   rows, failed = [], False
@@ -636,14 +663,16 @@ def main(argv=None) -> int:
           print(capacity_report(params, batch, config, impl, n), flush=True)
           ok, report = check_devices(params, batch, config, impl, n, rtol=args.check_rtol,
                                      loss_rtol=args.check_loss_rtol, grad_reduce_dtype=grad_reduce_dtype,
-                                     shard_replicated=args.shard_replicated)
+                                     shard_replicated=args.shard_replicated,
+                                     shard_optimizer=args.shard_optimizer)
           print(report, flush=True)
           failed |= not ok
     for n in counts or [0]:
-      step, place = _mesh_step(n, config, optimizer, impl, grad_reduce_dtype, args.shard_replicated)
+      step, place = _mesh_step(n, config, optimizer, impl, grad_reduce_dtype, args.shard_replicated,
+                               args.shard_optimizer)
       p, b = place(params), place(batch)
       # shaped and placed like the (possibly expert-parallel) params, its step count too: chained steps compile once
-      opt_state = init_optimizer_state(optimizer, p, make_mesh(n)) if n else optimizer.init(p)
+      opt_state = init_state(optimizer, p, n, args.shard_optimizer)
       t0 = time.perf_counter()
       jax.block_until_ready(step(p, opt_state, b))
       first_call_s = time.perf_counter() - t0  # compilation and one step

@@ -420,7 +420,8 @@ def block_param_specs(params: BlockParams, expert_axis: str | None) -> BlockPara
 
 def sharded_train_step(config: BlockConfig, optimizer: optax.GradientTransformation, mesh, *, expert_axis: str,
                        batch_axes=None, implementation: str | None = None, check_vma: bool = False,
-                       grad_reduce_dtype=None, shard_replicated: str | None = None):
+                       grad_reduce_dtype=None, shard_replicated: str | None = None,
+                       shard_optimizer: str | None = None):
   """:func:`train_step` under ``mesh``: a jitted ``step(params, opt_state, batch) -> StepResult``.
 
   One ``jax.shard_map`` (:func:`jaxkern.modeling.sharding.make_sharded_train_step`) runs :func:`loss_fn` and its
@@ -447,12 +448,17 @@ def sharded_train_step(config: BlockConfig, optimizer: optax.GradientTransformat
       with their optimiser state, all-gathered for the loss, their gradients reduce-scattered (ZeRO/FSDP-style;
       :func:`jaxkern.modeling.storage_specs`, :func:`jaxkern.modeling.sharded_value_and_grad`). Needs
       ``check_vma=False``.
+    shard_optimizer: ``None`` (default), or a mesh axis among ``batch_axes`` (not with ``shard_replicated``): the
+      replicated params stay whole, but the optimiser state and update of those whose dim 0 is a multiple of its
+      size are split over it: their gradients reduce-scattered, the updated slices all-gathered at the end of the
+      step (ZeRO-1/2-style; :func:`jaxkern.modeling.make_sharded_train_step`). Needs ``check_vma=False``.
 
   Params and optimiser state: ``ep = ep_params(params, config)``, ``specs = block_param_specs(ep, expert_axis)``,
   ``params = shard_params(ep, mesh, specs)`` (:func:`jaxkern.modeling.sharding.shard_params`); with
   ``shard_replicated=axis``, ``params = shard_params(ep, mesh, storage_specs(specs, ep, mesh, axis))``
   (:func:`jaxkern.modeling.storage_specs`; the step returns them in that layout). Then ``opt_state =
-  init_optimizer_state(optimizer, params, mesh)`` (:func:`jaxkern.modeling.init_optimizer_state`: plain
+  init_optimizer_state(optimizer, params, mesh)`` (with ``shard_optimizer=axis``: ``shard_over=axis``;
+  :func:`jaxkern.modeling.init_optimizer_state`: plain
   ``optimizer.init`` leaves the step count off the mesh and the second step compiles again).
   :func:`merge_ep_params` turns them back into :class:`BlockParams` (on host arrays too: ``np.asarray`` of a sharded
   ``jax.Array`` is the whole array). ``StepResult.load`` is ``None``.
@@ -465,7 +471,8 @@ def sharded_train_step(config: BlockConfig, optimizer: optax.GradientTransformat
   shapes = jax.eval_shape(lambda: ep_params(init_block_params(jax.random.key(0), config), config))
   specs = block_param_specs(shapes, expert_axis)
   step = make_sharded_train_step(loss, optimizer, mesh, specs, batch_axes=batch_axes, check_vma=check_vma,
-                                 grad_reduce_dtype=grad_reduce_dtype, shard_replicated=shard_replicated)
+                                 grad_reduce_dtype=grad_reduce_dtype, shard_replicated=shard_replicated,
+                                 shard_optimizer=shard_optimizer)
 
   def run(params, opt_state, batch):
     params, opt_state, loss_value = step(params, opt_state, batch)

@@ -134,6 +134,16 @@ reduce-scatter in place of the all-reduce (half its bytes); the update, the opti
 params live only inside the step (kept as residuals for the backward, as the stored copies were). The gathered params
 are the same values, so the loss and gradients equal those of the replicated storage up to the order of the
 gradient sums (with ``grad_reduce_dtype``, the reduce-scatter's roundings in place of the all-reduce's).
+
+**Sharded optimiser state of the replicated params** (``shard_optimizer=axis``, off by default; ZeRO-1/2-style): the
+replicated params stay whole on every device (no all-gather before the loss), but the gradient of each one
+:func:`storage_specs` would split is reduce-scattered over ``axis`` instead of all-reduced (in ``grad_reduce_dtype``
+if given; half the bytes), cast back and updated on each device's ``1/P`` slice only, with optimiser state of that
+slice (:func:`init_optimizer_state` with ``shard_over=axis``); the step then all-gathers the updated slices (float32:
+``(P-1)/P`` of their bytes) at its end, where XLA can run the gather beside the routed experts' own update. Against
+``shard_replicated``, the gather sits after the step's compute instead of before it (where the embedding waits for
+it). Same values as the replicated step: the update is elementwise, and the gradient sums differ only in order (for
+``P = 2``, not at all).
 """
 
 from __future__ import annotations
@@ -547,7 +557,7 @@ def _gather_with_scatter_grad(axis: str, other_axes: tuple, reduce_dtype: Any) -
 def sharded_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array], mesh: Mesh, param_specs: Any, *,
                            batch_axes: str | Sequence[str] | None = None, batch_specs: Any = None,
                            check_vma: bool = True, grad_reduce_dtype: Any = None,
-                           shard_replicated: str | None = None) -> Callable:
+                           shard_replicated: str | None = None, shard_optimizer: str | None = None) -> Callable:
   """``(params, batch) -> (loss, grads)`` of ``loss_fn`` run under ``jax.shard_map`` over ``mesh``.
 
   Args:
@@ -578,15 +588,20 @@ def sharded_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array], mesh: Mesh,
       ``grad_reduce_dtype`` if given), ``psum`` -med over the other batch axes (module docstring, "Sharded storage
       of the replicated params"). ``loss_fn`` still sees ``param_specs``' local shapes. Needs
       ``check_vma=False``.
+    shard_optimizer: ``None`` (default), or a mesh axis name (one of ``batch_axes``; not with ``shard_replicated``):
+      ``params`` come as ``param_specs`` says, but the gradients of the leaves :func:`storage_specs` splits are
+      reduce-scattered over the axis (module docstring, "Sharded optimiser state") and come back in that layout.
+      Needs ``check_vma=False``.
 
   Returns:
     A function ``(params, batch) -> (loss, grads)``: ``loss`` the ``pmean`` of the devices' losses over
     ``batch_axes`` (the unsharded loss for a mean over equal shards), ``grads`` sharded like ``params`` (with
-    ``shard_replicated``: like their storage, :func:`storage_specs`): the gradient of ``loss``. Not jitted itself.
+    ``shard_replicated`` or ``shard_optimizer``: like :func:`storage_specs`): the gradient of ``loss``. Not jitted
+    itself.
 
   Raises:
-    ValueError: ``grad_reduce_dtype`` or ``shard_replicated`` with ``check_vma=True``; ``shard_replicated`` not one
-      of ``batch_axes``.
+    ValueError: ``grad_reduce_dtype``, ``shard_replicated`` or ``shard_optimizer`` with ``check_vma=True``;
+      ``shard_replicated`` or ``shard_optimizer`` not one of ``batch_axes``; both given.
   """
   if grad_reduce_dtype is not None and check_vma:
     raise ValueError(f"grad_reduce_dtype={grad_reduce_dtype}: needs check_vma=False (with check_vma=True "
@@ -594,19 +609,26 @@ def sharded_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array], mesh: Mesh,
   if shard_replicated is not None and check_vma:
     raise ValueError(f"shard_replicated={shard_replicated!r}: needs check_vma=False (the gathered params' gradients "
                      "are reduce-scattered by a custom_vjp, outside jax.shard_map's replication types)")
+  if shard_optimizer is not None and check_vma:
+    raise ValueError(f"shard_optimizer={shard_optimizer!r}: needs check_vma=False (the gradients are "
+                     "reduce-scattered by hand, outside jax.shard_map's replication types)")
+  if shard_optimizer is not None and shard_replicated is not None:
+    raise ValueError(f"shard_optimizer={shard_optimizer!r} and shard_replicated={shard_replicated!r}: give one "
+                     "(shard_replicated already splits the optimiser state)")
   if batch_axes is None:
     batch_axes = tuple(mesh.axis_names)
   elif isinstance(batch_axes, str):
     batch_axes = (batch_axes,)
   else:
     batch_axes = tuple(batch_axes)
-  if shard_replicated is not None and shard_replicated not in batch_axes:
-    raise ValueError(f"shard_replicated={shard_replicated!r} must be one of the batch axes {batch_axes}")
+  for name, axis in (("shard_replicated", shard_replicated), ("shard_optimizer", shard_optimizer)):
+    if axis is not None and axis not in batch_axes:
+      raise ValueError(f"{name}={axis!r} must be one of the batch axes {batch_axes}")
   num_shards = 1
   for axis in batch_axes:
     num_shards *= mesh.shape[axis]
 
-  def local(params, batch, gathered):
+  def local(params, batch, gathered, scattered):
     if check_vma:
       return jax.value_and_grad(lambda p: lax.pmean(loss_fn(p, batch), batch_axes))(params)
     if shard_replicated is not None:
@@ -617,26 +639,36 @@ def sharded_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array], mesh: Mesh,
       full = lambda p: p
     loss, grads = jax.value_and_grad(lambda p, b: loss_fn(full(p), b))(params, batch)
 
-    def reduce(g, spec, is_gathered):
+    def reduce(g, spec, is_gathered, is_scattered):
       if is_gathered:  # summed over every batch axis by the gather's backward
         return g / num_shards
       axes = tuple(a for a in batch_axes if a not in _spec_axes(spec))
-      if axes and grad_reduce_dtype is not None and g.dtype != grad_reduce_dtype:
-        return lax.psum(g.astype(grad_reduce_dtype), axes).astype(g.dtype) / num_shards
-      return (lax.psum(g, axes) if axes else g) / num_shards
+      if not axes:
+        return g / num_shards
+      dtype = g.dtype
+      if grad_reduce_dtype is not None and dtype != grad_reduce_dtype:
+        g = g.astype(grad_reduce_dtype)
+      if is_scattered:
+        g = lax.psum_scatter(g, shard_optimizer, scatter_dimension=0, tiled=True)
+        axes = tuple(a for a in axes if a != shard_optimizer)
+      if axes:
+        g = lax.psum(g, axes)
+      return g.astype(dtype) / num_shards
 
-    grads = jax.tree.map(reduce, grads, param_specs, gathered, is_leaf=_is_spec)
+    grads = jax.tree.map(reduce, grads, param_specs, gathered, scattered, is_leaf=_is_spec)
     return lax.pmean(loss, batch_axes), grads
 
   def run(params, batch):
     bspecs = batch_specs if batch_specs is not None else _batch_specs(batch, batch_axes)
-    if shard_replicated is None:
-      specs = param_specs
-    else:
-      specs = storage_specs(param_specs, params, mesh, shard_replicated)
-    gathered = jax.tree.map(lambda spec, stored: spec != stored, param_specs, specs, is_leaf=_is_spec)
-    return jax.shard_map(functools.partial(local, gathered=gathered), mesh=mesh, in_specs=(specs, bspecs),
-                         out_specs=(PartitionSpec(), specs), check_vma=check_vma)(params, batch)
+    specs = grad_specs = param_specs
+    if shard_replicated is not None:
+      specs = grad_specs = storage_specs(param_specs, params, mesh, shard_replicated)
+    if shard_optimizer is not None:
+      grad_specs = storage_specs(param_specs, params, mesh, shard_optimizer)
+    differs = lambda other: jax.tree.map(lambda spec, o: spec != o, param_specs, other, is_leaf=_is_spec)
+    local_fn = functools.partial(local, gathered=differs(specs), scattered=differs(grad_specs))
+    return jax.shard_map(local_fn, mesh=mesh, in_specs=(specs, bspecs), out_specs=(PartitionSpec(), grad_specs),
+                         check_vma=check_vma)(params, batch)
 
   return run
 
@@ -646,7 +678,7 @@ def shard_params(params: Any, mesh: Mesh, param_specs: Any) -> Any:
   return jax.tree.map(lambda p, spec: jax.device_put(p, NamedSharding(mesh, spec)), params, param_specs)
 
 
-def init_optimizer_state(optimizer, params: Any, mesh: Mesh) -> Any:
+def init_optimizer_state(optimizer, params: Any, mesh: Mesh, *, shard_over: str | None = None) -> Any:
   """``optimizer.init(params)`` placed as the sharded step returns it, so that chained steps compile once.
 
   ``optimizer.init`` leaves some leaves off the mesh (optax's step count: a fresh single-device scalar), while the
@@ -659,8 +691,14 @@ def init_optimizer_state(optimizer, params: Any, mesh: Mesh) -> Any:
     optimizer: an ``optax.GradientTransformation``.
     params: the params, placed (:func:`shard_params`).
     mesh: the step's :class:`jax.sharding.Mesh`.
+    shard_over: ``None`` (default), or the mesh axis of a ``shard_optimizer=axis`` step: the state of every
+      replicated param that :func:`storage_specs` splits is made split over it (module docstring, "Sharded
+      optimiser state"), the params themselves untouched.
   """
   replicated = NamedSharding(mesh, PartitionSpec())
+  if shard_over is not None:
+    specs = jax.tree.map(lambda p: p.sharding.spec, params)
+    params = shard_params(params, mesh, storage_specs(specs, params, mesh, shard_over))
 
   def place(leaf):
     sharding = getattr(leaf, "sharding", None)
@@ -674,7 +712,7 @@ def init_optimizer_state(optimizer, params: Any, mesh: Mesh) -> Any:
 def make_sharded_train_step(loss_fn: Callable[[Any, Any], jax.Array], optimizer, mesh: Mesh, param_specs: Any, *,
                             batch_axes: str | Sequence[str] | None = None, batch_specs: Any = None,
                             check_vma: bool = True, grad_reduce_dtype: Any = None,
-                            shard_replicated: str | None = None) -> Callable:
+                            shard_replicated: str | None = None, shard_optimizer: str | None = None) -> Callable:
   """A jitted ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
 
   The loss and gradients come from :func:`sharded_value_and_grad` (one ``jax.shard_map``), then
@@ -686,18 +724,29 @@ def make_sharded_train_step(loss_fn: Callable[[Any, Any], jax.Array], optimizer,
   second step compiles again); ``batch`` may be any arrays (jit reshards them). With ``shard_replicated=axis`` place
   ``params`` with ``shard_params(params, mesh, storage_specs(param_specs, params, mesh, axis))`` instead: the
   gradients come in that layout, the optimiser updates (and keeps state for) each device's shard only, and the step
-  returns the params in it. Arguments: those of :func:`sharded_value_and_grad`, and ``optimizer``.
+  returns the params in it. With ``shard_optimizer=axis`` place ``params`` with ``param_specs`` and make
+  ``opt_state`` with ``init_optimizer_state(..., shard_over=axis)``: the optimiser updates each device's slice of the
+  replicated params and the step all-gathers them (module docstring, "Sharded optimiser state"); it returns the params
+  as placed. Arguments: those of :func:`sharded_value_and_grad`, and ``optimizer``.
   """
   import optax
 
   value_and_grad = sharded_value_and_grad(loss_fn, mesh, param_specs, batch_axes=batch_axes, batch_specs=batch_specs,
                                           check_vma=check_vma, grad_reduce_dtype=grad_reduce_dtype,
-                                          shard_replicated=shard_replicated)
+                                          shard_replicated=shard_replicated, shard_optimizer=shard_optimizer)
+
+  def constrain(tree, specs):
+    return jax.tree.map(lambda spec, x: lax.with_sharding_constraint(x, NamedSharding(mesh, spec)), specs, tree,
+                        is_leaf=_is_spec)
 
   @jax.jit
   def step(params, opt_state, batch):
     loss, grads = value_and_grad(params, batch)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    if shard_optimizer is None:
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+    slices = constrain(params, storage_specs(param_specs, params, mesh, shard_optimizer))  # no data moves
+    updates, opt_state = optimizer.update(grads, opt_state, slices)
+    return constrain(optax.apply_updates(slices, updates), param_specs), opt_state, loss
 
   return step

@@ -13,6 +13,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from benchmarks import train_step
@@ -221,6 +222,45 @@ def test_benchmark_2dev_shard_replicated(tmp_path, capsys):
   assert [(r["component"], r["devices"]) for r in rows] == [("step", 2)]
   assert rows[0]["shape"].endswith(" shard_replicated") and np.isfinite(rows[0]["loss"])
   assert "step xla devices=2" in capsys.readouterr().out
+
+
+@needs_2
+def test_benchmark_2dev_shard_optimizer(tmp_path, capsys):
+  """``--shard-optimizer --check`` on 2 devices runs: the check passes, the chained steps keep the params whole and
+  the label says so; with ``--shard-replicated`` it is refused."""
+  out = tmp_path / "rows.jsonl"
+  assert train_step.main(["--small", "--devices", "2", "--shard-optimizer", "--check", "--no-split", "--iterations",
+                          "1", "--implementations", "xla", "--out", str(out)]) == 0
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [(r["component"], r["devices"]) for r in rows] == [("step", 2)]
+  assert rows[0]["shape"].endswith(" shard_optimizer") and np.isfinite(rows[0]["loss"])
+  printed = capsys.readouterr().out
+  assert "step xla devices=2" in printed and "check " in printed
+  with pytest.raises(SystemExit):
+    train_step.main(["--small", "--devices", "2", "--shard-optimizer", "--shard-replicated"])
+
+
+@needs_2
+def test_sharded_step_shard_optimizer_2dev():
+  """block.sharded_train_step(shard_optimizer=...) with Adam: two chained steps bit-equal to the step without (two
+  devices: the reduce-scatter adds the same two partials), params whole, Adam's moments of the split leaves split."""
+  config, params, batch, mesh, ep, specs, loss = _small_sharded_loss(seed=2)
+  optimizer = optax.adam(1e-3)
+  outs = []
+  for flag in (False, True):
+    step, place = train_step._mesh_step(2, config, optimizer, "xla", None, False, flag)
+    p, b = place(params), place(batch)
+    state = train_step.init_state(optimizer, p, 2, flag)
+    for _ in range(2):
+      result = step(p, state, b)
+      p, state = result.params, result.opt_state
+    outs.append((float(result.loss), jax.tree.map(np.asarray, p), state))
+  (l0, p0, _), (l1, p1, s1) = outs
+  assert l0 == l1
+  jax.tree.map(np.testing.assert_array_equal, p1, p0)
+  assert s1[0].mu.embed.sharding.spec == jax.sharding.PartitionSpec(train_step.AXIS)
+  assert result.params.embed.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+                                                       2)
 
 
 def test_shard_replicated_flag_passes_to_children():
