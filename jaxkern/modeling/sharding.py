@@ -143,7 +143,9 @@ slice (:func:`init_optimizer_state` with ``shard_over=axis``); the step then all
 ``(P-1)/P`` of their bytes) at its end, where XLA can run the gather beside the routed experts' own update. Against
 ``shard_replicated``, the gather sits after the step's compute instead of before it (where the embedding waits for
 it). Same values as the replicated step: the update is elementwise, and the gradient sums differ only in order (for
-``P = 2``, not at all).
+``P = 2``, not at all). On 2 H200s (the v3 benchmark step, 2026-11-27, ``benchmarks/NOTES.md``): 0.15-0.6 ms off the
+blocked step, the pipelined step unchanged (the gather, 2.6 ms of NCCL time, is 75-81% overlapped and slows the
+kernels under it).
 """
 
 from __future__ import annotations
