@@ -9,7 +9,6 @@ expert-sharded).
 """
 
 import jax
-import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -17,8 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxkern.modeling import (init_optimizer_state, make_sharded_train_step, shard_params, sharded_value_and_grad,
                               storage_specs)
 from tests.modeling.multi_device import EIGHT, mesh as _mesh, needs_8, run_8dev_tests
-from tests.modeling.test_shard_replicated import COMPILE_EVENT, _params, _setup
-from tests.modeling.test_sharding import SHARED, _assert_close, _batch, _ep_params
+from tests.modeling.test_shard_replicated import COMPILE_EVENT, _setup, run_beside_plain_and_unsharded
+from tests.modeling.test_sharding import _batch
 
 IS_SPEC = lambda s: isinstance(s, P)  # noqa: E731
 
@@ -56,40 +55,13 @@ def test_init_optimizer_state_shard_over(key):
 
 
 def _check_step(key, mesh, expert_axis, axis, *, optimizer, steps=2, bit_equal=False):
-  """The step with ``shard_optimizer=axis`` against the step without and the unsharded step: loss per step, params
-  after ``steps`` (bit-equal to the step without when ``bit_equal``); the returned params keep ``specs`` (whole on
-  every device), the optimiser state is split as storage_specs says; the HLO reduce-scatters and all-gathers."""
-  params, ep, specs, loss, unsharded = _setup(key, mesh, expert_axis)
-  batch = _batch(key)
-
-  @jax.jit
-  def reference_step(params, opt_state, batch):
-    value, grads = jax.value_and_grad(unsharded)(params, batch)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
-
+  """The step with ``shard_optimizer=axis`` against the step without and the unsharded step
+  (:func:`run_beside_plain_and_unsharded`; bit-equal to the step without when ``bit_equal``); the returned params
+  keep ``specs`` (whole on every device), the optimiser state is split as storage_specs says."""
+  p_z, s_z, specs, ep = run_beside_plain_and_unsharded(key, mesh, expert_axis, optimizer, steps=steps,
+                                                       store=lambda specs, ep: specs, state_kw=dict(shard_over=axis),
+                                                       bit_equal=bit_equal, shard_optimizer=axis)
   stored = storage_specs(specs, ep, mesh, axis)
-  zero1 = make_sharded_train_step(loss, optimizer, mesh, specs, check_vma=False, shard_optimizer=axis)
-  plain = make_sharded_train_step(loss, optimizer, mesh, specs, check_vma=False)
-  p_z = p_p = shard_params(ep, mesh, specs)
-  s_z = init_optimizer_state(optimizer, p_z, mesh, shard_over=axis)
-  s_p = init_optimizer_state(optimizer, p_p, mesh)
-  ref_state = optimizer.init(params)
-  text = zero1.lower(p_z, s_z, batch).as_text()
-  assert "reduce_scatter" in text and "all_gather" in text
-  for i in range(steps):
-    p_z, s_z, l_z = zero1(p_z, s_z, batch)
-    p_p, s_p, l_p = plain(p_p, s_p, batch)
-    params, ref_state, l_r = reference_step(params, ref_state, batch)
-    _assert_close(l_z, l_p, f"loss of step {i} vs the step without")
-    _assert_close(l_z, l_r, f"loss of step {i} vs unsharded")
-  assert float(l_r) < float(unsharded(_params(key, SHARED), batch)), "the loss falls"
-  for (path, got), want, ref in zip(jax.tree_util.tree_flatten_with_path(p_z)[0], jax.tree.leaves(p_p),
-                                    jax.tree.leaves(dict(params, moe=_ep_params(params["moe"], SHARED)))):
-    if bit_equal:
-      np.testing.assert_array_equal(got, want, err_msg=f"{jax.tree_util.keystr(path)} vs the step without")
-    _assert_close(got, want, f"{jax.tree_util.keystr(path)} vs the step without")
-    _assert_close(got, ref, f"{jax.tree_util.keystr(path)} vs unsharded")
   n = mesh.shape[axis]
   adam = s_z[0]  # adam's and adamw's first state: ScaleByAdamState
   for (path, leaf), spec, stored_spec, mu, nu in zip(

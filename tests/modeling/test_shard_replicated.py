@@ -110,13 +110,15 @@ def test_one_device_mesh(key):
   jax.tree.map(np.testing.assert_array_equal, outs[0][1], outs[1][1])
 
 
-def _check_step(key, mesh, expert_axis, axis, steps=2):
-  """The step with ``shard_replicated=axis`` against the step without and the unsharded step (SGD with momentum, as
-  test_sharding's _check_train_step): loss per step, params after ``steps``; the returned params and momentum are
-  stored as storage_specs says (each device holds 1/n of a split param); the HLO has the reduce-scatter."""
+def run_beside_plain_and_unsharded(key, mesh, expert_axis, optimizer, *, steps, store, state_kw, bit_equal=False,
+                                   **step_kw):
+  """``steps`` of ``make_sharded_train_step(**step_kw)`` (params placed with ``store(specs, ep)``, state from
+  ``init_optimizer_state(..., **state_kw)``) beside the plain sharded step and the unsharded step: the loss of every
+  step and the final params close to both (bit-equal to the plain step's with ``bit_equal``); the lowered step
+  reduce-scatters and all-gathers. Returns the step under test's ``(params, opt_state)``, the compute ``specs`` and
+  the unplaced ``ep`` params."""
   params, ep, specs, loss, unsharded = _setup(key, mesh, expert_axis)
   batch = _batch(key)
-  optimizer = optax.sgd(0.05, momentum=0.9)
 
   @jax.jit
   def reference_step(params, opt_state, batch):
@@ -124,34 +126,44 @@ def _check_step(key, mesh, expert_axis, axis, steps=2):
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
 
-  stored = storage_specs(specs, ep, mesh, axis)
+  tested = make_sharded_train_step(loss, optimizer, mesh, specs, check_vma=False, **step_kw)
+  plain = make_sharded_train_step(loss, optimizer, mesh, specs, check_vma=False)
+  p_t, p_p = shard_params(ep, mesh, store(specs, ep)), shard_params(ep, mesh, specs)
+  s_t, s_p = init_optimizer_state(optimizer, p_t, mesh, **state_kw), init_optimizer_state(optimizer, p_p, mesh)
+  ref_state = optimizer.init(params)
+  text = tested.lower(p_t, s_t, batch).as_text()
+  assert "reduce_scatter" in text and "all_gather" in text
+  for i in range(steps):
+    p_t, s_t, l_t = tested(p_t, s_t, batch)
+    p_p, s_p, l_p = plain(p_p, s_p, batch)
+    params, ref_state, l_r = reference_step(params, ref_state, batch)
+    _assert_close(l_t, l_p, f"loss of step {i} vs the step without")
+    _assert_close(l_t, l_r, f"loss of step {i} vs unsharded")
+  assert float(l_r) < float(unsharded(_params(key, SHARED), batch)), "the loss falls"
+  for (path, got), want, ref in zip(jax.tree_util.tree_flatten_with_path(p_t)[0], jax.tree.leaves(p_p),
+                                    jax.tree.leaves(dict(params, moe=_ep_params(params["moe"], SHARED)))):
+    if bit_equal:
+      np.testing.assert_array_equal(got, want, err_msg=f"{jax.tree_util.keystr(path)} vs the step without")
+    _assert_close(got, want, f"{jax.tree_util.keystr(path)} vs the step without")
+    _assert_close(got, ref, f"{jax.tree_util.keystr(path)} vs unsharded")
+  _assert_close(_as_moe_params(p_t["moe"]).w_down, params["moe"].w_down, "merged w_down")
+  return p_t, s_t, specs, ep
+
+
+def _check_step(key, mesh, expert_axis, axis, steps=2):
+  """The step with ``shard_replicated=axis`` against the step without and the unsharded step (SGD with momentum, as
+  test_sharding's _check_train_step; :func:`run_beside_plain_and_unsharded`); the returned params and momentum are
+  stored as storage_specs says (each device holds 1/n of a split param)."""
+  store = lambda specs, ep: storage_specs(specs, ep, mesh, axis)  # noqa: E731
+  p_f, s_f, specs, ep = run_beside_plain_and_unsharded(key, mesh, expert_axis, optax.sgd(0.05, momentum=0.9),
+                                                       steps=steps, store=store, state_kw={}, shard_replicated=axis)
+  stored = store(specs, ep)
   is_spec = lambda s: isinstance(s, P)
   split = {path for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(stored, is_leaf=is_spec)[0],
                                         jax.tree.leaves(specs, is_leaf=is_spec)) if a != b}
   assert all(jax.tree.leaves(jax.tree.map(lambda a, b: a == b or a == P(axis), stored, specs, is_leaf=is_spec)))
   names = {jax.tree_util.keystr(k) for k in split}
   assert names == {"['w_in']", "['moe'].router", "['moe'].router_bias"}, names
-
-  fsdp = make_sharded_train_step(loss, optimizer, mesh, specs, check_vma=False, shard_replicated=axis)
-  plain = make_sharded_train_step(loss, optimizer, mesh, specs, check_vma=False)
-  p_f = shard_params(ep, mesh, stored)
-  p_p = shard_params(ep, mesh, specs)
-  s_f, s_p = init_optimizer_state(optimizer, p_f, mesh), init_optimizer_state(optimizer, p_p, mesh)
-  ref_state = optimizer.init(params)
-  text = fsdp.lower(p_f, s_f, batch).as_text()
-  assert "reduce_scatter" in text and "all_gather" in text
-  for i in range(steps):
-    p_f, s_f, l_f = fsdp(p_f, s_f, batch)
-    p_p, s_p, l_p = plain(p_p, s_p, batch)
-    params, ref_state, l_r = reference_step(params, ref_state, batch)
-    _assert_close(l_f, l_p, f"loss of step {i} vs the step without")
-    _assert_close(l_f, l_r, f"loss of step {i} vs unsharded")
-  assert float(l_r) < float(unsharded(_params(key, SHARED), batch)), "the loss falls"
-  for (path, got), want, ref in zip(jax.tree_util.tree_flatten_with_path(p_f)[0], jax.tree.leaves(p_p),
-                                    jax.tree.leaves(dict(params, moe=_ep_params(params["moe"], SHARED)))):
-    _assert_close(got, want, f"{jax.tree_util.keystr(path)} vs the step without")
-    _assert_close(got, ref, f"{jax.tree_util.keystr(path)} vs unsharded")
-  _assert_close(_as_moe_params(p_f["moe"]).w_down, params["moe"].w_down, "merged w_down")
   n = mesh.shape[axis]
   momentum = s_f[0].trace
   for (path, leaf), mom, spec in zip(jax.tree_util.tree_flatten_with_path(p_f)[0], jax.tree.leaves(momentum),
