@@ -16,8 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxkern.modeling import (init_optimizer_state, make_sharded_train_step, shard_params, sharded_value_and_grad,
                               storage_specs)
 from tests.modeling.multi_device import EIGHT, mesh as _mesh, needs_8, run_8dev_tests
-from tests.modeling.test_shard_replicated import COMPILE_EVENT, _setup, run_beside_plain_and_unsharded
-from tests.modeling.test_sharding import _batch
+from tests.modeling.test_shard_replicated import _setup, chained_adam_steps_compile_once, run_beside_plain_and_unsharded
 
 IS_SPEC = lambda s: isinstance(s, P)  # noqa: E731
 
@@ -105,22 +104,10 @@ def test_step_8dev_data_and_expert_axes(key):
 @needs_8
 def test_chained_adam_steps_compile_once_8dev(key):
   """The step fed its own outputs (whole params, split moments) does not compile again."""
-  compiles = []
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda event, duration, **kw: compiles.append(event) if event == COMPILE_EVENT else None)
-  mesh = _mesh((8,), ("data",))
-  _, ep, specs, loss, _ = _setup(key, mesh, "data")
-  optimizer = optax.adam(1e-3)
-  p = shard_params(ep, mesh, specs)
-  step = make_sharded_train_step(loss, optimizer, mesh, specs, check_vma=False, shard_optimizer="data")
-  batch = _batch(key)
-  p, state, _ = step(p, init_optimizer_state(optimizer, p, mesh, shard_over="data"), batch)
-  assert state[0].mu["w_in"].sharding.spec == P("data"), "Adam's moments are stored split"
-  assert p["w_in"].sharding.is_equivalent_to(NamedSharding(mesh, P()), 2), "the params come back whole"
-  del compiles[:]
-  for _ in range(2):
-    p, state, _ = step(p, state, batch)
-  assert compiles.count(COMPILE_EVENT) == 0, compiles
+  p, _ = chained_adam_steps_compile_once(key, lambda specs, ep, mesh: specs, dict(shard_over="data"),
+                                        shard_optimizer="data")
+  whole = NamedSharding(p["w_in"].sharding.mesh, P())
+  assert p["w_in"].sharding.is_equivalent_to(whole, 2), "the params come back whole"
 
 
 @pytest.mark.skipif(EIGHT, reason="this process has 8 devices: the 8dev tests run here")

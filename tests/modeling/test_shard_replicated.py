@@ -191,21 +191,31 @@ def test_step_8dev_data_and_expert_axes(key):
 def test_chained_adam_steps_compile_once_8dev(key):
   """Adam with shard_replicated on 8 devices: the step fed its own outputs (params in storage layout, sharded
   moments) does not compile again."""
+  p, state = chained_adam_steps_compile_once(key, lambda specs, ep, mesh: storage_specs(specs, ep, mesh, "data"), {},
+                                             shard_replicated="data")
+  assert p["w_in"].sharding.spec == P("data")
+
+
+def chained_adam_steps_compile_once(key, store, state_kw, **step_kw):
+  """Two Adam steps of ``make_sharded_train_step(**step_kw)`` on 8 devices, each fed the outputs of the one before
+  (params placed with ``store(specs, ep, mesh)``, state from ``init_optimizer_state(..., **state_kw)``), compile
+  nothing after the first; Adam's moments of ``w_in`` come back split over ``"data"``. Returns the params and state."""
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
       lambda event, duration, **kw: compiles.append(event) if event == COMPILE_EVENT else None)
   mesh = _mesh((8,), ("data",))
   _, ep, specs, loss, _ = _setup(key, mesh, "data")
   optimizer = optax.adam(1e-3)
-  p = shard_params(ep, mesh, storage_specs(specs, ep, mesh, "data"))
-  step = make_sharded_train_step(loss, optimizer, mesh, specs, check_vma=False, shard_replicated="data")
+  p = shard_params(ep, mesh, store(specs, ep, mesh))
+  step = make_sharded_train_step(loss, optimizer, mesh, specs, check_vma=False, **step_kw)
   batch = _batch(key)
-  p, state, _ = step(p, init_optimizer_state(optimizer, p, mesh), batch)
+  p, state, _ = step(p, init_optimizer_state(optimizer, p, mesh, **state_kw), batch)
   assert state[0].mu["w_in"].sharding.spec == P("data"), "Adam's moments are stored split"
   del compiles[:]
   for _ in range(2):
     p, state, _ = step(p, state, batch)
   assert compiles.count(COMPILE_EVENT) == 0, compiles
+  return p, state
 
 
 @pytest.mark.skipif(EIGHT, reason="this process has 8 devices: the 8dev tests run here")
