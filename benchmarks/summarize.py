@@ -213,15 +213,17 @@ def profile_tables(rows) -> list[str]:
   for gpu, shape, date in sorted({(r["gpu"], r["shape"], r["date"]) for r in rows}):
     rs = sorted((r for r in rows if (r["gpu"], r["shape"], r["date"]) == (gpu, shape, date)),
                 key=lambda r: (r["devices"], r["gpu_index"]))
-    lines += [f"### Where the step's time goes: {shape} — {gpu}, {date}", "", rs[0].get("note", ""), "",
-              "| GPUs | GPU | jaxkern kernels (Mosaic GPU: routing, casts, expand / reduce, SwiGLU, FP8 GEMMs, mHC, "
-              "Engram) | XLA GEMMs (float32 readout on cuBLAS TF32, Triton) | other XLA fusions (Adam, casts, "
+    notes = list(dict.fromkeys(r.get("note", "") for r in rs))  # one per run: a row's "run" is its note's number
+    lines += [f"### Where the step's time goes: {shape} — {gpu}, {date}", ""]
+    lines += [f"{i}. {note}" for i, note in enumerate(notes, 1)] + [""]
+    lines += ["| run | GPUs | GPU | jaxkern kernels (Mosaic GPU: routing, casts, expand / reduce, SwiGLU, FP8 GEMMs, "
+              "mHC, Engram) | XLA GEMMs (float32 readout on cuBLAS TF32, Triton) | other XLA fusions (Adam, casts, "
               "elementwise) | NCCL | kernel sum | busy | span | pipelined step (untraced) |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rs:
-      lines.append(f"| {r['devices']} | {r['gpu_index']} | {r['mosaic']:.2f} | {r['gemm']:.2f} | {r['xla']:.2f} | "
-                   f"{r['nccl']:.2f} | {r['kernel_sum']:.2f} | {r['busy']:.2f} | {r['span']:.2f} | "
-                   f"{r['pipelined']:.2f} |")
+      lines.append(f"| {notes.index(r.get('note', '')) + 1} | {r['devices']} | {r['gpu_index']} | {r['mosaic']:.2f} | "
+                   f"{r['gemm']:.2f} | {r['xla']:.2f} | {r['nccl']:.2f} | {r['kernel_sum']:.2f} | {r['busy']:.2f} | "
+                   f"{r['span']:.2f} | {r['pipelined']:.2f} |")
     lines.append("")
   return lines
 

@@ -33,6 +33,25 @@ def test_kinds_and_times():
   assert "[op4] adam @ optax.py:1" in labelled["/device:GPU:0"][4][2]
 
 
+def test_launches_without_their_instruction_take_their_kernels_label():
+  trace = _trace()
+  extra = [("loop_add_fusion_3", 400, 10, None), ("loop_add_fusion_3", 500, 10, "op9"),  # op9: no source line
+           ("body_mosaic_gpu_kernel", 600, 20, None), ("body_mosaic_gpu_kernel", 700, 20, "op10"),
+           ("input_reduce_fusion", 800, 5, None)]  # no launch of it names an instruction
+  trace["traceEvents"] += [dict(ph="X", pid=1, name=n, ts=t, dur=d, args=dict(hlo_op=op) if op else {})
+                           for n, t, d, op in extra]
+  sources = {"op4": "adam @ optax.py:1", "op0": "expand @ moe.py:1", "op10": "swiglu @ moe.py:2"}
+  labels = [label for _, _, label in profile_step.gpu_kernels(trace, sources)["/device:GPU:0"]]
+  adam = "loop_add_fusion_3 [op4] adam @ optax.py:1"
+  assert labels[4] == labels[6] == labels[7] == adam  # one label for every launch of the kernel
+  assert labels[0] == "body_mosaic_gpu_kernel [op0] expand @ moe.py:1"  # a launch naming its own keeps it
+  assert labels[9] == "body_mosaic_gpu_kernel [op10] swiglu @ moe.py:2"
+  assert labels[8] == "body_mosaic_gpu_kernel [2 instructions]"  # a kernel shared by two: not guessed
+  assert labels[10] == "input_reduce_fusion"
+  s = profile_step.summarize_gpu(profile_step.gpu_kernels(trace, sources)["/device:GPU:0"], steps=1)
+  assert s["top"][adam] == pytest.approx(0.03) and s["mosaic"] == pytest.approx(0.17)
+
+
 def test_hlo_sources():
   text = ('  %fusion.3 = f32[8]{0} fusion(%a), kind=kLoop, metadata={op_name="jit(step)/add" '
           'source_file="/x/optax/update.py" source_line=12}\n')

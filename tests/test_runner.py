@@ -355,10 +355,13 @@ def test_train_step_tables(tmp_path):
   assert summarize.train_step_tables([]) == []
   profile = dict(component="profile", devices=2, gpu_index=1, mosaic=1.0, gemm=2.0, xla=3.0, nccl=4.0, busy=8.0,
                  kernel_sum=10.0, span=9.0, pipelined=9.5, note="a trace", **common)
-  path.write_text("\n".join(json.dumps(r) for r in rows + [profile]) + "\n")
+  other_run = dict(profile, devices=1, gpu_index=0, mosaic=5.0, note="another trace")
+  path.write_text("\n".join(json.dumps(r) for r in rows + [profile, other_run]) + "\n")
   text = "\n".join(summarize.train_step_tables([path]))
-  assert "### Where the step's time goes: T=8 H=256 — NVIDIA-H200, 2026-11-26" in text and "a trace" in text
-  assert "| 2 | 1 | 1.00 | 2.00 | 3.00 | 4.00 | 10.00 | 8.00 | 9.00 | 9.50 |" in text
+  assert "### Where the step's time goes: T=8 H=256 — NVIDIA-H200, 2026-11-26" in text
+  assert "1. another trace\n2. a trace" in text  # each run's note once, numbered in the rows' order (devices first)
+  assert "| 1 | 1 | 0 | 5.00 |" in text
+  assert "| 2 | 2 | 1 | 1.00 | 2.00 | 3.00 | 4.00 | 10.00 | 8.00 | 9.00 | 9.50 |" in text
   assert "| auto | 2 | 62.50 | 128 | 80.0% | 50.00 | 90.0% | 2.5000 |" in text  # the step rows unchanged
 
 
