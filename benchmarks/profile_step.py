@@ -17,7 +17,9 @@ trace) and sums the GPU kernels' durations per GPU, by kind:
 plus ``kernel_sum`` (all kernels), ``busy`` (the union of the kernels' intervals: kernels on several streams
 overlap, communication with compute included), ``span`` (first kernel start to last kernel end) per step, and the
 untraced ``pipelined`` wall-clock ms per step. ``--top K`` prints the K kernels of most time; ``--sources`` labels
-them with their HLO instruction's source line (this compiles the step a second time). ``--rows FILE`` appends one
+them with their HLO instruction's source line (this compiles the step a second time) and also prints the K groups of
+most time by kind, phase and op (:func:`source_group`: e.g. ``xla update add`` for Adam, ``xla backward
+convert_element_type``). ``--rows FILE`` appends one
 row per GPU (``component="profile"``) that ``python -m benchmarks.summarize`` renders below the step tables when the
 file is under ``benchmarks/results/train_step/``.
 
@@ -101,6 +103,20 @@ def gpu_kernels(trace: dict, sources: dict | None = None) -> dict:
   return {process: [(t, d, attributed.get(label, label)) for t, d, label in kernels] for process, kernels in out.items()}
 
 
+def source_group(label: str) -> str:
+  """``kind phase name`` of a kernel label from :func:`gpu_kernels` with sources: ``phase`` ``backward`` where the
+  op_name (its last 70 characters) has a ``transpose(``, ``forward`` where it has a ``jvp(``, else ``update``
+  (outside the differentiated function: the optimiser, the gradients' casts around their reduction); ``name`` the innermost ``jit(...)`` that is not the step's own
+  (a jaxkern kernel or helper) or else the op_name's last primitive (``add``, ``convert_element_type``, ...).
+  ``(no source)`` for a label without one."""
+  if "] " not in label:
+    return "(no source)"
+  source = label.split("] ", 1)[1].rsplit(" @ ", 1)[0]
+  phase = "backward" if "transpose(" in source else "forward" if "jvp(" in source else "update"
+  jits = [j for j in re.findall(r"jit\((\w+)\)", source) if j not in ("run", "step", "train_step")]
+  return f"{kind(label.split(' [', 1)[0])} {phase} {jits[-1] if jits else source.rsplit('/', 1)[-1]}"
+
+
 def summarize_gpu(kernels, steps: int) -> dict:
   """Per step (ms): the kernel time by kind, ``kernel_sum``, ``busy`` (union of the intervals) and ``span``, and
   ``top`` (label -> ms) of one GPU's ``(start, duration, label)`` kernels."""
@@ -116,7 +132,7 @@ def summarize_gpu(kernels, steps: int) -> dict:
   span = kernels[-1][0] + kernels[-1][1] - kernels[0][0] if kernels else 0.0
   out = {k: 0.0 for k, _ in KINDS} | {"xla": 0.0}
   for label, duration in by_label.items():
-    out[kind(label)] += duration / 1e3 / steps
+    out[kind(label.split(" [", 1)[0])] += duration / 1e3 / steps  # the kernel name, not its source line
   out.update(kernel_sum=sum(by_label.values()) / 1e3 / steps, busy=busy / 1e3 / steps, span=span / 1e3 / steps,
              top={label: d / 1e3 / steps for label, d in by_label.most_common()})
   return out
@@ -195,6 +211,13 @@ def main(argv=None) -> int:
           + ", ".join(f"{k} {s[k]:.2f}" for k in ("mosaic", "gemm", "xla", "nccl")))
     for top_label, ms in list(s["top"].items())[:args.top]:
       print(f"    {ms:8.3f} ms  {top_label[:200]}")
+    if sources:
+      groups = collections.Counter()
+      for top_label, ms in s["top"].items():
+        groups[source_group(top_label)] += ms
+      print("    by source (kind, phase, op):")
+      for group, ms in groups.most_common(args.top):
+        print(f"    {ms:8.3f} ms  {group}")
     rows.append(dict(component="profile", bench="train_step_profile", devices=n, gpu_index=index,
                      **{k: round(v, 4) for k, v in s.items() if k != "top"}, pipelined=round(pipelined, 4),
                      shape=label, gpu=device.replace(" ", "-"), date=stamp.date().isoformat(),

@@ -52,6 +52,19 @@ def test_launches_without_their_instruction_take_their_kernels_label():
   assert s["top"][adam] == pytest.approx(0.03) and s["mosaic"] == pytest.approx(0.17)
 
 
+def test_source_groups_and_kinds_by_kernel_name():
+  group = profile_step.source_group
+  assert group("loop_add_fusion_3 [fusion.3] jit(run)/jit(step)/add @ ") == "xla update add"
+  assert group("wrapped_convert_5 [c.5] jit(run)/jit(step)/shard_map/transpose(jvp())/convert_element_type @ "
+               ) == "xla backward convert_element_type"
+  assert group("body_mosaic_gpu_kernel [m.1] p)/shard_map/jvp()/cond/branch_1_fun/jvp(jit(_ws2_kernel))/body/"
+               "mpmd_map @ ") == "mosaic forward _ws2_kernel"
+  assert group("loop_add_fusion_3") == "(no source)"
+  # a source line naming a GEMM op does not make an elementwise fusion a GEMM
+  fusion = [(0, 1000, "loop_convert_fusion [c.1] jit(step)/jvp(jit(fp8_grouped_gemm_weight_grad))/convert @ ")]
+  assert profile_step.summarize_gpu(fusion, steps=1)["xla"] == pytest.approx(1.0)
+
+
 def test_hlo_sources():
   text = ('  %fusion.3 = f32[8]{0} fusion(%a), kind=kLoop, metadata={op_name="jit(step)/add" '
           'source_file="/x/optax/update.py" source_line=12}\n')
