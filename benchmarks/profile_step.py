@@ -106,9 +106,9 @@ def gpu_kernels(trace: dict, sources: dict | None = None) -> dict:
 def source_group(label: str) -> str:
   """``kind phase name`` of a kernel label from :func:`gpu_kernels` with sources: ``phase`` ``backward`` where the
   op_name (its last 70 characters) has a ``transpose(``, ``forward`` where it has a ``jvp(``, else ``update``
-  (outside the differentiated function: the optimiser, the gradients' casts around their reduction); ``name`` the innermost ``jit(...)`` that is not the step's own
-  (a jaxkern kernel or helper) or else the op_name's last primitive (``add``, ``convert_element_type``, ...).
-  ``(no source)`` for a label without one."""
+  (outside the differentiated function: the optimiser, the gradients' casts around their reduction); ``name`` the
+  innermost ``jit(...)`` that is not the step's own (a jaxkern kernel or helper) or else the op_name's last
+  primitive (``add``, ``convert_element_type``, ...). ``(no source)`` for a label without one."""
   if "] " not in label:
     return "(no source)"
   source = label.split("] ", 1)[1].rsplit(" @ ", 1)[0]
