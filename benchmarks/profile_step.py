@@ -19,9 +19,8 @@ overlap, communication with compute included), ``span`` (first kernel start to l
 untraced ``pipelined`` wall-clock ms per step. ``--top K`` prints the K kernels of most time; ``--sources`` labels
 them with their HLO instruction's source line (this compiles the step a second time) and also prints the K groups of
 most time by kind, phase and op (:func:`source_group`: e.g. ``xla update add`` for Adam, ``xla backward
-convert_element_type``). ``--rows FILE`` appends one
-row per GPU (``component="profile"``) that ``python -m benchmarks.summarize`` renders below the step tables when the
-file is under ``benchmarks/results/train_step/``.
+convert_element_type``). ``--rows FILE`` appends one row per GPU (``component="profile"``) that ``python -m
+benchmarks.summarize`` renders below the step tables when the file is under ``benchmarks/results/train_step/``.
 
 One device count per process (``--devices 2``, not ``1,2``): see :func:`benchmarks.train_step.counts_in_processes`.
 """
@@ -54,7 +53,9 @@ KINDS = (("mosaic", r"mosaic_gpu"), ("nccl", r"nccl"), ("gemm", r"^gemm_fusion|x
 
 
 def kind(name: str) -> str:
-  """The kind of a kernel by its trace name (module docstring)."""
+  """The kind of a kernel by its trace name (module docstring); of a :func:`gpu_kernels` label, by the kernel name
+  before its source (a source line naming a GEMM op does not make an elementwise fusion a GEMM)."""
+  name = name.split(" [", 1)[0]
   for label, pattern in KINDS:
     if re.search(pattern, name, re.I):
       return label
@@ -80,10 +81,10 @@ def gpu_kernels(trace: dict, sources: dict | None = None) -> dict:
   With ``sources`` (:func:`hlo_sources`) a kernel whose event names its HLO instruction is labelled with it. Not
   every launch does: in traces of 3 chained v3 steps on H200s (2026-11-27) many kernels had a third of their launches
   named and two thirds not (likely the launches XLA replays from a command buffer, a CUDA graph; not verified), so
-  ``--top`` listed such a kernel twice. A launch without its own
-  instruction takes the label its kernel name has elsewhere in the trace when that is one label; a kernel name
-  shared by several instructions (XLA reuses one kernel for identical fusions; every Mosaic GPU kernel is
-  ``body_`` / ``kernel_mosaic_gpu_kernel``) gets ``[N instructions]`` instead."""
+  ``--top`` listed such a kernel twice. A launch without its own instruction takes the label its kernel name has
+  elsewhere in the trace when that is one label; a kernel name shared by several instructions (XLA reuses one
+  kernel for identical fusions; every Mosaic GPU kernel is ``body_`` / ``kernel_mosaic_gpu_kernel``) gets
+  ``[N instructions]`` instead."""
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
   out = collections.defaultdict(list)
@@ -114,7 +115,7 @@ def source_group(label: str) -> str:
   source = label.split("] ", 1)[1].rsplit(" @ ", 1)[0]
   phase = "backward" if "transpose(" in source else "forward" if "jvp(" in source else "update"
   jits = [j for j in re.findall(r"jit\((\w+)\)", source) if j not in ("run", "step", "train_step")]
-  return f"{kind(label.split(' [', 1)[0])} {phase} {jits[-1] if jits else source.rsplit('/', 1)[-1]}"
+  return f"{kind(label)} {phase} {jits[-1] if jits else source.rsplit('/', 1)[-1]}"
 
 
 def summarize_gpu(kernels, steps: int) -> dict:
@@ -132,7 +133,7 @@ def summarize_gpu(kernels, steps: int) -> dict:
   span = kernels[-1][0] + kernels[-1][1] - kernels[0][0] if kernels else 0.0
   out = {k: 0.0 for k, _ in KINDS} | {"xla": 0.0}
   for label, duration in by_label.items():
-    out[kind(label.split(" [", 1)[0])] += duration / 1e3 / steps  # the kernel name, not its source line
+    out[kind(label)] += duration / 1e3 / steps
   out.update(kernel_sum=sum(by_label.values()) / 1e3 / steps, busy=busy / 1e3 / steps, span=span / 1e3 / steps,
              top={label: d / 1e3 / steps for label, d in by_label.most_common()})
   return out
