@@ -163,9 +163,11 @@ def train_step_tables(paths) -> list[str]:
   lines = ["## Training step (`python -m benchmarks.train_step`)", "",
            "Wall-clock median per step (each followed by `block_until_ready`), the same global batch for every",
            "device count; scaling efficiency = t(1) / (N·t(N)); pipelined: chained steps as a training loop runs",
-           "them, blocked on once at the end (the host's dispatch overlaps the step before). The whole step's CUPTI time is left out: inside the",
-           "step it missed most of the expert GEMMs' kernels (57 ms against 197 ms wall on an H200, while the GEMMs",
-           "alone measured 174 ms by both clocks). Split: each component's forward + backward jitted alone with the",
+           "them, blocked on once at the end (the host's dispatch overlaps the step before). The whole step's CUPTI",
+           "time is left out: the rows' `device_ms` of the step up to session 21 (2026-11-27) timed a function",
+           "returning only the loss, which XLA pruned to the forward (10.4 ms against the whole step's 34.7 ms, the",
+           "v3 step on an H200; fixed in session 22), and they are not re-measured. Split: each component's",
+           "forward + backward jitted alone with the",
            "step's shapes, times the layers it runs in; `rest` = step - components (what XLA fuses or overlaps",
            "inside the step, embedding, loss, optimiser).", ""]
   newest = _newest(rows, lambda r: (r["gpu"], r["shape"], r["devices"], r["implementation"], r["component"]))
