@@ -167,9 +167,8 @@ def train_step_tables(paths) -> list[str]:
            "time is left out: the rows' `device_ms` of the step up to session 21 (2026-11-27) timed a function",
            "returning only the loss, which XLA pruned to the forward (10.4 ms against the whole step's 34.7 ms, the",
            "v3 step on an H200; fixed in session 22), and they are not re-measured. Split: each component's",
-           "forward + backward jitted alone with the",
-           "step's shapes, times the layers it runs in; `rest` = step - components (what XLA fuses or overlaps",
-           "inside the step, embedding, loss, optimiser).", ""]
+           "forward + backward jitted alone with the step's shapes, times the layers it runs in; `rest` = step -",
+           "components (what XLA fuses or overlaps inside the step, embedding, loss, optimiser).", ""]
   newest = _newest(rows, lambda r: (r["gpu"], r["shape"], r["devices"], r["implementation"], r["component"]))
   models = sorted({(r["gpu"], r["shape"]) for r in newest.values()})
   for gpu, shape in models:

@@ -676,8 +676,9 @@ def main(argv=None) -> int:
       t0 = time.perf_counter()
       jax.block_until_ready(step(p, opt_state, b))
       first_call_s = time.perf_counter() - t0  # compilation and one step
-      # the whole result: the CUPTI time jits what it is given, and a function returning only the loss would let XLA
-      # drop the backward and the update (measured: 10.4 of 38.7 ms on an H200, the v3 step, 2026-11-27)
+      # the whole result: the CUPTI time jits what it is given, and a function returning only the loss would let
+      # XLA drop the backward and the update (measured: 10.4 of the whole step's 34.7 ms on an H200, the v3 step,
+      # 2026-11-27)
       timed = time_ms(step, p, opt_state, b, iterations=iterations, device_time=n <= 1)
       loss = float(step(p, opt_state, b).loss)
       timed["pipelined_ms"] = pipelined_ms(step, p, opt_state, b, iterations=iterations)
