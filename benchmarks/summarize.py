@@ -26,6 +26,10 @@ HERE = pathlib.Path(__file__).parent
 RESULTS = HERE / "results"
 OUT = HERE / "RESULTS.md"
 
+# The ceiling issue 24 asks to report beside each FP8 grouped GEMM row: XLA's dense FP8 dot_general (cuBLASLt) of the
+# same FLOPs, TF/s at the benchmark shapes A / B / C / D (H100, warm L2, ../shared/notes/fp8_grouped_gemm.md, "The field").
+DENSE_FP8_TFLOPS = {"A": 1587, "B": 1552, "C": 1576, "D": 1535}
+
 # variant suffixes of benchmark op names: (group width / block / layout / dtype) variants of one public op
 _VARIANT = re.compile(r"_(npc\d+|row|npt\d+|\d+x\d+|e2m1|packed|bf16|fp32|quant_input)$")
 
@@ -135,12 +139,20 @@ def summarize(paths) -> str:
       lines += [f"Skipped in its newest run: {r['shape']} ({r['skipped']}).", ""]
     head = "| shape | path | µs | GB/s | % copy | XLA µs | speed-up |"
     rule = "|---|---|---:|---:|---:|---:|---:|"
+    gemm = all("tflops" in r for r in rs)
+    if gemm:
+      lines += ["TF/s = 2·M·N·K / time; dense FP8 ceiling: XLA's cuBLASLt FP8 `dot_general` of the same FLOPs at the "
+                "shape's letter (H100, warm L2, ../shared/notes/fp8_grouped_gemm.md).", ""]
+      head, rule = head + " TF/s | XLA TF/s | dense FP8 ceiling |", rule + "---:|---:|---:|"
     if with_tk:
       head, rule = head + " TK target | vs TK |", rule + "---:|---:|"
     lines += [head, rule]
     for r, v in zip(rs, vs):
       line = (f"| {r['shape']} | {r.get('path', '—')} | {r['device_us']:.2f} | {r['gbps']:.0f} | "
               f"{r['pct_copy']:.1f} | {r['xla_us']:.2f} | {r['speedup']:.2f} |")
+      if gemm:
+        ceiling = DENSE_FP8_TFLOPS.get(r["shape"].split()[0])
+        line += f" {r['tflops']:.0f} | {r['xla_tflops']:.0f} | {ceiling or '—'} |"
       if with_tk:
         anchor = targets.target(op, r["shape"])
         line += f" {anchor['target_speedup_over_xla']:.2f} |" if anchor else " — |"

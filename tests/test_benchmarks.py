@@ -167,3 +167,25 @@ def test_multilayer_recompute_small_cases_without_gpu(capsys):
   assert run.main(["--ops", "multilayer_recompute"]) == 0
   out = capsys.readouterr().out
   assert "FAILED" not in out and out.count("ok") >= 2
+
+
+GEMM_OPS = "fp8_grouped_gemm,fp8_grouped_gemm_input_grad,fp8_grouped_gemm_input_grad:kn,fp8_grouped_gemm_weight_grad"
+
+
+def test_gemm_grid_flops_and_byte_counts():
+  m, n, k = 32768, 4096, 7168
+  for op in GEMM_OPS.split(","):
+    cases = REGISTRY[op].cases()
+    assert [c.label.split()[0] for c in cases] == list("ABCD")
+    assert cases[0].flops == 2 * m * n * k and cases[2].flops == 2 * 67584 * n * k
+  wgrad = REGISTRY["fp8_grouped_gemm_weight_grad"].cases()[0]
+  assert wgrad.nbytes == n * m + m * k + (m // 128) * (n + k) * 4 + (m // 128) * 4 + 8 * n * k * 2
+  assert REGISTRY["fp8_grouped_gemm_input_grad:kn"].cases()[1].nbytes == REGISTRY[
+      "fp8_grouped_gemm_input_grad"].cases()[1].nbytes
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the correctness-only pass is the no-GPU path")
+def test_gemm_small_cases_without_gpu(capsys):
+  assert run.main(["--ops", GEMM_OPS]) == 0
+  out = capsys.readouterr().out
+  assert "FAILED" not in out and out.count(" ok") == 4

@@ -336,6 +336,17 @@ def test_summary(tmp_path):
   assert "Skipped in its newest run: M=8001 K=576 bf16 (needs 99 GiB)." in text
 
 
+def test_summary_gemm_columns(tmp_path):
+  rows = [_row("fp8_grouped_gemm", "A G=8 M=32768 N=4096 K=7168", 20.0, tflops=1200.4, xla_tflops=60.0),
+          _row("fp8_grouped_gemm", "small G=2 M=256 N=128 K=256", 2.0, tflops=1.0, xla_tflops=0.5)]
+  path = tmp_path / "r.jsonl"
+  path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+  text = summarize.summarize([path])
+  assert "| shape | path | µs | GB/s | % copy | XLA µs | speed-up | TF/s | XLA TF/s | dense FP8 ceiling |" in text
+  assert "| A G=8 M=32768 N=4096 K=7168 | pallas | 10.00 | 1000 | 33.0 | 200.00 | 20.00 | 1200 | 60 | 1587 |" in text
+  assert "| small G=2 M=256 N=128 K=256 | pallas | 10.00 | 1000 | 33.0 | 20.00 | 2.00 | 1 | 0 | — |" in text
+
+
 def test_train_step_tables(tmp_path):
   common = dict(gpu="NVIDIA-H200", shape="T=8 H=256", date="2026-11-26", time="10:00:00")
   rows = [dict(component="step", implementation="auto", devices=1, times=1, wall_ms=100.0, device_ms=30.0,

@@ -13,10 +13,13 @@ expert's blocks (a dynamic trip count: the blocks of one expert must be contiguo
 one fresh float32 wgmma accumulator per block, promoted as ``total += p · (sf_dy[b, n] · sf_x[b, k])`` (an outer
 product of the row and column scale vectors). Variants (:data:`WGRAD_VARIANTS`, :data:`WGRAD_VARIANT` picks):
 
-* ``"k2tma"`` (the default, :func:`_wgrad_ws2_kernel`): persistent, warp-specialised, two compute warpgroups of 64
-  rows on 128x128 tiles of dw; each block's row / column scales come by TMA with the tiles, two 128-row blocks per
+* ``"xptma_g8b"`` (the default, :func:`_wgrad_xp_kernel`): persistent, warp-specialised, two compute warpgroups of
+  64 rows on 128x128 tiles of dw; each block's row / column scales come by TMA with the tiles, two 128-row blocks per
   pipeline step into two accumulators (the first promoted while the second's wgmma runs; an odd count repeats the
-  last block with a zero scale), a TMA-store epilogue. H100, bf16 out: 850 / 921 TF/s at shapes A / B.
+  last block with a zero scale), a TMA-store epilogue, one pipeline across all the items of a CTA, experts by
+  descending block count and 8 K tiles per group. H200, bf16 out: 868-955 TF/s at shapes A-D.
+* ``"k2tma"`` (:func:`_wgrad_ws2_kernel`, the default until session 23): the same tiles and steps with one
+  ``emit_pipeline_warp_specialized`` per item. H100, bf16 out: 850 / 921 TF/s at shapes A / B.
 * Other variants: ``"ws"`` (:func:`_wgrad_ws_kernel`, the first: 686 / 766 TF/s), ``"ws6"`` 6 stages; ``"simple"``
   (:func:`_wgrad_kernel`) one CTA per (expert, 64 rows of N, 128 columns of K), one warpgroup; of
   :func:`_wgrad_ws2_kernel` ``"s1"`` (scales by TMA, one block per step), ``"k2"`` (register epilogue), grouped (8 K
@@ -478,11 +481,16 @@ WGRAD_VARIANTS = {"ws": _wgrad_ws_kernel, "ws6": functools.partial(_wgrad_ws_ker
                   "xp": functools.partial(_wgrad_xp_kernel, stages=3, kpair=2, epilogue="reg"),
                   "xptma": functools.partial(_wgrad_xp_kernel, stages=3, kpair=2, epilogue="tma"),
                   "xp_g8b": functools.partial(_wgrad_xp_kernel, stages=3, kpair=2, epilogue="reg", group_k=8,
-                                              balance=True)}
+                                              balance=True),
+                  "xptma_g8b": functools.partial(_wgrad_xp_kernel, stages=3, kpair=2, epilogue="tma", group_k=8,
+                                                 balance=True)}
 # H100, 2026-11-27, CUPTI cold L2, bf16 out (scratch/time_gemmfast.py), TF/s at A (8 x 4096 rows, N=4096 K=7168) /
 # B (N=7168 K=2048): "k2tma" 850 / 921, "xptma" 856 / 914, "k2_g8b" 834 / 793, "k2" 803 / 811, "s1" 797 / 841,
-# "xp" 790 / 824, "ws" 686 / 766 (C / D not timed).
-WGRAD_VARIANT = "k2tma"
+# "xp" 790 / 824, "ws" 686 / 766. H200, 2026-11-27 (session 23, same protocol), A / B / C (32 skewed experts, K=7168) /
+# D (skewed, K=2048), bf16 out: "xptma_g8b" 947-955 / 934-938 / 868-892 / 875-882, "k2tma" 892 / 961 / 796-799 /
+# 864-870, "xptma" C 838 / D 872, "k2tma_g8b" C 871 / D 856; float32 out: "xptma_g8b" A 939 / C 873, "k2tma" 862 /
+# 729. One pipeline across a CTA's items and the balanced, grouped order win where items are short and uneven (C).
+WGRAD_VARIANT = "xptma_g8b"
 
 
 def expert_block_ranges(block_expert, num_experts: int):

@@ -2,11 +2,12 @@
 
 Mosaic GPU kernels (:func:`default_variant` picks one per K; :data:`VARIANT` forces one at trace time):
 
-* ``"k2tma_g8"`` (the default from ``K >= GROUPED_RASTER_MIN_K``, :func:`_ws2_kernel`): persistent and
+* ``"k2tma_gh"`` (the default from ``K >= GROUPED_RASTER_MIN_K``, :func:`_ws2_kernel`): persistent and
   warp-specialised like ``"ws"``, with deferred promotion (2 x 128 of K per pipeline step into two wgmma
   accumulators, the first promoted while the second runs; 3 stages), an SMEM + TMA-store epilogue overlapped with
-  the next item, and 8 column tiles per group (L2 reuse); ``"k2tma"`` without the grouping. H100: 1101-1110 TF/s at
-  the DeepSeek-V3 expert shapes with K = 7168 (benchmarks/NOTES.md).
+  the next item, and items in groups of column tiles (L2 reuse; :func:`half_row_group`); ``"k2tma_g8"`` 8 per
+  group, ``"k2tma"`` without the grouping. H200: 1186-1200 TF/s at the DeepSeek-V3 expert shapes with K = 7168,
+  1152-1188 at their input-gradient shapes (benchmarks/NOTES.md).
 * ``"ring_nodefer"`` (the default below ``GROUPED_RASTER_MIN_K``, :func:`_ws3_kernel`): one SMEM ring of 128-deep
   steps through all items of a CTA (the next item's tiles load while the current one finishes), promotion after
   each step's wgmma. H100: 1101-1108 TF/s at K = 2048.
@@ -222,7 +223,8 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
     the store overlaps the next item's main loop (``"reg"``: registers straight to GMEM).
   * ``group_n`` (grouped rasterisation for L2 reuse): items walk ``gcd(group_n, N/128)`` column tiles at a
     time, 128-row blocks slower, column groups slowest, so the CTAs of one wave share fewer distinct ``x``
-    row blocks and weight tiles (``None``: all column tiles of a row block, then the next row block).
+    row blocks and weight tiles (``None``: all column tiles of a row block, then the next row block;
+    ``"half"``: :func:`half_row_group`).
   """
   m, k = xq.shape
   _, n, _ = wq.shape
@@ -232,7 +234,7 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
   m_iters, n_iters = m // BLOCK, n // BN
   wm = BLOCK // 2  # rows per compute warpgroup
   tma_out = epilogue == "tma"
-  gn = n // BN if group_n is None else int(np.gcd(group_n, n // BN))
+  gn = {None: n // BN, "half": half_row_group(n // BN)}.get(group_n) or int(np.gcd(group_n, n // BN))
   out_bytes = 2 * wm * BN * jnp.dtype(out_dtype).itemsize if tma_out else 0
   while stages > 2 and stages * kp * (BLOCK + BN) * BLOCK + out_bytes > SMEM_LIMIT - 1024:
     stages -= 1  # e.g. the float32 staging tile leaves room for one stage fewer
@@ -305,6 +307,22 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
 
   return _persistent_call(body, (m, n), out_dtype, m_iters * n_iters, num_sms, interpret)(
       block_expert, xq, sfx_t, wq, wsf)
+
+
+# Column tiles per raster group of "k2tma_gh": half a row of tiles, and a whole row up to this many. H200, 2026-11-27
+# (session 23; TF/s, 16 / 8 / all tiles per group): 32 tiles (N=4096, K=7168) 1200 / 1175 / 1108-1110 (H100: all
+# 1055); 16 tiles (N=2048, K=7168) 1188 / 1176; 56 tiles (N=7168, K=4096) 28 per group 1155, 16 or 8 1130-1141,
+# all 1109.
+WHOLE_ROW_GROUP_MAX = 16
+
+
+def half_row_group(n_tiles: int) -> int:
+  """Column tiles per raster group for a row of ``n_tiles``: all of them up to :data:`WHOLE_ROW_GROUP_MAX`, else the
+  largest divisor of ``n_tiles`` up to half of it (the whole row where that is below 8)."""
+  if n_tiles <= WHOLE_ROW_GROUP_MAX:
+    return n_tiles
+  half = max(d for d in range(1, n_tiles // 2 + 1) if n_tiles % d == 0)
+  return half if half >= 8 else n_tiles
 
 
 def _raster(lin, m_iters: int, gn: int):
@@ -566,6 +584,7 @@ VARIANTS = {"ws": _ws_kernel, "ws6": functools.partial(_ws_kernel, stages=6), "s
             "k2tma2": functools.partial(_ws2_kernel, stages=2, kpair=2, epilogue="tma"),
             "tma6": functools.partial(_ws2_kernel, stages=6, kpair=1, epilogue="tma"),
             "k2tma_g8": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n=8),
+            "k2tma_gh": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n="half"),
             "tma_g8": functools.partial(_ws2_kernel, stages=4, kpair=1, epilogue="tma", group_n=8),
             "k2tma_g1": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n=1),
             # issue 24, round 3 (:func:`_ws3_kernel`): one SMEM ring across items, promotion deferred across steps
@@ -585,15 +604,16 @@ VARIANT = None  # a VARIANTS key forces that kernel (tests, timing scripts); Non
 # variant within 3.5e-3 of the float32 product), TF/s at A (K=7168 N=4096) / C (32 skewed experts, K=7168) and
 # B (K=2048 N=7168) / D (32 skewed, K=2048): "k2tma_g8" 1110 / 1101 and 970 / 955; "ring_nodefer" 1092 / 1063 and
 # 1108 / 1101; "k2tma" 1055 / 1057 and 998 / 996; "ring" (deferred promotion) 1000 / 1008 and 1046 / 1029. From
-# GROUPED_RASTER_MIN_K the grouped raster (L2 reuse of the x rows over 8 column tiles) wins; below it the SMEM ring
-# across items without deferral (short K loops: the gap between items is a larger share).
+# GROUPED_RASTER_MIN_K the grouped raster (L2 reuse of the x rows over a group of column tiles) wins; below it the
+# SMEM ring across items without deferral (short K loops: the gap between items is a larger share). The group size:
+# half_row_group.
 GROUPED_RASTER_MIN_K = 4096
 
 
 def default_variant(k: int) -> str:
-  """The forward kernel for a contraction of ``k``: ``"k2tma_g8"`` (deferred promotion, TMA-store epilogue, 8 column
-  tiles per group) from :data:`GROUPED_RASTER_MIN_K`, else ``"ring_nodefer"`` (one SMEM ring through all items)."""
-  return "k2tma_g8" if k >= GROUPED_RASTER_MIN_K else "ring_nodefer"
+  """The forward kernel for a contraction of ``k``: ``"k2tma_gh"`` (deferred promotion, TMA-store epilogue, grouped
+  column tiles) from :data:`GROUPED_RASTER_MIN_K`, else ``"ring_nodefer"`` (one SMEM ring through all items)."""
+  return "k2tma_gh" if k >= GROUPED_RASTER_MIN_K else "ring_nodefer"
 
 
 def _quant(name, x):

@@ -69,7 +69,8 @@ def wgrad_variant(request, monkeypatch):
 
 
 # "ws6": "ws" with 6 stages; "k2_g8" / "k2_g8b": "k2" / "k2tma_g8b" in another item order (test_wgrad_item_orders)
-@pytest.mark.parametrize("wgrad_variant", ["ws", "simple", "s1", "k2", "k2tma", "k2tma_g8b", "xp_g8b"], indirect=True)
+@pytest.mark.parametrize("wgrad_variant", ["ws", "simple", "s1", "k2", "k2tma", "k2tma_g8b", "xp_g8b", "xptma_g8b"],
+                         indirect=True)
 def test_weight_grad_matches_reference(key, wgrad_variant):
   g, m, n, k = 4, 640, 128, 256
   dyt, xt = _wgrad_inputs(key, m, n, k)
@@ -87,7 +88,7 @@ def test_weight_grad_matches_reference(key, wgrad_variant):
   assert rel_err(got[0], dyd[:, :256] @ xd[:, :256].T) < bound
 
 
-@pytest.mark.parametrize("wgrad_variant", ["ws", "simple", "k2", "k2tma"], indirect=True)
+@pytest.mark.parametrize("wgrad_variant", ["ws", "simple", "k2", "k2tma", "xptma_g8b"], indirect=True)
 def test_weight_grad_bf16_output(key, wgrad_variant):
   """``out_dtype=bfloat16``: the float32 total rounded once, in the kernel (what the layer's bf16 weights take):
   against the reference's float32 result to half a bf16 ulp (the float32 totals differ in summation order only),

@@ -219,6 +219,7 @@ def test_gpu_accuracy(key, g, rows, n, k):
 
 
 @pytest.mark.parametrize("variant, k", [("ws", 384), ("k2", 768), ("k2tma2", 768), ("tma", 384), ("k2tma_g1", 512),
+                                        ("k2tma_gh", 512),
                                         ("ring", 384), ("ring", 768), ("ring3", 512), ("ring_g8", 256),
                                         ("ring_mc", 768), ("ring_late", 384), ("ring_late", 512),
                                         ("ring_late_mc", 384)],
@@ -244,6 +245,7 @@ def test_persistent_kernel_loops_over_items(key, variant, k, monkeypatch):
 
 def test_default_variant_by_contraction():
   assert _grouped.VARIANT is None  # the shipped default picks per K
-  assert _grouped.default_variant(7168) == "k2tma_g8" and _grouped.default_variant(4096) == "k2tma_g8"
+  assert _grouped.default_variant(7168) == "k2tma_gh" and _grouped.default_variant(4096) == "k2tma_gh"
   assert _grouped.default_variant(2048) == "ring_nodefer" and _grouped.default_variant(128) == "ring_nodefer"
-  assert {"k2tma", "k2tma_g8"} <= set(_grouped.VARIANTS)
+  assert {"k2tma", "k2tma_g8", "k2tma_gh"} <= set(_grouped.VARIANTS)
+  assert [_grouped.half_row_group(t) for t in (1, 8, 16, 32, 56, 57, 59)] == [1, 8, 16, 16, 28, 19, 59]
