@@ -157,10 +157,13 @@ def test_pre_apply_mix_benchmark_data_within_rounding_order(t, h):
         f";  vs FMA order B (fma(w0,x0,w1*x1), ...): differing {int(np.count_nonzero(g != np.asarray(fb)))}")
   assert not np.isnan(a).any()
   # Rounding-order differences (FMA contraction on the GPU, separate products in XLA) are bounded by a few float32
-  # ulps of the terms' magnitudes plus one bf16 ulp of the result; counting bf16 ulps alone is meaningless where
-  # the mix cancels to near zero (seen on an H100: up to 25686 "ulps" between tiny values of opposite sign).
+  # ulps of the terms' magnitudes plus one bf16 ulp of the result (at most 2^-7 of it: 8 significant bits; 2^-8
+  # failed every shape on an H200, 2026-11-27, at max|err| 2^-7 for results in [1, 2)); counting bf16 ulps alone is
+  # meaningless where the mix cancels to near zero (seen on an H100: up to 25686 "ulps" between tiny values of
+  # opposite sign).
   terms = np.abs(np.asarray(x, np.float64) * np.asarray(mix, np.float64)).sum(axis=-2)
-  assert (np.abs(a - b) <= 2.0**-8 * np.abs(b) + 2.0**-20 * terms).all(), "beyond rounding-order differences"
+  excess = np.abs(a - b) - (2.0**-7 * np.abs(b) + 2.0**-20 * terms)
+  assert (excess <= 0).all(), f"beyond rounding-order differences: {np.count_nonzero(excess > 0)} elements"
 
 
 @pytest.mark.parametrize("t, h", MIX_SHAPES)

@@ -2,6 +2,7 @@
 kernels (interpret mode) against the references for loss and gradients, a short training run, the moe_fn hook,
 the FP8 expand of the MoE layer, and the H100 lowering of the whole training step."""
 
+import dataclasses
 import functools
 import json
 
@@ -243,20 +244,39 @@ def test_train_step_benchmark_times_the_whole_step(monkeypatch):
   assert jax.tree.leaves(out.opt_state), "and the optimiser state"
 
 
+# Ops that run only with the MoE's FP8 casts (fp8_swiglu, fp8_expand).
+FP8_CAST_OPS = {"swiglu_forward_and_per_token_cast", "swiglu_backward_and_per_token_cast", "expand_fp8.bwd",
+                "per_token_cast", "expand_to_fused_with_sf", "per_token_cast_back"}
+
+
 @pytest.mark.gpu
-def test_compiled_kernels_match_reference_on_gpu():
-  """The compiled kernels against the references on the GPU: 2 layers, 256 tokens."""
-  config = block.BlockConfig(num_layers=2, vocab_size=64)
+@pytest.mark.parametrize("fp8_casts, global_tol, leaf_tol", [(False, 0.03, 0.15), (True, 0.12, None)])
+def test_compiled_kernels_match_reference_on_gpu(fp8_casts, global_tol, leaf_tol):
+  """The compiled kernels against the references on the GPU: 2 layers, 256 tokens, every token routed to all 8
+  experts. With the default top-2 routing a near-tie between two experts' scores sends a token elsewhere in one run
+  and moves the gradients by 18% in norm, some leaves by 30-45% (H200 and H100, 2026-11-27, the same figures on
+  both); without such flips the differences are rounding orders. Measured (H100, 2026-11-27, the same
+  computation): FP8 casts off, loss 2e-4 apart, gradients 1.2% in norm, the worst leaf 8.8% (mHC scale); FP8 casts
+  on, loss 3e-4, gradients 7.1%, single leaves up to 56% (Engram's weights: its clamped signed square root
+  amplifies the FP8 rounding), so no per-leaf bound there."""
+  base = block.BlockConfig(num_layers=2, vocab_size=64)
+  moe = dataclasses.replace(base.moe, num_topk=base.moe.num_experts, fp8_swiglu=fp8_casts, fp8_expand=fp8_casts)
+  config = dataclasses.replace(base, moe=moe)
   params = block.init_block_params(jax.random.key(4), config)
   batch = _batch(4, batch=4, seq_len=64, config=config)
-  decisions = _decisions("pallas", config)
-  assert KERNEL_OPS <= {d.op for d in decisions if d.path == "pallas"}
+  ran = {d.op for d in _decisions("pallas", config) if d.path == "pallas"}
+  assert (KERNEL_OPS if fp8_casts else KERNEL_OPS - FP8_CAST_OPS) <= ran
   loss_k, grads_k = _value_and_grad(params, batch, config=config, implementation="pallas")
   loss_r, grads_r = _value_and_grad(params, batch, config=config, implementation="reference")
-  np.testing.assert_allclose(float(loss_k), float(loss_r), rtol=2e-3)
+  np.testing.assert_allclose(float(loss_k), float(loss_r), rtol=1e-3)
+  diff = ref = 0.0
   for (path, g_r), g_k in zip(jax.tree_util.tree_leaves_with_path(grads_r), jax.tree.leaves(grads_k)):
     g_r, g_k = np.asarray(g_r, np.float64), np.asarray(g_k, np.float64)
-    assert np.linalg.norm(g_k - g_r) <= 0.05 * max(np.linalg.norm(g_r), 1e-30), jax.tree_util.keystr(path)
+    assert np.isfinite(g_k).all(), jax.tree_util.keystr(path)
+    diff, ref = diff + np.sum((g_k - g_r) ** 2), ref + np.sum(g_r ** 2)
+    if leaf_tol is not None:
+      assert np.linalg.norm(g_k - g_r) <= leaf_tol * max(np.linalg.norm(g_r), 1e-30), jax.tree_util.keystr(path)
+  assert np.sqrt(diff) <= global_tol * np.sqrt(ref)
 
 
 def test_benchmark_sharded_step_plumbing_on_one_device():
