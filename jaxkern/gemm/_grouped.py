@@ -310,9 +310,9 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
 
 
 # Column tiles per raster group of "k2tma_gh": half a row of tiles, and a whole row up to this many. H200, 2026-11-27
-# (session 23; TF/s, 16 / 8 / all tiles per group): 32 tiles (N=4096, K=7168) 1200 / 1175 / 1108-1110 (H100: all
-# 1055); 16 tiles (N=2048, K=7168) 1188 / 1176; 56 tiles (N=7168, K=4096) 28 per group 1155, 16 or 8 1130-1141,
-# all 1109.
+# (session 23, TF/s): 32 tiles (N=4096, K=7168; A / C) 16 per group 1200 / 1195, 8 1175 / 1174, 4 1141 / 1132 (H100,
+# session 17: all 32 1055 against 8's 1110); 16 tiles (N=2048, K=7168) all 16 1188, 8 1167-1176; 56 tiles (N=7168,
+# K=4096) 28 1152-1155, 16 or 8 1125-1141, all 56 1084-1109.
 WHOLE_ROW_GROUP_MAX = 16
 
 
