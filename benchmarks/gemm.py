@@ -173,10 +173,6 @@ def make_kn_grad_inputs(key, rows, n, k):
   return dy, _swap_nk(w), be, sizes
 
 
-def _kn_input_grad(dy, w_kn, be, sizes, implementation=None):
-  return _fn(dy, w_kn, be, sizes, implementation)
-
-
 def _kn_input_grad_reference(dy, w_kn, be, sizes, implementation=None):
   return _input_grad_reference(dy, _swap_nk(w_kn), be, sizes, implementation)
 
@@ -214,7 +210,7 @@ register(BenchOp(
     lambda: [_input_grad_case("small", [128, 128], 256, 128)], check=_check))
 
 register(BenchOp(
-    "fp8_grouped_gemm_input_grad:kn", _kn_input_grad, _kn_input_grad_reference,
+    "fp8_grouped_gemm_input_grad:kn", _fn, _kn_input_grad_reference,  # the forward op on (G, K, N) weights
     lambda: [_input_grad_case(name, *SHAPES[name], make=make_kn_grad_inputs) for name in "ABCD"],
     lambda: [_input_grad_case("small", [128, 128], 256, 128, make=make_kn_grad_inputs)], check=_check))
 
