@@ -234,7 +234,12 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
   m_iters, n_iters = m // BLOCK, n // BN
   wm = BLOCK // 2  # rows per compute warpgroup
   tma_out = epilogue == "tma"
-  gn = {None: n // BN, "half": half_row_group(n // BN)}.get(group_n) or int(np.gcd(group_n, n // BN))
+  if group_n is None:
+    gn = n // BN
+  elif group_n == "half":
+    gn = half_row_group(n // BN)
+  else:
+    gn = int(np.gcd(group_n, n // BN))
   out_bytes = 2 * wm * BN * jnp.dtype(out_dtype).itemsize if tma_out else 0
   while stages > 2 and stages * kp * (BLOCK + BN) * BLOCK + out_bytes > SMEM_LIMIT - 1024:
     stages -= 1  # e.g. the float32 staging tile leaves room for one stage fewer
