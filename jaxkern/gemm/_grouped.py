@@ -259,8 +259,7 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
       def _items(info):
         (lin,) = info.index
-        grp, within = lin // (m_iters * gn), lin % (m_iters * gn)
-        mi, ni = within // gn, grp * gn + within % gn
+        mi, ni = _raster(lin, m_iters, gn)
         e = be_g[mi]
         rows = pl.ds(mi * BLOCK + wg * wm, wm)
         cols = pl.ds(ni * BN, BN)
