@@ -8,9 +8,12 @@ Mosaic GPU kernels (:func:`default_variant` picks one per K; :data:`VARIANT` for
   the next item, and items in groups of column tiles (L2 reuse; :func:`half_row_group`); ``"k2tma_g8"`` 8 per
   group, ``"k2tma"`` without the grouping. H200: 1186-1200 TF/s at the DeepSeek-V3 expert shapes with K = 7168,
   1152-1188 at their input-gradient shapes (benchmarks/NOTES.md).
-* ``"ring_nodefer"`` (the default below ``GROUPED_RASTER_MIN_K``, :func:`_ws3_kernel`): one SMEM ring of 128-deep
-  steps through all items of a CTA (the next item's tiles load while the current one finishes), promotion after
-  each step's wgmma. H100: 1101-1108 TF/s at K = 2048.
+* ``"wide192"`` (the default below ``GROUPED_RASTER_MIN_K``, :func:`_wide_kernel`): one SMEM ring of 128-deep
+  steps through all items of a CTA (the next item's tiles load while the current one finishes), 64 x 192 tiles per
+  compute warpgroup, promotion after each step's wgmma. H200: 1176-1198 TF/s at K = 2048; ``"wide192_gh"`` grouped
+  column tiles, ``"wide160"`` 64 x 160 tiles.
+* ``"ring_nodefer"`` (:func:`_ws3_kernel`, the default below ``GROUPED_RASTER_MIN_K`` until session 25): the same
+  ring with 64 x 128 tiles. H100: 1101-1108 TF/s at K = 2048.
 * ``"ws"`` (:func:`_ws_kernel`, the first kernel, 780-857 TF/s), the design of ../shared/notes/fp8_grouped_gemm.md
   that reached 1,033-1,065 TF/s with scales on an H100 without an epilogue: persistent (one CTA per SM looping
   over (128-row block, 128-column tile) items, N fastest), warp-specialised (a TMA warpgroup runs ``STAGES``
@@ -579,6 +582,157 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
   return call(block_expert, xq, sfx_t, wq, wsf)
 
 
+def _out_transforms_cols(dtype, cols: int):
+  """Swizzled SMEM tiling of a ``(rows, cols)`` output staging tile: the widest swizzle that divides a row's bytes."""
+  row_bytes = cols * jnp.dtype(dtype).itemsize
+  swizzle = next(sw for sw in (128, 64, 32) if row_bytes % sw == 0)
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "bn", "stages", "group_n"))
+def _wide_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, bn=192, stages=5,
+                 group_n=None):
+  """The SMEM ring of :func:`_ws3_kernel` (``defer=False``) with ``bn``-column tiles, ``128 < bn < 256`` a multiple of
+  32 (issue 24; arguments as :func:`_simple_kernel`): each compute warpgroup computes a ``64 x bn`` tile (DeepGEMM's
+  wide CTA tiles), so a wgmma reads fewer SMEM bytes per FLOP than at 128 columns and each item's fixed costs are
+  spread over more FLOPs.
+
+  ``N`` need not be a multiple of ``bn``: the last column tile of a row starts at ``N - bn`` and overlaps the one
+  before it (the overlapping columns are computed twice, identically, and stored twice). A tile straddles two
+  128-column weight-scale blocks, the first ``b`` of its columns in block ``c0 // 128`` (``b = 128 - c0 % 128``, a
+  multiple of ``gcd(bn, 128)``): the K loop is traced once per possible ``b``, and each step promotes the static
+  column slices ``[:b]`` and ``[b:]`` of the wgmma result with their own row-scale vector, ``sf_x[row] *
+  sf_w[block]`` (the other kernels' float32 products; per-element scale products instead cost 10-16%, session 24,
+  and a column mask spills, session 25). The two weight scales of a step are scalar loads two steps ahead.
+  ``N < bn`` runs ``"ring_nodefer"``.
+  """
+  m, k = xq.shape
+  _, n, _ = wq.shape
+  assert BLOCK < bn < 2 * BLOCK and bn % 32 == 0, bn
+  if n < bn:
+    return _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, out_dtype=out_dtype, interpret=interpret, num_sms=num_sms,
+                       stages=stages, defer=False)
+  ks = k // BLOCK
+  m_iters, n_iters = m // BLOCK, -(-n // bn)
+  wm = BLOCK // 2  # rows per compute warpgroup
+  gn = n_iters if group_n is None else half_row_group(n_iters) if group_n == "half" else int(np.gcd(group_n, n_iters))
+  out_bytes = 2 * wm * bn * jnp.dtype(out_dtype).itemsize
+  stage_bytes = (BLOCK + bn) * BLOCK + BLOCK * 4
+  while stages > 2 and stages * stage_bytes + out_bytes > SMEM_LIMIT - 2048:  # 1024-byte alignment of 5 buffers
+    stages -= 1
+  scratch = dict(
+      x_s=plgpu.SMEM((stages, BLOCK, BLOCK), xq.dtype, transforms=FP8_TILED),
+      w_s=plgpu.SMEM((stages, bn, BLOCK), wq.dtype, transforms=FP8_TILED),
+      sx_s=plgpu.SMEM((stages, BLOCK), jnp.float32),
+      out_s=plgpu.SMEM((2, wm, bn), out_dtype, transforms=_out_transforms_cols(out_dtype, bn)),
+      produced=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+  first_cols_cases = range(BLOCK, 0, -int(np.gcd(bn, BLOCK)))  # every c0 is a multiple of gcd(bn, 128)
+
+  def body(be_g, x_g, sfx_g, w_g, sfw_g, o_g, *, x_s, w_s, sx_s, out_s, produced, consumed):
+    wg = lax.axis_index("wg")
+    items = (m_iters * n_iters,)
+
+    def coords(lin):  # (row block, first column) of item ``lin``
+      mi, ni = _raster(lin, m_iters, gn)
+      return mi, pl.multiple_of(jnp.minimum(ni * bn, n - bn), 32)
+
+    def expert_of(lin):  # clamped: a prefetch past the last item is unused
+      return be_g[coords(jnp.minimum(lin, items[0] - 1))[0]]
+
+    ctas = lax.axis_size("sm")
+    first = (jnp.int32(0), expert_of(lax.axis_index("sm")))
+
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      @plgpu.nd_loop(items, collective_axes="sm", init_carry=first)
+      def _items(info, carry):
+        (lin,) = info.index
+        t0, e = carry
+        e_next = expert_of(lin + ctas)
+        mi, c0 = coords(lin)
+
+        @pl.when(e >= 0)
+        def _load():
+          @pl.loop(0, ks)
+          def _step(s):
+            t = t0 + s
+            slot = lax.rem(t, stages)
+
+            @pl.when(t >= stages)
+            def _wait_free():
+              plgpu.barrier_wait(consumed.at[slot])
+
+            kcols = pl.ds(s * BLOCK, BLOCK)
+            plgpu.copy_gmem_to_smem(x_g.at[pl.ds(mi * BLOCK, BLOCK), kcols], x_s.at[slot], produced.at[slot])
+            plgpu.copy_gmem_to_smem(w_g.at[e, pl.ds(c0, bn), kcols], w_s.at[slot], produced.at[slot])
+            plgpu.copy_gmem_to_smem(sfx_g.at[s, pl.ds(mi * BLOCK, BLOCK)], sx_s.at[slot], produced.at[slot])
+
+        return t0 + jnp.where(e >= 0, ks, 0).astype(jnp.int32), e_next
+
+      total_steps = _items[0]
+
+      @pl.loop(jnp.maximum(total_steps - stages, 0), total_steps)
+      def _drain(t):  # observe the last releases before the kernel ends
+        plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+
+      @plgpu.nd_loop(items, collective_axes="sm", init_carry=first)
+      def _items(info, carry):
+        (lin,) = info.index
+        t0, e = carry
+        e_next = expert_of(lin + ctas)
+        mi, c0 = coords(lin)
+        r0 = mi * BLOCK + wg * wm
+        scale_block = c0 // BLOCK
+
+        def w_scales(s):  # the weight scales of the tile's two column blocks at step s
+          s = jnp.minimum(s, ks - 1)
+          return sfw_g[e, scale_block, s], sfw_g[e, scale_block + 1, s]
+
+        def k_loop(first_cols, acc):
+          def step(s, carry):
+            total, (w0, w1), w_next = carry
+            slot = lax.rem(t0 + s, stages)
+            plgpu.barrier_wait(produced.at[slot])
+            _zero_acc(acc, interpret)
+            plgpu.wgmma(acc, x_s.at[slot, pl.ds(wg * wm, wm)], w_s.at[slot].T)
+            part = plgpu.wgmma_accumulator_load(acc, wait_n=0)
+            sx = plgpu.load(sx_s.at[slot, pl.ds(wg * wm, wm)], layout=WG.reduce(1), optimized=False)
+            plgpu.barrier_arrive(consumed.at[slot])
+            promoted = jnp.concatenate([part[:, :first_cols] * (sx * w0)[:, None],
+                                        part[:, first_cols:] * (sx * w1)[:, None]], axis=1)
+            return total + promoted, w_next, w_scales(s + 2)
+
+          zero = plgpu.layout_cast(jnp.zeros((wm, bn), jnp.float32), WG)
+          return lax.fori_loop(0, ks, step, (zero, w_scales(0), w_scales(1)))[0]
+
+        for first_cols in first_cols_cases:
+          @pl.when((e >= 0) & (c0 % BLOCK == BLOCK - first_cols))
+          def _run():
+            total = pl.run_scoped(functools.partial(k_loop, first_cols), plgpu.ACC((wm, bn), jnp.float32))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read out_s
+            out_s[wg] = total.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_s.at[wg], o_g.at[pl.ds(pl.multiple_of(r0, wm), wm), pl.ds(c0, bn)])
+
+        @pl.when(e < 0)
+        def _skip():
+          o_g[pl.ds(r0, wm), pl.ds(c0, bn)] = plgpu.layout_cast(jnp.zeros((wm, bn), out_dtype), WG)
+
+        return t0 + jnp.where(e >= 0, ks, 0).astype(jnp.int32), e_next
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  call = _persistent_call(body, (m, n), out_dtype, m_iters * n_iters, num_sms, interpret, scratch_types=scratch)
+  return call(block_expert, xq, sfx_t, wq, wsf)
+
+
 # Kernel variants (module attribute read at trace time; scratch/gpu_gemm.sh times each).
 VARIANTS = {"ws": _ws_kernel, "ws6": functools.partial(_ws_kernel, stages=6), "simple": _simple_kernel,
             # issue 24 speed variants (:func:`_ws2_kernel`): deferred promotion over 2 x 128 K per step, TMA epilogue
@@ -602,22 +756,29 @@ VARIANTS = {"ws": _ws_kernel, "ws6": functools.partial(_ws_kernel, stages=6), "s
             "ring_late_g8": functools.partial(_ws3_kernel, stages=5, late_epilogue=True, group_n=8),
             "ring_late_mc": functools.partial(_ws3_kernel, stages=5, late_epilogue=True, multicast=True),
             "ring_late_mc_g8": functools.partial(_ws3_kernel, stages=5, late_epilogue=True, multicast=True,
-                                                 group_n=8)}
+                                                 group_n=8),
+            # 64 x 192 / 64 x 160 tiles per warpgroup (:func:`_wide_kernel`)
+            "wide192": _wide_kernel,
+            "wide192_gh": functools.partial(_wide_kernel, group_n="half"),
+            "wide160": functools.partial(_wide_kernel, bn=160)}
 VARIANT = None  # a VARIANTS key forces that kernel (tests, timing scripts); None: default_variant(K)
 # The forward kernel per contraction K. H100, 2026-11-27, CUPTI cold L2, bf16 out (scratch/time_gemmfast.py, every
 # variant within 3.5e-3 of the float32 product), TF/s at A (K=7168 N=4096) / C (32 skewed experts, K=7168) and
 # B (K=2048 N=7168) / D (32 skewed, K=2048): "k2tma_g8" 1110 / 1101 and 970 / 955; "ring_nodefer" 1092 / 1063 and
 # 1108 / 1101; "k2tma" 1055 / 1057 and 998 / 996; "ring" (deferred promotion) 1000 / 1008 and 1046 / 1029. From
 # GROUPED_RASTER_MIN_K the grouped raster (L2 reuse of the x rows over a group of column tiles) wins; below it the
-# SMEM ring across items without deferral (short K loops: the gap between items is a larger share). The group size:
-# half_row_group.
+# SMEM ring across items without deferral (short K loops: the gap between items is a larger share), since session 25
+# with 192-column tiles: H200, 2026-11-28, same call, B / D "wide192" 1198 / 1176, "wide192_gh" 1184 / 1193,
+# "ring_nodefer" 1114 / 1104; at A / C "wide192_gh" 1189 / 1148 against "k2tma_gh" 1179 / 1170 (no gain: the wide
+# tile has no register room for the deferred promotion). The group size: half_row_group.
 GROUPED_RASTER_MIN_K = 4096
 
 
 def default_variant(k: int) -> str:
   """The forward kernel for a contraction of ``k``: ``"k2tma_gh"`` (deferred promotion, TMA-store epilogue, grouped
-  column tiles) from :data:`GROUPED_RASTER_MIN_K`, else ``"ring_nodefer"`` (one SMEM ring through all items)."""
-  return "k2tma_gh" if k >= GROUPED_RASTER_MIN_K else "ring_nodefer"
+  column tiles) from :data:`GROUPED_RASTER_MIN_K`, else ``"wide192"`` (one SMEM ring through all items, 64 x 192
+  tiles per warpgroup)."""
+  return "k2tma_gh" if k >= GROUPED_RASTER_MIN_K else "wide192"
 
 
 def _quant(name, x):

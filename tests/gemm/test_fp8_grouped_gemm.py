@@ -67,7 +67,10 @@ def variant(request, monkeypatch):
     ("k2tma", jnp.float32, 512), ("tma6", jnp.float32, 384),
     # the SMEM ring across items (_ws3_kernel): K/128 even and odd (the deferred promotion's two tails), one step
     ("ring", jnp.bfloat16, 512), ("ring", jnp.float32, 384), ("ring", jnp.float32, 128),
-    ("ring_nodefer", jnp.float32, 384), ("ring_mc", jnp.bfloat16, 512), ("ring_late", jnp.bfloat16, 384)],
+    ("ring_nodefer", jnp.float32, 384), ("ring_mc", jnp.bfloat16, 512), ("ring_late", jnp.bfloat16, 384),
+    # 192 / 160 columns per tile (_wide_kernel): at N = 256 the second tile overlaps the first and starts inside a
+    # scale block (column 64 / 96)
+    ("wide192", jnp.bfloat16, 384), ("wide192", jnp.float32, 256), ("wide160", jnp.float32, 384)],
     indirect=["variant"])
 def test_kernel_matches_reference(key, variant, out_dtype, k):
   g, m, n = 3, 512, 256
@@ -222,7 +225,7 @@ def test_gpu_accuracy(key, g, rows, n, k):
                                         ("k2tma_gh", 512),
                                         ("ring", 384), ("ring", 768), ("ring3", 512), ("ring_g8", 256),
                                         ("ring_mc", 768), ("ring_late", 384), ("ring_late", 512),
-                                        ("ring_late_mc", 384)],
+                                        ("ring_late_mc", 384), ("wide192", 768), ("wide192_gh", 512), ("wide160", 384)],
                          indirect=["variant"])
 def test_persistent_kernel_loops_over_items(key, variant, k, monkeypatch):
   """3 CTAs for 8 work items: each CTA runs several pipelines in turn (barrier phases carried over, a skipped
@@ -231,7 +234,8 @@ def test_persistent_kernel_loops_over_items(key, variant, k, monkeypatch):
   variants keep one ring of slots across a CTA's items: 6-9 steps per CTA over 5 (3) slots, so slots are reused
   across items, mid-item and (ring3, k=512) at an item boundary; ring_mc: one cluster of 2 CTAs walks all column
   tile pairs, the x tiles multicast; ring_late: an item's result is stored during the next item (a skipped item
-  in between flushes it, the last one after the loop)."""
+  in between flushes it, the last one after the loop); wide: two column tiles of 192 / 160 per row
+  block, the second starting inside a weight-scale block."""
   from jaxkern import _config
   monkeypatch.setattr(_config, "num_sms", lambda: 3)
   g, m, n = 3, 512, 256
@@ -246,6 +250,6 @@ def test_persistent_kernel_loops_over_items(key, variant, k, monkeypatch):
 def test_default_variant_by_contraction():
   assert _grouped.VARIANT is None  # the shipped default picks per K
   assert _grouped.default_variant(7168) == "k2tma_gh" and _grouped.default_variant(4096) == "k2tma_gh"
-  assert _grouped.default_variant(2048) == "ring_nodefer" and _grouped.default_variant(128) == "ring_nodefer"
+  assert _grouped.default_variant(2048) == "wide192" and _grouped.default_variant(128) == "wide192"
   assert {"k2tma", "k2tma_g8", "k2tma_gh"} <= set(_grouped.VARIANTS)
   assert [_grouped.half_row_group(t) for t in (1, 8, 16, 32, 56, 57, 59)] == [1, 8, 16, 16, 28, 19, 59]
