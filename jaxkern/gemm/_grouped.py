@@ -1,6 +1,6 @@
 """FP8 grouped GEMM on the fused MoE layout: ``out[r] = x[r] · w[block_expert[r // 128]]ᵀ`` (issue 24).
 
-Mosaic GPU kernels (:func:`default_variant` picks one per K; :data:`VARIANT` forces one at trace time):
+Mosaic GPU kernels (:func:`default_variant` picks one per K and N; :data:`VARIANT` forces one at trace time):
 
 * ``"k2tma_gh"`` (the default from ``K >= GROUPED_RASTER_MIN_K``, :func:`_ws2_kernel`): persistent and
   warp-specialised like ``"ws"``, with deferred promotion (2 x 128 of K per pipeline step into two wgmma
@@ -8,12 +8,12 @@ Mosaic GPU kernels (:func:`default_variant` picks one per K; :data:`VARIANT` for
   the next item, and items in groups of column tiles (L2 reuse; :func:`half_row_group`); ``"k2tma_g8"`` 8 per
   group, ``"k2tma"`` without the grouping. H200: 1186-1200 TF/s at the DeepSeek-V3 expert shapes with K = 7168,
   1152-1188 at their input-gradient shapes (benchmarks/NOTES.md).
-* ``"wide192"`` (the default below ``GROUPED_RASTER_MIN_K``, :func:`_wide_kernel`): one SMEM ring of 128-deep
+* ``"wide192"`` (the default below ``GROUPED_RASTER_MIN_K`` where 192 nearly divides N, :func:`_wide_kernel`): one SMEM ring of 128-deep
   steps through all items of a CTA (the next item's tiles load while the current one finishes), 64 x 192 tiles per
   compute warpgroup, promotion after each step's wgmma. H200: 1176-1198 TF/s at K = 2048; ``"wide192_gh"`` grouped
   column tiles, ``"wide160"`` 64 x 160 tiles.
-* ``"ring_nodefer"`` (:func:`_ws3_kernel`, the default below ``GROUPED_RASTER_MIN_K`` until session 25): the same
-  ring with 64 x 128 tiles. H100: 1101-1108 TF/s at K = 2048.
+* ``"ring_nodefer"`` (:func:`_ws3_kernel`, the default below ``GROUPED_RASTER_MIN_K`` where 192-column tiles would
+  compute more than 1/32 extra columns): the same ring with 64 x 128 tiles. H100: 1101-1108 TF/s at K = 2048.
 * ``"ws"`` (:func:`_ws_kernel`, the first kernel, 780-857 TF/s), the design of ../shared/notes/fp8_grouped_gemm.md
   that reached 1,033-1,065 TF/s with scales on an H100 without an epilogue: persistent (one CTA per SM looping
   over (128-row block, 128-column tile) items, N fastest), warp-specialised (a TMA warpgroup runs ``STAGES``
@@ -67,6 +67,7 @@ BLOCK = 128  # rows per expert block of the fused layout, K step, weight-scale b
 BM = 64  # rows per CTA (one wgmma M per warpgroup)
 BN = 128  # output columns per CTA
 STAGES = 4  # TMA pipeline depth: 4 x (8 + 16) KiB of SMEM
+WIDE_TILE = 192  # output columns per compute warpgroup of "wide192", the default below GROUPED_RASTER_MIN_K
 SMEM_LIMIT = 232_448  # bytes per CTA on an H100
 OUT_DTYPES = (jnp.bfloat16, jnp.float32)
 WG = plgpu.Layout.WGMMA
@@ -758,10 +759,10 @@ VARIANTS = {"ws": _ws_kernel, "ws6": functools.partial(_ws_kernel, stages=6), "s
             "ring_late_mc_g8": functools.partial(_ws3_kernel, stages=5, late_epilogue=True, multicast=True,
                                                  group_n=8),
             # 64 x 192 / 64 x 160 tiles per warpgroup (:func:`_wide_kernel`)
-            "wide192": _wide_kernel,
+            "wide192": functools.partial(_wide_kernel, bn=WIDE_TILE),
             "wide192_gh": functools.partial(_wide_kernel, group_n="half"),
             "wide160": functools.partial(_wide_kernel, bn=160)}
-VARIANT = None  # a VARIANTS key forces that kernel (tests, timing scripts); None: default_variant(K)
+VARIANT = None  # a VARIANTS key forces that kernel (tests, timing scripts); None: default_variant(K, N)
 # The forward kernel per contraction K. H100, 2026-11-27, CUPTI cold L2, bf16 out (scratch/time_gemmfast.py, every
 # variant within 3.5e-3 of the float32 product), TF/s at A (K=7168 N=4096) / C (32 skewed experts, K=7168) and
 # B (K=2048 N=7168) / D (32 skewed, K=2048): "k2tma_g8" 1110 / 1101 and 970 / 955; "ring_nodefer" 1092 / 1063 and
@@ -772,13 +773,25 @@ VARIANT = None  # a VARIANTS key forces that kernel (tests, timing scripts); Non
 # "ring_nodefer" 1114 / 1104; at A / C "wide192_gh" 1189 / 1148 against "k2tma_gh" 1179 / 1170 (no gain: the wide
 # tile has no register room for the deferred promotion). The group size: half_row_group.
 GROUPED_RASTER_MIN_K = 4096
+# The share of extra columns the wide tile may compute (its last tile of a row overlaps the one before it where
+# WIDE_TILE does not divide N) and still be the default: at N = 7168 (1.8% extra) it is 7-9% faster than 128-column
+# tiles (session 25, above), so up to about 7% extra would break even; at N = 4096 the extra is exactly 1/32.
+WIDE_TILE_MAX_EXTRA = 1 / 32
 
 
-def default_variant(k: int) -> str:
-  """The forward kernel for a contraction of ``k``: ``"k2tma_gh"`` (deferred promotion, TMA-store epilogue, grouped
-  column tiles) from :data:`GROUPED_RASTER_MIN_K`, else ``"wide192"`` (one SMEM ring through all items, 64 x 192
-  tiles per warpgroup)."""
-  return "k2tma_gh" if k >= GROUPED_RASTER_MIN_K else "wide192"
+def wide_tile_extra(n: int, bn: int = WIDE_TILE) -> float:
+  """The share of columns computed twice by ``bn``-column tiles over ``n`` columns (``n >= bn``)."""
+  return (-(-n // bn) * bn - n) / n
+
+
+def default_variant(k: int, n: int) -> str:
+  """The forward kernel for a contraction of ``k`` and ``n`` output columns: ``"k2tma_gh"`` (deferred promotion,
+  TMA-store epilogue, grouped column tiles) from :data:`GROUPED_RASTER_MIN_K`; below it ``"wide192"`` (one SMEM ring
+  through all items, 64 x 192 tiles per warpgroup) where its overlapping last tile adds at most
+  :data:`WIDE_TILE_MAX_EXTRA` of the work, else ``"ring_nodefer"`` (the same ring with 64 x 128 tiles)."""
+  if k >= GROUPED_RASTER_MIN_K:
+    return "k2tma_gh"
+  return "wide192" if n >= WIDE_TILE and wide_tile_extra(n) <= WIDE_TILE_MAX_EXTRA else "ring_nodefer"
 
 
 def _quant(name, x):
@@ -895,7 +908,7 @@ def fp8_grouped_gemm(x, w, block_expert, *, out_dtype=jnp.bfloat16, x_use_tma_al
   def kernel(interpret):
     be = jnp.where((block_expert >= 0) & (block_expert < g), block_expert, -1)
     sfx_t = column_major_x_scales(x.sf, m, k // BLOCK, flag)
-    return VARIANTS[VARIANT or default_variant(k)](be, x.data, sfx_t, w.data, w.sf, out_dtype=out_dtype,
+    return VARIANTS[VARIANT or default_variant(k, n)](be, x.data, sfx_t, w.data, w.sf, out_dtype=out_dtype,
                              interpret=_config.mosaic_interpret(interpret), num_sms=_config.num_sms())
 
   def xla():

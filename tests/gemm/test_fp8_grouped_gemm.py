@@ -249,7 +249,12 @@ def test_persistent_kernel_loops_over_items(key, variant, k, monkeypatch):
 
 def test_default_variant_by_contraction():
   assert _grouped.VARIANT is None  # the shipped default picks per K
-  assert _grouped.default_variant(7168) == "k2tma_gh" and _grouped.default_variant(4096) == "k2tma_gh"
-  assert _grouped.default_variant(2048) == "wide192" and _grouped.default_variant(128) == "wide192"
+  assert _grouped.default_variant(7168, 4096) == "k2tma_gh" and _grouped.default_variant(4096, 1024) == "k2tma_gh"
+  # below K = 4096 the 192-column tile where its overlapping last tile adds at most 1/32 of the columns
+  assert _grouped.default_variant(2048, 7168) == "wide192" and _grouped.default_variant(2048, 4096) == "wide192"
+  assert _grouped.default_variant(2048, 1536) == "wide192"  # 8 tiles, no overlap
+  assert _grouped.default_variant(2048, 1024) == "ring_nodefer"  # 6 tiles of 192: 1/8 extra
+  assert _grouped.default_variant(128, 128) == "ring_nodefer"  # narrower than one wide tile
+  assert _grouped.wide_tile_extra(7168) == 128 / 7168 and _grouped.wide_tile_extra(384) == 0
   assert {"k2tma", "k2tma_g8", "k2tma_gh"} <= set(_grouped.VARIANTS)
   assert [_grouped.half_row_group(t) for t in (1, 8, 16, 32, 56, 57, 59)] == [1, 8, 16, 16, 28, 19, 59]
