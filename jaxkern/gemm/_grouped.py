@@ -349,6 +349,45 @@ def _zero_acc(acc, interpret):
     acc[...] = zeros
 
 
+def _ring_memory_warpgroup(items, first, coords, expert_of, load, *, steps, stages, consumed):
+  """The memory warpgroup of the SMEM-ring kernels (:func:`_ws3_kernel`, :func:`_wide_kernel`): walks the CTA's
+  items as the compute warpgroups do (``coords(lin)``: row block and column position; ``expert_of(lin)``, carried
+  one item ahead, ``first`` the carry of the CTA's first item; items of expert < 0 load nothing), and for each of an
+  item's ``steps`` K steps waits until its ring slot is released (``consumed``) and calls ``load(slot, step, row
+  block, column, expert)`` to issue the step's TMA loads. At the end it observes the last releases (every phase of
+  the ``consumed`` barriers) before the kernel ends."""
+  plgpu.set_max_registers(40, action="decrease")
+  ctas = lax.axis_size("sm")
+
+  @plgpu.nd_loop(items, collective_axes="sm", init_carry=first)
+  def _items(info, carry):
+    (lin,) = info.index
+    t0, e = carry
+    e_next = expert_of(lin + ctas)
+    mi, col = coords(lin)
+
+    @pl.when(e >= 0)
+    def _load():
+      @pl.loop(0, steps)
+      def _step(s):
+        t = t0 + s
+        slot = lax.rem(t, stages)
+
+        @pl.when(t >= stages)
+        def _wait_free():
+          plgpu.barrier_wait(consumed.at[slot])
+
+        load(slot, s, mi, col, e)
+
+    return t0 + jnp.where(e >= 0, steps, 0).astype(jnp.int32), e_next
+
+  total_steps = _items[0]
+
+  @pl.loop(jnp.maximum(total_steps - stages, 0), total_steps)
+  def _drain(t):
+    plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages", "group_n", "defer",
                                              "multicast", "late_epilogue"))
 def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, stages=5, group_n=None,
@@ -423,40 +462,13 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
 
     @pl.when(wg == 2)
     def _memory():
-      plgpu.set_max_registers(40, action="decrease")
+      def load(slot, s, mi, ni, e):
+        kcols = pl.ds(s * BLOCK, BLOCK)
+        plgpu.copy_gmem_to_smem(x_g.at[pl.ds(mi * BLOCK, BLOCK), kcols], x_s.at[slot], produced.at[slot], **x_copy)
+        plgpu.copy_gmem_to_smem(w_g.at[e, pl.ds(ni * BN, BN), kcols], w_s.at[slot], produced.at[slot])
+        plgpu.copy_gmem_to_smem(sfx_g.at[s, pl.ds(mi * BLOCK, BLOCK)], sx_s.at[slot], produced.at[slot])
 
-      @plgpu.nd_loop(items, collective_axes="sm", init_carry=first)
-      def _items(info, carry):
-        (lin,) = info.index
-        t0, e = carry
-        e_next = expert_of(lin + ctas)
-        mi, ni = coords(lin)
-
-        @pl.when(e >= 0)
-        def _load():
-          @pl.loop(0, ks)
-          def _step(s):
-            t = t0 + s
-            slot = lax.rem(t, stages)
-
-            @pl.when(t >= stages)
-            def _wait_free():
-              plgpu.barrier_wait(consumed.at[slot])
-
-            kcols = pl.ds(s * BLOCK, BLOCK)
-            plgpu.copy_gmem_to_smem(x_g.at[pl.ds(mi * BLOCK, BLOCK), kcols], x_s.at[slot], produced.at[slot],
-                                    **x_copy)
-            plgpu.copy_gmem_to_smem(w_g.at[e, pl.ds(ni * BN, BN), kcols], w_s.at[slot], produced.at[slot])
-            plgpu.copy_gmem_to_smem(sfx_g.at[s, pl.ds(mi * BLOCK, BLOCK)], sx_s.at[slot], produced.at[slot])
-
-        return t0 + jnp.where(e >= 0, ks, 0).astype(jnp.int32), e_next
-
-      # Observe the last releases (every phase of the consumed barriers) before the kernel ends.
-      total_steps = _items[0]
-
-      @pl.loop(jnp.maximum(total_steps - stages, 0), total_steps)
-      def _drain(t):
-        plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
+      _ring_memory_warpgroup(items, first, coords, expert_of, load, steps=ks, stages=stages, consumed=consumed)
 
     def store(total, r0, c0):  # registers -> swizzled SMEM -> TMA store of one warpgroup's (wm, BN) result
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read out_s
@@ -646,38 +658,13 @@ def _wide_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_
 
     @pl.when(wg == 2)
     def _memory():
-      plgpu.set_max_registers(40, action="decrease")
+      def load(slot, s, mi, c0, e):
+        kcols = pl.ds(s * BLOCK, BLOCK)
+        plgpu.copy_gmem_to_smem(x_g.at[pl.ds(mi * BLOCK, BLOCK), kcols], x_s.at[slot], produced.at[slot])
+        plgpu.copy_gmem_to_smem(w_g.at[e, pl.ds(c0, bn), kcols], w_s.at[slot], produced.at[slot])
+        plgpu.copy_gmem_to_smem(sfx_g.at[s, pl.ds(mi * BLOCK, BLOCK)], sx_s.at[slot], produced.at[slot])
 
-      @plgpu.nd_loop(items, collective_axes="sm", init_carry=first)
-      def _items(info, carry):
-        (lin,) = info.index
-        t0, e = carry
-        e_next = expert_of(lin + ctas)
-        mi, c0 = coords(lin)
-
-        @pl.when(e >= 0)
-        def _load():
-          @pl.loop(0, ks)
-          def _step(s):
-            t = t0 + s
-            slot = lax.rem(t, stages)
-
-            @pl.when(t >= stages)
-            def _wait_free():
-              plgpu.barrier_wait(consumed.at[slot])
-
-            kcols = pl.ds(s * BLOCK, BLOCK)
-            plgpu.copy_gmem_to_smem(x_g.at[pl.ds(mi * BLOCK, BLOCK), kcols], x_s.at[slot], produced.at[slot])
-            plgpu.copy_gmem_to_smem(w_g.at[e, pl.ds(c0, bn), kcols], w_s.at[slot], produced.at[slot])
-            plgpu.copy_gmem_to_smem(sfx_g.at[s, pl.ds(mi * BLOCK, BLOCK)], sx_s.at[slot], produced.at[slot])
-
-        return t0 + jnp.where(e >= 0, ks, 0).astype(jnp.int32), e_next
-
-      total_steps = _items[0]
-
-      @pl.loop(jnp.maximum(total_steps - stages, 0), total_steps)
-      def _drain(t):  # observe the last releases before the kernel ends
-        plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
+      _ring_memory_warpgroup(items, first, coords, expert_of, load, steps=ks, stages=stages, consumed=consumed)
 
     @pl.when(wg < 2)
     def _compute():
