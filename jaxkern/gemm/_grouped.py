@@ -8,6 +8,10 @@ Mosaic GPU kernels (:func:`default_variant` picks one per K and N; :data:`VARIAN
   the next item, and items in groups of column tiles (L2 reuse; :func:`half_row_group`); ``"k2tma_g8"`` 8 per
   group, ``"k2tma"`` without the grouping. H200: 1186-1200 TF/s at the DeepSeek-V3 expert shapes with K = 7168,
   1152-1188 at their input-gradient shapes (benchmarks/NOTES.md).
+* ``"k2tma_gh_ss"`` (the default for ``GROUPED_RASTER_MIN_K <= K <= SMEM_SCALES_MAX_K``): ``"k2tma_gh"`` with each
+  step's scales TMA'd into the pipeline's SMEM beside its tiles instead of GMEM loads on the compute warpgroups'
+  path. H200: 1192-1242 TF/s at K = 4096, N = 7168 (the gate / up projection's input gradient), 3-7% over
+  ``"k2tma_gh"``.
 * ``"wide192"`` (the default below ``GROUPED_RASTER_MIN_K`` where 192 nearly divides N, :func:`_wide_kernel`): one SMEM ring of 128-deep
   steps through all items of a CTA (the next item's tiles load while the current one finishes), 64 x 192 tiles per
   compute warpgroup, promotion after each step's wgmma. H200: 1176-1198 TF/s at K = 2048; ``"wide192_gh"`` grouped
@@ -72,6 +76,7 @@ SMEM_LIMIT = 232_448  # bytes per CTA on an H100
 OUT_DTYPES = (jnp.bfloat16, jnp.float32)
 WG = plgpu.Layout.WGMMA
 FP8_TILED = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))  # 128-byte rows of e4m3
+SCALE_ROW = 32  # float32 lanes of a pipeline step's weight-scale row: a TMA into SMEM lands 128-byte aligned
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms"))
@@ -119,15 +124,21 @@ def _simple_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, nu
   return kernel(block_expert, xq, sfx_t, wq, wsf)
 
 
-def _k_pipeline(mma_body, compute_context, *, steps, step_k, stages):
+def _k_pipeline(mma_body, compute_context, *, steps, step_k, stages, scales=False):
   """The warp-specialised K pipeline of the persistent kernels: a memory warpgroup loads the ``(128, step_k)``
   tile of ``x`` and the ``(BN, step_k)`` tile of ``w`` of each of ``steps`` K steps into swizzled SMEM, up to
-  ``stages`` steps ahead of two compute warpgroups running ``mma_body``."""
+  ``stages`` steps ahead of two compute warpgroups running ``mma_body``. ``scales``: also the step's
+  ``(step_k/128, 128)`` block of the column-major x scales and its row of weight scales (:data:`SCALE_ROW`
+  lanes, the first ``step_k/128`` used)."""
+  kb = step_k // BLOCK
+  specs = [plgpu.BlockSpec((BLOCK, step_k), lambda kk: (0, kk), transforms=FP8_TILED, memory_space=plgpu.SMEM),
+           plgpu.BlockSpec((BN, step_k), lambda kk: (0, kk), transforms=FP8_TILED, memory_space=plgpu.SMEM)]
+  if scales:
+    specs += [plgpu.BlockSpec((kb, BLOCK), lambda kk: (kk, 0), memory_space=plgpu.SMEM),
+              plgpu.BlockSpec((1, SCALE_ROW), lambda kk: (kk, 0), memory_space=plgpu.SMEM)]
   return plgpu.emit_pipeline_warp_specialized(
       mma_body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-      max_concurrent_steps=min(stages, steps), compute_context=compute_context,
-      in_specs=[plgpu.BlockSpec((BLOCK, step_k), lambda kk: (0, kk), transforms=FP8_TILED, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((BN, step_k), lambda kk: (0, kk), transforms=FP8_TILED, memory_space=plgpu.SMEM)])
+      max_concurrent_steps=min(stages, steps), compute_context=compute_context, in_specs=specs)
 
 
 def _persistent_call(body, out_shape, out_dtype, items: int, num_sms: int, interpret, scratch_types=None):
@@ -211,9 +222,9 @@ def _out_transforms(dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages", "kpair", "epilogue",
-                                             "group_n"))
+                                             "group_n", "smem_scales"))
 def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, stages=4, kpair=2,
-                epilogue="tma", group_n=None):
+                epilogue="tma", group_n=None, smem_scales=False):
   """:func:`_ws_kernel` (arguments as :func:`_simple_kernel`) with two speed options (issue 24):
 
   * ``kpair=2`` (deferred promotion): a pipeline step carries ``2 x 128`` of K (``stages`` such steps in
@@ -229,9 +240,14 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
     time, 128-row blocks slower, column groups slowest, so the CTAs of one wave share fewer distinct ``x``
     row blocks and weight tiles (``None``: all column tiles of a row block, then the next row block;
     ``"half"``: :func:`half_row_group`).
+  * ``smem_scales=True``: the step's scales travel through the pipeline with its tiles (a TMA of the ``(kp, 128)``
+    x scales and one of the ``kp`` weight scales, from a copy the wrapper pads to :data:`SCALE_ROW` lanes per step
+    so that each slot is 128-byte aligned), and the compute warpgroups read them from SMEM. Otherwise they are GMEM loads issued a step
+    ahead, whose latency the warpgroups wait out (ncu, H200, session 26: a fifth of the compute warps' stall
+    samples at A).
   """
   m, k = xq.shape
-  _, n, _ = wq.shape
+  g, n, _ = wq.shape
   ks = k // BLOCK
   kp = kpair if ks % kpair == 0 else 1
   steps = ks // kp
@@ -244,19 +260,33 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
     gn = half_row_group(n // BN)
   else:
     gn = int(np.gcd(group_n, n // BN))
-  out_bytes = 2 * wm * BN * jnp.dtype(out_dtype).itemsize if tma_out else 0
-  while stages > 2 and stages * kp * (BLOCK + BN) * BLOCK + out_bytes > SMEM_LIMIT - 1024:
+  scale_bytes = (kp * BLOCK + SCALE_ROW) * 4 if smem_scales else 0
+  stage_bytes = kp * (BLOCK + BN) * BLOCK + scale_bytes
+
+  def out_bytes(cols):
+    return 2 * wm * cols * jnp.dtype(out_dtype).itemsize if tma_out else 0
+
+  # The staging tile's columns: all BN, or half of them (two stores per item) where that keeps a stage more.
+  out_cols = BN
+  fits = lambda st, cols: st * stage_bytes + out_bytes(cols) <= SMEM_LIMIT - 1024
+  if tma_out and not fits(stages, BN) and fits(stages, BN // 2):
+    out_cols = BN // 2
+  while stages > 2 and not fits(stages, out_cols):
     stages -= 1  # e.g. the float32 staging tile leaves room for one stage fewer
+  if smem_scales:  # (G, N/128, steps, SCALE_ROW): a step's kp weight scales in the first lanes of a row
+    wsf = jnp.pad(wsf.reshape(g, n // BLOCK, steps, kp), ((0, 0), (0, 0), (0, 0), (0, SCALE_ROW - kp)))
 
   def body(be_g, x_g, sfx_g, w_g, sfw_g, o_g):
     wg = lax.axis_index("wg")
 
-    pipeline = functools.partial(_k_pipeline, steps=steps, step_k=kp * BLOCK, stages=stages)
+    pipeline = functools.partial(_k_pipeline, steps=steps, step_k=kp * BLOCK, stages=stages,
+                                 scales=smem_scales)
 
     ignore = lambda *_, **__: None
-    allocs = dict(pipe=pipeline(ignore, ignore).get_allocations(x_g, w_g.at[0]))
+    pipe_refs = (x_g, w_g.at[0]) + ((sfx_g, sfw_g.at[0, 0]) if smem_scales else ())
+    allocs = dict(pipe=pipeline(ignore, ignore).get_allocations(*pipe_refs))
     if tma_out:
-      allocs["out_s"] = plgpu.SMEM((2, wm, BN), out_dtype, transforms=_out_transforms(out_dtype))
+      allocs["out_s"] = plgpu.SMEM((2, wm, out_cols), out_dtype, transforms=_out_transforms_cols(out_dtype, out_cols))
 
     @functools.partial(pl.run_scoped, collective_axes="wg", **allocs)
     def _scope(pipe, out_s=None):
@@ -273,38 +303,51 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
           return plgpu.load(sfx_g.at[step, rows], layout=WG.reduce(1), optimized=False), sfw_g[e, ni, step]
 
         def compute_context(run_pipeline):
-          init = tuple(scales(j) for j in range(kp))
-          total, _ = run_pipeline((plgpu.layout_cast(jnp.zeros((wm, BN), jnp.float32), WG), init))
+          zero = plgpu.layout_cast(jnp.zeros((wm, BN), jnp.float32), WG)
+          if smem_scales:
+            total = run_pipeline(zero)
+          else:
+            total, _ = run_pipeline((zero, tuple(scales(j) for j in range(kp))))
           if tma_out:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store has read out_s
-            out_s[wg] = total.astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_s.at[wg], o_g.at[rows, cols])
+            for c in range(0, BN, out_cols):
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read out_s
+              out_s[wg] = (total if out_cols == BN else total[:, c:c + out_cols]).astype(out_dtype)
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(out_s.at[wg], o_g.at[rows, pl.ds(ni * BN + c, out_cols)])
           else:
             o_g[rows, cols] = total.astype(out_dtype)
 
-        def mma_body(idx, x_s, w_s, carry):
+        def mma_body(idx, x_s, w_s, *refs):
           (kk,) = idx
-          total, sc = carry
+          *scale_refs, carry = refs
           xs = x_s.at[pl.ds(wg * wm, wm)]
 
           def scope(*accs):
             for j, acc in enumerate(accs):
               plgpu.wgmma(acc, xs.at[:, pl.ds(j * BLOCK, BLOCK)], w_s.at[:, pl.ds(j * BLOCK, BLOCK)].T)
-            nxt = tuple(scales((kk + 1) * kp + j) for j in range(kp))
+            if smem_scales:
+              sx_s, sw_s = scale_refs
+              total = carry
+              sc = [(plgpu.load(sx_s.at[j, pl.ds(wg * wm, wm)], layout=WG.reduce(1), optimized=False),
+                     sw_s[0, j]) for j in range(kp)]
+            else:
+              total, sc = carry
+              nxt = tuple(scales((kk + 1) * kp + j) for j in range(kp))
             t = total
             for j, acc in enumerate(accs):
               part = plgpu.wgmma_accumulator_load(acc, wait_n=kp - 1 - j)
               sx, sw = sc[j]
               t = t + part * (sx * sw)[:, None]
-            return t, nxt
+            return t if smem_scales else (t, nxt)
 
           return pl.run_scoped(scope, *[plgpu.ACC((wm, BN), jnp.float32) for _ in range(kp)])
 
         @pl.when(e >= 0)
         def _compute():
-          pipeline(mma_body, compute_context)(x_g.at[pl.ds(mi * BLOCK, BLOCK), :], w_g.at[e, cols, :],
-                                              allocations=pipe)
+          refs = (x_g.at[pl.ds(mi * BLOCK, BLOCK), :], w_g.at[e, cols, :])
+          if smem_scales:
+            refs += (sfx_g.at[:, pl.ds(mi * BLOCK, BLOCK)], sfw_g.at[e, ni])
+          pipeline(mma_body, compute_context)(*refs, allocations=pipe)
 
         @pl.when((e < 0) & (wg < 2))
         def _skip():
@@ -731,6 +774,8 @@ VARIANTS = {"ws": _ws_kernel, "ws6": functools.partial(_ws_kernel, stages=6), "s
             "tma6": functools.partial(_ws2_kernel, stages=6, kpair=1, epilogue="tma"),
             "k2tma_g8": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n=8),
             "k2tma_gh": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n="half"),
+            "k2tma_gh_ss": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n="half",
+                                             smem_scales=True),
             "tma_g8": functools.partial(_ws2_kernel, stages=4, kpair=1, epilogue="tma", group_n=8),
             "k2tma_g1": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n=1),
             # issue 24, round 3 (:func:`_ws3_kernel`): one SMEM ring across items, promotion deferred across steps
@@ -764,6 +809,13 @@ GROUPED_RASTER_MIN_K = 4096
 # WIDE_TILE does not divide N) and still be the default: at N = 7168 (1.8% extra) it is 7-9% faster than 128-column
 # tiles (session 25, above), so up to about 7% extra would break even; at N = 4096 the extra is exactly 1/32.
 WIDE_TILE_MAX_EXTRA = 1 / 32
+# The largest K for which "k2tma_gh_ss" (scales through the pipeline's SMEM) is the default. H200, 2026-11-28 (session
+# 26, two calls, TF/s, "k2tma_gh_ss" against "k2tma_gh"): K = 4096, N = 7168 (the input gradient of the gate / up
+# projection) 1242 / 1220 against 1162 / 1160, with 32 skewed experts 1215 / 1192 against 1162 / 1160; K = 7168,
+# N = 4096 1184 / 1160 against 1200 / 1198 (32 skewed experts 1188 / 1164 against 1194 / 1196), K = 7168, N = 2048
+# 1173 against 1183. At K = 7168 the GPU runs at its 700 W power cap: ncu saw the SMEM scales raise the tensor pipe's
+# share of cycles from 68% to 73% while the SM clock fell from 1.62 to 1.52 GHz, the same 1.62 ms.
+SMEM_SCALES_MAX_K = 4096
 
 
 def wide_tile_extra(n: int, bn: int = WIDE_TILE) -> float:
@@ -773,11 +825,12 @@ def wide_tile_extra(n: int, bn: int = WIDE_TILE) -> float:
 
 def default_variant(k: int, n: int) -> str:
   """The forward kernel for a contraction of ``k`` and ``n`` output columns: ``"k2tma_gh"`` (deferred promotion,
-  TMA-store epilogue, grouped column tiles) from :data:`GROUPED_RASTER_MIN_K`; below it ``"wide192"`` (one SMEM ring
+  TMA-store epilogue, grouped column tiles) from :data:`GROUPED_RASTER_MIN_K`, ``"k2tma_gh_ss"`` (the same with the
+  scales through the pipeline's SMEM) up to :data:`SMEM_SCALES_MAX_K`; below it ``"wide192"`` (one SMEM ring
   through all items, 64 x 192 tiles per warpgroup) where its overlapping last tile adds at most
   :data:`WIDE_TILE_MAX_EXTRA` of the work, else ``"ring_nodefer"`` (the same ring with 64 x 128 tiles)."""
   if k >= GROUPED_RASTER_MIN_K:
-    return "k2tma_gh"
+    return "k2tma_gh_ss" if k <= SMEM_SCALES_MAX_K else "k2tma_gh"
   return "wide192" if n >= WIDE_TILE and wide_tile_extra(n) <= WIDE_TILE_MAX_EXTRA else "ring_nodefer"
 
 

@@ -65,6 +65,8 @@ def variant(request, monkeypatch):
     # issue 24 speed variants: K/128 even (deferred promotion of 2 x 128 per step) and odd (falls back to 1 x 128)
     ("k2", jnp.float32, 512), ("k2", jnp.float32, 384), ("tma", jnp.bfloat16, 384), ("k2tma", jnp.bfloat16, 512),
     ("k2tma", jnp.float32, 512), ("tma6", jnp.float32, 384),
+    # the scales through the pipeline's SMEM (bf16: the output staged in two column halves)
+    ("k2tma_gh_ss", jnp.bfloat16, 512), ("k2tma_gh_ss", jnp.float32, 384),
     # the SMEM ring across items (_ws3_kernel): K/128 even and odd (the deferred promotion's two tails), one step
     ("ring", jnp.bfloat16, 512), ("ring", jnp.float32, 384), ("ring", jnp.float32, 128),
     ("ring_nodefer", jnp.float32, 384), ("ring_mc", jnp.bfloat16, 512), ("ring_late", jnp.bfloat16, 384),
@@ -201,6 +203,14 @@ def test_lowers_for_h100(variant, out_dtype, shape):
                  x, w, be)
 
 
+@pytest.mark.parametrize("variant", ["k2tma_gh_ss"], indirect=True)
+def test_lowers_for_h100_half_width_staging(variant):
+  """K/128 even with bf16 out: the SMEM scales leave no room for the whole staging tile beside 3 stages, so each
+  warpgroup stores its result in two 64-column halves."""
+  x, w, be = _args(2, 256, 256, 1024)
+  lower_for_h100(lambda x, w, be: gemm.fp8_grouped_gemm(x, w, be, implementation="pallas"), x, w, be)
+
+
 def test_lowers_for_h100_packed_sf():
   g, m, n, k = 2, 256, 256, 640
   x = QuantTensor(S((m, k), E4M3), S((2, m), jnp.int32))
@@ -222,7 +232,7 @@ def test_gpu_accuracy(key, g, rows, n, k):
 
 
 @pytest.mark.parametrize("variant, k", [("ws", 384), ("k2", 768), ("k2tma2", 768), ("tma", 384), ("k2tma_g1", 512),
-                                        ("k2tma_gh", 512),
+                                        ("k2tma_gh", 512), ("k2tma_gh_ss", 768),
                                         ("ring", 384), ("ring", 768), ("ring3", 512), ("ring_g8", 256),
                                         ("ring_mc", 768), ("ring_late", 384), ("ring_late", 512),
                                         ("ring_late_mc", 384), ("wide192", 768), ("wide192_gh", 512), ("wide160", 384)],
@@ -249,12 +259,14 @@ def test_persistent_kernel_loops_over_items(key, variant, k, monkeypatch):
 
 def test_default_variant_by_contraction():
   assert _grouped.VARIANT is None  # the shipped default picks per K
-  assert _grouped.default_variant(7168, 4096) == "k2tma_gh" and _grouped.default_variant(4096, 1024) == "k2tma_gh"
+  assert _grouped.default_variant(7168, 4096) == "k2tma_gh" and _grouped.default_variant(5120, 1024) == "k2tma_gh"
+  # the scales through SMEM up to K = 4096
+  assert _grouped.default_variant(4096, 7168) == "k2tma_gh_ss" and _grouped.default_variant(4096, 1024) == "k2tma_gh_ss"
   # below K = 4096 the 192-column tile where its overlapping last tile adds at most 1/32 of the columns
   assert _grouped.default_variant(2048, 7168) == "wide192" and _grouped.default_variant(2048, 4096) == "wide192"
   assert _grouped.default_variant(2048, 1536) == "wide192"  # 8 tiles, no overlap
   assert _grouped.default_variant(2048, 1024) == "ring_nodefer"  # 6 tiles of 192: 1/8 extra
   assert _grouped.default_variant(128, 128) == "ring_nodefer"  # narrower than one wide tile
   assert _grouped.wide_tile_extra(7168) == 128 / 7168 and _grouped.wide_tile_extra(384) == 0
-  assert {"k2tma", "k2tma_g8", "k2tma_gh"} <= set(_grouped.VARIANTS)
+  assert {"k2tma", "k2tma_g8", "k2tma_gh", "k2tma_gh_ss"} <= set(_grouped.VARIANTS)
   assert [_grouped.half_row_group(t) for t in (1, 8, 16, 32, 56, 57, 59)] == [1, 8, 16, 16, 28, 19, 59]
