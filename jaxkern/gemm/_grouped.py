@@ -216,9 +216,11 @@ def _ws_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sm
       block_expert, xq, sfx_t, wq, wsf)
 
 
-def _out_transforms(dtype):
-  """Swizzled SMEM tiling of a ``(rows, 128)`` output staging tile (128-byte rows)."""
-  return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
+def _out_transforms(dtype, cols: int = BN):
+  """Swizzled SMEM tiling of a ``(rows, cols)`` output staging tile: the widest swizzle that divides a row's bytes."""
+  row_bytes = cols * jnp.dtype(dtype).itemsize
+  swizzle = next(sw for sw in (128, 64, 32) if row_bytes % sw == 0)
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages", "kpair", "epilogue",
@@ -286,7 +288,7 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
     pipe_refs = (x_g, w_g.at[0]) + ((sfx_g, sfw_g.at[0, 0]) if smem_scales else ())
     allocs = dict(pipe=pipeline(ignore, ignore).get_allocations(*pipe_refs))
     if tma_out:
-      allocs["out_s"] = plgpu.SMEM((2, wm, out_cols), out_dtype, transforms=_out_transforms_cols(out_dtype, out_cols))
+      allocs["out_s"] = plgpu.SMEM((2, wm, out_cols), out_dtype, transforms=_out_transforms(out_dtype, out_cols))
 
     @functools.partial(pl.run_scoped, collective_axes="wg", **allocs)
     def _scope(pipe, out_s=None):
@@ -638,13 +640,6 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
   return call(block_expert, xq, sfx_t, wq, wsf)
 
 
-def _out_transforms_cols(dtype, cols: int):
-  """Swizzled SMEM tiling of a ``(rows, cols)`` output staging tile: the widest swizzle that divides a row's bytes."""
-  row_bytes = cols * jnp.dtype(dtype).itemsize
-  swizzle = next(sw for sw in (128, 64, 32) if row_bytes % sw == 0)
-  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "bn", "stages", "group_n"))
 def _wide_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, bn=192, stages=5,
                  group_n=None):
@@ -680,7 +675,7 @@ def _wide_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_
       x_s=plgpu.SMEM((stages, BLOCK, BLOCK), xq.dtype, transforms=FP8_TILED),
       w_s=plgpu.SMEM((stages, bn, BLOCK), wq.dtype, transforms=FP8_TILED),
       sx_s=plgpu.SMEM((stages, BLOCK), jnp.float32),
-      out_s=plgpu.SMEM((2, wm, bn), out_dtype, transforms=_out_transforms_cols(out_dtype, bn)),
+      out_s=plgpu.SMEM((2, wm, bn), out_dtype, transforms=_out_transforms(out_dtype, bn)),
       produced=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
   first_cols_cases = range(BLOCK, 0, -int(np.gcd(bn, BLOCK)))  # every c0 is a multiple of gcd(bn, 128)
