@@ -2,7 +2,7 @@
 
 Mosaic GPU kernels (:func:`default_variant` picks one per K and N; :data:`VARIANT` forces one at trace time):
 
-* ``"k2tma_gh"`` (the default from ``K >= GROUPED_RASTER_MIN_K``, :func:`_ws2_kernel`): persistent and
+* ``"k2tma_gh"`` (the default for ``K > SMEM_SCALES_MAX_K``, :func:`_ws2_kernel`): persistent and
   warp-specialised like ``"ws"``, with deferred promotion (2 x 128 of K per pipeline step into two wgmma
   accumulators, the first promoted while the second runs; 3 stages), an SMEM + TMA-store epilogue overlapped with
   the next item, and items in groups of column tiles (L2 reuse; :func:`half_row_group`); ``"k2tma_g8"`` 8 per
@@ -244,9 +244,9 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
     ``"half"``: :func:`half_row_group`).
   * ``smem_scales=True``: the step's scales travel through the pipeline with its tiles (a TMA of the ``(kp, 128)``
     x scales and one of the ``kp`` weight scales, from a copy the wrapper pads to :data:`SCALE_ROW` lanes per step
-    so that each slot is 128-byte aligned), and the compute warpgroups read them from SMEM. Otherwise they are GMEM loads issued a step
-    ahead, whose latency the warpgroups wait out (ncu, H200, session 26: a fifth of the compute warps' stall
-    samples at A).
+    so that each slot is 128-byte aligned), and the compute warpgroups read them from SMEM. Otherwise they are GMEM
+    loads issued a step ahead, whose latency the warpgroups wait out (ncu, H200, session 26: a fifth of the compute
+    warps' stall samples at A).
   """
   m, k = xq.shape
   g, n, _ = wq.shape
@@ -819,11 +819,11 @@ def wide_tile_extra(n: int, bn: int = WIDE_TILE) -> float:
 
 
 def default_variant(k: int, n: int) -> str:
-  """The forward kernel for a contraction of ``k`` and ``n`` output columns: ``"k2tma_gh"`` (deferred promotion,
-  TMA-store epilogue, grouped column tiles) from :data:`GROUPED_RASTER_MIN_K`, ``"k2tma_gh_ss"`` (the same with the
-  scales through the pipeline's SMEM) up to :data:`SMEM_SCALES_MAX_K`; below it ``"wide192"`` (one SMEM ring
-  through all items, 64 x 192 tiles per warpgroup) where its overlapping last tile adds at most
-  :data:`WIDE_TILE_MAX_EXTRA` of the work, else ``"ring_nodefer"`` (the same ring with 64 x 128 tiles)."""
+  """The forward kernel for a contraction of ``k`` and ``n`` output columns. From :data:`GROUPED_RASTER_MIN_K`:
+  ``"k2tma_gh_ss"`` (deferred promotion, TMA-store epilogue, grouped column tiles, the scales through the pipeline's
+  SMEM) up to :data:`SMEM_SCALES_MAX_K`, ``"k2tma_gh"`` (the same with GMEM scale loads) above it. Below it
+  ``"wide192"`` (one SMEM ring through all items, 64 x 192 tiles per warpgroup) where its overlapping last tile adds
+  at most :data:`WIDE_TILE_MAX_EXTRA` of the work, else ``"ring_nodefer"`` (the same ring with 64 x 128 tiles)."""
   if k >= GROUPED_RASTER_MIN_K:
     return "k2tma_gh_ss" if k <= SMEM_SCALES_MAX_K else "k2tma_gh"
   return "wide192" if n >= WIDE_TILE and wide_tile_extra(n) <= WIDE_TILE_MAX_EXTRA else "ring_nodefer"
