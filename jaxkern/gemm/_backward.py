@@ -227,6 +227,38 @@ def _store_result(total, out, out_s, wg, out_dtype):
   plgpu.copy_smem_to_gmem(out_s.at[wg], out)
 
 
+def _mma_and_promote(total, dy_tiles, x_tiles, dy_scales, x_scales, valid):
+  """One pipeline step of a compute warpgroup: ``total + Σ_j (dy_j · x_jᵀ) * (sf_dy_j[:, None] * sf_x_j[None, :])``
+  over the step's ``kp = len(dy_tiles)`` blocks, each a float32 wgmma product promoted on its own, in block order.
+
+  ``dy_tiles[j]``: the warpgroup's ``(64, 128)`` e4m3 rows of block j; ``x_tiles[j]``: ``(128, 128)``;
+  ``dy_scales[j]`` / ``x_scales[j]``: their ``(64,)`` / ``(128,)`` float32 SMEM scales; ``valid(j)``: False for a
+  repeated block (the last step of an odd count), promoted with a zero row scale (its finite wgmma result adds
+  exactly 0). All blocks' wgmmas are issued first, each into its own 128 columns of one ``(64, kp * 128)``
+  accumulator; block j is promoted as soon as it is done (``wait_n = kp - 1 - j``), while the later ones run.
+
+  One wide accumulator rather than one per block: ptxas zeroes only the first wgmma's accumulator for free
+  (scale-d = 0); a second ``(64, 128)`` accumulator cost 64 register moves per step (of 440 instructions),
+  and the wide one none (ncu SASS counts, H200, 2026-11-28). The zero factor goes on the row scale (2 values per
+  thread) rather than the column scale (32)."""
+  kp = len(dy_tiles)
+
+  def scope(acc):
+    for j in range(kp):
+      plgpu.wgmma(acc.at[:, pl.ds(j * BLOCK, BLOCK)], dy_tiles[j], x_tiles[j].T)
+    t = total
+    for j in range(kp):
+      part = plgpu.wgmma_accumulator_load(acc, wait_n=kp - 1 - j)[:, j * BLOCK:(j + 1) * BLOCK]
+      a = plgpu.load(dy_scales[j], layout=WG.reduce(1), optimized=False)
+      c = plgpu.load(x_scales[j], layout=WG.reduce(0), optimized=False)
+      if j:
+        a = a * valid(j).astype(jnp.float32)
+      t = t + part * (a[:, None] * c[None, :])
+    return t
+
+  return pl.run_scoped(scope, plgpu.ACC((WN, kp * BLOCK), jnp.float32))
+
+
 def _wgrad_plan(dyq, xq, starts, *, stages, kpair, epilogue, group_k, out_dtype):
   """Sizes shared by :func:`_wgrad_ws2_kernel` and :func:`_wgrad_xp_kernel`: ``(n, m, k, g, n_iters, k_iters, items,
   gk, tma_out, stages)``, the stages shrunk (down to 2) until the pipeline and the staging tile fit SMEM."""
@@ -249,17 +281,17 @@ def _wgrad_ws2_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, s
   """:func:`_wgrad_ws_kernel` (arguments as :func:`_wgrad_kernel`) with the forward's speed options (issue 24):
 
   * ``kpair=2`` (deferred promotion): a pipeline step carries two 128-row blocks of the expert (four ``(128, 128)``
-    e4m3 tiles, 64 KiB); each compute warpgroup issues both blocks' wgmmas into two accumulators, waits for the
-    first only (``wgmma_accumulator_load(wait_n=1)``) and promotes it while the second runs, then promotes the
-    second. For an odd block count the last step's second block is the expert's last block loaded again with a
-    zero column scale (its wgmma result, finite for finite e4m3 data, adds exactly 0). Same numerics as ``"ws"``:
-    every block promoted on its own, in block order.
+    e4m3 tiles, 64 KiB); each compute warpgroup issues both blocks' wgmmas (into the two halves of one wide
+    accumulator), waits for the first only (``wait_n=1``) and promotes it while the second runs, then promotes
+    the second (:func:`_mma_and_promote`). For an odd block count the last step's second block is the expert's
+    last block loaded again with a zero row scale (its wgmma result, finite for finite e4m3 data, adds exactly 0).
+    Same numerics as ``"ws"``: every block promoted on its own, in block order.
   * The row and column scales of each block travel with the tiles: ``(1, 128)`` float32 TMA boxes of ``sdy`` and
     ``sx`` into SMEM (no GMEM-latency loads in the compute warpgroups, no scale vectors carried across steps:
     a 128-column scale vector is 32 registers per thread in the WGMMA layout).
   * ``epilogue="tma"``: the result (``out_dtype``) goes registers -> SMEM (one ``(64, 128)`` tile per compute
-    warpgroup, 64 KiB in all for float32, 32 KiB for bfloat16) -> TMA store, awaited only before the next item's result is staged (``"reg"``: registers ->
-    GMEM). ``stages`` shrinks (down to 2) until the pipeline and the staging tile fit SMEM.
+    warpgroup, 64 KiB in all for float32, 32 KiB for bfloat16) -> TMA store, awaited only before the next item's
+    result is staged (``"reg"``: registers -> GMEM). ``stages`` shrinks (down to 2) until the pipeline and the staging tile fit SMEM.
   * ``group_k``: within an expert, items walk ``gcd(group_k, K/128)`` K tiles at a time, N tiles slower, K groups
     slowest (L2 reuse: the CTAs of one wave share fewer x tiles); ``None``: all K tiles of an N tile first.
   * ``balance``: experts in descending block count (``argsort`` in XLA), so the longest items start first and the
@@ -315,21 +347,9 @@ def _wgrad_ws2_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, s
           (s,) = idx
           *refs, total = refs
           dys, xs, sdys, sxs = (refs[i * kp:(i + 1) * kp] for i in range(4))
-
-          def scope(*accs):
-            for j, acc in enumerate(accs):
-              plgpu.wgmma(acc, dys[j].at[pl.ds(wg * WN, WN)], xs[j].T)
-            t = total
-            for j, acc in enumerate(accs):
-              part = plgpu.wgmma_accumulator_load(acc, wait_n=kp - 1 - j)
-              a = plgpu.load(sdys[j].at[0, pl.ds(wg * WN, WN)], layout=WG.reduce(1), optimized=False)
-              c = plgpu.load(sxs[j].at[0], layout=WG.reduce(0), optimized=False)
-              if j:  # the second block of the last step of an odd count: a repeated block, promoted with 0
-                c = c * (s * kp + j < count).astype(jnp.float32)
-              t = t + part * (a[:, None] * c[None, :])
-            return t
-
-          return pl.run_scoped(scope, *[plgpu.ACC((WN, BLOCK), jnp.float32) for _ in range(kp)])
+          half = pl.ds(wg * WN, WN)  # this warpgroup's rows of the N tile
+          return _mma_and_promote(total, [t.at[half] for t in dys], xs, [r.at[0, half] for r in sdys],
+                                  [r.at[0] for r in sxs], lambda j: s * kp + j < count)
 
         @pl.when(count > 0)
         def _compute():
@@ -428,21 +448,11 @@ def _wgrad_xp_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, st
             gstep, total = carry
             slot = lax.rem(gstep, stages)
             plgpu.barrier_wait(produced.at[slot])
-
-            def scope(*accs):
-              for j, acc in enumerate(accs):
-                plgpu.wgmma(acc, dy_s.at[slot, j].at[pl.ds(wg * WN, WN)], x_s.at[slot, j].T)
-              t = total
-              for j, acc in enumerate(accs):
-                part = plgpu.wgmma_accumulator_load(acc, wait_n=kp - 1 - j)
-                a = plgpu.load(sdy_s.at[slot, j, 0, pl.ds(wg * WN, WN)], layout=WG.reduce(1), optimized=False)
-                c = plgpu.load(sx_s.at[slot, j, 0], layout=WG.reduce(0), optimized=False)
-                if j:  # the second block of the last step of an odd count: a repeated block, promoted with 0
-                  c = c * (s * kp + j < count).astype(jnp.float32)
-                t = t + part * (a[:, None] * c[None, :])
-              return t
-
-            total = pl.run_scoped(scope, *[plgpu.ACC((WN, BLOCK), jnp.float32) for _ in range(kp)])
+            half = pl.ds(wg * WN, WN)  # this warpgroup's rows of the N tile
+            total = _mma_and_promote(total, [dy_s.at[slot, j].at[half] for j in range(kp)],
+                                     [x_s.at[slot, j] for j in range(kp)],
+                                     [sdy_s.at[slot, j, 0, half] for j in range(kp)],
+                                     [sx_s.at[slot, j, 0] for j in range(kp)], lambda j: s * kp + j < count)
             plgpu.barrier_arrive(consumed.at[slot])
             return gstep + 1, total
 
@@ -490,6 +500,11 @@ WGRAD_VARIANTS = {"ws": _wgrad_ws_kernel, "ws6": functools.partial(_wgrad_ws_ker
 # D (skewed, K=2048), bf16 out: "xptma_g8b" 947-955 / 934-938 / 868-892 / 875-882, "k2tma" 892 / 961 / 796-799 /
 # 864-870, "xptma" C 838 / D 872, "k2tma_g8b" C 871 / D 856; float32 out: "xptma_g8b" A 939 / C 873, "k2tma" 862 /
 # 729. One pipeline across a CTA's items and the balanced, grouped order win where items are short and uneven (C).
+# H200, 2026-11-28 (session 27, scratch/s23_gemm.py, bit-identical results), "xptma_g8b" at D / C / A: 862-879 /
+# 864-876 / 932-950 with two (64, 128) accumulators and the zero factor on the column scale; 909-911 / 919-920 / 983
+# with it on the row scale; 954 / 972 / 1037 with one wide accumulator as well (:func:`_mma_and_promote`). Tried
+# and dropped: the two compute warpgroups issuing their wgmmas in turn (a barrier pair, 1-3% slower), and one
+# block per step with that ordering (4-7% slower).
 WGRAD_VARIANT = "xptma_g8b"
 
 
