@@ -90,9 +90,10 @@ table of their rows. The optimiser state is made with :func:`jaxkern.modeling.in
 steps of ``pipelined_ms`` do not compile the step again. ``python -m benchmarks.profile_step`` profiles one count.
 
 ``--config v3``: a DeepSeek-V3-like layer size that fits one H100 (:func:`v3_config`: H 7168, I 2048, 8 experts
-top-4 + 1 shared, 8192 tokens, one layer); ``--experts`` / ``--topk`` / ``--layers`` override a config's sizes;
-``--memory`` prints the unsharded step's compiled memory estimate on this backend and exits. ``--small``: a tiny model
-that runs in seconds on a CPU (the ops' references there: ``"auto"`` off a GPU runs them).
+top-4 + 1 shared, 8192 tokens, one layer); ``--experts`` / ``--topk`` / ``--layers`` / ``--batch`` (sequences)
+override a config's sizes; ``--memory`` prints the unsharded step's compiled memory estimate on this backend and
+exits. ``--small``: a tiny model that runs in seconds on a CPU (the ops' references there: ``"auto"`` off a GPU runs
+them).
 
 ``--shard-replicated`` (N > 1): the replicated params (embedding, Engram, mHC, shared experts, router, readout: those
 whose dim 0 is a multiple of N) and their Adam state are stored split over ``"data"``
@@ -593,6 +594,8 @@ def main(argv=None) -> int:
   parser.add_argument("--experts", type=int, default=None, help="override the config's routed experts")
   parser.add_argument("--topk", type=int, default=None, help="override the config's top-k")
   parser.add_argument("--layers", type=int, default=None, help="override the config's layers")
+  parser.add_argument("--batch", type=int, default=None,
+                      help="override the config's global batch (sequences of its length; v3: 4 x 2048 tokens)")
   parser.add_argument("--memory", action="store_true",
                       help="print the unsharded step's compiled memory estimate (GiB) for this backend and exit")
   parser.add_argument("--out", type=pathlib.Path, default=None)
@@ -622,6 +625,7 @@ def main(argv=None) -> int:
   if len(counts) > 1 and not args.small and not args.memory:
     return counts_in_processes(sys.argv[1:] if argv is None else list(argv), counts, check=args.check, out=args.out)
   config, batch_size, seq_len = small_config() if args.small else CONFIGS[args.config]()
+  batch_size = args.batch or batch_size
   config = dataclasses.replace(
       config, num_layers=args.layers or config.num_layers,
       moe=dataclasses.replace(config.moe, num_experts=args.experts or config.moe.num_experts,

@@ -229,8 +229,11 @@ def test_train_step_benchmark_times_the_whole_step(monkeypatch):
 
   timed = []
 
+  shapes = []
+
   def fake_time_ms(f, *args, iterations, device_time=True):
     timed.append(jax.jit(f).eval_shape(*args))
+    shapes.append({jnp.shape(x) for x in jax.tree.leaves(args)})
     return dict(wall_ms=1.0)
 
   monkeypatch.setattr(train_step, "time_ms", fake_time_ms)
@@ -242,6 +245,11 @@ def test_train_step_benchmark_times_the_whole_step(monkeypatch):
   params = jax.eval_shape(lambda: block.init_block_params(jax.random.key(0), config))
   assert jax.tree.structure(out.params) == jax.tree.structure(params), "the updated params are among its outputs"
   assert jax.tree.leaves(out.opt_state), "and the optimiser state"
+  timed.clear()
+  assert train_step.main(["--small", "--batch", "3", "--implementations", "xla", "--iterations", "1", "--no-split",
+                          "--out", "/dev/null"]) == 0
+  seq_len = train_step.small_config()[2]
+  assert (3, seq_len) in shapes[-1] and (3, seq_len) not in shapes[0], "--batch 3: three sequences"
 
 
 # Ops that run only with the MoE's FP8 casts (fp8_swiglu, fp8_expand).
