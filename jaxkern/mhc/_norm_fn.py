@@ -102,8 +102,8 @@ def fwd_mul_kernel(x, fhi, flo, *, splits, interpret):
   @functools.partial(
       plgpu.kernel,
       out_type=(jax.ShapeDtypeStruct((splits, t, j), jnp.float32), jax.ShapeDtypeStruct((splits, t), jnp.float32)),
-      grid=(nt, splits),
-      grid_names=("t", "s"),
+      grid=(splits, nt),
+      grid_names=("s", "t"),
       scratch_types=(plgpu.SMEM((BT, KB), jnp.bfloat16, transforms=TILED),),
       interpret=interpret,
   )

@@ -74,7 +74,7 @@ def _scatter_grad_kernel(g, x, pos, c, used, *, n: int, out_dtype, interpret=Non
   if x is not None:
     out_type.append(jax.ShapeDtypeStruct((t, k, chunks), jnp.float32))
 
-  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(gt + gz, chunks), grid_names=("i", "j"),
+  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(chunks, gt + gz), grid_names=("j", "i"),
                      interpret=interpret)
   def kernel(*refs):
     if x is None:

@@ -74,8 +74,8 @@ def _reduce_kernel(x, x_sf, topk_weights, token_topk_to_pos, sf, out_dtype, inte
   @functools.partial(
       plgpu.kernel,
       out_type=jax.ShapeDtypeStruct((t, h), out_dtype),
-      grid=(pl.cdiv(t, bt), h // width),
-      grid_names=("i", "j"),
+      grid=(h // width, pl.cdiv(t, bt)),
+      grid_names=("j", "i"),
       interpret=interpret,
   )
   def kernel(*refs):

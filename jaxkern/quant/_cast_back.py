@@ -194,8 +194,8 @@ def _channel_kernel(q, sf, *, bm, out_dtype, interpret):
   lay, _ = row_layout(c, jnp.dtype(out_dtype).itemsize)
   nblk = ref.cdiv(m, bm)
 
-  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((mp, k), out_dtype), grid=(pl.cdiv(mp, rt), k // c),
-                     grid_names=("i", "j"), interpret=interpret)
+  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((mp, k), out_dtype), grid=(k // c, pl.cdiv(mp, rt)),
+                     grid_names=("j", "i"), interpret=interpret)
   def kernel(q_g, sf_g, o_g):
     i, j = lax.axis_index("i"), lax.axis_index("j")
     cols = pl.ds(j * c, c)

@@ -152,7 +152,7 @@ def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, swiglu=False, 
     inputs.append(sf_in)
 
   @functools.partial(
-      plgpu.kernel, grid=(m // r, k // c), grid_names=("i", "j"),
+      plgpu.kernel, grid=(k // c, m // r), grid_names=("j", "i"),
       interpret=_config.mosaic_interpret(interpret),
       out_type=(out_type, jax.ShapeDtypeStruct((m // npt, k), jnp.float32)),
       scratch_types=dict(x_s=plgpu.SMEM((r, c), x.dtype), a_s=plgpu.SMEM((groups, c), jnp.float32),

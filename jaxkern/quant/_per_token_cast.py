@@ -212,7 +212,7 @@ def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, 
     out_type.append(jax.ShapeDtypeStruct(*sf_type))
   num_ctas = pl.cdiv(r, rt)
 
-  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(num_ctas, num_chunks), grid_names=("i", "g"),
+  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(num_chunks, num_ctas), grid_names=("g", "i"),
                      interpret=interpret)
   def kernel(*refs):
     x_g, c_g, *rest = refs

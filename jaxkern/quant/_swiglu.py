@@ -87,7 +87,7 @@ def swiglu_kernel(x, weight, pos_to_expert, *, npc, round_sf, sf_layout, clamp, 
     out_type.append(jax.ShapeDtypeStruct((NUM_COUNTERS * num_chunks, r), jnp.float32))
   c = None if clamp is None else float(np.float32(clamp))
 
-  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(num_ctas, num_chunks), grid_names=("i", "g"),
+  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(num_chunks, num_ctas), grid_names=("g", "i"),
                      interpret=interpret)
   def kernel(*refs):
     x_g, c_g, *rest = refs

@@ -84,7 +84,7 @@ def backward_kernel(q, sf, grad, weight, *, npc, round_sf, clamp, interpret):
               jax.ShapeDtypeStruct((num_chunks, r), jnp.float32))
   c = None if clamp is None else float(np.float32(clamp))
 
-  @functools.partial(plgpu.kernel, out_type=out_type, grid=(num_ctas, num_chunks), grid_names=("i", "g"),
+  @functools.partial(plgpu.kernel, out_type=out_type, grid=(num_chunks, num_ctas), grid_names=("g", "i"),
                      interpret=interpret)
   def kernel(q_g, sf_g, g_g, w_g, c_g, out_g, xg_g, xq_g, xsf_g, dot_g):
     rows = pl.ds(jnp.minimum(lax.axis_index("i") * rt, r - rt), rt)

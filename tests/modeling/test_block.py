@@ -205,6 +205,36 @@ def test_train_step_lowers_for_h100():
   assert "mosaic_gpu" in text or "__gpu$xla.gpu.triton" in text
 
 
+@pytest.mark.parametrize("fp8_gemm", [False, True])
+def test_train_step_grids_fit_cuda_at_many_tokens(monkeypatch, fp8_gemm):
+  """Every Mosaic GPU grid of the step at 2^22 tokens stays within CUDA's limits. Pallas maps a grid's last
+  dimension to CUDA's x (up to 2^31 - 1) and the others to y and z (at most 65,535 each), so row tiles go last.
+  Row tiles first made the 1-GPU v3 step fail at 16,384 tokens (a per-token cast with 72,576 row tiles:
+  CUDA_ERROR_INVALID_VALUE at launch, H200, 2026-11-28)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  grids = []
+  kernel = plgpu.kernel
+
+  def spy(body=None, **kw):
+    if body is None:
+      return functools.partial(spy, **kw)
+    grids.append(tuple(kw.get("grid", ())))
+    return kernel(body, **kw)
+
+  monkeypatch.setattr(plgpu, "kernel", spy)
+  config = dataclasses.replace(CONFIG, fp8_gemm=fp8_gemm)
+  params = jax.eval_shape(lambda: block.init_block_params(jax.random.key(0), config))
+  optimizer = optax.adam(1e-3)
+  tokens = jax.ShapeDtypeStruct((2 ** 18, 16), jnp.int32)
+  shapes = (params, jax.eval_shape(optimizer.init, params), block.Batch(tokens, tokens))
+  step = functools.partial(block.train_step, config=config, optimizer=optimizer, implementation="pallas")
+  with use_abstract_mesh(AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,), abstract_device=H100)):
+    jax.jit(step).trace(*shapes).lower(lowering_platforms=("cuda",))
+  assert any(g and g[-1] > 65535 for g in grids), "the test reaches grids past the y / z limit"
+  assert [g for g in grids if max(g[:-1], default=1) > 65535] == []
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU smoke run of the benchmark")
 def test_train_step_benchmark_small(tmp_path, capsys):
   from benchmarks import train_step
