@@ -291,7 +291,8 @@ def _wgrad_ws2_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, s
     a 128-column scale vector is 32 registers per thread in the WGMMA layout).
   * ``epilogue="tma"``: the result (``out_dtype``) goes registers -> SMEM (one ``(64, 128)`` tile per compute
     warpgroup, 64 KiB in all for float32, 32 KiB for bfloat16) -> TMA store, awaited only before the next item's
-    result is staged (``"reg"``: registers -> GMEM). ``stages`` shrinks (down to 2) until the pipeline and the staging tile fit SMEM.
+    result is staged (``"reg"``: registers -> GMEM). ``stages`` shrinks (down to 2) until the pipeline and the
+    staging tile fit SMEM.
   * ``group_k``: within an expert, items walk ``gcd(group_k, K/128)`` K tiles at a time, N tiles slower, K groups
     slowest (L2 reuse: the CTAs of one wave share fewer x tiles); ``None``: all K tiles of an N tile first.
   * ``balance``: experts in descending block count (``argsort`` in XLA), so the longest items start first and the
