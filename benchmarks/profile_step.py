@@ -2,7 +2,7 @@
 
 Runs the step of :mod:`benchmarks.train_step` (same model flags: ``--config``, ``--small``, ``--fp8-gemm``,
 ``--ep-capacity-factor``, ``--ep-combine-dtype``, ``--grad-reduce-dtype``, ``--shard-replicated``,
-``--shard-optimizer``) on one device
+``--shard-optimizer``, ``--batch``) on one device
 count at a time (``--devices N``: 1 the unsharded step on a one-device mesh, N > 1 the expert-parallel sharded
 step), as a training loop runs it: ``--steps`` chained steps (each takes the params and optimiser state the one
 before returned), blocked on once. Then it traces the same number of chained steps with ``jax.profiler`` (a perfetto
@@ -151,6 +151,8 @@ def main(argv=None) -> int:
   parser.add_argument("--shard-replicated", action="store_true", help="N > 1: the replicated params stored split")
   parser.add_argument("--shard-optimizer", action="store_true",
                       help="N > 1: the replicated params' Adam state and update split (ZeRO-1/2-style)")
+  parser.add_argument("--batch", type=int, default=None,
+                      help="override the config's global batch (sequences of its length; v3: 4 x 2048 tokens)")
   parser.add_argument("--implementation", default="auto")
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--top", type=int, default=25)
@@ -166,7 +168,7 @@ def main(argv=None) -> int:
   if n > len(jax.devices()):
     print(f"--devices {n}: only {len(jax.devices())} devices here", file=sys.stderr)
     return 2
-  batch_size = -(-batch_size // n) * n
+  batch_size = -(-(args.batch or batch_size) // n) * n
   params = block.init_block_params(jax.random.key(0), config)
   batch = block.synthetic_batch(np.random.default_rng(0), batch=batch_size, seq_len=seq_len,
                                 vocab_size=config.vocab_size)
