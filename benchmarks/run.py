@@ -8,9 +8,9 @@ threads (never while a timing runs; ``--workers N`` splits the shapes over N pro
 lower in parallel), and for each, in order, checks the kernel against the reference and times the kernel and the XLA-compiled ``jnp`` reference with CUPTI
 (cold L2, median of ``--iterations``), and reports device µs, GB/s, % of the
 device-to-device copy bandwidth measured in the same run, the speed-up over
-XLA and, where ``benchmarks/anchors/tilekernels_targets.jsonl`` has the shape, that speed-up against
-TileKernels' (``vs_tilekernels`` = speed-up / ``tilekernels_target_speedup``, > 1: faster than
-TileKernels; only on the card the targets were measured on, an H100 80GB HBM3). Every row records
+XLA and, where ``benchmarks/anchors/`` has a TileKernels target for the shape on the card the run is on
+(an H100 80GB HBM3 or an H200), that speed-up against TileKernels' (``vs_tilekernels`` = speed-up /
+``tilekernels_target_speedup``, > 1: faster than TileKernels). Every row records
 the path the op call took (``pallas`` or ``xla``, from :func:`jaxkern.explain`; ``path_reason`` says why where it is not the kernel). Rows go to a JSONL
 file under ``benchmarks/results/``; regenerate the summary with ``python -m benchmarks.summarize``.
 
@@ -435,12 +435,12 @@ def _fmt(x, spec: str, width: int) -> str:
   return f"{x:{width}{spec}}" if x is not None else f"{'—':>{width}s}"
 
 
-def _todo(ops, shapes: str | None, tilekernels: bool) -> list[tuple[str, str, int]]:
+def _todo(ops, shapes: str | None, tilekernels: bool, gpu: str | None = None) -> list[tuple[str, str, int]]:
   """``(op name, shape label, bytes)`` of the cases to run: those whose label matches ``shapes``, and with
-  ``tilekernels`` only those with a TileKernels target."""
+  ``tilekernels`` only those with a TileKernels target on card ``gpu`` (on any card where ``gpu`` has none)."""
   todo = [(op.name, case.label, case.nbytes) for op in ops for case in op.cases()
           if (not shapes or re.search(shapes, case.label))
-          and (not tilekernels or targets.target(op.name, case.label) is not None)]
+          and (not tilekernels or targets.has_target(op.name, case.label, gpu))]
   if not todo:
     raise SystemExit(f"--shapes {shapes!r}{' --tilekernels' if tilekernels else ''} matches none of the "
                      f"benchmark shapes of {[op.name for op in ops]}")
@@ -451,11 +451,11 @@ def _benchmark(ops, out_path: pathlib.Path, iterations: int, shapes: str | None,
                device_memory: int | None = None, tilekernels: bool = False) -> int:
   from jaxkern.testing.timing import copy_bandwidth_gbps
 
-  todo = _todo(ops, shapes, tilekernels)
-  for row, reason in targets.load()[1]:
+  gpu = jax.devices()[0].device_kind
+  todo = _todo(ops, shapes, tilekernels, gpu)
+  for row, reason in targets.by_card()[1]:
     print(f"warning: TileKernels target {row.get('op')} {row.get('shape')!r} not used: {reason}")
-  env = dict(gpu=jax.devices()[0].device_kind, date=datetime.date.today().isoformat(),
-             copy_gbps=copy_bandwidth_gbps())
+  env = dict(gpu=gpu, date=datetime.date.today().isoformat(), copy_gbps=copy_bandwidth_gbps())
   print(f"{env['gpu']}, jax {jax.__version__}, {env['date']}; device-to-device copy: {env['copy_gbps']:.0f} GB/s")
   print(f"{'op':20s} {'shape':26s} {'path':7s} {'µs':>9s} {'GB/s':>7s} {'%copy':>6s} {'xla µs':>9s} {'speed-up':>8s} "
         f"{'vs TK':>6s}")
@@ -518,7 +518,7 @@ def main(argv=None) -> int:
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{memory.PARENT_FRACTION}"
   ops = _select(args.ops)
   if args.tilekernels and not args.ops:
-    ops = [op for op in ops if op.name in {name for name, _ in targets.load()[0]}]
+    ops = [op for op in ops if op.name in targets.target_ops()]
   if jax.default_backend() != "gpu":
     return 1 if _correctness_pass(ops, args.shapes, args.out) else 0
   slug = jax.devices()[0].device_kind.replace(" ", "-")

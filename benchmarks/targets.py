@@ -1,13 +1,17 @@
-"""TileKernels' per-shape targets (``benchmarks/anchors/tilekernels_targets.jsonl``, provenance in
-``benchmarks/anchors/README.md``) keyed by the runner's own ``(op, shape label)``.
+"""TileKernels' per-shape targets, one file per card (``benchmarks/anchors/``, provenance in
+``benchmarks/anchors/README.md``), keyed by card and the runner's own ``(op, shape label)``.
 
-Each anchors row names an upstream op (``per_block_cast``) and a shape as ``key=value`` fields
-(``M=4001 K=576 in=bf16 fmt=e4m3 block=32x32``); :func:`runner_key` turns that into the registered
-benchmark op and case label that measure the same call (``per_block_cast_32x32``, ``M=4001 K=576
-bf16``). A row's ``target_speedup_over_xla`` is TileKernels' speed-up over the XLA-compiled
-reference on an NVIDIA H100 80GB HBM3; a kernel's measured speed-up over XLA divided by it,
-``vs_tilekernels``, is above 1 where the kernel is faster than TileKernels (within ~3% of 1: a tie).
-The ratio is only compared on the card the targets were measured on (:func:`vs_tilekernels`).
+* ``tilekernels_targets.jsonl`` (NVIDIA H100 80GB HBM3, 2026-11-25): each row names an upstream op
+  (``per_block_cast``) and a shape as ``key=value`` fields (``M=4001 K=576 in=bf16 fmt=e4m3
+  block=32x32``); :func:`runner_key` turns that into the registered benchmark op and case label that
+  measure the same call (``per_block_cast_32x32``, ``M=4001 K=576 bf16``).
+* ``tilekernels_targets_h200.jsonl`` (NVIDIA H200, 2026-11-28): rows already name the runner's op and
+  case label.
+
+A row's ``target_speedup_over_xla`` is TileKernels' speed-up over the XLA-compiled reference on the
+row's card; a kernel's measured speed-up over XLA divided by it, ``vs_tilekernels``, is above 1 where
+the kernel is faster than TileKernels (within ~3% of 1: a tie). The ratio is only compared with the
+target of the card the kernel ran on (:func:`vs_tilekernels`).
 No jaxkern or JAX import: the summary uses it without building benchmark cases.
 """
 
@@ -17,7 +21,9 @@ import functools
 import json
 import pathlib
 
-TARGETS_FILE = pathlib.Path(__file__).parent / "anchors" / "tilekernels_targets.jsonl"
+ANCHORS = pathlib.Path(__file__).parent / "anchors"
+TARGETS_FILE = ANCHORS / "tilekernels_targets.jsonl"  # H100, upstream op and shape fields
+H200_TARGETS_FILE = ANCHORS / "tilekernels_targets_h200.jsonl"  # H200, the runner's op names and case labels
 TIE = 0.03  # |vs_tilekernels - 1| below this counts as a tie (anchors/README.md)
 
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -84,8 +90,9 @@ def runner_key(op: str, shape: str) -> tuple[str, str]:
 
 
 @functools.cache
-def load(path: pathlib.Path = TARGETS_FILE) -> tuple[dict, tuple]:
-  """``({(benchmark op, label): anchors row}, unmapped rows as (row, reason))``; empty if the file is absent."""
+def load(path: pathlib.Path = TARGETS_FILE, *, runner_keys: bool = False) -> tuple[dict, tuple]:
+  """``({(benchmark op, label): anchors row}, unmapped rows as (row, reason))``; empty if the file is absent.
+  ``runner_keys``: the rows' ``op`` and ``shape`` are the benchmark op and case label themselves."""
   targets, unmapped = {}, []
   if not path.exists():
     return targets, ()
@@ -94,7 +101,7 @@ def load(path: pathlib.Path = TARGETS_FILE) -> tuple[dict, tuple]:
       continue
     row = json.loads(line)
     try:
-      key = runner_key(row["op"], row["shape"])
+      key = (row["op"], row["shape"]) if runner_keys else runner_key(row["op"], row["shape"])
     except (ValueError, KeyError) as e:
       unmapped.append((row, str(e)))
       continue
@@ -105,9 +112,33 @@ def load(path: pathlib.Path = TARGETS_FILE) -> tuple[dict, tuple]:
   return targets, tuple(unmapped)
 
 
-def target(op: str, label: str) -> dict | None:
-  """The anchors row of a benchmark op's case, or None."""
-  return load()[0].get((op, label))
+@functools.cache
+def by_card() -> tuple[dict, tuple]:
+  """``({card name: {(benchmark op, label): anchors row}}, unmapped rows of every file)``: both files, each
+  row under its own ``device``."""
+  cards, unmapped = {}, []
+  for found, bad in (load(TARGETS_FILE), load(H200_TARGETS_FILE, runner_keys=True)):
+    unmapped += bad
+    for key, row in found.items():
+      cards.setdefault(row["device"], {})[key] = row
+  return cards, tuple(unmapped)
+
+
+def target(op: str, label: str, gpu: str) -> dict | None:
+  """The anchors row of a benchmark op's case measured on card ``gpu``, or None."""
+  return by_card()[0].get(gpu, {}).get((op, label))
+
+
+def has_target(op: str, label: str, gpu: str | None = None) -> bool:
+  """Whether the case has a target on card ``gpu``, or, where that card has no targets at all (or ``gpu`` is
+  None), on any card."""
+  cards = by_card()[0]
+  return any((op, label) in cards[c] for c in ([gpu] if gpu in cards else cards))
+
+
+def target_ops() -> set[str]:
+  """The benchmark ops with a target on some card."""
+  return {op for found in by_card()[0].values() for op, _ in found}
 
 
 def vs_tilekernels(speedup: float | None, anchor: dict | None, gpu: str) -> float | None:
@@ -119,7 +150,7 @@ def vs_tilekernels(speedup: float | None, anchor: dict | None, gpu: str) -> floa
 
 
 def fields(op: str, label: str, speedup: float | None, gpu: str) -> dict:
-  """The row fields ``tilekernels_target_speedup`` and ``vs_tilekernels`` of a measured case."""
-  anchor = target(op, label)
+  """The row fields ``tilekernels_target_speedup`` and ``vs_tilekernels`` of a case measured on ``gpu``."""
+  anchor = target(op, label, gpu)
   return dict(tilekernels_target_speedup=anchor and anchor["target_speedup_over_xla"],
               vs_tilekernels=vs_tilekernels(speedup, anchor, gpu))

@@ -15,7 +15,8 @@ from benchmarks.registry import REGISTRY
 
 GiB = memory.GiB
 H100 = "NVIDIA H100 80GB HBM3"
-WORKSPACE_TARGETS = pathlib.Path(__file__).parents[2] / "shared" / "anchors" / "tilekernels_targets.jsonl"
+H200 = "NVIDIA H200"
+WORKSPACE_ANCHORS = pathlib.Path(__file__).parents[2] / "shared" / "anchors"
 
 
 # --- TileKernels targets ---------------------------------------------------------------------------
@@ -34,23 +35,42 @@ def test_every_target_maps_onto_a_registered_case():
   assert {row["device"] for row in found.values()} == {H100}
 
 
+def test_every_h200_target_is_a_registered_case():
+  found, unmapped = targets.load(targets.H200_TARGETS_FILE, runner_keys=True)
+  assert unmapped == () and len(found) == 250
+  assert {row["device"] for row in found.values()} == {H200}
+  for op, label in found:
+    assert op in REGISTRY, op
+    assert label in {c.label for c in REGISTRY[op].cases()}, (op, label)
+  cards, unmapped = targets.by_card()
+  assert unmapped == () and set(cards) == {H100, H200} and len(cards[H200]) == 250
+
+
 def test_tilekernels_selects_exactly_the_target_shapes():
   one_op = [REGISTRY["per_block_cast_32x32"]]  # cheap cases (others build routings on the CPU)
-  todo = run._todo(one_op, None, tilekernels=True)
+  todo = run._todo(one_op, None, tilekernels=True, gpu=H100)
   expected = {label for op, label in targets.load()[0] if op == "per_block_cast_32x32"}
   assert {label for _, label, _ in todo} == expected and len(todo) < len(run._todo(one_op, None, False))
+  on_h200 = {label for _, label, _ in run._todo(one_op, None, tilekernels=True, gpu=H200)}
+  assert on_h200 == {label for op, label in targets.by_card()[0][H200] if op == "per_block_cast_32x32"}
+  anywhere = {label for _, label, _ in run._todo(one_op, None, tilekernels=True, gpu="NVIDIA B200")}
+  assert anywhere == expected | on_h200  # a card without targets: the shapes with a target on any card
+  # an op with targets on the H200 only
+  assert len(run._todo([REGISTRY["engram_hash"]], None, tilekernels=True, gpu=H200)) == 2
+  with pytest.raises(SystemExit, match="--tilekernels"):
+    run._todo([REGISTRY["engram_hash"]], None, tilekernels=True, gpu=H100)
   narrowed = run._todo(one_op, "K=576", tilekernels=True)
   assert narrowed and all("K=576" in label for _, label, _ in narrowed) and len(narrowed) < len(todo)
-  with pytest.raises(SystemExit, match="--tilekernels"):
-    run._todo([REGISTRY["engram_gate_fwd"]], None, tilekernels=True)
 
 
-def test_targets_copy_provenance():
-  data = targets.TARGETS_FILE.read_bytes()
-  readme = (targets.TARGETS_FILE.parent / "README.md").read_text()
+@pytest.mark.parametrize("path", [targets.TARGETS_FILE, targets.H200_TARGETS_FILE], ids=["h100", "h200"])
+def test_targets_copy_provenance(path):
+  data = path.read_bytes()
+  readme = (path.parent / "README.md").read_text()
   assert hashlib.sha256(data).hexdigest() in readme
-  if WORKSPACE_TARGETS.exists():
-    assert WORKSPACE_TARGETS.read_bytes() == data, "benchmarks/anchors/ is out of date with shared/anchors/"
+  workspace = WORKSPACE_ANCHORS / path.name
+  if workspace.exists():
+    assert workspace.read_bytes() == data, "benchmarks/anchors/ is out of date with shared/anchors/"
 
 
 @pytest.mark.parametrize("op, shape, key", [
@@ -95,9 +115,15 @@ def test_load_reports_unmapped_and_duplicate_rows(tmp_path):
 def test_row_fields_only_on_the_targets_card():
   assert targets.fields("transpose", "M=4032 N=576 e4m3", 1.2, H100) == dict(
       tilekernels_target_speedup=1.131, vs_tilekernels=round(1.2 / 1.131, 3))
-  assert targets.fields("transpose", "M=4032 N=576 e4m3", 1.2, "NVIDIA H200") == dict(
-      tilekernels_target_speedup=1.131, vs_tilekernels=None)
+  h200 = targets.target("transpose", "M=4032 N=576 e4m3", H200)["target_speedup_over_xla"]
+  assert h200 != 1.131
+  assert targets.fields("transpose", "M=4032 N=576 e4m3", 1.2, H200) == dict(
+      tilekernels_target_speedup=h200, vs_tilekernels=round(1.2 / h200, 3))
+  assert targets.fields("transpose", "M=4032 N=576 e4m3", 1.2, "NVIDIA B200") == dict(
+      tilekernels_target_speedup=None, vs_tilekernels=None)
   assert targets.fields("transpose", "M=4032 N=576 fp32", 1.2, H100) == dict(
+      tilekernels_target_speedup=None, vs_tilekernels=None)
+  assert targets.fields("engram_hash", "T=4001 N=3 L=2 E=8", 1.2, H100) == dict(  # an H200-only target
       tilekernels_target_speedup=None, vs_tilekernels=None)
 
 
@@ -317,7 +343,8 @@ def test_summary(tmp_path):
       _row("per_block_cast_32x32", "M=4001 K=576 bf16", 3.0),  # target 3.48: 0.86
       _row("per_block_cast_128x128", "M=8001 K=7168 bf16", 2.0, vs_tilekernels=1.5),  # the row's own field wins
       _row("per_block_cast_e2m1_32x32", "M=4001 K=576 bf16", 1.0),  # no target
-      _row("per_block_cast_32x32", "M=4001 K=576 bf16", 5.0, gpu="NVIDIA H200"),  # other card: no vs
+      _row("per_block_cast_32x32", "M=4001 K=576 bf16", 5.0, gpu=H200, vs_tilekernels=None),  # vs its card's target
+      _row("per_block_cast_e2m1_32x32", "M=4001 K=576 bf16", 1.0, gpu=H200),  # no target on the H200 either
       dict(op="per_block_cast_32x32", shape="M=8001 K=576 bf16", skipped="needs 99 GiB", gpu=H100, date="2026-11-26",
            time="2026-11-26T00:00:00+00:00"),
   ]
@@ -327,11 +354,15 @@ def test_summary(tmp_path):
   table = text.split("\n\n## Method")[0]
   assert len(table.splitlines()) <= 40
   h100 = [line for line in table.splitlines() if line.startswith("| per_block_cast | H100")]
-  target = targets.target("per_block_cast_32x32", "M=4001 K=576 bf16")["target_speedup_over_xla"]
+  target = targets.target("per_block_cast_32x32", "M=4001 K=576 bf16", H100)["target_speedup_over_xla"]
+  h200 = targets.target("per_block_cast_32x32", "M=4001 K=576 bf16", H200)["target_speedup_over_xla"]
+  vs_h200 = round(5.0 / h200, 3)
   vs = round(3.0 / target, 3)
   assert h100 == [f"| per_block_cast | H100 | 3 | 1000 | 33 | 1.00 / 2.00 / 3.00 | {(vs + 1.5) / 2:.2f} / {vs:.2f} | "
                   "1 of 2 |"]
-  assert "| per_block_cast | H200 | 1 | 1000 | 33 | 5.00 / 5.00 / 5.00 | — | — |" in table
+  assert (f"| per_block_cast | H200 | 2 | 1000 | 33 | 1.00 / 3.00 / 5.00 | {vs_h200:.2f} / {vs_h200:.2f} | "
+          f"{int(vs_h200 < 0.97)} of 1 |") in table
+  assert f"| M=4001 K=576 bf16 | pallas | 10.00 | 1000 | 33.0 | 50.00 | 5.00 | {h200:.2f} | {vs_h200:.2f} |" in text
   assert f"| M=4001 K=576 bf16 | pallas | 10.00 | 1000 | 33.0 | 30.00 | 3.00 | {target:.2f} | {vs:.2f} |" in text
   assert "Skipped in its newest run: M=8001 K=576 bf16 (needs 99 GiB)." in text
 
