@@ -26,7 +26,7 @@ def test_hash_bit_exact_every_implementation(t, full_range):
   ids, mult, sizes = hash_inputs(rng, t, full_range=full_range)
   offsets = engram.make_offsets(jnp.asarray(sizes))
   want = python_hash(ids[:12], mult, sizes, np.asarray(offsets))
-  for impl in ("pallas", "xla", "auto"):  # no kernel: XLA code everywhere
+  for impl in ("pallas", "xla", "auto", "reference"):  # no kernel: XLA code (native int64) or the reference
     got = jax.jit(lambda i, s, o: engram.engram_hash(i, mult, s, o, implementation=impl))(ids, sizes, offsets)
     assert_bitwise_equal(got, ref.engram_hash(ids, mult, sizes, offsets))
     assert_bitwise_equal(got[:, :12], want)
@@ -45,7 +45,8 @@ def test_hash_multiplier_forms_and_traced_words():
   traced = jax.jit(lambda w: engram.engram_hash(ids, w, sizes, offsets, implementation="interpret"))(words)
   assert_bitwise_equal(traced, want)
   with jax.enable_x64(True):
-    assert_bitwise_equal(engram.engram_hash(ids, jnp.asarray(mult), sizes, offsets, implementation="reference"), want)
+    for impl in ("reference", "xla"):  # the caller's x64 on
+      assert_bitwise_equal(engram.engram_hash(ids, jnp.asarray(mult), sizes, offsets, implementation=impl), want)
 
 
 def test_hash_zero_tokens_and_offsets():
