@@ -100,6 +100,68 @@ def test_kernel_encoder_matches_reference_encoder():
   np.testing.assert_array_equal(jax.jit(_encode_code)(v), jax.jit(ref.encode_e5m6)(v))
 
 
+class _NumpyDialects:
+  """Stand-ins for the MLIR dialects that the lane-level kernel code calls (``ir``, ``arith``, ``llvm``), on numpy
+  uint32 arrays: the lane formulas run on the CPU. ``cvt.rz.f16x2.f32`` (a zero high half) is IEEE round toward
+  zero to fp16: the recipe's integer fp16 step, except that finite magnitudes from 65536 on saturate to 65504
+  (0x7BFF) instead of going to infinity (the GPU tests check the conversion itself)."""
+
+  class IntegerType:
+    get_signless = staticmethod(lambda bits: bits)
+
+  class F32Type:
+    get = staticmethod(lambda: np.float32)
+
+  class CmpIPredicate:
+    ult = "ult"
+
+  constant = staticmethod(lambda t, v: t(v) if t is np.float32 else np.uint32(v & 0xFFFFFFFF))
+  bitcast = staticmethod(lambda _, x: x.view(np.uint32))
+  shli, shrui = staticmethod(np.left_shift), staticmethod(np.right_shift)
+  andi, ori, addi = staticmethod(np.bitwise_and), staticmethod(np.bitwise_or), staticmethod(np.add)
+  extui = staticmethod(lambda _, p: p.astype(np.uint32))
+
+  @staticmethod
+  def cmpi(pred, a, b):
+    assert pred == "ult"
+    return a < b
+
+  @staticmethod
+  def inline_asm(_, args, asm, constraints):
+    assert asm == "cvt.rz.f16x2.f32 $0, $2, $1;" and constraints == "=r,f,f" and args[1] == 0
+    u = args[0].view(np.uint32)
+    h = np.asarray(ref.fp16_rtz_bits(jnp.asarray(u.view(np.int32)))).astype(np.uint32)
+    a = u & 0x7FFFFFFF
+    return np.where((a >= 0x47800000) & (a < 0x7F800000), (h & 0x8000) | 0x7BFF, h).astype(np.uint32)
+
+
+def test_lane_formulas_match_reference(monkeypatch):
+  """The Mosaic GPU kernels' lane-level code on numpy: codes (``_lane_code``, every exponent with edge mantissas,
+  ±inf, the canonical NaN and random patterns), the words (``_lane_words``) and the decoder's fp16 pairs
+  (``_lane_half_pairs``) against the reference."""
+  from jaxkern.quant import _e5m6 as e5
+  for name in ("ir", "arith", "llvm"):
+    monkeypatch.setattr(e5, name, _NumpyDialects)
+  rng = np.random.default_rng(2)
+  mants = np.concatenate([np.array([0, 1, 0xFFFF, 0x10000, 0x10001, 0x1FFFF, 0x20000, 0x7FFFFF], np.uint32),
+                          rng.integers(0, 1 << 23, 32, dtype=np.uint32)])
+  u = ((np.arange(255, dtype=np.uint32)[:, None] << 23) | mants[None, :]).ravel()  # every finite exponent
+  u = np.concatenate([np.array([0x7FFFFFFF, 0x7F800000], np.uint32), u, u | 0x80000000, np.array([0xFF800000], np.uint32),
+                      rng.integers(0, 0x7F800000, 1 << 14, dtype=np.uint32) | (rng.integers(0, 2, 1 << 14,
+                                                                                   dtype=np.uint32) << 31)])
+  u = u[: len(u) // 8 * 8].reshape(-1, 8)
+  v = u.view(np.float32)
+  codes = [e5._lane_code(v[:, c].copy()) for c in range(8)]
+  want = np.asarray(ref.encode_e5m6(jnp.asarray(v))).astype(np.uint32)
+  assert_bitwise_equal(np.stack(codes, axis=1), want)
+  words = e5._lane_words(codes)
+  want_words = np.asarray(ref.pack_e5m6(jnp.asarray(want.astype(np.int32)))).view("<u4").reshape(-1, 3)
+  assert_bitwise_equal(np.stack(words, axis=1), want_words)
+  pairs = e5._lane_half_pairs(*words)
+  halves = np.stack([h for p in pairs for h in (p >> 16, p & 0xFFFF)], axis=1)
+  assert_bitwise_equal(halves, want << 4)
+
+
 def test_pack_unpack_and_decode_match_numpy():
   rng = np.random.default_rng(1)
   codes = rng.integers(0, 4096, (3, 48))
@@ -248,6 +310,64 @@ def test_lowers_for_h100(m, k, flags):
   for fmt in ("bf16", "fp32"):
     back = lambda q, s: quant.cast_back_e5m6((q, s), fmt, (1, k), implementation="pallas")
     assert "mosaic_gpu" in lower_for_h100(back, jax.ShapeDtypeStruct((m, 3 * k // 2), jnp.uint8), sf).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_every_exponent_gpu(dtype):
+  """The kernels' codes for values spread over every exponent (edge and random mantissas, both signs, float32
+  subnormals) and random patterns up to 65024: each row holds 65024 in its first column, so that with a
+  power-of-two sf (1) the scaled values are the inputs; and every code decoded (layouts A and C, both outputs)."""
+  rng = np.random.default_rng(3)
+  mants = np.concatenate([np.array([0, 1, 0xFFFF, 0x10000, 0x10001, 0x1FFFF, 0x20000, 0x7FFFFF], np.uint32),
+                          rng.integers(0, 1 << 23, 56, dtype=np.uint32)])
+  u = ((np.arange(143, dtype=np.uint32)[:, None] << 23) | mants[None, :]).ravel()
+  u = np.concatenate([u, u | 0x80000000, rng.integers(0, 0x477E0001, 1 << 16, dtype=np.uint32) | (
+      rng.integers(0, 2, 1 << 16, dtype=np.uint32) << 31)])
+  v = u.view(np.float32)
+  v = v[np.abs(v) <= 65024.0]
+  k = 1024
+  rows = -(-len(v) // (k - 1))
+  x = np.zeros((rows, k), np.float32)
+  x[:, 0] = 65024.0
+  x[:, 1:].flat[: len(v)] = v
+  x = jnp.asarray(x).astype(dtype)
+  f = _flags("A_round")
+  got = jax.jit(lambda x: quant.per_token_cast_to_e5m6(x, k, **f))(x)
+  assert_bitwise_equal(got, ref.per_token_cast_to_e5m6(x, k, **f))
+  codes = np.resize(np.arange(4096, dtype=np.int32), (48, 768))
+  q = ref.pack_e5m6(jnp.asarray(codes))
+  scales = np.ldexp(1.0, rng.integers(-20, 20, 48)).astype(np.float32) * rng.uniform(1, 2, 48).astype(np.float32)
+  packed = jnp.asarray(rng.integers(127 - 40, 127 + 20, (1, 48), dtype=np.int32))  # UE8M0 bytes, layout C
+  for sf, col in ((jnp.asarray(scales).reshape(48, 1), False), (packed, True)):
+    for fmt in ("bf16", "fp32"):
+      back = jax.jit(lambda q, s: quant.cast_back_e5m6((q, s), fmt, (1, 768), x_use_tma_aligned_col_major_sf=col))
+      assert_bitwise_equal(back(q, sf), ref.cast_back_e5m6((q, sf), fmt, (1, 768), x_use_tma_aligned_col_major_sf=col))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_non_finite_and_small_shapes_gpu(key, dtype):
+  """The compiled kernels on NaN / inf / zero rows and on the CPU tests' shapes (every register layout the
+  lane-level code maps: rows per thread, groups per thread, padded and ragged rows)."""
+  x = randn(key, (20, 64), jnp.float32).at[0].set(0.0).at[1].set(-0.0).at[2, 5].set(jnp.nan).at[3, 7].set(-jnp.inf)
+  x = x.at[4, 9].set(jnp.inf).astype(dtype)
+  for flags in ("A", "A_round", "C"):
+    got = quant.per_token_cast_to_e5m6(x, 64, **_flags(flags))
+    assert_bitwise_equal(got, ref.per_token_cast_to_e5m6(x, 64, **_flags(flags)))
+    col = _flags(flags)["use_tma_aligned_col_major_sf"]
+    for fmt in ("bf16", "fp32"):
+      assert_bitwise_equal(quant.cast_back_e5m6(got, fmt, (1, 64), x_use_tma_aligned_col_major_sf=col),
+                           ref.cast_back_e5m6(got, fmt, (1, 64), x_use_tma_aligned_col_major_sf=col))
+  for m, k, flags in [(5, 64, "A"), (37, 576, "C"), (130, 192, "C"), (4001, 2048, "A"), (300, 24, "A"),
+                      (128, 4096, "C")]:
+    x = _inputs(key, m, k, dtype)
+    got = quant.per_token_cast_to_e5m6(x, k, **_flags(flags))
+    assert_bitwise_equal(got, ref.per_token_cast_to_e5m6(x, k, **_flags(flags)))
+    col = _flags(flags)["use_tma_aligned_col_major_sf"]
+    for fmt in ("bf16", "fp32"):
+      assert_bitwise_equal(quant.cast_back_e5m6(got, fmt, (1, k), x_use_tma_aligned_col_major_sf=col),
+                           ref.cast_back_e5m6(got, fmt, (1, k), x_use_tma_aligned_col_major_sf=col))
 
 
 @pytest.mark.gpu
