@@ -4,12 +4,12 @@ op TileKernels benchmarks, so these rows compare directly with its published cas
 Shapes: ``(L, Lp) ∈ {(10, 9), (10, 10)} × H ∈ {2560, 4096, 7168, 8192}``, ``B = 1``, ``S = 8192`` tokens,
 ``M = 4``; mixes are random normal (not activations), as upstream's test draws them. Bytes: upstream's
 ``io_fused = 2nMH + L(4nM + 2nH) + Lp(2nH + 4nM + 4nM² + 2nMH)`` (§6.4), the I/O of a kernel that keeps the
-running residual on chip; jaxkern's ``multilayer_recompute`` is the layer-by-layer composition of
-``pre_apply_mix`` and ``post``, which moves ``io_ref = L·io_pre + Lp·io_post`` bytes, so its "% of copy" by
-this count is bounded by ``io_fused / io_ref`` (a one-pass kernel was tried: benchmarks/NOTES.md). The XLA
-column times the reference's loop compiled by XLA.
+running residual on chip, which is what jaxkern's ``multilayer_recompute`` runs on a GPU (one fused Mosaic GPU
+kernel, :mod:`jaxkern.mhc._recompute_kernel`; the layer-by-layer composition of ``pre_apply_mix`` and ``post``
+would move ``io_ref = L·io_pre + Lp·io_post`` bytes). The XLA column times the reference's loop compiled by XLA.
 Check: upstream's ``calc_diff < 1e-6`` per output (a global, scale-free similarity, §6.1). Exact equality holds
-only against jaxkern's own kernels layer by layer (tests/mhc/test_fused.py checks that on the GPU); XLA's
+only against jaxkern's own ops layer by layer (tests/mhc/test_fused.py and test_recompute_kernel.py check that on
+the GPU); XLA's
 reference rounds differently (separate products where the kernels contract to FMAs: ~1e-5 of the outputs of
 the first layer differ by one bf16 ulp on an H100), and randn mixes amplify those differences layer after
 layer, so no elementwise bf16 tolerance holds at layer 10.

@@ -1,22 +1,21 @@
 """``pre_big_fuse`` (engram_mhc.md §4.9) and ``multilayer_recompute`` (§4.10).
 
-First version: both are compositions of jaxkern's own mHC ops, traced into the caller's jit (no kernel of
-their own), so they are bit-identical to the unfused chain of those ops by construction, on every backend
-and under every implementation (the exact-equality tests of spec §6.2 / §6.5). Each part takes the
-implementation given here and makes its own dispatch decision (``jaxkern.explain`` lists one decision per
-part, not one for the composite).
+``pre_big_fuse`` is a composition of jaxkern's own mHC ops, traced into the caller's jit (no kernel of its own),
+so it is bit-identical to the unfused chain of those ops by construction, on every backend and under every
+implementation (the exact-equality tests of spec §6.2 / §6.5). Each part takes the implementation given here and
+makes its own dispatch decision (``jaxkern.explain`` lists one decision per part, not one for the composite).
+What a fused kernel would fuse (later performance work): after the ``pre_norm_fn`` GEMM (which reads the residual
+once), one kernel per token block doing the split-partial sum and the RMS normalisation, the affine + sigmoid split,
+the Sinkhorn iteration (in registers) and the pre-mix application, which reads the residual a second time. The
+unfused chain additionally writes and reads the ``(T, 24)`` mixes, the split mixes and the Sinkhorn output (a few
+hundred bytes per token, against ``2·M·H`` bytes per residual read) and launches five kernels or fusions instead
+of two.
 
-What a fused kernel would fuse (later performance work):
-
-* ``pre_big_fuse``: after the ``pre_norm_fn`` GEMM (which reads the residual once), one kernel per token block
-  doing the split-partial sum and the RMS normalisation, the affine + sigmoid split, the Sinkhorn iteration
-  (in registers) and the pre-mix application, which reads the residual a second time. The unfused chain
-  additionally writes and reads the ``(T, 24)`` mixes, the split mixes and the Sinkhorn output (a few hundred
-  bytes per token, against ``2·M·H`` bytes per residual read) and launches five kernels or fusions instead of two.
-* ``multilayer_recompute``: one pass that keeps the running residual in registers and streams each layer's
-  small inputs (spec §6.4: ``io_fused = 2nMH + L(4nM + 2nH) + Lp(2nH + 4nM + 4nM² + 2nMH)`` against
-  ``io_ref = L·io_pre + Lp·io_post``); the composition re-reads every residual ``R_i`` once for
-  ``pre_apply_mix`` and once for ``post``.
+``multilayer_recompute`` runs one fused kernel (:mod:`jaxkern.mhc._recompute_kernel`) that keeps the running
+residual in registers and streams each layer's small inputs (spec §6.4: it moves ``io_fused = 2nMH + L(4nM +
+2nH) + Lp(2nH + 4nM + 4nM² + 2nMH)`` bytes against the composition's ``io_ref = L·io_pre + Lp·io_post``, which
+re-reads every residual ``R_i`` once for ``pre_apply_mix`` and once for ``post``), bit-identical to the
+composition run with the same implementation; the composition is its XLA path.
 """
 
 from __future__ import annotations
@@ -24,9 +23,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 
-from jaxkern import _autodiff, _checks, _config
-from jaxkern.mhc import _common
+from jaxkern import _autodiff, _checks, _config, _dispatch
+from jaxkern.mhc import _apply, _common, _post, _recompute_kernel as rck, _stream_kernels as sk
 from jaxkern.mhc._apply import pre_apply_mix
 from jaxkern.mhc._mixes import pre_split_mixes
 from jaxkern.mhc._norm_fn import _check_residual_fn, _check_splits, pre_norm_fn
@@ -112,24 +112,46 @@ def _list(name, seq):
   return [_common.array(f"{name}[{i}]", a, 1) for i, a in enumerate(seq)]
 
 
+def _recompute_unsupported(r, pres, outs, posts, combs):
+  """Why the fused kernel cannot run (None where it can): where the per-layer kernels run, so that its numerics
+  follow theirs."""
+  if r.dtype != jnp.bfloat16 or any(a.dtype != jnp.bfloat16 for a in outs) or any(
+      a.dtype != jnp.float32 for a in (*pres, *posts, *combs)):
+    return "the kernel takes bfloat16 residual / layer outputs and float32 mixes"
+  if r.shape[-2] > _post.MAX_M:
+    return f"M = {r.shape[-2]} > {_post.MAX_M} (post's kernel)"
+  return sk.unsupported_hidden(r.shape[-1])
+
+
+def _pre_apply_mix_is_kernel(impl, r, pre) -> bool:
+  """Whether the composition's ``pre_apply_mix`` runs its kernel (FMA-contracted sums) rather than XLA (separately
+  rounded products on a GPU) for these arguments: the fused kernel rounds its sublayer inputs the same way."""
+  d = _dispatch.decide("pre_apply_mix", impl, unsupported=_apply._unsupported(r, pre),
+                       xla_faster=_common.xla_faster("pre_apply_mix", _apply._FWD_SLOWER))
+  return d.path in ("pallas", "interpret")
+
+
 def multilayer_recompute(initial_residual, pre_mix_list, layer_output_list, post_mix_list, comb_mix_list, *,
                          implementation: str | None = None) -> MultilayerRecompute:
   """Rebuild the sublayer inputs and residuals of ``L`` mHC layers from the first residual (spec §4.10).
 
   ``R_0 = initial_residual``; for ``i = 0..L-1``: ``layer_input[i] = pre_apply_mix(R_i, pre_mix[i])`` and, if
-  ``i < Lp``, ``R_{i+1} = post(layer_output[i], R_i, post_mix[i], comb_mix[i])``. First version: exactly that
-  loop of jaxkern's :func:`pre_apply_mix` and :func:`post` (bit-identical to calling them layer by layer, as
-  upstream's test demands); a fused kernel keeping ``R_i`` in registers is later work (module docstring).
-  Upstream writes into preallocated output lists; here the outputs are returned.
+  ``i < Lp``, ``R_{i+1} = post(layer_output[i], R_i, post_mix[i], comb_mix[i])``. Kernel path: one fused Mosaic
+  GPU kernel (:mod:`jaxkern.mhc._recompute_kernel`) that reads ``R_0`` once and keeps each token's residual
+  chunk in registers across the layers, bit-identical to calling :func:`pre_apply_mix` and :func:`post` layer by
+  layer with the same implementation (upstream's test demands exact equality): under ``"auto"`` the
+  composition's ``pre_apply_mix`` is XLA (separately rounded products) and its ``post`` the kernel, and the fused
+  kernel rounds as they do; under ``"pallas"`` / ``"interpret"`` both are kernels. XLA path: that composition,
+  each part dispatching for itself. Upstream writes into preallocated output lists; here the outputs are returned.
 
   Args:
-    initial_residual: ``(..., M, H)`` bfloat16 (for the kernels); any leading dims.
+    initial_residual: ``(..., M, H)`` bfloat16 (for the kernel); any leading dims.
     pre_mix_list: ``L >= 1`` arrays ``(..., M, 1)`` float32.
     layer_output_list: ``Lp`` arrays ``(..., H)`` (the residual's dtype), ``Lp`` in ``{L - 1, L}``.
     post_mix_list: ``Lp`` arrays ``(..., M, 1)`` float32; comb_mix_list: ``Lp`` arrays ``(..., M, M)`` float32
       (after Sinkhorn).
-    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``, passed to
-      every :func:`pre_apply_mix` / :func:`post`.
+    implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``; the XLA
+      path passes it to every :func:`pre_apply_mix` / :func:`post`.
 
   Returns:
     ``MultilayerRecompute(layer_input_list, residual_list)``: tuples of ``L`` arrays ``(..., H)`` and ``Lp``
@@ -139,10 +161,12 @@ def multilayer_recompute(initial_residual, pre_mix_list, layer_output_list, post
     ValueError (naming the argument, e.g. ``post_mix_list[2]``): empty ``pre_mix_list``, ``Lp`` not in
       ``{L - 1, L}``, lists of different lengths, shapes that do not match ``initial_residual``, non-floating
       dtypes, arguments that are not lists / tuples.
-    :class:`jaxkern.KernelUnavailableError` under ``"pallas"`` / ``"interpret"`` where the parts' kernels cannot
-      run (``H`` not a multiple of 128 of at least 1024, ``M > 4`` for ``post``).
+    :class:`jaxkern.KernelUnavailableError` under ``"pallas"`` / ``"interpret"`` where the kernel cannot run
+      (below).
 
-  XLA instead of kernels: as :func:`pre_apply_mix` and :func:`post` decide; zero tokens run XLA.
+  XLA instead of the kernel (the composition): zero tokens; under ``"auto"`` also dtypes other than a bfloat16
+  residual and layer outputs with float32 mixes, ``M > 4`` and ``H`` not a multiple of 128 of at least 1024
+  (where the per-layer kernels do not run either).
 
   Differentiation: none (activation recompute): :class:`jaxkern.NotDifferentiableError`.
   """
@@ -165,11 +189,25 @@ def multilayer_recompute(initial_residual, pre_mix_list, layer_output_list, post
   pres, rest = rest[:n], rest[n:]
   outs, posts, combs = rest[:np_], rest[np_:2 * np_], rest[2 * np_:]
   impl = _config.get_implementation(implementation)
-  inputs, residuals = [], []
-  for i in range(n):
-    inputs.append(pre_apply_mix(r, pres[i], implementation=impl))
-    if i < np_:
-      r = post(outs[i], r, posts[i], combs[i], implementation=impl)
-      residuals.append(r)
-  return MultilayerRecompute(tuple(inputs), tuple(residuals))
+  t = _common.tokens(lead)
 
+  def composition():
+    inputs, residuals, res = [], [], r
+    for i in range(n):
+      inputs.append(pre_apply_mix(res, pres[i], implementation=impl))
+      if i < np_:
+        res = post(outs[i], res, posts[i], combs[i], implementation=impl)
+        residuals.append(res)
+    return MultilayerRecompute(tuple(inputs), tuple(residuals))
+
+  def kernel(interpret):
+    inputs, residuals = rck.recompute_kernel(
+        r.reshape(t, m, h), [a.reshape(t, m) for a in pres], [a.reshape(t, h) for a in outs],
+        [a.reshape(t, m) for a in posts], [a.reshape(t, m * m) for a in combs],
+        contract_pre=_pre_apply_mix_is_kernel(impl, r, pres[0]), config=rck.current_config(),
+        interpret=_config.mosaic_interpret(interpret))
+    return MultilayerRecompute(tuple(a.reshape(*lead, h) for a in inputs),
+                               tuple(a.reshape(*lead, m, h) for a in residuals))
+
+  return _dispatch.run("multilayer_recompute", impl, kernel=kernel, xla=composition, empty=t == 0,
+                       unsupported=_recompute_unsupported(r, pres, outs, posts, combs))
