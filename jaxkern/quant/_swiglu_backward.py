@@ -1,30 +1,43 @@
 """Fused SwiGLU backward and per-token e4m3 cast of the input gradient (quant.md §8.3).
 
-Mosaic GPU kernel built like the forward (:mod:`jaxkern.quant._swiglu`): straight GMEM -> registers -> GMEM, no
-SMEM or TMA. Each CTA takes a block of rows (the last block shifted back to end at the last row; the overlap is
-written twice with equal values) and a chunk of :data:`CHUNK_COLS` columns of the ``h`` gate columns (grid axis
-``g``), walked one scale group of ``num_per_channels`` columns at a time. Per group it loads the FP8 gate columns
-``[c, c + npc)``, the FP8 value columns ``[h + c, h + c + npc)``, their two sf (strided loads of the layout-A sf
-columns ``c / npc`` and ``(h + c) / npc``) and the bf16 ``grad_out`` columns ``[c, c + npc)``, all in the same
-:func:`jaxkern._layouts.row_layout` (``npc`` wide, 8-element vectors, at most :data:`SEGMENT_LANES` lanes per row,
-as the per-token cast's column segments; 32-column groups get 4 lanes and 32-row layout blocks), so that every
-value meets its partner and its gradient in the same thread. Then in float32 registers: dequantisation, the
-optional clamp, ``t = 1 + exp(-x)``, ``act = (x / t) · y`` and ``s = 1 / t`` correctly rounded
-(:func:`jaxkern._ieee.newton_div`), ``gw = (g · w) · s``, ``dx = (gw · y) · fma(x, 1 - s, 1)``, ``dy = gw · x``,
+Two Mosaic GPU kernels, picked by ``num_per_channels``: 128-column scale groups (:data:`GROUPED_NPC`) run the
+grouped kernel of this module, every other group width (32) the row-block kernel of
+:mod:`jaxkern.quant._swiglu_backward_rows`. Both compute the same values (below) and are bit-exact against the
+reference; they differ in tiling and in how the divisions are done. On one H200 (2026-11-28) the grouped kernel
+was 320.4 / 317.2 µs on the npc=128 h=2048 runner shapes (the row-block kernel 714.4 / 515.9, TileKernels
+364.7 / 362.7) but slower at npc=32: 524.7 / 523.8 µs at h=2048 (row-block 502.7 / 471.5) and 994.8 / 987.3 at
+h=4096 (row-block 1005.5 / 951.2).
+
+Grouped kernel, built like the forward (:mod:`jaxkern.quant._swiglu`): straight GMEM -> registers -> GMEM, no
+SMEM or TMA. Each CTA takes one register layout block of rows (the last block shifted back to end at the last row;
+the overlap is written twice with equal values) and a chunk of :data:`CHUNK_COLS` columns of the ``h`` gate
+columns (grid axis ``g``), walked one scale group of ``num_per_channels`` columns per iteration of a loop, so that
+only one group's values are live in registers, besides the next group's inputs, loaded one iteration ahead. Per
+group it loads the FP8 gate columns ``[c, c + npc)``, the FP8 value columns ``[h + c, h + c + npc)``, their two
+sf (strided loads of the layout-A sf columns ``c / npc`` and ``(h + c) / npc``) and the bf16 ``grad_out`` columns
+``[c, c + npc)``, all in the same :func:`jaxkern._layouts.row_layout` (``npc`` wide, 8-element vectors; a
+128-wide group on 16 lanes per row: 8 values per thread and array), so that every value meets its partner and its
+gradient in the same thread. Then in float32 registers: dequantisation, the optional clamp, ``t = 1 + exp(-x)``,
+``act = (x / t) · y`` and ``s = 1 / t`` correctly rounded (the PTX ``div.rn.f32`` and ``rcp.rn.f32``: IEEE
+round-to-nearest-even, so the same values as the reference's division; interpret mode has no inline PTX and uses
+:func:`jaxkern._ieee.newton_div`), ``gw = (g · w) · s``, ``dx = (gw · y) · fma(x, 1 - s, 1)``, ``dy = gw · x``,
 the bf16 ``out = act · w`` and ``x_grad``, the per-token e4m3 cast of the float32 ``dx`` and ``dy`` groups (abs-max
-row reduction, :func:`jaxkern.reference.quant.scale_factors` with the exact division, saturating conversion),
-and the row sums ``Σ g · act`` of the chunk. The sf are stored straight into layout A (``(E, 2h/npc)``, one
-strided float32 store per row and group, as the per-token cast loads a QuantTensor's layout-A sf), which spares XLA
-a transpose of ``E·2h/npc`` floats (not yet timed against a contiguous ``(2h/npc, E)`` store plus that
-transpose).
+row reduction, :func:`jaxkern.reference.quant.scale_factors` with ``div.rn.f32``, in interpret mode
+:func:`jaxkern._ieee.exact_div`; saturating conversion), and ``g · act`` added elementwise over the chunk's
+groups (one row reduction per chunk gives its row sums). The sf are stored straight into layout A
+(``(E, 2h/npc)``, one strided float32 store per row and group, as the per-token cast loads a QuantTensor's
+layout-A sf), which spares XLA a transpose of ``E·2h/npc`` floats (not yet timed against a contiguous
+``(2h/npc, E)`` store plus that transpose). No thread reads what another wrote, so the kernel runs without
+Pallas's automatic warpgroup barriers around each store (:data:`jaxkern._layouts.NO_AUTO_BARRIERS`).
 
 Fused multiply-add: Mosaic GPU has no fma primitive (``jax.lax`` has none either). ``x * (1 - s) + 1`` is written
 as a multiply whose only use is an add; Mosaic GPU emits both with ``fastmath<contract>`` and LLVM's NVPTX backend
 fuses such a pair into ``fma.rn.f32`` (as :mod:`jaxkern.moe._reduce_fused` relies on; a CPU test checks the lowered
 module, the ``gpu`` test the bits). XLA on CPU contracts the pair as well (interpret mode). No other product in the
-kernel feeds an add (``1 + exp(-x)`` adds no product), so nothing else is fused but the correctly rounded division's
-own residuals (:func:`jaxkern._ieee.newton_div`, which needs them fused); the weight-gradient row sums may
-be contracted, which their tolerance allows.
+kernel feeds an add (``1 + exp(-x)`` adds no product) but the elementwise ``g · act`` sums, whose contraction the
+weight-gradient tolerance allows, and the correctly rounded division's own residuals
+(:func:`jaxkern._ieee.newton_div`, which needs them fused: in interpret mode in the grouped kernel, always in the
+row-block kernel). The row-block kernel computes the same steps with the same fused multiply-add.
 
 Steps done outside the kernel, by XLA:
 
@@ -36,6 +49,10 @@ Steps done outside the kernel, by XLA:
 
 In interpret mode ``exp`` is XLA's CPU ``exp`` (not CUDA's ``expf``), so interpret-mode results equal the
 reference run on the CPU, and compiled results the reference run on the GPU.
+
+Timing (one H200, 2026-11-28, E=32x8 K8 N=37376 h=7168 npc=128 clamp=0.5, the worst of the TileKernels shapes):
+1077.8 µs against TileKernels' 1065.6 µs and the row-block kernel's 3083.2 µs (1302.0 µs with 512-column chunks
+and no prefetch, 1179.2 with the prefetch alone; see :data:`CHUNK_COLS`).
 """
 
 from __future__ import annotations
@@ -47,24 +64,72 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config, _dispatch, _ieee
-from jaxkern._layouts import row_layout
+from jaxkern._layouts import NO_AUTO_BARRIERS, row_layout
+from jaxkern.quant import _swiglu_backward_rows as rows_path
 from jaxkern.quant import _tiling as tiling
 from jaxkern.quant import _validate as validate
-from jaxkern.quant._per_token_cast import SEGMENT_LANES, abs_key, gpu_nan, key_value, to_e4m3
+from jaxkern.quant._per_token_cast import abs_key, gpu_nan, key_value, to_e4m3
 from jaxkern.reference import quant as ref
 from jaxkern.types import QuantTensor, SwigluBackward
 
-CHUNK_COLS = 512  # gate columns per CTA (4 groups of 128 or 16 groups of 32): the forward's chunk width
 NUM_PER_CHANNELS = (32, 128)
-UNROLL_GROUPS = 4  # groups per chunk written out in Python; more run in a fori_loop
+
+# The group width run by the grouped kernel; other widths (32) run the row-block kernel
+# (:mod:`jaxkern.quant._swiglu_backward_rows`), faster there on an H200 (2026-11-28): npc=32 h=2048 502.7 / 471.5 µs
+# against the grouped kernel's 524.7 / 523.8, h=4096 1005.5 / 951.2 against 994.8 / 987.3; at npc=128 the grouped
+# kernel wins (h=2048: 320.4 / 317.2 against 714.4 / 515.9 µs).
+GROUPED_NPC = 128
+
+# Gate columns per CTA of the grouped kernel (16 groups of 128). On an H200 (2026-11-28, E=32x8 K8 N=37376 h=7168
+# npc=128 clamp=0.5): 1077.8 µs with 2048 columns and the prefetch, against 1179.2 µs with 512 (the forward's chunk
+# width) and the prefetch, 1302.0 µs with 512 and no prefetch (TileKernels 1065.6 µs).
+CHUNK_COLS = 2048
+
+# Lanes sharing a row of a 128-wide group: 16 (8 values per thread and array). 8 lanes (16 values) timed equal on
+# an H200 (2026-11-28, E=32x8 h=7168 npc=128 clamp=0.5: 1290.9 against 1291.2 µs) with 153 registers against 106.
+_ROW_LANES = 16
 
 
 def _layout(npc):
-  """``(layout, rows per layout block)`` of one group: bf16 (the widest stored type) sets 8-element vectors."""
-  return row_layout(npc, 2, SEGMENT_LANES)
+  """``(layout, rows per layout block)`` of one group: bf16 (the widest stored type) sets 8-element vectors,
+  :data:`_ROW_LANES` lanes per row."""
+  return row_layout(npc, 2, _ROW_LANES)
+
+
+def _ptx_f32(instr, lay, shape):
+  """``f(*operands)``: the float32 PTX instruction ``instr`` applied elementwise to ``shape`` arrays in ``lay``
+  (scalar operands broadcast); compiled kernels only (inline PTX has no interpret mode)."""
+  ret = plgpu.ShapeDtypeStruct(shape, jnp.float32, layout=lay)
+
+  @plgpu.inline_mgpu(arg_types=(lay,) * 2, return_type=ret)
+  def binary(_, a, b):
+    return a._pointwise(mgpu.FragmentedArray._lift_fast_instr(instr), b)
+
+  @plgpu.inline_mgpu(arg_types=(lay,), return_type=ret)
+  def unary(_, a):
+    return a._pointwise(mgpu.FragmentedArray._lift_fast_instr(instr))
+
+  def apply(*args):
+    args = [plgpu.layout_cast(jnp.broadcast_to(a, shape), lay) if jnp.ndim(a) == 0 else a for a in args]
+    return binary(*args) if len(args) == 2 else unary(*args)
+
+  return apply
+
+
+def _divisions(lay, vec, rt, npc, interpret):
+  """``(swish, sf_div)``: ``swish(x, d)`` is ``(x / d, 1 / d)`` correctly rounded for ``d = 1 + exp(-x) >= 1``,
+  ``sf_div(a, b)`` the correctly rounded division of the scale factors (``(rt,)`` arrays in ``vec`` or scalars).
+  The PTX ``div.rn.f32`` and ``rcp.rn.f32`` (IEEE round to nearest even), or in interpret mode
+  :func:`jaxkern._ieee.newton_div` and :func:`jaxkern._ieee.exact_div` (the same values; compiled, they cost 12%:
+  1450.9 against 1291.2 µs on an H200, 2026-11-28, E=32x8 h=7168 npc=128 clamp=0.5)."""
+  if interpret is None:
+    div, rcp = _ptx_f32("div.rn.f32", lay, (rt, npc)), _ptx_f32("rcp.rn.f32", lay, (rt, npc))
+    return (lambda x, d: (div(x, d), rcp(d))), _ptx_f32("div.rn.f32", vec, (rt,))
+  return (lambda x, d: (_ieee.newton_div(x, d), _ieee.newton_div(jnp.ones_like(d), d))), _ieee.exact_div
 
 
 def backward_kernel(q, sf, grad, weight, *, npc, round_sf, clamp, interpret):
@@ -77,49 +142,54 @@ def backward_kernel(q, sf, grad, weight, *, npc, round_sf, clamp, interpret):
   num_chunks = ref.cdiv(nseg, chunk)
   lay, unit = _layout(npc)
   vec = lay.reduce(1)
-  rt = tiling.tile_rows(r, 2 * chunk * npc, 2, unit)
+  rt = unit
   num_ctas = pl.cdiv(r, rt)
   out_type = (jax.ShapeDtypeStruct((r, h), jnp.bfloat16), jax.ShapeDtypeStruct((r, 2 * h), jnp.bfloat16),
               jax.ShapeDtypeStruct((r, 2 * h), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((r, 2 * nseg), jnp.float32),
               jax.ShapeDtypeStruct((num_chunks, r), jnp.float32))
   c = None if clamp is None else float(np.float32(clamp))
+  swish, sf_div = _divisions(lay, vec, rt, npc, interpret)
 
   @functools.partial(plgpu.kernel, out_type=out_type, grid=(num_chunks, num_ctas), grid_names=("g", "i"),
-                     interpret=interpret)
+                     compiler_params=NO_AUTO_BARRIERS, interpret=interpret)
   def kernel(q_g, sf_g, g_g, w_g, c_g, out_g, xg_g, xq_g, xsf_g, dot_g):
     rows = pl.ds(jnp.minimum(lax.axis_index("i") * rt, r - rt), rt)
     maxv = c_g[0]
 
-    def load(ref_, col):
-      return plgpu.load(ref_.at[rows, pl.ds(col, npc)], layout=lay, optimized=False).astype(jnp.float32)
+    def fetch(j):
+      """Group ``j``'s inputs as loaded: ``(x, y)`` e4m3 (columns ``j·npc`` and ``h + j·npc``), their sf, ``g``
+      bf16."""
+      col = j * npc
+      load = lambda ref_, c0: plgpu.load(ref_.at[rows, pl.ds(c0, npc)], layout=lay, optimized=False)
+      sf_pair = [plgpu.load(sf_g.at[rows, k], layout=vec, optimized=False) for k in (j, nseg + j)]
+      return load(q_g, col), load(q_g, h + col), *sf_pair, load(g_g, col)
 
     def cast(v):
       """Per-token e4m3 cast of one float32 group: ``(data, sf)``."""
       amax = key_value(jnp.max(abs_key(v, interpret), axis=1), interpret)
-      s, inv = ref.scale_factors(amax, maxv, "e4m3", round_sf, div=_ieee.exact_div)
+      s, inv = ref.scale_factors(amax, maxv, "e4m3", round_sf, div=sf_div)
       return to_e4m3(gpu_nan(v * inv[:, None], interpret), interpret), gpu_nan(s, interpret)
 
-    def group(j, w):
-      """Group ``j`` of each half (columns ``j·npc`` and ``h + j·npc``): stores its outputs, returns its row sums."""
+    def group(j, inputs, w, acc):
+      """Group ``j`` of each half from its :func:`fetch`ed ``inputs``: stores its outputs, returns ``acc`` plus
+      its elementwise ``g · act`` (the row sums are taken once per chunk)."""
+      xq, yq, sx, sy, g = inputs
       col = j * npc
-      sx = plgpu.load(sf_g.at[rows, j], layout=vec, optimized=False)
-      sy = plgpu.load(sf_g.at[rows, nseg + j], layout=vec, optimized=False)
-      xv = load(q_g, col) * sx[:, None]
-      yv = load(q_g, h + col) * sy[:, None]
-      g = load(g_g, col)
+      xv = xq.astype(jnp.float32) * sx[:, None]
+      yv = yq.astype(jnp.float32) * sy[:, None]
+      g = g.astype(jnp.float32)
       if c is not None:
-        cx, cyu, cyl = xv > c, yv > c, yv < -c
+        cx, cy = xv > c, jnp.abs(yv) > c  # |y| > C: y > C or y < -C (finite inputs)
         xv = jnp.where(cx, c, xv)
-        yv = jnp.where(cyu, c, jnp.where(cyl, -c, yv))
-      d = 1.0 + jnp.exp(-xv)
-      act = _ieee.newton_div(xv, d) * yv  # d = 1 + exp(-x) >= 1
-      s = _ieee.newton_div(jnp.ones_like(d), d)
+        yv = jnp.minimum(jnp.maximum(yv, -c), c)
+      q, s = swish(xv, 1.0 + jnp.exp(-xv))  # x / (1 + exp(-x)) and 1 / (1 + exp(-x))
+      act = q * yv
       gw = (g * w) * s
       dx = (gw * yv) * (xv * (1.0 - s) + 1.0)  # fma: the multiply's only use is the add (module docstring)
       dy = gw * xv
       if c is not None:
         dx = jnp.where(cx, 0.0, dx)
-        dy = jnp.where(cyu | cyl, 0.0, dy)
+        dy = jnp.where(cy, 0.0, dy)
       out_g[rows, pl.ds(col, npc)] = (act * w).astype(jnp.bfloat16)
       for half, v in ((0, dx), (1, dy)):
         cols = pl.ds(half * h + col, npc)
@@ -127,22 +197,23 @@ def backward_kernel(q, sf, grad, weight, *, npc, round_sf, clamp, interpret):
         data, s_out = cast(v)
         xq_g[rows, cols] = data
         xsf_g[rows, half * nseg + j] = s_out
-      return jnp.sum(g * act, axis=1)
+      return acc + g * act
 
     def body(chunk_index, nlocal):
-      """Groups ``chunk_index·chunk + t`` of each half for ``t < nlocal`` (static): unrolled up to
-      :data:`UNROLL_GROUPS` (the forward's 4 groups of 128), else the first one peeled (its row sums give the loop
-      carry its layout) and the others in a ``fori_loop`` (16 unrolled groups of 32 columns made a module that
-      took over a minute to lower)."""
+      """Groups ``chunk_index·chunk + t`` of each half for ``t < nlocal`` (static), one per iteration of a loop
+      (two per iteration timed equal on an H200, 2026-11-28): one group's values live at a time, and the next
+      group's inputs, loaded one iteration ahead (carried through the loop)."""
       seg0 = chunk_index * chunk
       w = plgpu.load(w_g.at[0, rows], layout=vec, optimized=False)[:, None]
-      total = group(seg0, w)
-      if nlocal <= UNROLL_GROUPS:
-        for t in range(1, nlocal):
-          total = total + group(seg0 + t, w)
-      else:
-        total = lax.fori_loop(1, nlocal, lambda t, acc: acc + group(seg0 + t, w), total)
-      dot_g[chunk_index, rows] = total
+      acc = plgpu.layout_cast(jnp.zeros((rt, npc), jnp.float32), lay)
+
+      def step(t, carry):
+        acc, inputs = carry
+        ahead = fetch(seg0 + jnp.minimum(t + 1, nlocal - 1))  # the last iteration reloads its own group
+        return group(seg0 + t, inputs, w, acc), ahead
+
+      acc, _ = lax.fori_loop(0, nlocal, step, (acc, fetch(seg0)))
+      dot_g[chunk_index, rows] = jnp.sum(acc, axis=1)
 
     tiling.over_chunks(body, lax.axis_index("g"), nseg, chunk)
 
@@ -155,16 +226,19 @@ def backward_kernel(q, sf, grad, weight, *, npc, round_sf, clamp, interpret):
 def _kernel(q, sf, grad, weight, pos_to_token_topk, *, npc, round_sf, clamp, interpret):
   """``q`` ``(E, 2h)``, ``sf`` ``(E, 2h/npc)``, ``grad`` ``(E, h)``, ``weight`` ``(T, k)``, ``pos_to_token_topk``
   ``(E,)`` -> :class:`SwigluBackward`: the weight gather, the kernel and the weight-gradient scatter in one jit
-  (eager interpret kernels mixed with eager XLA ops can deadlock XLA:CPU)."""
+  (eager interpret kernels mixed with eager XLA ops can deadlock XLA:CPU). ``npc`` = :data:`GROUPED_NPC` runs
+  :func:`backward_kernel`, other widths :func:`jaxkern.quant._swiglu_backward_rows.backward_kernel`."""
   e = q.shape[0]
-  rp = max(e, _layout(npc)[1])
+  grouped = npc == GROUPED_NPC
+  rp = max(e, (_layout if grouped else rows_path.layout)(npc)[1])
 
   def pad(a):  # fewer rows than one layout block: zero rows (tiny inputs only)
     return jnp.pad(a, ((0, rp - e),) + ((0, 0),) * (a.ndim - 1))
 
   row_w = ref.row_weights(pos_to_token_topk, weight, e)
-  out, xg, xq, xsf, dots = backward_kernel(pad(q), pad(sf), pad(grad), pad(row_w).reshape(1, rp), npc=npc,
-                                           round_sf=round_sf, clamp=clamp, interpret=interpret)
+  kernel = backward_kernel if grouped else rows_path.backward_kernel
+  out, xg, xq, xsf, dots = kernel(pad(q), pad(sf), pad(grad), pad(row_w).reshape(1, rp), npc=npc, round_sf=round_sf,
+                                  clamp=clamp, interpret=interpret)
   weight_grad = ref.scatter_weight_grad(dots[:, :e].sum(axis=0), pos_to_token_topk, weight.shape)
   return SwigluBackward(out[:e], QuantTensor(xq[:e], xsf[:e]), xg[:e], weight_grad)
 
@@ -253,7 +327,7 @@ def swiglu_backward_and_per_token_cast(x, grad_out, weight, pos_to_token_topk, t
     ``E`` rows of ``h``, ``weight`` / ``token_topk_to_pos`` / ``pos_to_token_topk`` of another rank, dtype or shape.
 
   XLA (the reference) instead of the kernel: zero rows (``E = 0``) only. The top-k weight gather, the
-  ``weight_grad`` chunk sums and scatter and the sf transpose run in XLA around the kernel (see
+  ``weight_grad`` chunk sums and scatter run in XLA around the kernel (see
   :mod:`jaxkern.quant._swiglu_backward`).
 
   Numerics: ``out``, ``x_grad`` and ``x_grad_quant`` bit-identical to

@@ -1,4 +1,5 @@
-"""swiglu_backward_and_per_token_cast (quant.md §8.3): kernel (interpret mode, inside jit) vs reference bit for bit
+"""swiglu_backward_and_per_token_cast (quant.md §8.3): both kernels (the grouped one for npc = 128, the row-block
+one for npc = 32; interpret mode, inside jit) vs reference bit for bit
 on the same backend (weight_grad within atol = rtol = 1e-4), the reference vs numpy (float64 semantics, and the
 spec's float32 step sequence with its one fma), argument checks, the fma in the lowered kernel, lowering for an
 H100, and a GPU subset of the spec grid."""
@@ -83,11 +84,14 @@ def _both(args, **kw):
 
 
 @pytest.mark.parametrize("e, h, npc, round_sf, clamp", [
-    (40, 256, 128, False, None),  # 2 groups per half, 3 row blocks of 16 (the last shifted back)
-    (70, 128, 32, True, 0.5),  # 32-wide groups (layout blocks of 32 rows), 3 row blocks
-    (48, 640, 32, False, 10.0),  # 20 groups: chunks of 16 and 4
-    (37, 640, 128, True, 10.0),  # 5 groups: chunks of 4 and 1
+    # npc = 128: the grouped kernel (row blocks of 8, chunks of 16 groups, the next group's inputs prefetched)
+    (40, 256, 128, False, None),  # 2 groups per half, 5 row blocks of 8
+    (37, 640, 128, True, 10.0),  # 5 groups: one chunk; 5 row blocks, the last shifted back
+    (16, 2304, 128, False, 0.5),  # 18 groups: chunks of 16 and 2
     (7, 256, 128, True, 0.5),  # fewer rows than one layout block: padded
+    # npc = 32: the row-block kernel (layout blocks of 32 rows, chunks of 16 groups, unrolled up to 4)
+    (70, 128, 32, True, 0.5),  # 4 groups unrolled, 3 row blocks (the last shifted back)
+    (48, 640, 32, False, 10.0),  # 20 groups: chunks of 16 (peeled group + loop) and 4 (unrolled)
 ])
 def test_bit_exact(key, e, h, npc, round_sf, clamp):
   args = _inputs(key, e, h, npc)
@@ -177,13 +181,18 @@ def test_reference_against_numpy(key, clamp):
   assert_bitwise_equal(out, jnp.asarray((xv / t * yv) * row_w.astype(f)[:, None]))
 
 
-def test_kernel_fma_is_contractable(monkeypatch):
+@pytest.mark.parametrize("npc, sites", [(128, 1), (32, 2)])
+def test_kernel_fma_is_contractable(monkeypatch, npc, sites):
   """The Mosaic GPU module computes ``x·(1 - s) + 1`` as a ``fastmath<contract>`` multiply whose only use is an
-  add of 1.0 (LLVM fuses the pair into ``fma.rn.f32``), in the peeled first group and in the loop over the others.
-  (The other contracted pairs are the correctly rounded division's residuals, :func:`jaxkern._ieee.newton_div`.) Checked on the MLIR handed to the Mosaic GPU compiler; the ``gpu`` test checks the resulting bits."""
+  add of 1.0 (LLVM fuses the pair into ``fma.rn.f32``) at each place a group is written out: npc = 128 (the grouped
+  kernel, 2 groups) once, in the body of the loop over groups; npc = 32 (the row-block kernel, 8 groups) twice, in
+  the peeled first group and in the loop over the others. (The other contracted pairs: the elementwise ``g · act``
+  sums of the weight gradient, and in the row-block kernel the correctly rounded division's residuals,
+  :func:`jaxkern._ieee.newton_div`.) Checked on the MLIR handed to the Mosaic GPU compiler; the ``gpu`` test checks
+  the resulting bits."""
   modules = capture_mosaic_modules(monkeypatch)
   s = jax.ShapeDtypeStruct
-  e, h, npc = 64, 256, 32  # 8 groups, one chunk
+  e, h = 64, 256  # one chunk
   lower_for_h100(lambda q, sf, g, w, p, t: OP((q, sf), g, w, p, t, npc, implementation="pallas"),
                  s((e, 2 * h), jnp.float8_e4m3fn), s((e, 2 * h // npc), jnp.float32), s((e, h), jnp.bfloat16),
                  s((40, 2), jnp.float32), s((e,), jnp.int32), s((40, 2), jnp.int32))
@@ -195,7 +204,7 @@ def test_kernel_fma_is_contractable(monkeypatch):
     # + a constant splat, times (1 - s)
     if add and re.search(rf"{add.group(1)} = vector.broadcast %cst\w* : f32", m) and re.search(rf"{rhs} = arith.subf", m):
       fused.append(name)
-  assert len(fused) == 2
+  assert len(fused) == sites
 
 
 def test_reference_of_plain_rows(key):
