@@ -17,12 +17,6 @@ lanes along the columns, the rest of the lanes and the warps down the rows; conf
    (a lane shuffle on the int16-widened bytes, as in :mod:`jaxkern.transpose`) into SMEM and
    TMA-stored as ``(K, M)``, so the data crosses DRAM once.
 
-With ``swiglu=True`` (:func:`jaxkern.quant.swiglu_forward_and_per_channel_cast_and_transpose`) the CTA also
-TMA-loads the value tile (columns ``h + j·c``) and step 1 reads gate and value rows in the same layout, computes
-the float32 SwiGLU activation, rounds it to bf16 and stores it over the gate tile (:func:`_swiglu_rows`; each
-thread overwrites only what it read), so step 3 reads the activation as it would read a bf16 input. The traced
-code of the other ops is unchanged.
-
 H200 (runner, cold L2): bf16 ``8064x7168`` 45.3 µs (90% of copy, 2.4x XLA), ``4096x576`` 5.6 µs (1.9x); the
 previous kernel (WGMMA-layout reductions, 255 registers avoided by the same one-column-per-thread
 step) took 72.1 / 10.8 µs. Walking 2 or 4 column tiles per CTA through a TMA pipeline, 64- or
@@ -60,7 +54,6 @@ from jax.experimental.pallas import triton as plt
 from jaxkern import _checks, _config, _dispatch, _ieee
 from jaxkern._layouts import row_layout
 from jaxkern.quant import _validate as validate
-from jaxkern.quant._swiglu import _silu_times
 from jaxkern.quant._tiling import BM
 from jaxkern.reference import quant as ref
 from jaxkern.types import QuantTensor
@@ -107,33 +100,15 @@ def _transposed_e4m3(q):
   return lax.bitcast_convert_type(w.astype(jnp.int8), jnp.float8_e4m3fn)
 
 
-def _swiglu_rows(x_s, y_s, clamp, r0, n, layout):
-  """Rows ``r0..r0+n`` of the SwiGLU activation of the gate tile ``x_s`` and the value tile ``y_s`` (bf16 SMEM),
-  both read in ``layout`` so that each value meets its partner in the same thread: float32 (quant.md §8,
-  :func:`jaxkern.quant._swiglu._silu_times`), rounded to bf16, stored over the gate rows (each thread overwrites
-  only what it read itself) and returned."""
-  left, right = (plgpu.load(t.at[pl.ds(r0, n)], layout=layout).astype(jnp.float32) for t in (x_s, y_s))
-  act = _silu_times(left, right, clamp, False)[0].astype(jnp.bfloat16)
-  x_s[pl.ds(r0, n)] = act
-  return act
-
-
-@functools.partial(jax.jit, static_argnames=("npt", "round_sf", "transpose_out", "swiglu", "clamp", "tile_cols",
-                                             "interpret"))
-def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, swiglu=False, clamp=None, tile_cols=None,
-            interpret=False):
+@functools.partial(jax.jit, static_argnames=("npt", "round_sf", "transpose_out", "tile_cols", "interpret"))
+def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, tile_cols=None, interpret=False):
   """Per-channel cast of ``x`` ``(M, K)``, ``M % 128 == 0``, ``K % 64 == 0``; ``sf_in`` float32
   ``(M, K/128)`` makes ``x`` (e4m3) a QuantTensor. Returns ``(out (M, K) e4m3, or (K, M) if
   transpose_out, sf (M/npt, K) float32)``. ``interpret``: Pallas interpret mode (a bool).
 
-  ``swiglu``: ``x`` is bf16 ``(M, 2K)`` and the cast applies to the bf16-rounded SwiGLU activation of its halves
-  (clamp value ``clamp``, a float or None), computed by a prologue (:func:`_swiglu_rows`) during the column-maxima
-  pass, which also stashes it over the gate tile in SMEM for the second pass. ``tile_cols=64`` forces 64-column
-  tiles (:data:`_COLS`, timing only).
+  ``tile_cols=64`` forces 64-column tiles (:data:`_COLS`, timing only).
   """
   m, k = x.shape
-  if swiglu:
-    k //= 2
   r = _ROWS
   c = 128 if k % 128 == 0 and tile_cols != 64 else 64  # columns per CTA (64 / 256 measured no faster on an H200)
   groups, chunk = r // npt, min(_CHUNK, npt)
@@ -145,8 +120,6 @@ def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, swiglu=False, 
   else:
     out_type = jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn)
     scratch = {}
-  if swiglu:
-    scratch["y_s"] = plgpu.SMEM((r, c), x.dtype)
   inputs = [x, jnp.full((c,), ref.FP8_MAX, jnp.float32)]
   if sf_in is not None:
     inputs.append(sf_in)
@@ -156,15 +129,13 @@ def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, swiglu=False, 
       interpret=_config.mosaic_interpret(interpret),
       out_type=(out_type, jax.ShapeDtypeStruct((m // npt, k), jnp.float32)),
       scratch_types=dict(x_s=plgpu.SMEM((r, c), x.dtype), a_s=plgpu.SMEM((groups, c), jnp.float32),
-                         inv_s=plgpu.SMEM((groups, c), jnp.float32), bar=plgpu.Barrier(num_arrivals=1 + swiglu),
+                         inv_s=plgpu.SMEM((groups, c), jnp.float32), bar=plgpu.Barrier(num_arrivals=1),
                          **scratch))
-  def kernel(x_g, c_g, *refs, x_s, a_s, inv_s, bar, o_s=None, y_s=None):
+  def kernel(x_g, c_g, *refs, x_s, a_s, inv_s, bar, o_s=None):
     s_g, o_g, sf_g = refs if sf_in is not None else (None, *refs)
     i, j = lax.axis_index("i"), lax.axis_index("j")
     cols = pl.ds(j * c, c)
     plgpu.copy_gmem_to_smem(x_g.at[pl.ds(i * r, r), cols], x_s, bar)
-    if swiglu:  # the value tile, columns k + cols
-      plgpu.copy_gmem_to_smem(x_g.at[pl.ds(i * r, r), pl.ds(k + j * c, c)], y_s, bar)
     maxv = plgpu.load(c_g, layout=per_thread, optimized=False)
     plgpu.barrier_wait(bar)
 
@@ -175,11 +146,10 @@ def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, swiglu=False, 
         return v.astype(jnp.float32) * s[:, None]
       return v if v.dtype == jnp.bfloat16 else v.astype(jnp.float32)
 
-    first = functools.partial(_swiglu_rows, x_s, y_s, clamp) if swiglu else rows
     # Column maxima of each group (exact in bf16): elementwise over row chunks, then one reduction
     # (in-thread, shuffles, SMEM across warps).
     for g in range(groups):
-      a = _column_max([jnp.abs(first(g * npt + h, chunk, lay)) for h in range(0, npt, chunk)], interpret)
+      a = _column_max([jnp.abs(rows(g * npt + h, chunk, lay)) for h in range(0, npt, chunk)], interpret)
       a_s[g] = a.astype(jnp.float32)
     plgpu.commit_smem()
     for g in range(groups):  # one column per thread

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config, _dispatch, _ieee
@@ -49,17 +50,30 @@ from jaxkern.types import QuantTensor, QuantTensorWithClampedCount
 NUM_COUNTERS = 3  # #(left > C), #(right > C), #(right < -C)
 
 
-def _silu_times(left, right, clamp, count):
+def rn_div(a, b, layout):
+  """Correctly rounded float32 ``a / b`` inside a compiled Mosaic GPU kernel: PTX ``div.rn.f32`` (IEEE round
+  to nearest even, subnormals kept) on every element, through inline Mosaic GPU code. ``a`` and ``b`` are
+  float32 arrays of one shape held in the register layout ``layout``; the quotient comes back in it. Not for
+  interpret mode (no PTX there: :func:`jaxkern._ieee.newton_div` gives the same bits)."""
+  @plgpu.inline_mgpu(arg_types=(layout, layout), return_type=plgpu.ShapeDtypeStruct(a.shape, jnp.float32, layout))
+  def div(_, num, den):
+    return num._pointwise(mgpu_fa.FragmentedArray._lift_fast_instr("div.rn.f32"), den)
+
+  return div(a, b)
+
+
+def _silu_times(left, right, clamp, count, div=_ieee.newton_div):
   """``(act, flags if count else None)`` of one group's float32 halves (quant.md §8): ``flags`` are the
   elementwise 0 / 1 float32 indicators of ``left > C``, ``right > C``, ``right < -C``, which the caller sums
   elementwise over its groups and reduces along the row once (a row reduction per group and counter cost
-  cross-lane shuffles)."""
+  cross-lane shuffles). ``div``: the correctly rounded division of ``l / (1 + exp(-l))``
+  (:func:`jaxkern._ieee.newton_div`, or :func:`rn_div` in a compiled kernel that can hold it)."""
   counts = None
   if count:
     counts = [jnp.where(f, 1.0, 0.0) for f in (left > clamp, right > clamp, right < -clamp)]
   if clamp is not None:
     left, right = jnp.minimum(left, clamp), jnp.minimum(jnp.maximum(right, -clamp), clamp)
-  return _ieee.newton_div(left, 1.0 + jnp.exp(-left)) * right, counts
+  return div(left, 1.0 + jnp.exp(-left)) * right, counts
 
 
 def _sf_type(sf_layout, nseg, rows):
