@@ -15,6 +15,9 @@ and a kernel's ``/`` is approximate on the GPU. Three families, one per place th
   candidates around a first quotient scored by an FMA residual.
 * Pallas-Triton kernels (:func:`triton_div`, :func:`triton_sqrt`): the PTX ``div.rn`` / ``sqrt.rn``
   instructions through inline assembly; in interpret mode (no PTX) :func:`div` / :func:`sqrt`.
+* Compiled Mosaic GPU kernels may instead apply a correctly rounded PTX instruction (``div.rn.f32``,
+  ``rcp.rn.f32``) elementwise through inline Mosaic GPU code (:func:`mosaic_ptx`); interpret mode has no PTX
+  and uses the candidates above, which give the same bits.
 
 The ``jnp`` references do not use this module: :mod:`jaxkern.reference.ieee` divides on its own.
 """
@@ -24,6 +27,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as plt
 
 
@@ -208,3 +213,25 @@ def triton_div(a, b, interpret: bool):
 def triton_sqrt(x, interpret: bool):
   """Correctly rounded ``sqrt(x)`` (``x >= 0``)."""
   return sqrt(x) if interpret else _asm("sqrt.rn.f32", x)
+
+
+def mosaic_ptx(instr: str, layout, shape):
+  """``f(*operands)``: the one- or two-operand float32 PTX instruction ``instr`` (e.g. ``"div.rn.f32"``) applied
+  elementwise to float32 ``shape`` arrays held in the register layout ``layout`` inside a compiled Mosaic GPU
+  kernel (scalar operands are broadcast). Not for interpret mode: inline PTX has no interpreter."""
+  ret = plgpu.ShapeDtypeStruct(shape, jnp.float32, layout=layout)
+  op = mgpu_fa.FragmentedArray._lift_fast_instr(instr)
+
+  @plgpu.inline_mgpu(arg_types=(layout,) * 2, return_type=ret)
+  def binary(_, a, b):
+    return a._pointwise(op, b)
+
+  @plgpu.inline_mgpu(arg_types=(layout,), return_type=ret)
+  def unary(_, a):
+    return a._pointwise(op)
+
+  def apply(*args):
+    args = [plgpu.layout_cast(jnp.broadcast_to(a, shape), layout) if jnp.ndim(a) == 0 else a for a in args]
+    return binary(*args) if len(args) == 2 else unary(*args)
+
+  return apply

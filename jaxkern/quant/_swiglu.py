@@ -36,7 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config, _dispatch, _ieee
@@ -55,11 +54,7 @@ def rn_div(a, b, layout):
   to nearest even, subnormals kept) on every element, through inline Mosaic GPU code. ``a`` and ``b`` are
   float32 arrays of one shape held in the register layout ``layout``; the quotient comes back in it. Not for
   interpret mode (no PTX there: :func:`jaxkern._ieee.newton_div` gives the same bits)."""
-  @plgpu.inline_mgpu(arg_types=(layout, layout), return_type=plgpu.ShapeDtypeStruct(a.shape, jnp.float32, layout))
-  def div(_, num, den):
-    return num._pointwise(mgpu_fa.FragmentedArray._lift_fast_instr("div.rn.f32"), den)
-
-  return div(a, b)
+  return _ieee.mosaic_ptx("div.rn.f32", layout, a.shape)(a, b)
 
 
 def _silu_times(left, right, clamp, count, div=_ieee.newton_div):

@@ -64,7 +64,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config, _dispatch, _ieee
@@ -100,26 +99,6 @@ def _layout(npc):
   return row_layout(npc, 2, _ROW_LANES)
 
 
-def _ptx_f32(instr, lay, shape):
-  """``f(*operands)``: the float32 PTX instruction ``instr`` applied elementwise to ``shape`` arrays in ``lay``
-  (scalar operands broadcast); compiled kernels only (inline PTX has no interpret mode)."""
-  ret = plgpu.ShapeDtypeStruct(shape, jnp.float32, layout=lay)
-
-  @plgpu.inline_mgpu(arg_types=(lay,) * 2, return_type=ret)
-  def binary(_, a, b):
-    return a._pointwise(mgpu.FragmentedArray._lift_fast_instr(instr), b)
-
-  @plgpu.inline_mgpu(arg_types=(lay,), return_type=ret)
-  def unary(_, a):
-    return a._pointwise(mgpu.FragmentedArray._lift_fast_instr(instr))
-
-  def apply(*args):
-    args = [plgpu.layout_cast(jnp.broadcast_to(a, shape), lay) if jnp.ndim(a) == 0 else a for a in args]
-    return binary(*args) if len(args) == 2 else unary(*args)
-
-  return apply
-
-
 def _divisions(lay, vec, rt, npc, interpret):
   """``(swish, sf_div)``: ``swish(x, d)`` is ``(x / d, 1 / d)`` correctly rounded for ``d = 1 + exp(-x) >= 1``,
   ``sf_div(a, b)`` the correctly rounded division of the scale factors (``(rt,)`` arrays in ``vec`` or scalars).
@@ -127,8 +106,8 @@ def _divisions(lay, vec, rt, npc, interpret):
   :func:`jaxkern._ieee.newton_div` and :func:`jaxkern._ieee.exact_div` (the same values; compiled, they cost 12%:
   1450.9 against 1291.2 µs on an H200, 2026-11-28, E=32x8 h=7168 npc=128 clamp=0.5)."""
   if interpret is None:
-    div, rcp = _ptx_f32("div.rn.f32", lay, (rt, npc)), _ptx_f32("rcp.rn.f32", lay, (rt, npc))
-    return (lambda x, d: (div(x, d), rcp(d))), _ptx_f32("div.rn.f32", vec, (rt,))
+    div, rcp = _ieee.mosaic_ptx("div.rn.f32", lay, (rt, npc)), _ieee.mosaic_ptx("rcp.rn.f32", lay, (rt, npc))
+    return (lambda x, d: (div(x, d), rcp(d))), _ieee.mosaic_ptx("div.rn.f32", vec, (rt,))
   return (lambda x, d: (_ieee.newton_div(x, d), _ieee.newton_div(jnp.ones_like(d), d))), _ieee.exact_div
 
 
