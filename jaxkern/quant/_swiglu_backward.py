@@ -123,9 +123,7 @@ def backward_kernel(q, sf, grad, weight, *, npc, round_sf, clamp, interpret):
   vec = lay.reduce(1)
   rt = unit
   num_ctas = pl.cdiv(r, rt)
-  out_type = (jax.ShapeDtypeStruct((r, h), jnp.bfloat16), jax.ShapeDtypeStruct((r, 2 * h), jnp.bfloat16),
-              jax.ShapeDtypeStruct((r, 2 * h), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((r, 2 * nseg), jnp.float32),
-              jax.ShapeDtypeStruct((num_chunks, r), jnp.float32))
+  out_type = rows_path.output_types(r, h, nseg, num_chunks)
   c = None if clamp is None else float(np.float32(clamp))
   swish, sf_div = _divisions(lay, vec, rt, npc, interpret)
 

@@ -40,6 +40,14 @@ def layout(npc):
   return row_layout(npc, 2, SEGMENT_LANES)
 
 
+def output_types(r, h, nseg, num_chunks):
+  """The backward kernels' outputs for ``r`` rows, ``h`` gate columns in ``nseg`` groups and ``num_chunks`` column
+  chunks: ``out``, ``x_grad``, ``x_grad_q``, ``x_grad_sf`` (layout A) and the row sums of each chunk."""
+  return (jax.ShapeDtypeStruct((r, h), jnp.bfloat16), jax.ShapeDtypeStruct((r, 2 * h), jnp.bfloat16),
+          jax.ShapeDtypeStruct((r, 2 * h), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((r, 2 * nseg), jnp.float32),
+          jax.ShapeDtypeStruct((num_chunks, r), jnp.float32))
+
+
 def backward_kernel(q, sf, grad, weight, *, npc, round_sf, clamp, interpret):
   """``q`` ``(R, 2h)`` e4m3, ``sf`` ``(R, 2h/npc)`` float32, ``grad`` ``(R, h)`` bf16, ``weight`` ``(1, R)``
   float32 (``R`` at least one layout block) -> ``(out (R, h) bf16, x_grad (R, 2h) bf16, x_grad_q (R, 2h) e4m3,
@@ -52,9 +60,7 @@ def backward_kernel(q, sf, grad, weight, *, npc, round_sf, clamp, interpret):
   vec = lay.reduce(1)
   rt = tiling.tile_rows(r, 2 * chunk * npc, 2, unit)
   num_ctas = pl.cdiv(r, rt)
-  out_type = (jax.ShapeDtypeStruct((r, h), jnp.bfloat16), jax.ShapeDtypeStruct((r, 2 * h), jnp.bfloat16),
-              jax.ShapeDtypeStruct((r, 2 * h), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((r, 2 * nseg), jnp.float32),
-              jax.ShapeDtypeStruct((num_chunks, r), jnp.float32))
+  out_type = output_types(r, h, nseg, num_chunks)
   c = None if clamp is None else float(np.float32(clamp))
 
   @functools.partial(plgpu.kernel, out_type=out_type, grid=(num_chunks, num_ctas), grid_names=("g", "i"),
