@@ -99,11 +99,14 @@ def _correctness_pass(ops, shapes: str | None, out_path: pathlib.Path | None) ->
     path = ""
     try:
       impl = "interpret"
+      fn = functools.partial(op.fn, **case.kwargs)  # registered callables take no implementation argument
       try:
-        decisions = jaxkern.explain(functools.partial(op.fn, implementation=impl, **case.kwargs), *args)
+        with jaxkern.use_implementation(impl):
+          decisions = jaxkern.explain(fn, *args)
       except jaxkern.KernelUnavailableError:
         impl = "xla"
-        decisions = jaxkern.explain(functools.partial(op.fn, implementation=impl, **case.kwargs), *args)
+        with jaxkern.use_implementation(impl):
+          decisions = jaxkern.explain(fn, *args)
       path = _path(decisions)
       with jaxkern.use_implementation(impl):
         out = op.fn(*args, **case.kwargs)
@@ -121,6 +124,7 @@ def _correctness_pass(ops, shapes: str | None, out_path: pathlib.Path | None) ->
     with out_path.open("a") as f:
       f.writelines(json.dumps(r) + "\n" for r in rows)
     print(f"wrote {out_path} (correctness rows, no timings)")
+  print(f"{len(rows) - failures} ok, {failures} failed, 0 skipped")
   return failures
 
 

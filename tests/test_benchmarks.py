@@ -22,9 +22,12 @@ def test_registry_covers_the_spec_grids():
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the correctness-only pass is the no-GPU path")
 def test_runner_without_gpu(capsys, tmp_path):
-  assert run.main(["--ops", "transpose"]) == 0
+  # topk_gate's registered callable takes no ``implementation`` argument: the pass must not pass one
+  assert run.main(["--ops", "transpose,topk_gate"]) == 0
   out = capsys.readouterr().out
-  assert "No GPU found" in out and "ok" in out and "FAILED" not in out and "interpret" in out
+  assert "No GPU found" in out and "FAILED" not in out and "interpret" in out
+  cases = len(REGISTRY["transpose"].small_cases()) + len(REGISTRY["topk_gate"].small_cases())
+  assert out.splitlines()[-1] == f"{cases} ok, 0 failed, 0 skipped"
   with pytest.raises(SystemExit, match="unknown ops"):
     run.main(["--ops", "nope"])
 
@@ -188,4 +191,5 @@ def test_gemm_grid_flops_and_byte_counts():
 def test_gemm_small_cases_without_gpu(capsys):
   assert run.main(["--ops", GEMM_OPS]) == 0
   out = capsys.readouterr().out
-  assert "FAILED" not in out and out.count(" ok") == 4
+  assert "FAILED" not in out and sum(line.endswith("  ok") for line in out.splitlines()) == 4
+  assert out.splitlines()[-1] == "4 ok, 0 failed, 0 skipped"
