@@ -13,7 +13,8 @@ Semantics of the requested implementation (:mod:`jaxkern._config`):
 * ``"auto"``: off a GPU the reference; on a GPU the XLA path where the kernel is unsupported or
   measured slower, else the kernel.
 * ``"pallas"`` / ``"interpret"``: the kernel, compiled or interpreted; if it cannot run these
-  arguments, a :class:`KernelUnavailableError` saying why.
+  arguments, a :class:`KernelUnavailableError` saying why. ``"pallas"`` off a GPU raises it too (lowering
+  for an abstract CUDA device, as :mod:`jaxkern.testing.lowering` does, counts as a GPU).
 * ``"xla"``: the XLA path.
 
 Two cases take the XLA path under every implementation but ``"reference"``, stated in the
@@ -61,6 +62,14 @@ _recorders = threading.local()
 _explain_token = jax.make_user_context(default_value=None)  # a fresh value makes jax.jit trace again
 
 
+def _targets_gpu() -> bool:
+  """True on a GPU backend, and while lowering for an abstract CUDA device (:mod:`jaxkern.testing.lowering`)."""
+  if jax.default_backend() == "gpu":
+    return True
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return device is not None and device.platform in ("cuda", "gpu")
+
+
 def decide(op: str, implementation: str | None, *, has_kernel: bool = True, unsupported: str | None = None,
            xla_faster: str | None = None, empty: bool = False) -> Decision:
   """The path of one call (see the module docstring); raises :class:`KernelUnavailableError`."""
@@ -80,6 +89,11 @@ def decide(op: str, implementation: str | None, *, has_kernel: bool = True, unsu
     return made("xla", "the op has no Pallas kernel: its XLA code is the implementation")
   if requested == "xla":
     return made("xla", "implementation='xla'")
+  if requested == "pallas" and not _targets_gpu():
+    raise KernelUnavailableError(
+        f"{op}: implementation='pallas' compiles a Mosaic GPU kernel, which needs an NVIDIA Hopper GPU; the JAX "
+        f"backend is {jax.default_backend()!r}. Use implementation='interpret' to run the kernel on this backend, "
+        "or 'auto' / 'xla'.")
   if requested in ("pallas", "interpret"):
     if unsupported:
       raise KernelUnavailableError(

@@ -1,9 +1,12 @@
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 import jaxkern
 from jaxkern import transpose
+from jaxkern.testing import lower_for_h100
 
 
 def test_precedence(monkeypatch):
@@ -116,3 +119,16 @@ def test_decisions_are_logged(caplog):
   with caplog.at_level("DEBUG", logger="jaxkern"):
     transpose.transpose(jnp.zeros((64, 64), jnp.float32), implementation="xla")
   assert "transpose: xla (implementation='xla')" in caplog.text
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the rule for a machine without a GPU")
+def test_pallas_off_a_gpu_says_so():
+  x = jnp.zeros((64, 64), jnp.float32)
+  with pytest.raises(jaxkern.KernelUnavailableError, match="transpose: implementation='pallas' .*needs an NVIDIA "
+                     "Hopper GPU; the JAX backend is 'cpu'.*'interpret'"):
+    transpose.transpose(x, implementation="pallas")
+  # zero-size problems and ops without a kernel take their XLA code, as on a GPU
+  assert transpose.transpose(jnp.zeros((0, 64), jnp.float32), implementation="pallas").shape == (64, 0)
+  # lowering for an abstract H100 counts as a GPU
+  lowered = lower_for_h100(functools.partial(transpose.transpose, implementation="pallas"), x)
+  assert "mosaic_gpu" in lowered.as_text()

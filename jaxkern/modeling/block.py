@@ -48,17 +48,18 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import PartitionSpec
 
 from jaxkern import _config, engram, moe
 from jaxkern.modeling.engram import engram_gate
+from jaxkern.modeling._optimizer import apply_updates, cross_entropy_with_integer_labels
 from jaxkern.modeling.mhc import expand_from_embedding, mhc_head, mhc_post, mhc_pre
 from jaxkern.modeling.moe import MoeConfig, MoeParams, balance_router_bias, init_moe_params, moe_layer, route_tokens
 from jaxkern.modeling.sharding import (MoeEpParams, make_sharded_train_step, merge_shared_experts, moe_layer_ep,
                                        moe_param_specs, split_shared_experts)
 
 MoeFn = Callable[..., jax.Array]
+GradientTransformation = Any  # an ``optax.GradientTransformation`` (``init`` / ``update``); optax is not needed here
 
 
 def _default_moe() -> MoeConfig:
@@ -338,7 +339,7 @@ def model_apply(params: BlockParams, tokens: jax.Array, *, config: BlockConfig, 
 
 def _loss_and_load(params, batch, config, implementation, moe_fn, count_load):
   logits, load = _forward(params, batch.tokens, config, implementation, moe_fn, count_load)
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch.targets)
+  losses = cross_entropy_with_integer_labels(logits, batch.targets)
   return jnp.mean(losses), load
 
 
@@ -356,9 +357,9 @@ class StepResult(NamedTuple):
 
 
 def train_step(params: BlockParams, opt_state, batch: Batch, *, config: BlockConfig,
-               optimizer: optax.GradientTransformation, implementation: str | None = None,
+               optimizer: GradientTransformation, implementation: str | None = None,
                moe_fn: MoeFn | None = None) -> StepResult:
-  """One optimiser step: ``jax.value_and_grad`` of :func:`loss_fn`, ``optimizer.update``, ``optax.apply_updates``;
+  """One optimiser step: ``jax.value_and_grad`` of :func:`loss_fn`, ``optimizer.update``, the updates added;
   with ``config.router_bias_rate > 0`` each layer's router bias then moves by
   :func:`jaxkern.modeling.balance_router_bias` (aux-loss-free balancing; the bias itself gets a zero gradient).
 
@@ -372,7 +373,7 @@ def train_step(params: BlockParams, opt_state, batch: Batch, *, config: BlockCon
   (loss, load), grads = jax.value_and_grad(_loss_and_load, has_aux=True)(params, batch, config, implementation,
                                                                          moe_fn, count)
   updates, opt_state = optimizer.update(grads, opt_state, params)
-  params = optax.apply_updates(params, updates)
+  params = apply_updates(params, updates)
   if count:
     layers = tuple(layer._replace(moe=layer.moe._replace(
         router_bias=balance_router_bias(layer.moe.router_bias, layer_load, config.router_bias_rate)))
@@ -418,7 +419,7 @@ def block_param_specs(params: BlockParams, expert_axis: str | None) -> BlockPara
   return specs._replace(layers=layers)
 
 
-def sharded_train_step(config: BlockConfig, optimizer: optax.GradientTransformation, mesh, *, expert_axis: str,
+def sharded_train_step(config: BlockConfig, optimizer: GradientTransformation, mesh, *, expert_axis: str,
                        batch_axes=None, implementation: str | None = None, check_vma: bool = False,
                        grad_reduce_dtype=None, shard_replicated: str | None = None,
                        shard_optimizer: str | None = None):

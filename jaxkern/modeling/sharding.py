@@ -26,7 +26,7 @@ The all-gather scheme, per device ``r`` (collectives over ``mesh_axis`` only):
    per 128 columns) and the all-gather moves the FP8 data ``(T/P, H) -> (T, H)`` and the scales ``(T/P, H/128) ->
    (T, H/128)``: the scales are per token, so the gathered cast is the cast of the gathered tokens, bit for bit;
 3. :func:`jaxkern.moe.mask_indices_by_tp` with ``n = E``, ``num_ep_ranks = num_tp_ranks = P`` and
-   ``tp_rank = r`` (upstream's EP/TP masking, spec moe_transpose.md §3.6: the TP rank keeps the experts of
+   ``tp_rank = r`` (upstream's EP/TP masking, docs/moe.md, "top2_sum_gate": the TP rank keeps the experts of
    the EP ranks ``q`` with ``q % P == r``, i.e. only ``q = r``) keeps the slots of this device's experts,
    renumbered ``0..E/P-1``, and sets the others to -1;
 4. the routed experts of this device on all tokens: :func:`jaxkern.moe.get_fused_mapping`,
@@ -161,6 +161,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkern import moe
 from jaxkern._autodiff import vary_like
+from jaxkern.modeling._optimizer import apply_updates
 from jaxkern.modeling.moe import (FP8_EXPAND_GROUP, MoeConfig, MoeParams, _group_sizes, expand_fp8,
                                   expand_fp8_quantized, fp8_expand_cast, fused_block_experts, route_tokens,
                                   swiglu_experts)
@@ -731,8 +732,6 @@ def make_sharded_train_step(loss_fn: Callable[[Any, Any], jax.Array], optimizer,
   replicated params and the step all-gathers them (module docstring, "Sharded optimiser state"); it returns the params
   as placed. Arguments: those of :func:`sharded_value_and_grad`, and ``optimizer``.
   """
-  import optax
-
   value_and_grad = sharded_value_and_grad(loss_fn, mesh, param_specs, batch_axes=batch_axes, batch_specs=batch_specs,
                                           check_vma=check_vma, grad_reduce_dtype=grad_reduce_dtype,
                                           shard_replicated=shard_replicated, shard_optimizer=shard_optimizer)
@@ -746,9 +745,9 @@ def make_sharded_train_step(loss_fn: Callable[[Any, Any], jax.Array], optimizer,
     loss, grads = value_and_grad(params, batch)
     if shard_optimizer is None:
       updates, opt_state = optimizer.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, loss
+      return apply_updates(params, updates), opt_state, loss
     slices = constrain(params, storage_specs(param_specs, params, mesh, shard_optimizer))  # no data moves
     updates, opt_state = optimizer.update(grads, opt_state, slices)
-    return constrain(optax.apply_updates(slices, updates), param_specs), opt_state, loss
+    return constrain(apply_updates(slices, updates), param_specs), opt_state, loss
 
   return step
