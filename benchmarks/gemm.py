@@ -1,4 +1,4 @@
-"""fp8_grouped_gemm and its two backward GEMMs at the DeepSeek-V3 expert shapes of issue 24
+"""fp8_grouped_gemm and its two backward GEMMs at the DeepSeek-V3 expert shapes
 (../shared/notes/fp8_grouped_gemm.md).
 
 A: 8 experts x 4096 rows, K=7168 N=4096 (gate+up); B: the same rows, K=2048 N=7168 (down); C / D: 32 experts,

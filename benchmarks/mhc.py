@@ -1,5 +1,5 @@
 """mHC mix ops (engram_mhc.md §4.1, §4.4-§4.8) on the spec's test grids (§6.2: upstream has no mHC benchmark
-except multilayer_recompute) plus the issue-20 target shape T = 8192, H = 7168, M = 4.
+except multilayer_recompute) plus the target shape T = 8192, H = 7168, M = 4.
 
 Byte counts: every input read and output written once (``count_bytes``), ``T`` tokens, ``M`` streams, bf16
 streams / hidden rows and float32 mixes, e.g. ``post``: ``x 2TH + residual 2TMH + post 4TM + comb 4TM² + out
@@ -149,11 +149,11 @@ register(BenchOp("sinkhorn_normalize_bwd", mhc.sinkhorn_normalize_bwd, ref.sinkh
 
 
 # pre_big_fuse (§4.9) -------------------------------------------------------------------------
-# Shapes: upstream's test grid T ∈ {512, 1024, 2048, 8192} × H ∈ {1280, 2560, 4096} plus the issue-20 target
+# Shapes: upstream's test grid T ∈ {512, 1024, 2048, 8192} × H ∈ {1280, 2560, 4096} plus the target shape
 # T = 8192, H = 7168 (M = 4, J = 24, K = 4H; no norm weight, all eps 1e-6, post_mult_value 1, repeat 10).
 # Bytes (count_bytes: each array once): residual 2TK + fn 4JK + scale 12 + base 4J + post_mix 4TM + comb_mix 4TM²
 # + layer_input 2TH. First version: the composition of the unfused ops (the residual is read twice, by the GEMM
-# and by pre_apply_mix), so it cannot reach copy speed by this count; the issue's target is >= 80% of copy at
+# and by pre_apply_mix), so it cannot reach copy speed by this count; the target is >= 80% of copy at
 # T = 8192, H = 7168 for a fused kernel. The XLA column times the composed jnp reference.
 
 J = M * (M + 2)

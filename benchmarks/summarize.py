@@ -27,7 +27,7 @@ HERE = pathlib.Path(__file__).parent
 RESULTS = HERE / "results"
 OUT = HERE / "RESULTS.md"
 
-# The ceiling issue 24 asks to report beside each FP8 grouped GEMM row: XLA's dense FP8 dot_general (cuBLASLt) of the
+# The ceiling reported beside each FP8 grouped GEMM row: XLA's dense FP8 dot_general (cuBLASLt) of the
 # same FLOPs, TF/s at the benchmark shapes A / B / C / D (H100, warm L2, ../shared/notes/fp8_grouped_gemm.md, "The field").
 DENSE_FP8_TFLOPS = {"A": 1587, "B": 1552, "C": 1576, "D": 1535}
 
@@ -177,9 +177,9 @@ def train_step_tables(paths) -> list[str]:
            "Wall-clock median per step (each followed by `block_until_ready`), the same global batch for every",
            "device count; scaling efficiency = t(1) / (N·t(N)); pipelined: chained steps as a training loop runs",
            "them, blocked on once at the end (the host's dispatch overlaps the step before). The whole step's CUPTI",
-           "time is left out: the rows' `device_ms` of the step up to session 21 (2026-11-27) timed a function",
-           "returning only the loss, which XLA pruned to the forward (10.4 ms against the whole step's 34.7 ms, the",
-           "v3 step on an H200; fixed in session 22), and they are not re-measured. Split: each component's",
+           "time is left out: the rows' `device_ms` of the step written before a fix of 2026-11-27 timed a",
+           "function returning only the loss, which XLA pruned to the forward (10.4 ms against the whole step's",
+           "34.7 ms, the v3 step on an H200), and they are not re-measured. Split: each component's",
            "forward + backward jitted alone with the step's shapes, times the layers it runs in; `rest` = step -",
            "components (what XLA fuses or overlaps inside the step, embedding, loss, optimiser).", ""]
   newest = _newest(rows, lambda r: (r["gpu"], r["shape"], r["devices"], r["implementation"], r["component"]))

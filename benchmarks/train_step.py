@@ -72,7 +72,7 @@ tolerance of this check (the 8-device tests compare the step with the references
 the recommended value): the
 expert-parallel layer (N > 1) sizes each device's fused rows for ``F`` times the mean routed slots per device and
 falls back to the worst-case layout, exactly, when the routing needs more; ``0`` always runs the worst case (the
-layer before issue 23's capacity). Rows get ``ep_capacity_factor``; the shape label gets ``ep_capacity=F`` when the
+layer before the capacity existed). Rows get ``ep_capacity_factor``; the shape label gets ``ep_capacity=F`` when the
 flag is given. With ``--check`` a line per N > 1 (``ep capacity ...``) gives the capacity and worst-case rows and the
 rows the initial params' routing needs on the busiest device, per layer, and so which path the step takes.
 

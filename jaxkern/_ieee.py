@@ -1,7 +1,7 @@
 """Correctly rounded float32 arithmetic for the kernels and their XLA paths: the one home of these helpers.
 
 XLA's float32 ``/`` and ``sqrt`` are not correctly rounded on GPU, XLA rewrites a division by a
-broadcast or constant divisor into a reciprocal multiply on every backend (spec moe_transpose.md §8),
+broadcast or constant divisor into a reciprocal multiply on every backend (docs/usage.md, "Numerics in XLA"),
 and a kernel's ``/`` is approximate on the GPU. Three families, one per place the arithmetic runs:
 
 * XLA code and interpret mode (:func:`div`, :func:`sqrt`): the backend's approximate result ``q`` is

@@ -100,7 +100,7 @@ class EngramWeightGrads(NamedTuple):
   grad_weight_embed: jax.Array  # (M, D) float32
 
 
-# ---- mHC (engram_mhc.md §4.4-§4.8): split / apply / post mixes (branch mhc-a) ----
+# ---- mHC (docs/mhc.md): split / apply / post mixes ----
 
 class PreSplitMixes(NamedTuple):
   """:func:`jaxkern.mhc.pre_split_mixes`: the three per-token mixes, float32."""

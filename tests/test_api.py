@@ -1,4 +1,4 @@
-"""The API pattern every public op follows (issue 16): a reference of the same name and signature,
+"""The API pattern every public op follows: a reference of the same name and signature,
 keyword-only flags, return annotations, references independent of the kernels."""
 
 import ast

@@ -1,4 +1,4 @@
-"""Differentiation (issue 17): the quantisation casts refuse it with a NotDifferentiableError naming the op and
+"""Differentiation: the quantisation casts refuse it with a NotDifferentiableError naming the op and
 work on ``jax.lax.stop_gradient`` inputs; the transposes have a custom_vjp; the top-k gates give the scores a
 zero cotangent (the gradient through the picked scores is their one-hot mask)."""
 

@@ -1,4 +1,4 @@
-"""Engram (engram_mhc.md §3): the n-gram hash and the fused RMSNorm sigmoid gate, forward and backward.
+"""Engram (docs/engram.md): the n-gram hash and the fused RMSNorm sigmoid gate, forward and backward.
 
 The trainable gate is :func:`jaxkern.modeling.engram_gate` (a ``jax.custom_vjp`` over these ops).
 """

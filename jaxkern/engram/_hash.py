@@ -1,4 +1,4 @@
-"""``make_offsets`` and ``engram_hash`` (engram_mhc.md §3.1, §3.2): checks, dispatch, docstrings. Both are
+"""``make_offsets`` and ``engram_hash`` (docs/engram.md, "Hash"): checks, dispatch, docstrings. Both are
 XLA code (the ``jnp`` references); see :func:`engram_hash` for why the hash has no Pallas kernel."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ split_multipliers = ref.split_multipliers
 
 
 def make_offsets(vocab_sizes, *, implementation: str | None = None) -> jax.Array:
-  """Exclusive prefix sums of the table sizes per layer (engram_mhc.md §3.1).
+  """Exclusive prefix sums of the table sizes per layer (docs/engram.md, "Hash").
 
   Args:
     vocab_sizes: ``(L, N-1, E)`` int32.
@@ -64,7 +64,7 @@ def _multiplier_words(multipliers, num_layers, n):
 
 def engram_hash(ngram_token_ids, multipliers, vocab_sizes, offsets, *,
                 implementation: str | None = None) -> jax.Array:
-  """N-gram hash indices into the per-layer concatenated embedding tables (engram_mhc.md §3.2).
+  """N-gram hash indices into the per-layer concatenated embedding tables (docs/engram.md, "Hash").
 
   For layer ``l``, token ``t`` and order ``n = 1..N-1``: ``h_n = XOR_{i <= n} int64(ids[t, i])·mult[l, i]``
   with int64 two's-complement wrap-around, and ``out[l, t, (n-1)E + j] = int32(h_n mod V[l, n-1, j]) +

@@ -1,4 +1,4 @@
-"""``fused_weight`` and ``grad_w_reduce`` (engram_mhc.md §3.3, §3.6): XLA code, no Pallas kernels.
+"""``fused_weight`` and ``grad_w_reduce`` (docs/engram.md, "Gate"): XLA code, no Pallas kernels.
 
 * ``fused_weight`` is an elementwise product of two ``(M, D)`` bf16 vectors (``32·D`` bytes, 229 KB at
   ``D = 7168``): one XLA fusion, launch-bound; a kernel cannot beat it.
@@ -31,7 +31,7 @@ def _weights(weight_hidden, weight_embed):
 
 
 def fused_weight(weight_hidden, weight_embed, *, implementation: str | None = None) -> jax.Array:
-  """``f32(weight_hidden) · f32(weight_embed)`` (engram_mhc.md §3.3), the gate's fused RMSNorm weight.
+  """``f32(weight_hidden) · f32(weight_embed)`` (docs/engram.md, "Gate"), the gate's fused RMSNorm weight.
 
   Args:
     weight_hidden, weight_embed: ``(M, D)`` bfloat16 (any float dtype: the product is formed in
@@ -52,12 +52,12 @@ def fused_weight(weight_hidden, weight_embed, *, implementation: str | None = No
 
 def grad_w_reduce(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed, *,
                   implementation: str | None = None) -> EngramWeightGrads:
-  """The RMSNorm weight gradients from the gate backward's partials (engram_mhc.md §3.6), functionally.
+  """The RMSNorm weight gradients from the gate backward's partials (docs/engram.md, "Gate"), functionally.
 
   ``gwf = Σ_p grad_w_partial[p]`` (float32), then ``(grad_weight_hidden + gwf·f32(weight_embed),
   grad_weight_embed + gwf·f32(weight_hidden))``: the chain rule through ``wf = w_h ⊙ w_e``. Upstream adds
   into the two accumulators in place; here they are inputs and the sums are returned (pass zeros for the
-  plain gradients; donate the accumulators to a jitted caller to let XLA update them in place; spec §9.3).
+  plain gradients; donate the accumulators to a jitted caller to let XLA update them in place; docs/engram.md, "The trainable gate").
 
   Args:
     grad_w_partial: ``(P, M, D)`` float32.

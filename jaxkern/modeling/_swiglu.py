@@ -87,8 +87,8 @@ def swiglu(x, pos_to_token_topk=None, topk_weights=None, *, num_per_channels: in
 
   Raises:
     ValueError (naming the argument): another rank or dtype, ``h`` not a multiple of 128 or of
-    ``num_per_channels``, ``num_per_channels`` not 32 / 128, only one of ``pos_to_token_topk`` / ``topk_weights``,
-    shapes that do not match.
+      ``num_per_channels``, ``num_per_channels`` not 32 / 128, only one of ``pos_to_token_topk`` / ``topk_weights``,
+      shapes that do not match.
 
   Differentiation: w.r.t. ``x`` and ``topk_weights`` (``jax.custom_vjp``); ``pos_to_token_topk`` has none. Works
   under ``jax.jit`` and ``jax.vmap`` (the kernels take a batch as a grid axis).

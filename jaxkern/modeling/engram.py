@@ -1,15 +1,15 @@
-"""The trainable Engram gate (engram_mhc.md §3.7, §9.1-§9.3): a ``jax.custom_vjp`` over the
+"""The trainable Engram gate (docs/engram.md, "The trainable gate"): a ``jax.custom_vjp`` over the
 :mod:`jaxkern.engram` ops.
 
 * Primal (no derivative taken): :func:`jaxkern.engram.fused_weight`, then
   :func:`jaxkern.engram.engram_gate_fwd` without the saved intermediates (bit-identical output).
-* Forward rule: the same with ``save_for_backward=True``; the residuals are exactly the spec's list:
+* Forward rule: the same with ``save_for_backward=True``; the residuals are exactly upstream's list:
   ``x, k, v, weight_hidden, weight_embed, weight_fused, dot, gate_score, rstd_x, rstd_k`` (the weights as
   passed, so that their cotangents come back in their own dtype).
 * Backward rule: :func:`jaxkern.engram.engram_gate_bwd` (``grad_x``, ``grad_k``, ``grad_v`` and the
   per-CTA partial gradient of ``weight_fused``), then :func:`jaxkern.engram.grad_w_reduce` into zero
   float32 accumulators. Upstream's ``main_grad`` convention (adding into an fp32 buffer in place and
-  returning None) becomes the functional default of spec §9.3: the full weight cotangents are returned;
+  returning None) becomes the functional default (docs/engram.md, "Gate"): the full weight cotangents are returned;
   a training loop accumulates them (``acc = acc + g`` under ``jax.jit`` with the accumulator donated), and
   manual backward code can call ``grad_w_reduce`` with its own accumulators.
 
@@ -39,7 +39,7 @@ def _gate(x, k, v, wh, we, clamp_value, eps, implementation):
 
 def _values(w, x):
   """The weight values the gate uses: bfloat16 for bfloat16 activations (float32 master weights are
-  rounded, spec §9.2), the weights as given otherwise."""
+  rounded, docs/engram.md, "The trainable gate"), the weights as given otherwise."""
   return w.astype(jnp.bfloat16) if x.dtype == jnp.bfloat16 else w
 
 

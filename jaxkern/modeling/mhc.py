@@ -1,26 +1,26 @@
-"""The trainable mHC layers (engram_mhc.md §4.12, §8, §9): ``expand_from_embedding``, ``mhc_pre``, ``mhc_post``,
+"""The trainable mHC layers (docs/modeling.md, "mHC layers"): ``expand_from_embedding``, ``mhc_pre``, ``mhc_post``,
 ``mhc_head`` and the block form ``mhc_block`` (``mhc_pre -> sublayer -> mhc_post`` with the fused residual
-gradient of spec §9.5).
+gradient; docs/modeling.md, "mHC layers").
 
 * :func:`expand_from_embedding` and :func:`mhc_post` are :func:`jaxkern.mhc.expand_to_mhc` and
   :func:`jaxkern.mhc.post` (each its own ``jax.custom_vjp``).
-* :func:`mhc_pre` is one ``jax.custom_vjp`` (spec §9.1): its primal (run when no derivative is taken) is
+* :func:`mhc_pre` is one ``jax.custom_vjp`` (docs/modeling.md, "mHC layers"): its primal (run when no derivative is taken) is
   :func:`jaxkern.mhc.pre_big_fuse`, its forward rule the unfused chain ``pre_norm_fn_fwd -> pre_split_mixes ->
   sinkhorn_normalize -> pre_apply_mix`` saving ``residual, fn_eff, out_mul, sqrsum, mixes, post, comb_logits,
   pre`` (bit-identical values: the same ops), and its backward the parts' ``*_bwd`` ops in reverse order; the
   residual's two cotangents (``pre_apply_mix`` and ``pre_norm_fn``) are added in float32 and rounded once.
-  The RMSNorm weight is merged into ``fn`` on both paths (spec §8.3).
+  The RMSNorm weight is merged into ``fn`` on both paths (docs/mhc.md, "pre_big_fuse").
 * :func:`mhc_head` composes the ops' own custom_vjps (``pre_norm_fn`` on the zero-padded ``fn``,
   ``head_compute_mix``, ``pre_apply_mix``); JAX sums the residual's cotangents, so the backward works without
-  upstream's ``grad_from_mhc_post`` buffer (spec §8.4).
-* :func:`mhc_block` is the functional form of upstream's ``grad_from_mhc_post`` trick (spec §4.11, §9.5 option 2):
+  upstream's ``grad_from_mhc_post`` buffer (docs/modeling.md, "mHC layers").
+* :func:`mhc_block` is the functional form of upstream's ``grad_from_mhc_post`` trick (docs/modeling.md, "mHC layers"):
   one ``jax.custom_vjp`` over ``mhc_pre -> sublayer -> mhc_post`` whose backward runs ``post_bwd``, the
   sublayer's VJP, then ``pre_apply_mix_bwd(..., x_grad_acc=d_residual)`` (``bf16(d_post + d_apply)`` in one
   pass) and adds ``pre_norm_fn``'s residual gradient: ``bf16(bf16(d_post + d_apply) + d_norm)``, upstream's
   rounding sequence (with ``d_norm`` itself rounded to bf16 first).
 
 With the separate functions (``mhc_pre`` then ``mhc_post``) JAX adds the residual's cotangents itself
-(spec §9.5 option 1; bf16 double rounding only).
+(docs/modeling.md, "mHC layers"; bf16 double rounding only).
 
 Each call runs the implementation chosen when it is traced (``implementation=`` or the active setting) in
 forward and backward; ``"reference"`` runs the ``jnp`` references inside the same custom_vjps (any float dtype,
@@ -62,7 +62,7 @@ def expand_from_embedding(x, mhc_mult: int = 4, *, implementation: str | None = 
 
 
 def mhc_post(x, residual, post_layer_mix, comb_res_mix, *, implementation: str | None = None) -> jax.Array:
-  """The new residual after a sublayer: :func:`jaxkern.mhc.post` (spec §4.7, F3); differentiable (its
+  """The new residual after a sublayer: :func:`jaxkern.mhc.post` (docs/mhc.md, "post"); differentiable (its
   custom_vjp). Raises ValueError as :func:`jaxkern.mhc.post`."""
   return mhc.post(x, residual, post_layer_mix, comb_res_mix, implementation=implementation)
 
@@ -128,7 +128,7 @@ def _pre_backward(cfg, impl, res, g_input, g_post, g_comb, x_grad_acc=None):
   g_eff = normed.grad_fn.astype(jnp.promote_types(fn_eff.dtype, jnp.float32))
   if norm_weight is None:
     g_fn, g_nw = g_eff, None
-  else:  # the product rule of fn_eff = fn * norm_weight (spec §4.2)
+  else:  # the product rule of fn_eff = fn * norm_weight (docs/mhc.md, "pre_norm_fn")
     g_fn = g_eff * norm_weight[None, :]
     g_nw = jnp.sum(g_eff * fn, axis=0).astype(norm_weight.dtype)
   return (g_res, g_fn.astype(fn.dtype), split.mhc_scale_grad.astype(scale.dtype),
@@ -156,7 +156,7 @@ def mhc_pre(residual, fn, scale, base, *, norm_weight=None, norm_eps: float = 1e
             post_mult_value: float = 1.0, pre_eps: float = 1e-6, sinkhorn_eps: float = 1e-6,
             sinkhorn_repeat: int = 10, n_splits: int = 16,
             implementation: str | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-  """mHC pre-processing of one sublayer (spec §4.12 F2): the sublayer input and the mixes for :func:`mhc_post`.
+  """mHC pre-processing of one sublayer (docs/modeling.md, "mHC layers"): the sublayer input and the mixes for :func:`mhc_post`.
 
   ``mixes = pre_norm_fn(residual, fn, norm_weight)``; ``pre, post, comb_logits = pre_split_mixes(mixes, scale,
   base)``; ``comb = sinkhorn_normalize(comb_logits)``; ``layer_input = pre_apply_mix(residual, pre)``.
@@ -164,7 +164,7 @@ def mhc_pre(residual, fn, scale, base, *, norm_weight=None, norm_eps: float = 1e
   Args:
     residual: ``(..., M, H)`` bfloat16 residual streams (``M = 4``); any leading dims.
     fn: ``(J, M·H)`` float32, ``J = M(M+2) = 24``; scale: ``(3,)``; base: ``(J,)`` float32.
-    norm_weight: optional ``(M·H,)`` RMSNorm weight, merged into ``fn`` on both paths (spec §8.3).
+    norm_weight: optional ``(M·H,)`` RMSNorm weight, merged into ``fn`` on both paths (docs/mhc.md, "pre_big_fuse").
     norm_eps, post_mult_value (non-zero), pre_eps, sinkhorn_eps, sinkhorn_repeat, n_splits: as the parts.
     mhc_mult: must equal ``residual.shape[-2]`` (only 4 is supported).
     implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``.
@@ -190,7 +190,7 @@ def mhc_pre(residual, fn, scale, base, *, norm_weight=None, norm_eps: float = 1e
 
 def mhc_head(residual, fn, scale, base, *, norm_weight=None, norm_eps: float = 1e-6, mhc_mult: int = 4,
              pre_eps: float = 1e-6, n_splits: int = 16, implementation: str | None = None) -> jax.Array:
-  """mHC head (spec §4.12 F4): the streams mixed into one hidden state for the LM head.
+  """mHC head (docs/modeling.md, "mHC layers"): the streams mixed into one hidden state for the LM head.
 
   ``fn (M, M·H)`` is zero-padded to ``(J, M·H)`` for :func:`jaxkern.mhc.pre_norm_fn`; the first ``M`` mixes go
   through :func:`jaxkern.mhc.head_compute_mix` (``σ(z·scale + base) + pre_eps``) and
@@ -210,7 +210,7 @@ def mhc_head(residual, fn, scale, base, *, norm_weight=None, norm_eps: float = 1
       and as the parts.
 
   Differentiation: the composition of the parts' custom_vjps (JAX sums the residual's cotangents; the padded
-  rows' gradient is dropped by the slice), spec §8.4 resolved.
+  rows' gradient is dropped by the slice; docs/modeling.md, "mHC layers").
   """
   residual = _common.array("residual", residual, 2)
   m, h = residual.shape[-2:]
@@ -263,8 +263,8 @@ def mhc_block(residual, fn, scale, base, sublayer: Callable[[Any, jax.Array], ja
               pre_eps: float = 1e-6, sinkhorn_eps: float = 1e-6, sinkhorn_repeat: int = 10, n_splits: int = 16,
               implementation: str | None = None) -> jax.Array:
   """One mHC-wrapped sublayer: ``x, (post, comb) = mhc_pre(residual, ...)``, ``y = sublayer(params, x)``,
-  ``mhc_post(y, residual, post, comb)``, as one ``jax.custom_vjp`` with the fused residual gradient of spec §9.5
-  (option 2; module docstring).
+  ``mhc_post(y, residual, post, comb)``, as one ``jax.custom_vjp`` with the fused residual gradient
+  (module docstring; docs/modeling.md, "mHC layers").
 
   Args:
     residual, fn, scale, base and the keyword options: as :func:`mhc_pre`.

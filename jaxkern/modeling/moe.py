@@ -1,6 +1,6 @@
 """A trainable DeepSeek-style mixture-of-experts layer built from the :mod:`jaxkern.moe` ops.
 
-Forward (spec moe_transpose.md §0), for ``T`` tokens of width ``H``, ``E`` routed and ``S`` shared
+Forward (docs/moe.md, "The pipeline"), for ``T`` tokens of width ``H``, ``E`` routed and ``S`` shared
 experts, ``K`` routed slots per token:
 
 1. router logits ``x @ router`` in float32, then :func:`jaxkern.moe.top2_sum_gate`: scores, the
@@ -101,7 +101,7 @@ class MoeConfig:
       :data:`EP_CAPACITY_FACTOR` (1.25; the reason is beside it). Off by default, an opt-in: both branches compile
       (more compile time and reserved memory) and on GPUs XLA runs each ``lax.cond`` after copying its predicate to
       the host. Measured (2 H200s, 2026-11-27, the v3 benchmark step): 24.00 ms pipelined with 1.25 against 24.82 ms
-      without (``benchmarks/NOTES.md``, issue 23 session 18); 1.76x faster for the layer's gradient on 2 simulated
+      without (``benchmarks/NOTES.md``, expert-parallel scaling); 1.76x faster for the layer's gradient on 2 simulated
       CPU devices. Must be non-negative.
     ep_combine_dtype: only for :func:`jaxkern.modeling.sharding.moe_layer_ep`: the dtype of each device's routed
       partial sums, ``(T, H)``, that the ``psum_scatter`` adds over the devices (and of their cotangents, which the
@@ -112,8 +112,8 @@ class MoeConfig:
       partials (DeepSeek-V3's bf16 combine): half the exchanged bytes, and no float32 copy of the fused rows in either
       pass, for up to ``P`` more bfloat16 roundings (the partials and their sums; the shared experts' sum stays
       float32). The backward is unchanged in value for bfloat16 tokens (their cotangent is a bfloat16 value
-      already). Measured: 0.9 ms off the v3 benchmark step on 2 H200s (``benchmarks/NOTES.md``, issue 23 session
-      19).
+      already). Measured: 0.9 ms off the v3 benchmark step on 2 H200s (``benchmarks/NOTES.md``, expert-parallel
+      scaling; 2026-11-27).
   """
 
   num_experts: int

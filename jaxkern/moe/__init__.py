@@ -1,4 +1,4 @@
-"""MoE gating and routing (see ../shared/spec/moe_transpose.md)."""
+"""MoE gating and routing (see docs/moe.md)."""
 
 from jaxkern.moe._aux_fi import aux_fi
 from jaxkern.moe._expand_to_fused import expand_to_fused, expand_to_fused_with_sf

@@ -1,7 +1,7 @@
-"""``aux_fi``: per-expert load fraction for the auxiliary balance loss (spec §6.2).
+"""``aux_fi``: per-expert load fraction for the auxiliary balance loss (docs/moe.md, "Helpers").
 
 No Pallas kernel: a deterministic XLA int32 histogram (``group_count``'s compare-and-sum for up
-to 64 experts) followed by the reference's fp32 formula with an exact IEEE division (upstream's float atomics are not deterministic; the spec asks for
+to 64 experts) followed by the reference's fp32 formula with an exact IEEE division (upstream's float atomics are not deterministic; jaxkern asks for
 the reference formula).
 """
 

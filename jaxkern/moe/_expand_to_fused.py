@@ -64,7 +64,7 @@ _TOKEN_BLOCK_BYTES = 56 << 10  # SMEM for the token rows of one CTA (about 4 CTA
 _MAX_TOKEN_BLOCK = 16
 # Slots (tokens x K) per token CTA at most (None: no limit, 16 tokens). Each slot is a scalar position load and a
 # guarded single-thread TMA store issue, serial within a CTA; with narrow rows (H = 576) and K = 8 / 9 a 16-token CTA
-# had 128-144 of them (issue 21). 64 (7-8 tokens at K = 8 / 9; K <= 4 and rows wider than 1792 bf16 values keep
+# had 128-144 of them. 64 (7-8 tokens at K = 8 / 9; K <= 4 and rows wider than 1792 bf16 values keep
 # their blocks): H100, 2026-11-26, H=576 K=8/9 1.07-1.20x faster than no limit (E=4x64 K=9: 42.1 -> 35.1 µs), 32
 # no better, 16 and 9 1.5-3.5x slower (scratch/time_narrow2.py, CUPTI cold L2).
 _MAX_SLOTS = 64

@@ -1,4 +1,4 @@
-"""``get_fused_mapping``: the expert-major fused row layout and the token <-> row maps (spec §5.1).
+"""``get_fused_mapping``: the expert-major fused row layout and the token <-> row maps (docs/moe.md, "The fused layout").
 
 No Pallas kernel: deterministic, sort-free XLA code for up to 64 experts. The flat entries
 are cut into blocks of 64; an entry's rank inside its expert's segment is the number of
@@ -6,7 +6,7 @@ earlier entries of the same expert in its block (a 64x64 comparison per block, i
 of ``E``) plus the counts of that expert in all earlier blocks (per-block compare-and-sum
 histograms and a prefix sum over blocks). ``pos_to_token_topk`` is a scatter with unique
 indices and ``pos_to_expert`` is read off the segment bounds. On an H200 this is 1.4-4.2x
-faster than the reference (a stable sort of the entries by expert) on the spec's 12 benchmark
+faster than the reference (a stable sort of the entries by expert) on the 12 benchmark
 shapes (``E`` = 4, 9, 32). With more than 64 experts the reference's sort is used (the
 per-block histograms grow with ``E``). A Mosaic GPU kernel would need the same
 block ranks from compares and loops (no sort/cumsum/scatter lowering in 0.11.2).
@@ -63,7 +63,7 @@ def get_fused_mapping(topk_idx: jax.Array, num_experts: int, num_expanded_tokens
 
   The segment length is the expert's entry count rounded up to ``alignment`` (0 for an unused
   expert); its first rows hold the entries ``(t, k)`` with ``topk_idx[t, k] = e`` in ascending
-  flat order ``t*K + k`` (upstream's order is a hardware-dependent permutation, spec §5.1;
+  flat order ``t*K + k`` (upstream's order is a hardware-dependent permutation, docs/moe.md, "The fused layout";
   every downstream result is independent of it), the rest are padding (-1 in the ``pos_to_*``
   maps), as are rows past the last segment.
 

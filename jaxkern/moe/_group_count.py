@@ -1,4 +1,4 @@
-"""``group_count``: int32 histogram of indices, ignoring -1 (spec §6.3).
+"""``group_count``: int32 histogram of indices, ignoring -1 (docs/moe.md, "Helpers").
 
 No Pallas kernel: up to 64 buckets, one XLA compare-and-sum reduction over the entries (about
 2x faster than the reference's scatter-add on an H200, whose atomics contend on a few bins);

@@ -1,4 +1,4 @@
-"""``mask_indices_by_tp``: EP/TP masking and local renumbering of expert ids (spec §3.6, §6.4).
+"""``mask_indices_by_tp``: EP/TP masking and local renumbering of expert ids (docs/moe.md, "Helpers").
 
 Mosaic GPU kernel on the flat ``T*K`` int32 entries, one warpgroup per CTA and no shared
 memory: a CTA maps 128 vectors of consecutive entries, read and written straight between GMEM
@@ -12,7 +12,7 @@ entries are padded. int64 indices (only with ``jax_enable_x64``: the kernel maps
 ``jnp`` reference; so do, under ``"auto"``, ``K`` in ``XLA_TOPK`` with a traced rank and ``K = 8``
 from 2^18 entries on (``XLA_MIN_ENTRIES``), where XLA measured faster.
 
-H200 (CUPTI, cold L2, median of 30), XLA reference in brackets. Static rank (session 10): K = 2
+H200 (CUPTI, cold L2, median of 30), XLA reference in brackets. Static rank (2026-11-25): K = 2
 1.41-1.49 us (1.44-1.52), K = 6 1.66-1.79 (1.70-1.92; XLA's own ``~x`` of the same array takes
 1.66-1.73, the floor of one pass over these bytes), K = 8 1.78-1.92 (2.02-2.05), K = 9 1.86-2.27
 (2.18-2.87; XLA does not vectorise rows of 9 int32). Traced rank: K = 2 1.44-1.52 (1.47-1.60), K = 8

@@ -1,4 +1,4 @@
-"""``normalize_weight``: divide each token's weights by their 1e-20-seeded sum (spec §6.1).
+"""``normalize_weight``: divide each token's weights by their 1e-20-seeded sum (docs/moe.md, "Helpers").
 
 Mosaic GPU kernel, one warpgroup per CTA: a CTA owns ``ROWS_PER_CTA`` tokens, each thread one
 token. Rows of up to ``DIRECT_MAX_TOPK`` weights are read and written column by column straight
@@ -6,21 +6,21 @@ from GMEM (one strided load per column); wider rows go through shared memory
 (:func:`jaxkern.moe._routing.load_staged_rows`): the CTA's ``(128, K)`` block moves with
 coalesced vector loads and stores, and each thread reads and writes its row's columns in SMEM.
 The sum is accumulated column by column in registers (``((1e-20 + w0) + w1) + ...``, each
-addition rounded, as the spec asks). Division: one correctly rounded reciprocal ``y = 1 / d`` per
+addition rounded, as the definition asks). Division: one correctly rounded reciprocal ``y = 1 / d`` per
 row (:func:`jaxkern._ieee.exact_div`), then per weight ``q = w·y`` and two FMA corrections
 ``q + (w - q·d)·y`` (:func:`jaxkern._ieee.div_by_reciprocal`); a zero weight keeps ``w·y``, a signed zero. No float64
 arithmetic (the reference divides in float64 and rounds with a midpoint test). The last CTA
 starts at ``T - 128`` (it recomputes rows of the previous one with identical results), so ragged
 ``T`` needs no masking; fewer than 128 tokens are padded.
 
-H200 (CUPTI, cold L2, spec grid, median of 30), XLA reference in brackets: K = 2 direct
+H200 (CUPTI, cold L2, benchmark grid, median of 30), XLA reference in brackets: K = 2 direct
 1.50-1.54 us (2.62-2.71); through SMEM 1.54-1.60. K = 6: 1.89-1.98 (3.38-3.71); K = 8: 2.08-2.27
 (3.76-3.90); K = 9: 2.14-2.46 (4.00-4.90). The previous kernel (strided loads and stores, one
 ``exact_div`` per weight) took 2.37-2.53 us at K = 6 and 3.89-5.90 at K = 8-9, slower than XLA:
 with the reciprocal scheme alone 2.24-5.74, with SMEM staging alone 2.05-2.91. Rows wider than
-``MAX_KERNEL_TOPK`` (not in the spec; the kernel is unrolled over ``K``) run the XLA reference.
+``MAX_KERNEL_TOPK`` (beyond the tested sizes; the kernel is unrolled over ``K``) run the XLA reference.
 
-The division is exact for normal, finite quotients and row sums (spec inputs: weights in [0, 1));
+The division is exact for normal, finite quotients and row sums (the tests' inputs: weights in [0, 1));
 checked bitwise on the H200 against the reference on 2^19 x 8 and 2^19 x 9 weights (uniform, spread
 over 2^-40..2^4, and signed normal). A quotient or residual outside the normal float32 range (only
 with cancelling negative weights or a weight below ``2^-126`` of its row sum) may differ from IEEE

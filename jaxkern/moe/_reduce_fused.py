@@ -1,4 +1,4 @@
-"""``reduce_fused``: weighted fp32 sum of each token's expert-output rows (spec §5.4).
+"""``reduce_fused``: weighted fp32 sum of each token's expert-output rows (docs/moe.md, "Reduce").
 
 Mosaic GPU kernel on a ``(token blocks, hidden chunks)`` grid, one warpgroup per CTA, with no
 shared memory: a CTA owns ``BT`` tokens and a chunk of ``W`` hidden elements (the whole row
@@ -19,7 +19,7 @@ in ``jax/experimental/mosaic/gpu/fragmented_array.py``: ``mulf``/``addf``) to
 primitive (``jax.lax`` has none, and no Mosaic GPU rule emits ``math.fma``). In this
 kernel's lowered module every accumulation step is such a ``mulf`` whose only use is such
 an ``addf`` in the same branch (a CPU test checks this), which LLVM's NVPTX backend fuses
-into ``fma.rn.f32``: the single rounding the spec asks for. The ``gpu``-marked test checks
+into ``fma.rn.f32``: the single rounding the definition asks for (docs/moe.md, "Reduce"). The ``gpu``-marked test checks
 the resulting bits against the exact-FMA reference.
 In interpret mode on CPU, XLA contracts ``a * b + c`` into an FMA as well. The per-slot
 scale ``w * x_sf[p]`` and the final ``acc * sf`` are scalar / lone multiplies, rounded once.

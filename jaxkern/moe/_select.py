@@ -10,7 +10,7 @@ columns per warpgroup). Scores are compared through int32 *order keys*: the
 float bits with the magnitude bits of negative values flipped, so that integer
 order equals float order. NaN gets the key of ``-inf`` and ``-0.0`` that of
 ``+0.0``; ``TAKEN`` (below every key) marks experts that can no longer be picked,
-so a row of ``-inf`` still yields distinct indices (spec §9.9).
+so a row of ``-inf`` still yields distinct indices (docs/moe.md, "topk_gate").
 """
 
 from __future__ import annotations

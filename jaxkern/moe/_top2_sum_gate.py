@@ -1,9 +1,9 @@
-"""``top2_sum_gate``: the DeepSeek router as one Pallas-Triton kernel (spec moe_transpose.md §4.3).
+"""``top2_sum_gate``: the DeepSeek router as one Pallas-Triton kernel (docs/moe.md, "top2_sum_gate").
 
 Backend: Pallas' Triton lowering, not Mosaic GPU. The cost of this op is per-thread serial
 work in the ``K`` picks (row max, then smallest index holding it). Mosaic GPU holds 64 rows
 per warpgroup in the WGMMA layout, so a thread serially scans 128 values of a row per pick:
-the fully fused Mosaic GPU kernel (branch ``h-gate``) took 65.9 us at the DeepSeek-V3 shape
+a fully fused Mosaic GPU kernel (tried, not kept) took 65.9 us at the DeepSeek-V3 shape
 (8192 x 256, sigmoid, 8 groups, top-4 groups, top-8) on an H200, and the Mosaic GPU
 selection kernel with XLA glue 81.8 us, against a 15 us target: about 4x too slow. Triton
 spreads a row over the lanes of a warp and lowers row reductions to warp shuffles: this kernel
@@ -108,7 +108,7 @@ def _rmax(x):
 
 
 def _softmax_denominator(x_ref, row_ok, m, cfg: _Config):
-  """``Z`` of spec §3.2: lane ``l`` adds ``exp(x - m)`` of columns ``128 i + 4 l + j`` in order,
+  """The softmax denominator ``Z`` (docs/moe.md, "top2_sum_gate"): lane ``l`` adds ``exp(x - m)`` of columns ``128 i + 4 l + j`` in order,
   then the butterfly (lane sums combined as halves). The row is read flat, ``(rows, 128 n)``, and
   each term is taken out of its ``(rows, n, 32, 4)`` view by an exact masked sum."""
   br, width = x_ref.shape
@@ -416,7 +416,7 @@ def top2_sum_gate(logits: jax.Array, bias: jax.Array, num_topk: int, *, scoring_
     slot masked by EP/TP is kept) and float32 weights ``u / (1e-20 + sum u) * routed_scaling_factor``
     (summed sequentially in slot order). With ``unmapped_topk_idx``:
     :class:`jaxkern.types.TopkRoutingWithUnmapped`, adding the new ``unmapped_topk_idx`` ``(T, K)``
-    int32 (the logical id of each routed slot; spec §9.2).
+    int32 (the logical id of each routed slot; docs/moe.md, "top2_sum_gate").
 
   Bad fixed-routing ids: an id outside ``[0, E)`` on a fixed-routing row drops its slot, in the kernel
   and the reference alike: id -1 in ``topk_idx`` and ``unmapped_topk_idx``, weight 0.0, left out of
@@ -579,7 +579,7 @@ def _routed_weights_vjp(logits, logical_ids, rsf, mask, dw, scoring_func: str, *
 
 
 def _float32_scores(logits, scoring_func: str):
-  """The scores of spec §3.2 in plain float32 (within an ulp or so of the exact ones)."""
+  """The scores (docs/moe.md, "top2_sum_gate") in plain float32 (within an ulp or so of the exact ones)."""
   if scoring_func == "sigmoid":
     return jax.nn.sigmoid(logits)
   if scoring_func == "sqrtsoftplus":

@@ -1,4 +1,4 @@
-"""``topk_gate``: per-row top-k expert indices as a Mosaic GPU kernel (spec moe_transpose.md §4.1).
+"""``topk_gate``: per-row top-k expert indices as a Mosaic GPU kernel (docs/moe.md, "topk_gate").
 
 One CTA (one warpgroup) takes 64 token rows: TMA copies the ``(64, E)`` block
 into SMEM (in chunks of at most 64 columns), it is loaded into registers in the
@@ -59,7 +59,7 @@ def _topk_gate_kernel(scores: jax.Array, num_topk: int, num_experts: int, interp
 # From this many experts "auto" runs the narrow-rows kernel. H100, 2026-11-27 (scratch/time_narrow2.py, CUPTI, cold
 # L2; results/variants/2026-11-27_NVIDIA-H100-80GB-HBM3_topk17.jsonl), K=6, µs WGMMA-layout kernel -> narrow (8 lanes):
 # T=4001: E=36 4.74 -> 2.82, E=64 3.54 -> 3.17, E=72 4.00 -> 3.55; T=8001: E=36 5.28 -> 3.39, E=64 4.14 -> 4.26,
-# E=72 4.83 -> 4.93; 96+ experts measured in session 15. E=16 / 32 not timed: they keep the WGMMA-layout kernel.
+# E=72 4.83 -> 4.93; 96+ experts measured on an H100, 2026-11-26. E=16 / 32 not timed: they keep the WGMMA-layout kernel.
 NARROW_MIN_EXPERTS = 36
 LANES_PER_ROW = 8  # lanes sharing one row in the narrow-rows kernel (at most 16: warps never share a row)
 _VARIANT_OVERRIDE = None  # "wgmma" / "narrow" / ("narrow", lanes): forces a kernel (timing scripts only)
@@ -120,7 +120,7 @@ def topk_gate(scores: jax.Array, num_topk: int, *, implementation: str | None = 
     implementation: see :mod:`jaxkern._config`.
 
   Returns:
-    ``(T, num_topk)`` int32 (int64 upstream; spec §9.1). NaN ranks as ``-inf`` and ``-0.0`` as
+    ``(T, num_topk)`` int32 (int64 upstream; docs/moe.md, "Conventions"). NaN ranks as ``-inf`` and ``-0.0`` as
     ``+0.0``; rows with fewer than ``num_topk`` finite scores still get distinct indices.
 
   Raises:

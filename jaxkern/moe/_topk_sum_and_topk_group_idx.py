@@ -1,4 +1,4 @@
-"""``topk_sum_and_topk_group_idx``: rank expert groups per token, Mosaic GPU (spec moe_transpose.md §4.2).
+"""``topk_sum_and_topk_group_idx``: rank expert groups per token, Mosaic GPU (docs/moe.md, "topk_sum_and_topk_group_idx").
 
 Same row blocking as :mod:`jaxkern.moe._topk_gate` (64 token rows per CTA, TMA into
 SMEM, WGMMA register layout, int32 order keys). Each group's score is a masked row
@@ -55,7 +55,7 @@ def topk_sum_and_topk_group_idx(scores: jax.Array, num_topk_sum: int, num_topk_g
     implementation: see :mod:`jaxkern._config`.
 
   Returns:
-    ``(T, num_topk_groups)`` int32 group indices (int64 upstream; spec §9.1).
+    ``(T, num_topk_groups)`` int32 group indices (int64 upstream; docs/moe.md, "Conventions").
 
   Raises:
     ValueError: ``scores`` not a rank-3 float32 array (bool included), or an option out of range.

@@ -1,4 +1,4 @@
-"""``unique_group_indices``: functional form of upstream's ``inplace_unique_group_indices`` (spec §6.5).
+"""``unique_group_indices``: functional form of upstream's ``inplace_unique_group_indices`` (docs/moe.md, "Helpers").
 
 Mosaic GPU kernel, one warpgroup per CTA: a CTA owns ``ROWS_PER_CTA`` rows, each thread one row.
 Rows of up to ``DIRECT_MAX_TOPK`` entries are read and written column by column straight from
@@ -12,7 +12,7 @@ previous one), so ragged ``T`` needs no masking; fewer than 128 rows are padded.
 H200 (CUPTI, cold L2, groups = 8, median of 30), XLA reference in brackets: K = 2 direct
 1.41-1.47 us (2.59-2.82), through SMEM 1.49-1.54; K = 8 through SMEM 1.95-2.16 (4.50-4.69;
 direct 3.41-4.48); K = 9 1.98-2.27 (2.37-3.23; direct 3.90-5.41). K = 6 (the block in 8-byte
-vectors since session 10): 1.76-1.82 against XLA's 1.73-1.76 below 2^17 entries (T = 18506, 19444;
+vectors, H200, 2026-11-25): 1.76-1.82 against XLA's 1.73-1.76 below 2^17 entries (T = 18506, 19444;
 XLA's own ``~x`` of the same array takes 1.66, the floor of one pass over these bytes), so
 ``XLA_BELOW_ENTRIES`` keeps the reference's single XLA fusion there under ``"auto"``, and 1.82-1.86 against
 1.98 at T = 26991 (162k entries), where the kernel runs. int64 indices (only with ``jax_enable_x64``: the

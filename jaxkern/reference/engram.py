@@ -1,20 +1,20 @@
-"""``jnp`` references for :mod:`jaxkern.engram` (spec: engram_mhc.md §3).
+"""``jnp`` references for :mod:`jaxkern.engram` (docs/engram.md).
 
-Hashing (§3.1, §3.2): the int64 two's-complement hash is computed on pairs of uint32 words, so it
+Hashing (docs/engram.md, "Hash"): the int64 two's-complement hash is computed on pairs of uint32 words, so it
 needs no ``jax_enable_x64``: a 64-bit value is ``(hi, lo)`` with ``value = hi·2^32 + lo`` (mod 2^64).
 :func:`split_multipliers` turns int64 multipliers (numpy, Python ints, or a traced int64 / uint64
 array under x64) into the ``(L, N, 2)`` uint32 word pairs ``[..., 0] = lo``, ``[..., 1] = hi`` (the
 little-endian view of an int64 array). The pair arithmetic (:func:`mul_wide`, :func:`floor_mod`) uses
 only 32-bit multiplies, shifts, masks, compares and selects.
 
-Gate (§3.3-§3.7): written for any floating dtype. Inputs are widened to ``promote(x.dtype, float32)``
-(float32 for the spec's bf16 inputs, float64 when the caller passes float64, which the gradient tests
+Gate (docs/engram.md, "Gate"): written for any floating dtype. Inputs are widened to ``promote(x.dtype, float32)``
+(float32 for the usual bf16 inputs, float64 when the caller passes float64, which the gradient tests
 use), outputs go back to the input dtype. Per (token, stream) with ``s = D^-1/2``:
 
 * ``rx = rsqrt(Σx²/D + eps)``, ``rk = rsqrt(Σk²/D + eps)``, ``raw = Σ x·wf·k``, ``d = raw·rx·rk·s``;
 * ``u = sqrt(max(|d|, c))·sign(d)`` (upstream's reference: ``u = 0`` at ``d = 0``; the Pallas kernel
-  uses ``copysign`` there, spec §8.1), ``g = σ(u)``, ``out = x + g·v`` rounded once;
-* backward (§3.5): ``G = 0`` if ``|raw|·s·rx·rk < c`` else ``dldg·g(1-g)·0.5·sqrt(s·rx·rk/|raw|)``, with
+  uses ``copysign`` there, docs/engram.md, "Gate"), ``g = σ(u)``, ``out = x + g·v`` rounded once;
+* backward (docs/engram.md, "Gate"): ``G = 0`` if ``|raw|·s·rx·rk < c`` else ``dldg·g(1-g)·0.5·sqrt(s·rx·rk/|raw|)``, with
   ``dldg = Σ go·v``; ``grad_x = go + G(k·wf - x·raw·rx²/D)``, ``grad_k = G(x·wf - k·raw·rk²/D)``,
   ``grad_v = Σ_m go_m·g_m`` (m in order), ``grad_wf = Σ_t G·x·k`` per token range of ``P`` partials.
 
@@ -119,7 +119,7 @@ def floor_mod(hi, lo, size):
 
 
 def engram_hash(ngram_token_ids, multipliers, vocab_sizes, offsets):
-  """N-gram hash indices (§3.2): ``(T, N)`` int32 ids, int64 ``(L, N)`` multipliers (any form
+  """N-gram hash indices (docs/engram.md, "Hash"): ``(T, N)`` int32 ids, int64 ``(L, N)`` multipliers (any form
   :func:`split_multipliers` accepts), ``(L, N-1, E)`` int32 sizes, ``(L, (N-1)E)`` int32 offsets ->
   ``(L, T, (N-1)E)`` int32: ``int32(h_n mod V[l, n-1, j]) + offsets[l, (n-1)E + j]`` with
   ``h_n = XOR_{i <= n} int64(ids[t, i]) * mult[l, i]`` (wrap-around, floor-mod; sizes must be >= 1)."""
@@ -148,7 +148,7 @@ def _compute_dtype(x):
 
 
 def fused_weight(weight_hidden, weight_embed):
-  """``f32(w_h) · f32(w_e)`` (§3.3; exact for bf16 weights); float64 weights give float64."""
+  """``f32(w_h) · f32(w_e)`` (docs/engram.md, "Gate"; exact for bf16 weights); float64 weights give float64."""
   dt = jnp.promote_types(jnp.promote_types(weight_hidden.dtype, weight_embed.dtype), jnp.float32)
   return weight_hidden.astype(dt) * weight_embed.astype(dt)
 
@@ -164,7 +164,7 @@ def signed_sqrt(d, clamp_value):
 
 
 def engram_gate_fwd(hidden_states, k, v, weight_fused, *, eps, clamp_value, save_for_backward=True):
-  """Gate forward (§3.4) on ``(T, M, D)`` x, k, ``(T, D)`` v and ``(M, D)`` weight_fused -> EngramGateOutput."""
+  """Gate forward (docs/engram.md, "Gate") on ``(T, M, D)`` x, k, ``(T, D)`` v and ``(M, D)`` weight_fused -> EngramGateOutput."""
   dt = _compute_dtype(hidden_states)
   d = hidden_states.shape[-1]
   x, kf, vf, wf = (a.astype(dt) for a in (hidden_states, k, v, weight_fused))
@@ -180,7 +180,7 @@ def engram_gate_fwd(hidden_states, k, v, weight_fused, *, eps, clamp_value, save
 
 
 def gate_factor(dldg, dot, gate_score, rstd_x, rstd_k, clamp_value, d):
-  """``G = (∂L/∂d)·s·rx·rk`` (§3.5), 0 where ``|raw|·s·rx·rk < c`` (no division by zero at ``raw = 0``)."""
+  """``G = (∂L/∂d)·s·rx·rk`` (docs/engram.md, "Gate"), 0 where ``|raw|·s·rx·rk < c`` (no division by zero at ``raw = 0``)."""
   dt = dldg.dtype
   sc = _scalar(d, dt) * rstd_x * rstd_k
   a = jnp.abs(dot)
@@ -196,7 +196,7 @@ def token_ranges(num_tokens: int, num_partials: int):
 
 def engram_gate_bwd(grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k, *, clamp_value,
                     num_partials=None):
-  """Gate backward (§3.5) -> EngramGateGrads; ``grad_w_partial`` has ``num_partials`` rows (default 132),
+  """Gate backward (docs/engram.md, "Gate") -> EngramGateGrads; ``grad_w_partial`` has ``num_partials`` rows (default 132),
   row ``p`` the token range of :func:`token_ranges`."""
   p = DEFAULT_NUM_PARTIALS if num_partials is None else num_partials
   dt = _compute_dtype(hidden_states)
@@ -223,7 +223,7 @@ def engram_gate_bwd(grad_out, hidden_states, k, v, weight_fused, dot, gate_score
 
 
 def grad_w_reduce(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed):
-  """``gwf = Σ_p partial[p]``; returns ``(acc_h + gwf·w_e, acc_e + gwf·w_h)`` (§3.6, functional)."""
+  """``gwf = Σ_p partial[p]``; returns ``(acc_h + gwf·w_e, acc_e + gwf·w_h)`` (functional; docs/engram.md, "Gate")."""
   dt = grad_weight_hidden.dtype
   gwf = jnp.sum(grad_w_partial.astype(dt), axis=0)
   return EngramWeightGrads(grad_weight_hidden + gwf * weight_embed.astype(dt),
@@ -231,7 +231,7 @@ def grad_w_reduce(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidde
 
 
 def engram_gate(hidden_states, k, v, weight_hidden, weight_embed, *, clamp_value, eps):
-  """The gate (§3.7; upstream ``engram_gate_ref``) on ``[*, M, D]`` x, k and ``[*, D]`` v, written for
+  """The gate (docs/engram.md, "The trainable gate"; upstream ``engram_gate_ref``) on ``[*, M, D]`` x, k and ``[*, D]`` v, written for
   plain autodiff: ``x + σ(signed_sqrt(<x·w_h, k·w_e>·rx·rk·s))·v``, computed in
   ``promote(x.dtype, float32)``, returned in ``x.dtype``."""
   dt = _compute_dtype(hidden_states)

@@ -1,4 +1,4 @@
-"""``jnp`` references for :mod:`jaxkern.gemm`: FP8 grouped GEMMs on the fused MoE layout (issue 24).
+"""``jnp`` references for :mod:`jaxkern.gemm`: FP8 grouped GEMMs on the fused MoE layout.
 
 Numerics (DeepGEMM's recipe, what the kernels compute): every 128-deep K step is one float32 product
 ``p = Σ_{k in step} f32(x[r, k]) · f32(w[e, n, k])`` (e4m3 products are exact in float32; only the
@@ -72,7 +72,7 @@ def fp8_grouped_gemm(x, w, block_expert, *, out_dtype=jnp.bfloat16, x_use_tma_al
 
 def dequantized_product(x, w, block_expert, *, x_use_tma_aligned_col_major_sf: bool = False):
   """The float32 product of the dequantised inputs (``f32(q) · sf`` expanded per element), per block's
-  expert: the accuracy yardstick of the GPU tests (the spec's ≤ 0.5% max-relative). Zero rows for
+  expert: the accuracy yardstick of the GPU tests (≤ 0.5% max-relative). Zero rows for
   skipped blocks."""
   xq, xsf = x
   wq, wsf = w

@@ -6,7 +6,7 @@ float64 and round to float32 with an exact midpoint test. Independent of the ker
 (:mod:`jaxkern._ieee`), which this module serves as the oracle for.
 
 Also the single-rounding fused multiply-add :func:`fma` (XLA never contracts ``a*b + c`` on GPU and always
-does on CPU, so the references spell the FMA out where the spec asks for one).
+does on CPU, so the references spell the FMA out where the ops' definitions ask for one).
 
 All are differentiable (``jax.custom_jvp``) with the derivatives of ``a / b``, ``sqrt(x)`` and ``a*b + c``:
 the rounding steps in between would otherwise give a zero derivative whenever they pick a neighbour.

@@ -1,19 +1,19 @@
-"""``jnp`` references for the mHC mix ops of :mod:`jaxkern.mhc` (spec: engram_mhc.md §4.1, §4.4-§4.8).
+"""``jnp`` references for the mHC mix ops of :mod:`jaxkern.mhc` (docs/mhc.md).
 
-Ports of ``tile_kernels/torch/mhc.py`` plus the backward formulas the spec gives for each op. Every
+Ports of ``tile_kernels/torch/mhc.py`` plus the backward formulas of each op (docs/mhc.md). Every
 function is dtype-generic: floating inputs are widened to ``promote(dtype, float32)`` (float32 for the
-spec's bf16 / fp32 inputs, float64 when the caller passes float64, as the gradient tests do) and
+usual bf16 / fp32 inputs, float64 when the caller passes float64, as the gradient tests do) and
 outputs that upstream stores in bf16 come back in the input's dtype (rounded once). Any leading dims
 (``...``) are allowed, including none and zero-size ones.
 
-Accumulation orders follow the kernels (spec §4.6, §4.7): stream sums run ``m = 0..M-1`` (``post``
+Accumulation orders follow the kernels (docs/mhc.md, "pre_apply_mix", "post"): stream sums run ``m = 0..M-1`` (``post``
 starts with the post term), written as explicit loops, so no fp32 ``dot`` / ``einsum`` (and no XLA
-matmul precision, spec §9.7) is involved. Backward formulas (``*_bwd``) are the spec's, written out
+matmul precision) is involved. Backward formulas (``*_bwd``) are those of docs/mhc.md, written out
 (not autodiff); the tests check them against ``jax.grad`` of the forward references in float64.
 
 The RMS-normalised projection (``pre_norm_fn``, ``fn_normw_merge``) lives in
-:mod:`jaxkern.reference.mhc_norm`. The fused inference path (``pre_big_fuse``, §4.9) and the multilayer
-recompute (§4.10) are written here as the compositions that define them.
+:mod:`jaxkern.reference.mhc_norm`. The fused inference path (``pre_big_fuse``, docs/mhc.md, "pre_big_fuse") and the multilayer
+recompute (docs/mhc.md, "multilayer_recompute") are written here as the compositions that define them.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _sigmoid(z):
 
 
 # ----------------------------------------------------------------------------------------------
-# M1 expand (§4.1)
+# M1 expand (docs/mhc.md, "expand_to_mhc")
 
 def expand_to_mhc(hidden, *, mhc_mult: int) -> jax.Array:
   """``(..., H)`` -> ``(..., M, H)``: ``M`` exact copies of each row."""
@@ -56,7 +56,7 @@ def expand_to_mhc_bwd(out_grad):
 
 
 # ----------------------------------------------------------------------------------------------
-# M4 split mixes (§4.4)
+# M4 split mixes (docs/mhc.md, "pre_split_mixes")
 
 def _scale_per_mix(mhc_scale, mhc_mult):
   m = mhc_mult
@@ -80,7 +80,7 @@ def pre_split_mixes(input_mixes, mhc_scale, mhc_base, *, mhc_mult: int, mhc_post
 
 def pre_split_mixes_bwd(pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_grad, input_mixes, post_layer_mix,
                         mhc_scale, mhc_base, *, mhc_mult: int, mhc_post_mult_value: float) -> PreSplitMixesGrads:
-  """Spec §4.4 backward: ``da_pre = g·σ(1-σ)`` (σ recomputed), ``da_post = g·post·(1 - post/pmv)`` (from the
+  """docs/mhc.md, "pre_split_mixes" backward: ``da_pre = g·σ(1-σ)`` (σ recomputed), ``da_post = g·post·(1 - post/pmv)`` (from the
   saved ``post``), ``da_comb = g``; ``grad_base = Σ_tokens da``, ``grad_scale[g] = Σ_tokens Σ_{j in g} da·z``,
   ``grad_z = da·scale[grp]``."""
   z, scale, base, gpre, gpost, gcomb, post = _wide(input_mixes, mhc_scale, mhc_base, pre_layer_mix_grad,
@@ -100,7 +100,7 @@ def pre_split_mixes_bwd(pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_gr
 
 
 # ----------------------------------------------------------------------------------------------
-# M5 Sinkhorn (§4.5)
+# M5 Sinkhorn (docs/mhc.md, "sinkhorn_normalize")
 
 def sinkhorn_normalize(x, *, repeat: int = 10, eps: float = 1e-6):
   """``(..., M, M)`` logits -> softmax over the last axis, ``+ eps``, a column normalisation, then
@@ -115,7 +115,7 @@ def sinkhorn_normalize(x, *, repeat: int = 10, eps: float = 1e-6):
 
 
 def sinkhorn_normalize_bwd(grad_output, x, *, repeat: int = 10, eps: float = 1e-6):
-  """Spec §4.5 backward: recompute the chain (softmax ``P``; the input ``X_i`` and sum ``Σ_i`` of each of the
+  """docs/mhc.md, "sinkhorn_normalize" backward: recompute the chain (softmax ``P``; the input ``X_i`` and sum ``Σ_i`` of each of the
   ``2·repeat - 1`` normalisations), then walk it backwards; finally the softmax backward."""
   g, x = _wide(grad_output, x)
   p = jax.nn.softmax(x, axis=-1)
@@ -133,7 +133,7 @@ def sinkhorn_normalize_bwd(grad_output, x, *, repeat: int = 10, eps: float = 1e-
 
 
 # ----------------------------------------------------------------------------------------------
-# M6 apply mix (§4.6)
+# M6 apply mix (docs/mhc.md, "pre_apply_mix")
 
 def pre_apply_mix(x, mix):
   """``x (..., M, H)``, ``mix (..., M, 1)`` -> ``(..., H)`` in ``x``'s dtype: ``Σ_m mix[m]·x[m]`` (m in order)."""
@@ -146,7 +146,7 @@ def pre_apply_mix(x, mix):
 
 
 def pre_apply_mix_bwd(o_grad, x, mix, x_grad_acc=None) -> PreApplyMixGrads:
-  """Spec §4.6 backward: ``x_grad[m] = (x_grad_acc[m] +) mix[m]·og`` (rounded once to ``x``'s dtype),
+  """docs/mhc.md, "pre_apply_mix" backward: ``x_grad[m] = (x_grad_acc[m] +) mix[m]·og`` (rounded once to ``x``'s dtype),
   ``mix_grad[m] = Σ_h og·x[m]`` (float32)."""
   x = jnp.asarray(x)
   og, xw, mw = _wide(o_grad, x, mix)
@@ -159,7 +159,7 @@ def pre_apply_mix_bwd(o_grad, x, mix, x_grad_acc=None) -> PreApplyMixGrads:
 
 
 # ----------------------------------------------------------------------------------------------
-# M7 post (§4.7)
+# M7 post (docs/mhc.md, "post")
 
 def post(x, residual, post_layer_mix, comb_res_mix):
   """``out[n] = post[n]·x + Σ_m comb[m, n]·residual[m]`` (float32, post term first, then m in order),
@@ -178,7 +178,7 @@ def post(x, residual, post_layer_mix, comb_res_mix):
 
 
 def post_bwd(d_o, x, residual, post_layer_mix, comb_res_mix) -> PostGrads:
-  """Spec §4.7 backward: ``d_residual[m] = Σ_n comb[m, n]·dO[n]``, ``d_x = Σ_n post[n]·dO[n]`` (n in order,
+  """docs/mhc.md, "post" backward: ``d_residual[m] = Σ_n comb[m, n]·dO[n]``, ``d_x = Σ_n post[n]·dO[n]`` (n in order,
   rounded once), ``d_comb[m, n] = Σ_h residual[m]·dO[n]``, ``d_post[n] = Σ_h x·dO[n]`` (float32)."""
   x, residual = jnp.asarray(x), jnp.asarray(residual)
   dw, xw, rw, pw, cw = _wide(d_o, x, residual, post_layer_mix, comb_res_mix)
@@ -198,7 +198,7 @@ def post_bwd(d_o, x, residual, post_layer_mix, comb_res_mix) -> PostGrads:
 
 
 # ----------------------------------------------------------------------------------------------
-# M8 head mix (§4.8)
+# M8 head mix (docs/mhc.md, "head_compute_mix")
 
 def head_compute_mix(input_mix, mhc_scale, mhc_base, *, mhc_pre_eps: float = 1e-6):
   """``(..., M)`` -> ``σ(z·scale + base) + pre_eps`` (``scale (1,)``, ``base (M,)``)."""
@@ -207,7 +207,7 @@ def head_compute_mix(input_mix, mhc_scale, mhc_base, *, mhc_pre_eps: float = 1e-
 
 
 def head_compute_mix_bwd(output_mix_grad, input_mix, mhc_scale, mhc_base) -> HeadComputeMixGrads:
-  """Spec §4.8 backward: ``dz = go·σ(1-σ)``; ``grad_input = dz·scale``, ``grad_scale = Σ dz·z``,
+  """docs/mhc.md, "head_compute_mix" backward: ``dz = go·σ(1-σ)``; ``grad_input = dz·scale``, ``grad_scale = Σ dz·z``,
   ``grad_base = Σ_tokens dz``."""
   go, z, scale, base = _wide(output_mix_grad, input_mix, mhc_scale, mhc_base)
   s = _sigmoid(z * scale[0] + base)
@@ -217,12 +217,12 @@ def head_compute_mix_bwd(output_mix_grad, input_mix, mhc_scale, mhc_base) -> Hea
 
 
 # ----------------------------------------------------------------------------------------------
-# M9 fused inference path (§4.9)
+# M9 fused inference path (docs/mhc.md, "pre_big_fuse")
 
 def pre_big_fuse(residual, fn, mhc_scale, mhc_base, norm_weight=None, *, rms_eps: float = 1e-6,
                  mhc_pre_eps: float = 1e-6, mhc_sinkhorn_eps: float = 1e-6, mhc_post_mult_value: float = 1.0,
                  sinkhorn_repeat: int = 10, n_splits: int = 16) -> PreBigFuse:
-  """``pre_norm_fn`` (``norm_weight`` merged into ``fn`` if given, spec §8.3) -> ``pre_split_mixes`` ->
+  """``pre_norm_fn`` (``norm_weight`` merged into ``fn`` if given, docs/mhc.md, "pre_big_fuse") -> ``pre_split_mixes`` ->
   ``sinkhorn_normalize`` of the comb logits -> ``pre_apply_mix`` with the pre mix, as
   ``PreBigFuse(post_mix (…, M, 1), comb_mix (…, M, M), layer_input (…, H))``. ``n_splits`` is ignored."""
   del n_splits
@@ -236,7 +236,7 @@ def pre_big_fuse(residual, fn, mhc_scale, mhc_base, norm_weight=None, *, rms_eps
 
 
 # ----------------------------------------------------------------------------------------------
-# M10 multilayer recompute (§4.10)
+# M10 multilayer recompute (docs/mhc.md, "multilayer_recompute")
 
 def multilayer_recompute(initial_residual, pre_mix_list, layer_output_list, post_mix_list,
                          comb_mix_list) -> MultilayerRecompute:

@@ -1,6 +1,6 @@
-"""``jnp`` references for the RMS-normalised mHC projection (spec: engram_mhc.md §4.2, §4.3).
+"""``jnp`` references for the RMS-normalised mHC projection (docs/mhc.md, "pre_norm_fn").
 
-* :func:`round_to_tf32` — ``tf32_rna(v) = bitcast_f32((bitcast_u32(v) + 0x1000) & 0xFFFFE000)`` (§4.3.4):
+* :func:`round_to_tf32` — ``tf32_rna(v) = bitcast_f32((bitcast_u32(v) + 0x1000) & 0xFFFFE000)`` (docs/mhc.md, "pre_norm_fn"):
   round to 10 explicit mantissa bits, ties away from zero, low 13 bits cleared. Only float32 is rounded;
   other dtypes (float64 in the gradient checks) pass unchanged, so that the float64 references are the
   exact math and ``jax.grad`` of the forward reference checks the hand-written backward.
@@ -8,7 +8,7 @@
 * :func:`pre_norm_fn_fwd` / :func:`pre_norm_fn` — per token ``r = vec(R)`` (stream-major, ``K = M·H``):
   ``out_mul = r @ tf32(fn)^T`` (products exact, ``precision=HIGHEST``), ``sqrsum = Σ r²``,
   ``mixes = out_mul · rsqrt(sqrsum / K + eps)``, all in ``promote(dtype, float32)``.
-* :func:`pre_norm_fn_bwd` — the hand backward of §4.3.3 (``q = tf32(G·ρ)``, ``grad_r = q @ fn_r + 2 r·sqrsum_grad``,
+* :func:`pre_norm_fn_bwd` — the hand backward of docs/mhc.md, "pre_norm_fn" (``q = tf32(G·ρ)``, ``grad_r = q @ fn_r + 2 r·sqrsum_grad``,
   ``grad_fn = qᵀ @ r``).
 
 Independent of the kernels (:mod:`jaxkern.mhc._norm_fn`).
@@ -26,10 +26,10 @@ HIGHEST = lax.Precision.HIGHEST
 
 
 def round_to_tf32(x) -> jax.Array:
-  """``tf32_rna`` of a float32 array (spec §4.3.4); other dtypes are returned unchanged.
+  """``tf32_rna`` of a float32 array (docs/mhc.md, "pre_norm_fn"); other dtypes are returned unchanged.
 
   Differentiable as the identity (straight-through): upstream passes the weight gradient through the
-  rounding unchanged (§4.3.3), so ``jax.grad`` of :func:`pre_norm_fn` in float32 gives the same kind of
+  rounding unchanged (docs/mhc.md, "pre_norm_fn"), so ``jax.grad`` of :func:`pre_norm_fn` in float32 gives the same kind of
   gradient as the op's backward.
   """
   x = jnp.asarray(x)
@@ -50,7 +50,7 @@ def _tf32_jvp(primals, tangents):
 
 
 def fn_normw_merge(fn, normw) -> jax.Array:
-  """``fn (J, K) * normw (K,)`` broadcast over rows (spec §4.2)."""
+  """``fn (J, K) * normw (K,)`` broadcast over rows (docs/mhc.md, "pre_norm_fn")."""
   return fn * normw[None, :]
 
 
@@ -96,7 +96,7 @@ def pre_norm_fn(residual, fn, norm_weight=None, *, norm_eps: float = 1e-6, fuse_
 
 
 def pre_norm_fn_bwd(grad_mixes, residual, fn, out_mul, sqrsum, *, norm_eps: float = 1e-6) -> PreNormFnGrads:
-  """The backward of spec §4.3.3 -> ``PreNormFnGrads(grad_residual (residual's shape and dtype), grad_fn (J, K))``.
+  """The backward of docs/mhc.md, "pre_norm_fn" -> ``PreNormFnGrads(grad_residual (residual's shape and dtype), grad_fn (J, K))``.
 
   ``fn`` is the merged weight (rounded here); ``grad_fn`` is the gradient w.r.t. it (the rounding is passed
   through as the identity). ``out_mul``, ``sqrsum`` as returned by :func:`pre_norm_fn_fwd`.

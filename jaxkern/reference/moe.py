@@ -1,7 +1,7 @@
-"""``jnp`` references of the :mod:`jaxkern.moe` ops: gating (spec moe_transpose.md §3, §4) and
-routing (§5, §6).
+"""``jnp`` references of the :mod:`jaxkern.moe` ops: gating (docs/moe.md, "Gating") and
+routing (docs/moe.md, "The fused layout", "Expand", "Reduce", "Helpers").
 
-Index inputs may be int32 or int64; index outputs are int32 (spec §9.1). Scores are ranked with
+Index inputs may be int32 or int64; index outputs are int32 (docs/moe.md, "Conventions"). Scores are ranked with
 NaN treated as ``-inf`` and ``-0.0`` equal to ``+0.0``; ties go to the smaller index (a stable
 descending sort). Shapes and static arguments are assumed valid: the public ops in
 :mod:`jaxkern.moe` check them.
@@ -34,7 +34,7 @@ def stable_topk(values: jax.Array, k: int) -> jax.Array:
 
 
 def topk_gate(scores: jax.Array, num_topk: int) -> jax.Array:
-  """``(T, E)`` float32 -> ``(T, num_topk)`` int32 indices of the largest scores (spec §4.1)."""
+  """``(T, E)`` float32 -> ``(T, num_topk)`` int32 indices of the largest scores (docs/moe.md, "topk_gate")."""
   return stable_topk(scores, num_topk)
 
 
@@ -46,7 +46,7 @@ def group_scores(scores: jax.Array, num_topk_sum: int) -> jax.Array:
 
 
 def topk_sum_and_topk_group_idx(scores: jax.Array, num_topk_sum: int, num_topk_groups: int) -> jax.Array:
-  """``(T, G, Epg)`` float32 -> ``(T, num_topk_groups)`` int32 best groups in rank order (spec §4.2)."""
+  """``(T, G, Epg)`` float32 -> ``(T, num_topk_groups)`` int32 best groups in rank order (docs/moe.md, "topk_sum_and_topk_group_idx")."""
   return stable_topk(group_scores(scores, num_topk_sum), num_topk_groups)
 
 
@@ -56,7 +56,7 @@ _WEIGHT_EPS = 1e-20  # fp32 bits 0x1E3CE508: seed of the weight sum
 
 
 def softplus(x: jax.Array) -> jax.Array:
-  """Thresholded softplus: ``x`` above 20, else ``log1p(exp(x))`` (spec §3.2)."""
+  """Thresholded softplus: ``x`` above 20, else ``log1p(exp(x))`` (docs/moe.md, "top2_sum_gate")."""
   return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(x)))
 
 
@@ -76,7 +76,7 @@ def softmax_denominator(z: jax.Array) -> jax.Array:
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def elementwise_scores(logits: jax.Array, scoring_func: str) -> jax.Array:
-  """Sigmoid or sqrtsoftplus scores ``u`` (spec §3.2), with correctly rounded division and sqrt.
+  """Sigmoid or sqrtsoftplus scores ``u`` (docs/moe.md, "top2_sum_gate"), with correctly rounded division and sqrt.
 
   Differentiable with :func:`score_derivative` (``jax.custom_jvp``): the chain rule through ``exp``
   and ``sqrt`` gives NaN where ``exp`` overflows or ``u`` underflows to 0 (e.g. sigmoid logits below
@@ -105,7 +105,7 @@ def score_derivative(logits: jax.Array, u: jax.Array, scoring_func: str) -> jax.
 
 
 def gate_scores(logits: jax.Array, scoring_func: str) -> jax.Array:
-  """Unbiased scores ``u`` (spec §3.2), with correctly rounded division and sqrt; differentiable."""
+  """Unbiased scores ``u`` (docs/moe.md, "top2_sum_gate"), with correctly rounded division and sqrt; differentiable."""
   if scoring_func != "softmax":
     return elementwise_scores(logits, scoring_func)
   # The barriers keep exp out of reduction fusions, where XLA:CPU evaluates it differently.
@@ -115,7 +115,7 @@ def gate_scores(logits: jax.Array, scoring_func: str) -> jax.Array:
 
 
 def ranking_scores(logits: jax.Array, u: jax.Array, bias: jax.Array, scoring_func: str) -> jax.Array:
-  """``u + bias``, or ``logits + bias`` for softmax (spec §4.3 step 2)."""
+  """``u + bias``, or ``logits + bias`` for softmax (docs/moe.md, "top2_sum_gate", step 2)."""
   return (logits if scoring_func == "softmax" else u) + bias
 
 
@@ -130,7 +130,7 @@ def group_limited_topk(b: jax.Array, num_topk: int, num_groups: int, num_topk_gr
 
 
 def normalized_weights(u_sel: jax.Array, routed_scaling_factor) -> jax.Array:
-  """``u / s * rsf`` with ``s`` summed sequentially from 1e-20 in slot order (spec §4.3 step 6)."""
+  """``u / s * rsf`` with ``s`` summed sequentially from 1e-20 in slot order (docs/moe.md, "top2_sum_gate", step 5)."""
   s = jnp.full(u_sel.shape[:1], _WEIGHT_EPS, jnp.float32)
   for k in range(u_sel.shape[1]):
     s = s + u_sel[:, k]
@@ -138,7 +138,7 @@ def normalized_weights(u_sel: jax.Array, routed_scaling_factor) -> jax.Array:
 
 
 def mask_by_tp(p: jax.Array, experts_per_rank: int, tp_rank, num_tp_ranks: int) -> jax.Array:
-  """EP/TP masking and local renumbering of int32 global ids (spec §3.6); negatives -> -1.
+  """EP/TP masking and local renumbering of int32 global ids (docs/moe.md, "top2_sum_gate"); negatives -> -1.
 
   Truncating divisions (equal to floor division for the kept ``p >= 0``), so the Mosaic GPU and
   Triton kernels run this same function.
@@ -150,7 +150,7 @@ def mask_by_tp(p: jax.Array, experts_per_rank: int, tp_rank, num_tp_ranks: int) 
 
 
 def to_physical(idx: jax.Array, to_physical_map: jax.Array, logical_count: jax.Array, ep_rank) -> jax.Array:
-  """Replica choice ``map[l, (t * 23333 + ep_rank) mod count[l]]``, exact in int32 (spec §3.5).
+  """Replica choice ``map[l, (t * 23333 + ep_rank) mod count[l]]``, exact in int32 (docs/moe.md, "top2_sum_gate").
 
   Floor modulo, so any ``ep_rank`` picks a live replica; a negative id (a dropped slot) stays -1.
   """
@@ -164,7 +164,7 @@ def to_physical(idx: jax.Array, to_physical_map: jax.Array, logical_count: jax.A
 
 def finish_gate(idx, weights, *, num_experts, num_shared, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks,
                 mask, to_physical_map, logical_count):
-  """Steps 7-10 of spec §4.3 on the routed slots: shared slots, replicas, EP/TP masking, token mask."""
+  """Steps 6-8 of docs/moe.md, "top2_sum_gate" and the token mask on the routed slots: shared slots, replicas, EP/TP masking, token mask."""
   t = idx.shape[0]
   if num_shared:
     idx = jnp.concatenate([idx, jnp.broadcast_to(num_experts + jnp.arange(num_shared, dtype=jnp.int32),
@@ -185,7 +185,7 @@ def top2_sum_gate(logits, bias, num_topk, *, scoring_func, num_topk_groups=0, nu
                   use_shared_as_routed=False, num_shared_experts=0, routed_scaling_factor=1.0, ep_rank=0,
                   num_ep_ranks=1, tp_rank=0, num_tp_ranks=1, mask=None, fix_routing_mask=None, to_physical_map=None,
                   logical_count=None, unmapped_topk_idx=None) -> TopkRouting | TopkRoutingWithUnmapped:
-  """The DeepSeek router (spec §4.3); arguments, results and the handling of fixed-routing ids outside
+  """The DeepSeek router (docs/moe.md, "top2_sum_gate"); arguments, results and the handling of fixed-routing ids outside
   ``[0, E)`` as :func:`jaxkern.moe.top2_sum_gate` (validated there).
 
   Runs as one jitted XLA computation (``routed_scaling_factor``, ``ep_rank`` and ``tp_rank`` traced).
@@ -242,7 +242,7 @@ def route_selected(u, idx, routed_scaling_factor, num_shared, ep_rank, num_ep_ra
   return TopkRoutingWithUnmapped(topk_idx, topk_weights, unmapped)
 
 
-# Routing (spec §5, §6).
+# Routing (docs/moe.md, "The fused layout" to "Helpers").
 #
 # Bad indices under jit (the kernels do the same): a token_topk_to_pos entry outside [0, N) (N fused
 # rows) is an unused slot, like -1; topk_idx / group_idx entries outside [0, E) are ignored.
@@ -342,7 +342,7 @@ fma = ieee.fma  # single-rounding float32 a*b + c (moved to jaxkern.reference.ie
 
 
 def reduce_fused(x, topk_weights, token_topk_to_pos, *, fp8_format: str = "", sf=None) -> jax.Array:
-  """``out[t] = cast(sf * sum_k fma-accumulated x[p_k] * w[t, k] * x_sf[p_k])`` in fp32 (spec §5.4);
+  """``out[t] = cast(sf * sum_k fma-accumulated x[p_k] * w[t, k] * x_sf[p_k])`` in fp32 (docs/moe.md, "Reduce");
   slots with ``p_k`` outside ``[0, N)`` are skipped, repeated positions are summed like any other."""
   x, x_sf = x if isinstance(x, tuple) else (x, None)
   num_tokens, num_topk = token_topk_to_pos.shape
@@ -390,7 +390,7 @@ def group_count(group_idx, num_groups: int) -> jax.Array:
 
 
 def mask_indices_by_tp(indices, n: int, num_ep_ranks: int, tp_rank, num_tp_ranks: int) -> jax.Array:
-  """EP/TP masking and local renumbering (spec §3.6, §6.4); negatives become -1."""
+  """EP/TP masking and local renumbering (docs/moe.md, "Helpers"); negatives become -1."""
   return mask_by_tp(indices.astype(jnp.int32), n // num_ep_ranks, tp_rank, num_tp_ranks).astype(indices.dtype)
 
 

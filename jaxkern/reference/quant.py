@@ -1,12 +1,12 @@
-"""``jnp`` references for :mod:`jaxkern.quant` (spec: quant.md), plus the shared numerics.
+"""``jnp`` references for :mod:`jaxkern.quant` (docs/quant.md), plus the shared numerics.
 
 The numeric helpers (scale factors, e4m3 / e2m1 encoding and decoding, the sf layouts)
 are also used inside the Pallas kernels, so kernel and reference round identically.
-Every division is correctly rounded (quant.md §4.8): :func:`jaxkern.reference.ieee.div` (float64 plus a midpoint
+Every division is correctly rounded (docs/usage.md, "Numerics in XLA"): :func:`jaxkern.reference.ieee.div` (float64 plus a midpoint
 correction, because XLA's float32 division is approximate on GPU and turns division by a constant
 into a reciprocal multiply), ``jaxkern._ieee.exact_div`` inside the kernels.
 
-Scale-factor layouts (quant.md §3.1/3.2), for a logical sf matrix ``S`` of shape ``(Mb, Kb)``:
+Scale-factor layouts (docs/quant.md, "Scale layouts"), for a logical sf matrix ``S`` of shape ``(Mb, Kb)``:
 
 * A (default): ``(Mb, Kb)`` float32, row-major.
 * B (``use_tma_aligned_col_major_sf``): the physical column-major buffer ``(Kb, Mp)`` float32,
@@ -15,7 +15,7 @@ Scale-factor layouts (quant.md §3.1/3.2), for a logical sf matrix ``S`` of shap
   int32; word ``[w, i]`` holds the UE8M0 bytes of ``S[i, 4w:4w+4]``, block column ``4w`` in the least
   significant byte; padding bytes and rows are zero.
 
-E5M6 (quant.md §2.1, §4.6): 12-bit codes ``s eeeee mmmmmm`` (the top 12 bits of an fp16 pattern), eight
+E5M6 (docs/quant.md, "Number formats"): 12-bit codes ``s eeeee mmmmmm`` (the top 12 bits of an fp16 pattern), eight
 per three little-endian uint32 words, returned as bytes ``(M, 3K/2)`` uint8.
 """
 
@@ -50,7 +50,7 @@ def _float(u):
 
 
 def scale_factors(amax, max_value, fmt: str, round_sf: bool, div=ieee.div, clamp_min=None):
-  """``(sf, sf_inv)`` from a group's absolute maximum (quant.md §3.3).
+  """``(sf, sf_inv)`` from a group's absolute maximum (docs/quant.md, "Scale factors").
 
   ``max_value`` is the format's largest value (a float or an array shaped like ``amax``). ``div`` is
   the correctly rounded division: :func:`jaxkern.reference.ieee.div`, ``jaxkern._ieee.exact_div`` inside
@@ -99,7 +99,7 @@ def encode_e4m3(q):
 
 def encode_e2m1(q):
   """float32 -> e2m1 nibble (int32 in 0..15): round to nearest even, saturate at ±6, keep the sign
-  (quant.md §4.4)."""
+  (docs/quant.md, "Number formats")."""
   u = _bits(q)
   sign = lax.shift_right_logical(u, 31)
   e = (u >> 23) & 0xFF
@@ -158,7 +158,7 @@ def format_sf(sf, use_tma_aligned_col_major_sf: bool = False, use_packed_ue8m0: 
 
 
 def sf_to_float(sf, num_rows: int, num_cols: int, *, use_tma_aligned_col_major_sf: bool = False):
-  """Any sf layout -> the decoded logical ``(num_rows, num_cols)`` float32 matrix (quant.md §3.4).
+  """Any sf layout -> the decoded logical ``(num_rows, num_cols)`` float32 matrix (docs/quant.md, "Scale layouts").
 
   An int32 sf is layout C; a float32 sf is layout B with ``use_tma_aligned_col_major_sf``, else A.
   UE8M0 bytes decode as ``float(b << 23)`` (0 -> +0.0, 255 -> +inf).
@@ -237,7 +237,7 @@ def cast(x, fmt: str, block_size, *, x_block_size=None, sf=None, round_sf: bool 
   amax = abs_max(_blocked(x_val, bm, bk), axis=(1, 3))
   out_sf, inv = scale_factors(amax, MAX_VALUE[fmt], fmt, round_sf)
   inv = _expand(inv, bm, bk, m, k)
-  # Scales first for a QuantTensor input (the kernels' order, quant.md §4.3). As upstream's kernel, an
+  # Scales first for a QuantTensor input (the kernels' order, docs/quant.md, "Casts"). As upstream's kernel, an
   # all-zero group whose sfv_in · sf_inv overflows gives 0 · inf = NaN, encoded as +NaN (CUDA's NaN).
   # NaN products and sf are the GPU's canonical NaN on every backend (canonical_nan), encoded as e4m3 0x7F
   # and e2m1 +6.
@@ -268,12 +268,12 @@ def lossless_scales(sf_in, m: int, k: int, x_block_size, out_block_size, x_use_t
 def per_token_cast(x, fmt: str, num_per_channels: int, *, x_block_size=None,
                    use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
                    use_packed_ue8m0: bool = False, x_use_tma_aligned_col_major_sf: bool = False) -> QuantTensor:
-  """Reference of :func:`jaxkern.quant.per_token_cast` (quant.md §5.1): :func:`cast` with blocks
+  """Reference of :func:`jaxkern.quant.per_token_cast` (docs/quant.md, "Casts"): :func:`cast` with blocks
   ``(1, num_per_channels)``; ``x`` a plain ``(M, K)`` array or a QuantTensor for blocks ``x_block_size``.
 
-  Non-finite inputs (outside upstream's contract, quant.md §12.6; defined here so that kernel and
+  Non-finite inputs (outside upstream's contract, docs/quant.md, "Non-finite inputs and edge cases"; defined here so that kernel and
   reference agree bit for bit on every backend): the amax is NaN-propagating (:func:`abs_max`): a group
-  with a NaN has amax NaN, else with a ±inf amax +inf. §3.3 applied to it gives sf = sf_inv = NaN, or
+  with a NaN has amax NaN, else with a ±inf amax +inf. The scale computation (docs/quant.md, "Scale factors") applied to it gives sf = sf_inv = NaN, or
   sf = +inf and sf_inv = 0; with ``round_sf`` the exponent arithmetic on those patterns gives sf = -0.0
   (UE8M0 byte 0) and sf_inv = -2^127 for NaN, sf = +inf (UE8M0 byte 255) and sf_inv = -inf for inf. The
   data are ``encode(x · sf_inv)`` as always: ±inf products saturate (e4m3 ±448, e2m1 ±6). Every NaN result
@@ -301,7 +301,7 @@ def per_token_cast_with_sf_only(x, fmt: str, num_per_channels: int, *, x_block_s
 def per_token_cast_with_precomputed_sf(x, fmt: str, num_per_channels: int, sf, *, x_block_size=None,
                                        use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
                                        use_packed_ue8m0: bool = False):
-  """Reference of :func:`jaxkern.quant.per_token_cast_with_precomputed_sf` (quant.md §5.3): ``encode(x ·
+  """Reference of :func:`jaxkern.quant.per_token_cast_with_precomputed_sf` (docs/quant.md, "Casts"): ``encode(x ·
   RN(1 / sf))`` with the layout-A float32 ``sf`` ``(M, ceil(K / num_per_channels))``; the flags and
   ``x_block_size`` have no effect here (the op rejects them). Non-finite ``x`` encode as in :func:`per_token_cast`."""
   return cast(x, fmt, (1, num_per_channels), sf=sf)
@@ -309,7 +309,7 @@ def per_token_cast_with_precomputed_sf(x, fmt: str, num_per_channels: int, sf, *
 
 def per_block_cast(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
                    use_packed_ue8m0: bool = False) -> QuantTensor:
-  """Reference of :func:`jaxkern.quant.per_block_cast` (quant.md §6.1): :func:`cast` with blocks
+  """Reference of :func:`jaxkern.quant.per_block_cast` (docs/quant.md, "Casts"): :func:`cast` with blocks
   ``block_size``; non-finite inputs as in :func:`per_token_cast`, per block."""
   return QuantTensor(*cast(x, fmt, tuple(block_size), round_sf=round_sf,
                            use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
@@ -325,7 +325,7 @@ def per_block_cast_with_sf_only(x, fmt: str, block_size, *, use_tma_aligned_col_
 
 def per_block_cast_with_precomputed_sf(x, fmt: str, block_size, sf, *, use_tma_aligned_col_major_sf: bool = False,
                                        round_sf: bool = False, use_packed_ue8m0: bool = False):
-  """Reference of :func:`jaxkern.quant.per_block_cast_with_precomputed_sf` (quant.md §6.3): ``encode(x ·
+  """Reference of :func:`jaxkern.quant.per_block_cast_with_precomputed_sf` (docs/quant.md, "Casts"): ``encode(x ·
   RN(1 / sf))`` per block with the layout-A float32 ``sf`` ``(Mb, Kb)``; the flags have no effect here."""
   return cast(x, fmt, tuple(block_size), sf=sf)
 
@@ -333,7 +333,7 @@ def per_block_cast_with_precomputed_sf(x, fmt: str, block_size, sf, *, use_tma_a
 def per_block_cast_lossless(x, fmt: str, x_block_size, out_block_size, *, use_tma_aligned_col_major_sf: bool = False,
                             round_sf: bool = False, use_packed_ue8m0: bool = False,
                             x_use_tma_aligned_col_major_sf: bool = False) -> QuantTensor:
-  """Reference of :func:`jaxkern.quant.per_block_cast_lossless` (quant.md §6.4): exact re-quantisation of a
+  """Reference of :func:`jaxkern.quant.per_block_cast_lossless` (docs/quant.md, "Casts"): exact re-quantisation of a
   packed-e2m1 QuantTensor with power-of-two sf into ``fmt`` e4m3 with larger blocks (``round_sf`` has no
   effect: the output sf are powers of two). Returns ``QuantTensor(out (M, K) e4m3, out_sf)``."""
   del fmt, round_sf  # e4m3 only; the sf are powers of two either way
@@ -439,12 +439,12 @@ def unpack_from_e2m1fn_x2(x, *, out_dtype=jnp.float32):
   return table[n].astype(out_dtype)
 
 
-# E5M6 (quant.md §4.6, §5.4, §9.3)
+# E5M6 (docs/quant.md, "Number formats", "Casts", "Cast-backs")
 
 
 def fp16_rtz_bits(u):
   """float32 patterns (int32) -> fp16 patterns rounded toward zero (int32 in 0..0xFFFF), the integer recipe
-  of quant.md §4.6 step 1: exponents above the fp16 range (and inf) give ±inf 0x7C00, NaN 0x7FFF."""
+  of the E5M6 encoding (docs/quant.md, "Number formats"), first step: exponents above the fp16 range (and inf) give ±inf 0x7C00, NaN 0x7FFF."""
   sign = lax.shift_right_logical(u, 16) & 0x8000
   e = (u >> 23) & 0xFF
   f = u & 0x7FFFFF
@@ -456,9 +456,9 @@ def fp16_rtz_bits(u):
 
 
 def encode_e5m6(v):
-  """float32 -> 12-bit E5M6 code (int32 in 0..0xFFF), quant.md §4.6 steps 1-4: the fp16 pattern rounded toward
+  """float32 -> 12-bit E5M6 code (int32 in 0..0xFFF), the E5M6 encoding of docs/quant.md, "Number formats": the fp16 pattern rounded toward
   zero, its top 12 bits, plus one where ``(code & 1) + (low 17 bits of the float32 pattern) > 0x10000`` (round
-  to nearest even for fp16-normal magnitudes; the spec's literal rule below 2^-14)."""
+  to nearest even for fp16-normal magnitudes; the format's literal rule below 2^-14)."""
   u = _bits(v)
   t = lax.shift_right_logical(fp16_rtz_bits(u), 4)
   return jnp.where((t & 1) + (u & 0x1FFFF) > 0x10000, t + 1, t) & 0xFFF
@@ -466,7 +466,7 @@ def encode_e5m6(v):
 
 def e5m6_words(t):
   """Eight E5M6 codes ``t0..t7`` (int32 arrays) -> the three int32 words of their 96-bit big-endian
-  concatenation (quant.md §4.6)."""
+  concatenation (docs/quant.md, "Number formats")."""
   w0 = (t[0] << 20) | (t[1] << 8) | (t[2] >> 4)
   w1 = (t[2] << 28) | (t[3] << 16) | (t[4] << 4) | (t[5] >> 8)
   w2 = (t[5] << 24) | (t[6] << 12) | t[7]
@@ -502,7 +502,7 @@ def decode_e5m6(t):
 
 def per_token_cast_to_e5m6(x, num_per_channels: int, *, use_tma_aligned_col_major_sf: bool = False,
                            round_sf: bool = False, use_packed_ue8m0: bool = False) -> QuantTensor:
-  """Reference of :func:`jaxkern.quant.per_token_cast_to_e5m6` (quant.md §5.4): ``x`` ``(M, K)`` bf16 / float32,
+  """Reference of :func:`jaxkern.quant.per_token_cast_to_e5m6` (docs/quant.md, "Casts"): ``x`` ``(M, K)`` bf16 / float32,
   one sf per group of ``num_per_channels`` columns (a divisor of ``K``; the op requires ``K``), max value 65024,
   clamp minimum 1e-4; data ``pack(encode_e5m6(RN(x · sf_inv)))`` ``(M, 3K/2)`` uint8, sf in layout A / B / C.
   Non-finite inputs as :func:`per_token_cast` (NaN-propagating amax, canonical NaN for every NaN result)."""
@@ -516,7 +516,7 @@ def per_token_cast_to_e5m6(x, num_per_channels: int, *, use_tma_aligned_col_majo
 
 
 def cast_back_e5m6(x, fmt: str, x_block_size, *, x_use_tma_aligned_col_major_sf: bool = False):
-  """Reference of :func:`jaxkern.quant.cast_back_e5m6` (quant.md §9.3): ``(packed (M, 3K/2) uint8, sf)`` with
+  """Reference of :func:`jaxkern.quant.cast_back_e5m6` (docs/quant.md, "Cast-backs"): ``(packed (M, 3K/2) uint8, sf)`` with
   blocks ``x_block_size`` -> ``RN(decode(code) · sf)`` as ``fmt`` (``"bf16"`` / ``"fp32"``); NaN results are
   the canonical NaN (:func:`canonical_nan`)."""
   q, sf = x
@@ -531,7 +531,7 @@ def cast_back_e5m6(x, fmt: str, x_block_size, *, x_use_tma_aligned_col_major_sf:
 
 def _clamp_flags_and_halves(x, swiglu_clamp_value):
   """float32 halves ``(l', r')`` of ``x`` ``(E, 2h)`` after the optional clamp, and the clamp flags
-  ``(l > C, r > C, r < -C)`` of the unclamped values (None without a clamp) (quant.md §8)."""
+  ``(l > C, r > C, r < -C)`` of the unclamped values (None without a clamp) (docs/quant.md, "Fused SwiGLU")."""
   h = x.shape[1] // 2
   v = x.astype(jnp.float32)
   left, right = v[:, :h], v[:, h:]
@@ -543,7 +543,7 @@ def _clamp_flags_and_halves(x, swiglu_clamp_value):
 
 
 def _silu_times(left, right):
-  """``RN(div_rn(l, RN(1 + exp(-l))) · r)`` in this evaluation order (quant.md §8)."""
+  """``RN(div_rn(l, RN(1 + exp(-l))) · r)`` in this evaluation order (docs/quant.md, "Fused SwiGLU")."""
   return ieee.div(left, 1.0 + jnp.exp(-left)) * right
 
 
@@ -565,7 +565,7 @@ def _add_counts(clamped_count, flags, rows=None):
 
 
 def swiglu_forward(x, pos_to_token_topk=None, topk_weights=None, swiglu_clamp_value=None, clamped_count=None):
-  """The upstream reference ``swiglu_forward`` (quant.md §8): ``silu(left) · right`` of ``x`` ``(E, 2h)``
+  """The upstream reference ``swiglu_forward`` (docs/quant.md, "Fused SwiGLU"): ``silu(left) · right`` of ``x`` ``(E, 2h)``
   bf16 / float32 in float32, ``left`` clamped from above and ``right`` to ``[-C, C]`` with a clamp value
   ``C``, then each row times its top-k weight (:func:`row_weights`: 0 for ``pos_to_token_topk < 0``) when
   ``pos_to_token_topk`` and ``topk_weights`` ``(T, k)`` are given.
@@ -587,7 +587,7 @@ def swiglu_forward_and_per_token_cast(x, fmt: str, num_per_channels: int, pos_to
                                       pos_to_expert=None, *, use_tma_aligned_col_major_sf: bool = False,
                                       round_sf: bool = False, use_packed_ue8m0: bool = False,
                                       swiglu_clamp_value=None, clamped_count=None, sf_clamp_min=None):
-  """Reference of :func:`jaxkern.quant.swiglu_forward_and_per_token_cast` (quant.md §8.1).
+  """Reference of :func:`jaxkern.quant.swiglu_forward_and_per_token_cast` (docs/quant.md, "Fused SwiGLU").
 
   ``a = RN(act · w)`` (:func:`swiglu_forward`; no product without weights), then a per-token e4m3 cast of
   ``a`` with groups of ``num_per_channels`` (amax clamp minimum ``sf_clamp_min`` or 1e-4). Rows with
@@ -618,7 +618,7 @@ def swiglu_forward_and_per_token_cast(x, fmt: str, num_per_channels: int, pos_to
 
 def swiglu_forward_and_per_channel_cast_and_transpose(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False,
                                                       without_transpose: bool = False, swiglu_clamp_value=None):
-  """Reference of :func:`jaxkern.quant.swiglu_forward_and_per_channel_cast_and_transpose` (quant.md §8.2).
+  """Reference of :func:`jaxkern.quant.swiglu_forward_and_per_channel_cast_and_transpose` (docs/quant.md, "Fused SwiGLU").
 
   ``act`` of ``x`` ``(M, 2h)`` bf16 as :func:`swiglu_forward` (float32, clamp in float32, no weights), rounded to
   bf16 (round to nearest even; :func:`jax.lax.reduce_precision`, which XLA keeps, where a bf16 round trip inside
@@ -653,7 +653,7 @@ def scatter_weight_grad(dots, pos_to_token_topk, shape):
 
 def swiglu_backward(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels: int,
                     swiglu_clamp_value=None):
-  """The upstream reference ``swiglu_backward`` (quant.md §8.3): the SwiGLU backward in float32.
+  """The upstream reference ``swiglu_backward`` (docs/quant.md, "Fused SwiGLU"): the SwiGLU backward in float32.
 
   Args:
     x: QuantTensor ``(q, sf)``: ``q`` float8_e4m3fn ``(E, 2h)`` (or ``(..., 2h)``, flattened to rows), ``sf``
@@ -701,7 +701,7 @@ def swiglu_backward(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, n
 def swiglu_backward_and_per_token_cast(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos,
                                        num_per_channels: int, *, round_sf: bool = False,
                                        swiglu_clamp_value=None) -> SwigluBackward:
-  """Reference of :func:`jaxkern.quant.swiglu_backward_and_per_token_cast` (quant.md §8.3): :func:`swiglu_backward`,
+  """Reference of :func:`jaxkern.quant.swiglu_backward_and_per_token_cast` (docs/quant.md, "Fused SwiGLU"): :func:`swiglu_backward`,
   then ``out`` and ``x_grad`` rounded to bfloat16 and the per-token e4m3 cast (groups of ``num_per_channels``,
   layout A, ``round_sf``) of the float32 ``x_grad``."""
   out, x_grad, weight_grad = swiglu_backward(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos,

@@ -1,4 +1,4 @@
-"""Random inputs and the shape grids of the upstream tests (../shared/spec §2.2)."""
+"""Random inputs and the shape grids of the upstream tests."""
 
 from __future__ import annotations
 

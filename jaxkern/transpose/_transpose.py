@@ -229,7 +229,7 @@ def batched_transpose(x: jax.Array, *, implementation: str | None = None) -> jax
     KernelUnavailableError: ``implementation="pallas"`` / ``"interpret"`` with bool data.
 
   XLA instead of a kernel: bool data and zero-size arrays (``"auto"`` everywhere else runs the
-  kernel: it is at least as fast as XLA's transpose on every spec shape but ``(4032 | 8064, 576)``
+  kernel: it is at least as fast as XLA's transpose on every benchmark shape but ``(4032 | 8064, 576)``
   bf16, 0.97-0.99x, see benchmarks/NOTES.md).
 
   Differentiable (custom_vjp): the cotangent is transposed back by the same implementation; integer data has

@@ -1,4 +1,4 @@
-"""``benchmarks.train_step``'s multi-device side (issues 23 / 22): ``--devices 1,2`` with one global batch, the
+"""``benchmarks.train_step``'s multi-device side: ``--devices 1,2`` with one global batch, the
 strong-scaling efficiency, ``--check`` (loss and gradients of the 2-device sharded step against one device) and the
 communication split (``collectives``, ``grad_allreduce``).
 

@@ -290,7 +290,7 @@ def test_with_sf_spec_shapes_gpu(key, num_topk, experts, ranks, hidden, sf_dtype
   _check_with_sf(x, npc, pos, pte, col_major, f(x, token_topk_to_pos=pos, pos_to_expert=pte))
 
 
-# Bad mappings (issue 16 item 6). T = 5 tokens, K = 2, N = 12 fused rows (6 used, 6 padding); slots
+# Bad mappings. T = 5 tokens, K = 2, N = 12 fused rows (6 used, 6 padding); slots
 # (1, 1) -> 12 and (3, 0) -> 99 are past N, (2, 1) -> -7 below -1: all unused slots, like -1.
 _BAD_POS = np.array([[0, 5], [1, 12], [2, -7], [99, 3], [-1, 4]], np.int32)
 _BAD_PTE = np.array([0, 0, 0, 1, 1, 1, -1, -1, -1, -1, -1, -1], np.int32)

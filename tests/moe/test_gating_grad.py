@@ -1,4 +1,4 @@
-"""Gradients of the routing weights (issue 17): ``top2_sum_gate``'s ``topk_weights`` w.r.t. the logits and
+"""Gradients of the routing weights: ``top2_sum_gate``'s ``topk_weights`` w.r.t. the logits and
 ``routed_scaling_factor``, and ``normalize_weight``; against finite differences and ``jax.grad`` of the references."""
 
 import functools

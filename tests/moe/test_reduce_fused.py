@@ -181,7 +181,7 @@ def test_lowered_accumulation_is_contractable(monkeypatch):
     assert re.search(rf"arith.addf {m}, %\d+ fastmath<contract>", modules[-1])
 
 
-# Bad positions (issue 16 item 6): N = 6 rows; -7 (below -1), 6 and 99 (past N) are unused slots,
+# Bad positions: N = 6 rows; -7 (below -1), 6 and 99 (past N) are unused slots,
 # like -1; token 3 names row 2 twice and token 4 shares row 0 with token 0 (summed like any slots).
 _BAD_POS = np.array([[0, 6], [1, -7], [99, 5], [2, 2], [0, -1]], np.int32)
 

@@ -1,4 +1,4 @@
-"""Backward passes of expand_to_fused(_with_sf) and reduce_fused (issue 17).
+"""Backward passes of expand_to_fused(_with_sf) and reduce_fused.
 
 The kernels run in interpret mode on CPU (conftest), compiled on a GPU. Gradients are checked
 numerically (``check_grads``) and against ``jax.grad`` of the ``jnp`` references.

@@ -182,7 +182,7 @@ def test_list_and_bool_inputs():
 
 @pytest.mark.parametrize("tiling", [(64, 64, "bij"), (64, 64, "bji"), (128, 64, "bji")])
 def test_tiling_override_bit_exact(key, monkeypatch, tiling):
-  """``_TILING_OVERRIDE`` (timing scripts, issue 21: 8064x576 e4m3) reaches the one-tile kernel of transpose."""
+  """``_TILING_OVERRIDE`` (timing scripts: 8064x576 e4m3) reaches the one-tile kernel of transpose."""
   from jaxkern.transpose import _transpose as tr
   monkeypatch.setattr(tr, "_TILING_OVERRIDE", tiling)
   x = random_bits(key, (256, 192), jnp.float8_e4m3fn)
@@ -192,7 +192,7 @@ def test_tiling_override_bit_exact(key, monkeypatch, tiling):
 @pytest.mark.parametrize("override", [("tiling", (64, 64, "bij")), ("tiling", (64, 64, "bji")),
                                       ("tiling", (128, 64, "bji")), ("ring", None)], ids=str)
 def test_narrow_e4m3_variants_lower_for_h100(monkeypatch, override):
-  """The variants the issue-21 timing script runs on 8064x576 e4m3 lower for an H100 (the ring kernel
+  """The variants the narrow-shape timing script runs on 8064x576 e4m3 lower for an H100 (the ring kernel
   forced below its size threshold)."""
   from jaxkern.transpose import _transpose as tr
   if override[0] == "tiling":
