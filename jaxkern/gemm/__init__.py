@@ -1,4 +1,4 @@
-"""FP8 grouped GEMMs on the fused MoE layout (issue 24): the forward product of each 128-row block with
+"""FP8 grouped GEMMs on the fused MoE layout: the forward product of each 128-row block with
 its expert's weights, with DeepGEMM's per-token 1x128 x 128x128 block-scale numerics, and the two backward
 GEMMs (input gradient through transposed weights, weight gradient over each expert's ragged row range).
 

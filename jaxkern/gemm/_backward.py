@@ -11,21 +11,16 @@ contraction runs over each expert's ragged range of 128-row blocks, so both oper
 :func:`jaxkern.quant.per_channel_cast_and_transpose` makes them. Every kernel runs a TMA pipeline over the
 expert's blocks (a dynamic trip count: the blocks of one expert must be contiguous, as in the fused layout) with
 one fresh float32 wgmma accumulator per block, promoted as ``total += p · (sf_dy[b, n] · sf_x[b, k])`` (an outer
-product of the row and column scale vectors). Variants (:data:`WGRAD_VARIANTS`, :data:`WGRAD_VARIANT` picks):
+product of the row and column scale vectors). Kernels (:data:`WGRAD_VARIANTS`, :data:`WGRAD_VARIANT` picks; the
+figures and the variants tried: docs/gemm.md, "Kernels and performance"):
 
 * ``"xptma_g8b"`` (the default, :func:`_wgrad_xp_kernel`): persistent, warp-specialised, two compute warpgroups of
   64 rows on 128x128 tiles of dw; each block's row / column scales come by TMA with the tiles, two 128-row blocks per
   pipeline step into two accumulators (the first promoted while the second's wgmma runs; an odd count repeats the
   last block with a zero scale), a TMA-store epilogue, one pipeline across all the items of a CTA, experts by
-  descending block count and 8 K tiles per group. H200, bf16 out: 868-955 TF/s at shapes A-D.
-* ``"k2tma"`` (:func:`_wgrad_ws2_kernel`, the default until session 23): the same tiles and steps with one
-  ``emit_pipeline_warp_specialized`` per item. H100, bf16 out: 850 / 921 TF/s at shapes A / B.
-* Other variants: ``"ws"`` (:func:`_wgrad_ws_kernel`, the first: 686 / 766 TF/s), ``"ws6"`` 6 stages; ``"simple"``
-  (:func:`_wgrad_kernel`) one CTA per (expert, 64 rows of N, 128 columns of K), one warpgroup; of
-  :func:`_wgrad_ws2_kernel` ``"s1"`` (scales by TMA, one block per step), ``"k2"`` (register epilogue), grouped (8 K
-  tiles) and balanced (experts by descending block count) item orders (``"k2_g8"``, ``"k2_g8b"``, ``"k2tma_g8b"``);
-  :func:`_wgrad_xp_kernel`, the same with one pipeline across all the items of a CTA (``"xp"``, ``"xptma"``,
-  ``"xp_g8b"``).
+  descending block count and 8 K tiles per group. H200, bf16 out: 954-1037 TF/s at the DeepSeek-V3 expert shapes.
+* ``"simple"`` (:func:`_wgrad_kernel`, the tests' independent check): one CTA per (expert, 64 rows of N, 128 columns
+  of K), one warpgroup.
 """
 
 from __future__ import annotations
@@ -126,85 +121,6 @@ def _wgrad_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms=None, 
   return kernel(starts, counts, dyq, sdy, xq, sx)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "num_sms", "stages", "out_dtype"))
-def _wgrad_ws_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, stages=STAGES, out_dtype=jnp.float32):
-  """The persistent warp-specialised weight-gradient kernel (arguments as :func:`_wgrad_kernel`): one CTA per SM
-  loops over the (expert, 128 rows of N, 128 columns of K) items, expert slowest; a memory warpgroup issues the
-  TMA loads of the expert's blocks ``stages`` ahead (a dynamic trip count), two compute warpgroups take 64 rows
-  of N each; the scales of a block are loaded one block ahead."""
-  n, m = dyq.shape
-  k = xq.shape[0]
-  g = starts.shape[0]
-  n_iters, k_iters = n // BLOCK, k // BLOCK
-  items = g * n_iters * k_iters
-
-  def body(st_g, ct_g, dy_g, sdy_g, x_g, sx_g, o_g):
-    wg = lax.axis_index("wg")
-
-    def pipeline(mma_body, compute_context, count, start):
-      def spec():
-        return plgpu.BlockSpec((BLOCK, BLOCK), lambda s: (0, start + s), transforms=FP8_TILED,
-                               memory_space=plgpu.SMEM)
-
-      return plgpu.emit_pipeline_warp_specialized(
-          mma_body, grid=(count,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-          max_concurrent_steps=stages, compute_context=compute_context, in_specs=[spec(), spec()])
-
-    ignore = lambda *_, **__: None
-
-    @functools.partial(pl.run_scoped,
-                       allocs=pipeline(ignore, ignore, stages, 0).get_allocations(dy_g.at[pl.ds(0, BLOCK)],
-                                                                               x_g.at[pl.ds(0, BLOCK)]),
-                       collective_axes="wg")
-    def _scope(allocs):
-      @plgpu.nd_loop((items,), collective_axes="sm")
-      def _items(info):
-        (lin,) = info.index
-        e = lin // (n_iters * k_iters)
-        ni = (lin // k_iters) % n_iters
-        kj = lin % k_iters
-        start, count = st_g[e], ct_g[e]
-        rows = pl.ds(ni * BLOCK + wg * WN, WN)
-        cols = pl.ds(kj * BLOCK, BLOCK)
-
-        def scales(s):
-          b = start + s
-          return (plgpu.load(sdy_g.at[b, rows], layout=WG.reduce(1), optimized=False),
-                  plgpu.load(sx_g.at[b, cols], layout=WG.reduce(0), optimized=False))
-
-        def compute_context(run_pipeline):
-          a, c = scales(0)
-          total, _, _ = run_pipeline((plgpu.layout_cast(jnp.zeros((WN, BLOCK), jnp.float32), WG), a, c))
-          o_g[e, rows, cols] = total.astype(out_dtype)
-
-        def mma_body(idx, dy_s, x_s, carry):
-          (s,) = idx
-          total, a, c = carry
-
-          def scope(acc):
-            plgpu.wgmma(acc, dy_s.at[pl.ds(wg * WN, WN)], x_s.T)
-            nxt = scales(jnp.minimum(s + 1, count - 1))
-            return acc[...], nxt
-
-          part, (a_next, c_next) = pl.run_scoped(scope, plgpu.ACC((WN, BLOCK), jnp.float32))
-          return total + part * a[:, None] * c[None, :], a_next, c_next
-
-        @pl.when(count > 0)
-        def _compute():
-          pipeline(mma_body, compute_context, count, start)(
-              dy_g.at[pl.ds(ni * BLOCK, BLOCK)], x_g.at[pl.ds(kj * BLOCK, BLOCK)], allocations=allocs)
-
-        @pl.when((count == 0) & (wg < 2))
-        def _empty():
-          o_g[e, rows, cols] = plgpu.layout_cast(jnp.zeros((WN, BLOCK), out_dtype), WG)
-
-  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((g, n, k), out_dtype),
-                        grid=(min(num_sms, items),), grid_names=("sm",), num_threads=3, thread_name="wg",
-                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-                        interpret=interpret)
-  return kernel(starts, counts, dyq, sdy, xq, sx)
-
-
 def _wgrad_item(lin, order_g, *, n_iters, k_iters, gk):
   """Work item ``lin`` -> ``(expert, N tile, K tile)``: experts slowest (in ``order_g``'s order), then groups of
   ``gk`` K tiles, then N tiles, then the K tiles of the group."""
@@ -216,11 +132,7 @@ def _wgrad_item(lin, order_g, *, n_iters, k_iters, gk):
 
 def _store_result(total, out, out_s, wg, out_dtype):
   """A compute warpgroup's ``total`` as ``out_dtype`` into the GMEM tile ``out``: through its SMEM staging tile
-  ``out_s[wg]`` and a TMA store (after the previous item's store has read it), or straight from registers when
-  ``out_s`` is None."""
-  if out_s is None:
-    out[...] = total.astype(out_dtype)
-    return
+  ``out_s[wg]`` and a TMA store (after the previous item's store has read it)."""
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store has read out_s
   out_s[wg] = total.astype(out_dtype)
   plgpu.commit_smem()
@@ -259,132 +171,53 @@ def _mma_and_promote(total, dy_tiles, x_tiles, dy_scales, x_scales, valid):
   return pl.run_scoped(scope, plgpu.ACC((WN, kp * BLOCK), jnp.float32))
 
 
-def _wgrad_plan(dyq, xq, starts, *, stages, kpair, epilogue, group_k, out_dtype):
-  """Sizes shared by :func:`_wgrad_ws2_kernel` and :func:`_wgrad_xp_kernel`: ``(n, m, k, g, n_iters, k_iters, items,
-  gk, tma_out, stages)``, the stages shrunk (down to 2) until the pipeline and the staging tile fit SMEM."""
+def _wgrad_plan(dyq, xq, starts, *, stages, kpair, group_k, out_dtype):
+  """Sizes of :func:`_wgrad_xp_kernel`: ``(n, m, k, g, n_iters, k_iters, items, gk, stages)``, the stages shrunk
+  (down to 2) until the pipeline and the staging tile fit SMEM."""
   n, m = dyq.shape
   k = xq.shape[0]
   g = starts.shape[0]
   n_iters, k_iters = n // BLOCK, k // BLOCK
-  gk = k_iters if group_k is None else int(np.gcd(group_k, k_iters))
-  tma_out = epilogue == "tma"
-  out_bytes = 2 * WN * BLOCK * jnp.dtype(out_dtype).itemsize if tma_out else 0
+  gk = int(np.gcd(group_k, k_iters))
+  out_bytes = 2 * WN * BLOCK * jnp.dtype(out_dtype).itemsize
   while stages > 2 and stages * kpair * (2 * BLOCK * BLOCK + 2 * BLOCK * 4) + out_bytes > _grouped.SMEM_LIMIT - 1024:
     stages -= 1
-  return n, m, k, g, n_iters, k_iters, g * n_iters * k_iters, gk, tma_out, stages
+  return n, m, k, g, n_iters, k_iters, g * n_iters * k_iters, gk, stages
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "num_sms", "stages", "kpair", "epilogue", "group_k",
-                                             "balance", "out_dtype"))
-def _wgrad_ws2_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, stages=3, kpair=2, epilogue="reg",
-                      group_k=None, balance=False, out_dtype=jnp.float32):
-  """:func:`_wgrad_ws_kernel` (arguments as :func:`_wgrad_kernel`) with the forward's speed options (issue 24):
+@functools.partial(jax.jit, static_argnames=("interpret", "num_sms", "stages", "kpair", "group_k", "out_dtype"))
+def _wgrad_xp_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, stages=3, kpair=2, group_k=8,
+                     out_dtype=jnp.float32):
+  """A persistent, warp-specialised weight-gradient kernel (arguments as :func:`_wgrad_kernel`): one CTA per SM loops
+  over the (expert, 128 rows of N, 128 columns of K) items; two compute warpgroups of 64 rows of N and a memory
+  warpgroup.
 
+  * One pipeline across all the items of a CTA: the memory warpgroup walks the CTA's items and their blocks with a
+    global step counter (slot ``step % stages``, explicit produced / consumed barriers) and so loads the next item's
+    first blocks while the compute warpgroups finish the current item (promotion, epilogue). Matters most for short
+    items (experts with few blocks). An expert without blocks goes through the same epilogue with a zero total.
   * ``kpair=2`` (deferred promotion): a pipeline step carries two 128-row blocks of the expert (four ``(128, 128)``
     e4m3 tiles, 64 KiB); each compute warpgroup issues both blocks' wgmmas (into the two halves of one wide
     accumulator), waits for the first only (``wait_n=1``) and promotes it while the second runs, then promotes
     the second (:func:`_mma_and_promote`). For an odd block count the last step's second block is the expert's
     last block loaded again with a zero row scale (its wgmma result, finite for finite e4m3 data, adds exactly 0).
-    Same numerics as ``"ws"``: every block promoted on its own, in block order.
+    Every block is promoted on its own, in block order.
   * The row and column scales of each block travel with the tiles: ``(1, 128)`` float32 TMA boxes of ``sdy`` and
     ``sx`` into SMEM (no GMEM-latency loads in the compute warpgroups, no scale vectors carried across steps:
     a 128-column scale vector is 32 registers per thread in the WGMMA layout).
-  * ``epilogue="tma"``: the result (``out_dtype``) goes registers -> SMEM (one ``(64, 128)`` tile per compute
-    warpgroup, 64 KiB in all for float32, 32 KiB for bfloat16) -> TMA store, awaited only before the next item's
-    result is staged (``"reg"``: registers -> GMEM). ``stages`` shrinks (down to 2) until the pipeline and the
-    staging tile fit SMEM.
-  * ``group_k``: within an expert, items walk ``gcd(group_k, K/128)`` K tiles at a time, N tiles slower, K groups
-    slowest (L2 reuse: the CTAs of one wave share fewer x tiles); ``None``: all K tiles of an N tile first.
-  * ``balance``: experts in descending block count (``argsort`` in XLA), so the longest items start first and the
-    last wave holds the short ones (the ragged tail of a skewed routing).
+  * Epilogue: the result (``out_dtype``) goes registers -> SMEM (one ``(64, 128)`` tile per compute warpgroup,
+    64 KiB in all for float32, 32 KiB for bfloat16) -> TMA store, awaited only before the next item's result is
+    staged. ``stages`` shrinks (down to 2) until the pipeline and the staging tile fit SMEM.
+  * Item order: experts in descending block count (``argsort`` in XLA), so the longest items start first and the
+    last wave holds the short ones (the ragged tail of a skewed routing); within an expert, items walk
+    ``gcd(group_k, K/128)`` K tiles at a time, N tiles slower, K groups slowest (L2 reuse: the CTAs of one wave share
+    fewer x tiles; :func:`_wgrad_item`).
   """
-  n, m, k, g, n_iters, k_iters, items, gk, tma_out, stages = _wgrad_plan(
-      dyq, xq, starts, stages=stages, kpair=kpair, epilogue=epilogue, group_k=group_k, out_dtype=out_dtype)
-  kp = kpair
-  order = (jnp.argsort(-counts, stable=True) if balance else jnp.arange(g)).astype(jnp.int32)
-
-  def body(ord_g, st_g, ct_g, dy_g, sdy_g, x_g, sx_g, o_g):
-    wg = lax.axis_index("wg")
-
-    def pipeline(mma_body, compute_context, count, start):
-      def blk(s, j):  # the j-th block of step s, clamped to the expert's last block
-        return start + jnp.minimum(s * kp + j, count - 1)
-
-      tile = lambda j: plgpu.BlockSpec((BLOCK, BLOCK), lambda s: (0, blk(s, j)), transforms=FP8_TILED,
-                                       memory_space=plgpu.SMEM)
-      scale = lambda j: plgpu.BlockSpec((1, BLOCK), lambda s: (blk(s, j), 0), memory_space=plgpu.SMEM)
-      specs = ([tile(j) for j in range(kp)] + [tile(j) for j in range(kp)] + [scale(j) for j in range(kp)]
-               + [scale(j) for j in range(kp)])  # dy tiles, x tiles, dy scales, x scales
-      return plgpu.emit_pipeline_warp_specialized(
-          mma_body, grid=((count + kp - 1) // kp,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-          max_concurrent_steps=stages, compute_context=compute_context, in_specs=specs)
-
-    def operands(ni, kj):
-      dy_t, x_t = dy_g.at[pl.ds(ni * BLOCK, BLOCK)], x_g.at[pl.ds(kj * BLOCK, BLOCK)]
-      sdy_t, sx_t = sdy_g.at[:, pl.ds(ni * BLOCK, BLOCK)], sx_g.at[:, pl.ds(kj * BLOCK, BLOCK)]
-      return [dy_t] * kp + [x_t] * kp + [sdy_t] * kp + [sx_t] * kp
-
-    ignore = lambda *_, **__: None
-    allocs = dict(pipe=pipeline(ignore, ignore, stages * kp, 0).get_allocations(*operands(0, 0)))
-    if tma_out:
-      allocs["out_s"] = plgpu.SMEM((2, WN, BLOCK), out_dtype, transforms=_grouped._out_transforms(out_dtype))
-
-    @functools.partial(pl.run_scoped, collective_axes="wg", **allocs)
-    def _scope(pipe, out_s=None):
-      @plgpu.nd_loop((items,), collective_axes="sm")
-      def _items(info):
-        (lin,) = info.index
-        e, ni, kj = _wgrad_item(lin, ord_g, n_iters=n_iters, k_iters=k_iters, gk=gk)
-        start, count = st_g[e], ct_g[e]
-        rows = pl.ds(ni * BLOCK + wg * WN, WN)
-        cols = pl.ds(kj * BLOCK, BLOCK)
-        out = o_g.at[e, rows, cols]
-
-        def compute_context(run_pipeline):
-          total = run_pipeline(plgpu.layout_cast(jnp.zeros((WN, BLOCK), jnp.float32), WG))
-          _store_result(total, out, out_s if tma_out else None, wg, out_dtype)
-
-        def mma_body(idx, *refs):
-          (s,) = idx
-          *refs, total = refs
-          dys, xs, sdys, sxs = (refs[i * kp:(i + 1) * kp] for i in range(4))
-          half = pl.ds(wg * WN, WN)  # this warpgroup's rows of the N tile
-          return _mma_and_promote(total, [t.at[half] for t in dys], xs, [r.at[0, half] for r in sdys],
-                                  [r.at[0] for r in sxs], lambda j: s * kp + j < count)
-
-        @pl.when(count > 0)
-        def _compute():
-          pipeline(mma_body, compute_context, count, start)(*operands(ni, kj), allocations=pipe)
-
-        @pl.when((count == 0) & (wg < 2))
-        def _empty():
-          out[...] = plgpu.layout_cast(jnp.zeros((WN, BLOCK), out_dtype), WG)
-
-      if tma_out:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((g, n, k), out_dtype),
-                        grid=(min(num_sms, items),), grid_names=("sm",), num_threads=3, thread_name="wg",
-                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-                        interpret=interpret)
-  return kernel(order, starts, counts, dyq, sdy, xq, sx)
-
-
-@functools.partial(jax.jit, static_argnames=("interpret", "num_sms", "stages", "kpair", "epilogue", "group_k",
-                                             "balance", "out_dtype"))
-def _wgrad_xp_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, stages=3, kpair=2, epilogue="tma",
-                     group_k=None, balance=False, out_dtype=jnp.float32):
-  """:func:`_wgrad_ws2_kernel` (same options, tiles and numerics) with one pipeline across all the items of a CTA
-  instead of one ``emit_pipeline_warp_specialized`` per item: the memory warpgroup walks the CTA's items and their
-  blocks with a global step counter (slot ``step % stages``, explicit produced / consumed barriers) and so loads the
-  next item's first blocks while the compute warpgroups finish the current item (promotion, epilogue), instead of
-  waiting for every slot to drain at each item's end. Matters most for short items (experts with few blocks).
-  An expert without blocks goes through the same epilogue with a zero total."""
-  n, m, k, g, n_iters, k_iters, items, gk, tma_out, stages = _wgrad_plan(
-      dyq, xq, starts, stages=stages, kpair=kpair, epilogue=epilogue, group_k=group_k, out_dtype=out_dtype)
+  n, m, k, g, n_iters, k_iters, items, gk, stages = _wgrad_plan(
+      dyq, xq, starts, stages=stages, kpair=kpair, group_k=group_k, out_dtype=out_dtype)
   kp = kpair
   grid = min(num_sms, items)
-  order = (jnp.argsort(-counts, stable=True) if balance else jnp.arange(g)).astype(jnp.int32)
+  order = jnp.argsort(-counts, stable=True).astype(jnp.int32)
 
   def body(ord_g, st_g, ct_g, dy_g, sdy_g, x_g, sx_g, o_g):
     wg, sm = lax.axis_index("wg"), lax.axis_index("sm")
@@ -400,12 +233,11 @@ def _wgrad_xp_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, st
         sdy_s=plgpu.SMEM((stages, kp, 1, BLOCK), jnp.float32),
         sx_s=plgpu.SMEM((stages, kp, 1, BLOCK), jnp.float32),
         produced=plgpu.Barrier(num_arrivals=4 * kp, num_barriers=stages),
-        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
-    if tma_out:
-      allocs["out_s"] = plgpu.SMEM((2, WN, BLOCK), out_dtype, transforms=_grouped._out_transforms(out_dtype))
+        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        out_s=plgpu.SMEM((2, WN, BLOCK), out_dtype, transforms=_grouped._out_transforms(out_dtype)))
 
     @functools.partial(pl.run_scoped, collective_axes="wg", **allocs)
-    def _scope(dy_s, x_s, sdy_s, sx_s, produced, consumed, out_s=None):
+    def _scope(dy_s, x_s, sdy_s, sx_s, produced, consumed, out_s):
       def memory():
         plgpu.set_max_registers(40, action="decrease")
 
@@ -459,12 +291,11 @@ def _wgrad_xp_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, st
 
           zero = plgpu.layout_cast(jnp.zeros((WN, BLOCK), jnp.float32), WG)
           step_end, total = lax.fori_loop(0, (count + kp - 1) // kp, step, (step0, zero))
-          _store_result(total, out, out_s if tma_out else None, wg, out_dtype)
+          _store_result(total, out, out_s, wg, out_dtype)
           return step_end
 
         lax.fori_loop(0, mine, item, jnp.int32(0))
-        if tma_out:
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       lax.cond(wg < 2, compute, memory)
 
@@ -475,37 +306,16 @@ def _wgrad_xp_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, st
   return kernel(order, starts, counts, dyq, sdy, xq, sx)
 
 
-# Weight-gradient kernel variants (read at trace time; scratch/gpu_gemm.sh times each).
-WGRAD_VARIANTS = {"ws": _wgrad_ws_kernel, "ws6": functools.partial(_wgrad_ws_kernel, stages=6),
-                  "simple": _wgrad_kernel,
-                  # issue 24 speed variants (:func:`_wgrad_ws2_kernel`): scales by TMA with the tiles, deferred
-                  # promotion over two 128-row blocks per step, TMA-store epilogue, grouped / balanced item order
-                  "s1": functools.partial(_wgrad_ws2_kernel, stages=4, kpair=1, epilogue="reg"),
-                  "k2": functools.partial(_wgrad_ws2_kernel, stages=3, kpair=2, epilogue="reg"),
-                  "k2tma": functools.partial(_wgrad_ws2_kernel, stages=3, kpair=2, epilogue="tma"),
-                  "k2_g8": functools.partial(_wgrad_ws2_kernel, stages=3, kpair=2, epilogue="reg", group_k=8),
-                  "k2_g8b": functools.partial(_wgrad_ws2_kernel, stages=3, kpair=2, epilogue="reg", group_k=8,
-                                              balance=True),
-                  "k2tma_g8b": functools.partial(_wgrad_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_k=8,
-                                                 balance=True),
-                  # one pipeline across a CTA's items (:func:`_wgrad_xp_kernel`)
-                  "xp": functools.partial(_wgrad_xp_kernel, stages=3, kpair=2, epilogue="reg"),
-                  "xptma": functools.partial(_wgrad_xp_kernel, stages=3, kpair=2, epilogue="tma"),
-                  "xp_g8b": functools.partial(_wgrad_xp_kernel, stages=3, kpair=2, epilogue="reg", group_k=8,
-                                              balance=True),
-                  "xptma_g8b": functools.partial(_wgrad_xp_kernel, stages=3, kpair=2, epilogue="tma", group_k=8,
-                                                 balance=True)}
-# H100, 2026-11-27, CUPTI cold L2, bf16 out (scratch/time_gemmfast.py), TF/s at A (8 x 4096 rows, N=4096 K=7168) /
-# B (N=7168 K=2048): "k2tma" 850 / 921, "xptma" 856 / 914, "k2_g8b" 834 / 793, "k2" 803 / 811, "s1" 797 / 841,
-# "xp" 790 / 824, "ws" 686 / 766. H200, 2026-11-27 (session 23, same protocol), A / B / C (32 skewed experts, K=7168) /
-# D (skewed, K=2048), bf16 out: "xptma_g8b" 947-955 / 934-938 / 868-892 / 875-882, "k2tma" 892 / 961 / 796-799 /
-# 864-870, "xptma" C 838 / D 872, "k2tma_g8b" C 871 / D 856; float32 out: "xptma_g8b" A 939 / C 873, "k2tma" 862 /
-# 729. One pipeline across a CTA's items and the balanced, grouped order win where items are short and uneven (C).
-# H200, 2026-11-28 (session 27, scratch/s23_gemm.py, bit-identical results), "xptma_g8b" at D / C / A: 862-879 /
-# 864-876 / 932-950 with two (64, 128) accumulators and the zero factor on the column scale; 909-911 / 919-920 / 983
-# with it on the row scale; 954 / 972 / 1037 with one wide accumulator as well (:func:`_mma_and_promote`). Tried
-# and dropped: the two compute warpgroups issuing their wgmmas in turn (a barrier pair, 1-3% slower), and one
-# block per step with that ordering (4-7% slower).
+# Weight-gradient kernels (read at trace time): the default and the tests' independent check. The figures of the
+# variants tried and dropped: docs/gemm.md and benchmarks/NOTES.md.
+WGRAD_VARIANTS = {"xptma_g8b": _wgrad_xp_kernel, "simple": _wgrad_kernel}
+# H200, 2026-11-27, CUPTI cold L2, bf16 out, TF/s at A (8 x 4096 rows, N=4096 K=7168) / B (N=7168 K=2048) / C (32
+# skewed experts, K=7168) / D (skewed, K=2048): "xptma_g8b" 947-955 / 934-938 / 868-892 / 875-882 against one
+# pipeline per item ("k2tma") 892 / 961 / 796-799 / 864-870: one pipeline across a CTA's items and the balanced,
+# grouped order win where items are short and uneven (C). H200, 2026-11-28 (bit-identical results), "xptma_g8b" at
+# D / C / A: 862-879 / 864-876 / 932-950 with two (64, 128) accumulators and the zero factor on the column scale;
+# 909-911 / 919-920 / 983 with it on the row scale; 954 / 972 / 1037 with one wide accumulator as well
+# (:func:`_mma_and_promote`).
 WGRAD_VARIANT = "xptma_g8b"
 
 

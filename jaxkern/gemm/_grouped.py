@@ -1,46 +1,33 @@
-"""FP8 grouped GEMM on the fused MoE layout: ``out[r] = x[r] · w[block_expert[r // 128]]ᵀ`` (issue 24).
+"""FP8 grouped GEMM on the fused MoE layout: ``out[r] = x[r] · w[block_expert[r // 128]]ᵀ``.
 
-Mosaic GPU kernels (:func:`default_variant` picks one per K and N; :data:`VARIANT` forces one at trace time):
+Mosaic GPU kernels (:func:`default_variant` picks one per K and N; :data:`VARIANT` forces one at trace time; the
+figures and the variants tried: docs/gemm.md, "Kernels and performance"):
 
-* ``"k2tma_gh"`` (the default for ``K > SMEM_SCALES_MAX_K``, :func:`_ws2_kernel`): persistent and
-  warp-specialised like ``"ws"``, with deferred promotion (2 x 128 of K per pipeline step into two wgmma
+* ``"pair192"`` (:func:`_pair_mc_kernel`, the default where 192-column tiles fit N, from ``GROUPED_RASTER_MIN_K``):
+  DeepGEMM's schedule, persistent 128 x 192 CTA tiles (64 x 192 per compute warpgroup), one SMEM ring of 128-deep
+  steps through all items of a CTA, the weight tile TMA-multicast to a 2-CTA cluster on a pair of row blocks of one
+  expert, 16 row blocks per raster group (rows fastest); ``"pair192_r32"`` (the default below
+  ``GROUPED_RASTER_MIN_K``) 32 row blocks per group. H200: 1239-1301 TF/s at the DeepSeek-V3 expert shapes.
+* ``"wide192"`` (:func:`_wide_kernel`, what ``"pair192"`` runs for an odd number of row blocks): the same ring and
+  tiles without clusters, column tiles fastest.
+* ``"k2tma_gh"`` (:func:`_raster_kernel`, the default for ``K > SMEM_SCALES_MAX_K`` where 192-column tiles do not
+  fit): persistent and warp-specialised, with deferred promotion (2 x 128 of K per pipeline step into two wgmma
   accumulators, the first promoted while the second runs; 3 stages), an SMEM + TMA-store epilogue overlapped with
-  the next item, and items in groups of column tiles (L2 reuse; :func:`half_row_group`); ``"k2tma_g8"`` 8 per
-  group, ``"k2tma"`` without the grouping. H200: 1186-1200 TF/s at the DeepSeek-V3 expert shapes with K = 7168,
-  1152-1188 at their input-gradient shapes (benchmarks/NOTES.md).
-* ``"k2tma_gh_ss"`` (the default for ``GROUPED_RASTER_MIN_K <= K <= SMEM_SCALES_MAX_K``): ``"k2tma_gh"`` with each
-  step's scales TMA'd into the pipeline's SMEM beside its tiles instead of GMEM loads on the compute warpgroups'
-  path. H200: 1192-1242 TF/s at K = 4096, N = 7168 (the gate / up projection's input gradient), 3-7% over
-  ``"k2tma_gh"``.
-* ``"wide192"`` (the default below ``GROUPED_RASTER_MIN_K`` where 192 nearly divides N, :func:`_wide_kernel`): one SMEM ring of 128-deep
-  steps through all items of a CTA (the next item's tiles load while the current one finishes), 64 x 192 tiles per
-  compute warpgroup, promotion after each step's wgmma. H200: 1176-1198 TF/s at K = 2048; ``"wide192_gh"`` grouped
-  column tiles, ``"wide160"`` 64 x 160 tiles.
-* ``"ring_nodefer"`` (:func:`_ws3_kernel`, the default below ``GROUPED_RASTER_MIN_K`` where 192-column tiles would
-  compute more than 1/32 extra columns): the same ring with 64 x 128 tiles. H100: 1101-1108 TF/s at K = 2048.
-* ``"ws"`` (:func:`_ws_kernel`, the first kernel, 780-857 TF/s), the design of ../shared/notes/fp8_grouped_gemm.md
-  that reached 1,033-1,065 TF/s with scales on an H100 without an epilogue: persistent (one CTA per SM looping
-  over (128-row block, 128-column tile) items, N fastest), warp-specialised (a TMA warpgroup runs ``STAGES``
-  steps ahead of two compute warpgroups of 64 rows each; 64x128 float32 per warpgroup, 128x128 spilled in the
-  notes); ``"ws6"`` the same with 6 stages.
-* ``"simple"`` (:func:`_simple_kernel`): one CTA per (64-row tile, 128-column tile), one warpgroup, a
-  ``plgpu.emit_pipeline`` TMA pipeline.
-* Other ``"ring"`` variants (:func:`_ws3_kernel`, issue 24 round 3): the persistent kernel with its own
-  K pipeline, one SMEM ring of 128-deep steps through all items of a CTA (the memory warpgroup loads the next
-  item's tiles while the compute warpgroups finish the current one), promotion of each step under the next step's
-  wgmma, the x scales TMA'd with the tiles; ``_g8`` grouped raster, ``_nodefer`` without the deferral, ``ring3``
-  3 stages, ``ring_mc`` clusters of 2 CTAs sharing the x tile by TMA multicast, ``ring_late`` each item's epilogue
-  under the next item's first wgmma.
-* Other timed variants of :func:`_ws2_kernel`: ``"k2"`` (register epilogue), ``"tma"`` (no deferred promotion;
-  4 stages), ``"k2tma2"`` (2 stages), ``"tma6"`` (6 stages), ``"tma_g8"``, and ``"k2tma_g1"`` (row blocks
-  fastest; for the tests of the item order).
+  the next item, and items in groups of column tiles (L2 reuse; :func:`half_row_group`).
+* ``"k2tma_gh_ss"`` (the same kernel, the default for ``GROUPED_RASTER_MIN_K <= K <= SMEM_SCALES_MAX_K`` where
+  192-column tiles do not fit): each step's scales TMA'd into the pipeline's SMEM beside its tiles instead of GMEM
+  loads on the compute warpgroups' path.
+* ``"ring_nodefer"`` (:func:`_ring_kernel`, the default below ``GROUPED_RASTER_MIN_K`` where 192-column tiles do not
+  fit, and what ``"wide192"`` runs for ``N < 192``): the SMEM ring with 64 x 128 tiles.
+* ``"simple"`` (:func:`_simple_kernel`, the tests' independent check): one CTA per (64-row tile, 128-column tile),
+  one warpgroup, a ``plgpu.emit_pipeline`` TMA pipeline.
 
-Both: per 128-deep K step the ``(rows, 128)`` e4m3 tile of ``x`` and the ``(128, 128)`` e4m3 tile of ``w[e]``
+All: per 128-deep K step the ``(rows, 128)`` e4m3 tile of ``x`` and the ``(128, 128)`` e4m3 tile of ``w[e]``
 (stored ``(N, K)``, i.e. K-major, passed to wgmma transposed: FP8 wgmma needs K-major operands on both sides)
 land in swizzled SMEM; the step's wgmma accumulates into a fresh float32 accumulator, whose value is promoted
 into the float32 carry as ``total += p · (sf_x[rows, step] · sf_w[e, n_block, step])`` (DeepGEMM's numerics;
-the scale loads are issued after the wgmma, in ``"ws"`` one step ahead). Items whose block id is -1 (or
-outside ``[0, G)``) write zeros and load nothing. Results go from registers straight to GMEM (``"ws"``) or through SMEM and a TMA store (``"tma"`` variants).
+the scale loads are issued after the wgmma). Items whose block id is -1 (or outside ``[0, G)``) write zeros and
+load nothing. Results go from registers straight to GMEM (``"simple"``) or through SMEM and a TMA store.
 
 Scale layouts: the kernel reads the per-token sf of ``x`` as the column-major ``(K/128, M)`` float32
 matrix (layout B's buffer, one contiguous vector of rows per step); the wrapper transposes layout A
@@ -152,70 +139,6 @@ def _persistent_call(body, out_shape, out_dtype, items: int, num_sms: int, inter
                       interpret=interpret, **extra)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages"))
-def _ws_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, stages=STAGES):
-  """The persistent warp-specialised kernel (arguments as :func:`_simple_kernel`): one CTA per SM loops
-  over the (128-row block, 128-column tile) work items, N fastest; a memory warpgroup issues the TMA
-  loads of ``stages`` steps ahead (32 KiB of SMEM each; 6 fit, 8 do not), two compute warpgroups take
-  64 rows each (64x128 f32 per warpgroup: the notes' 128x128 per warpgroup spilled). Each step's scales
-  are loaded one step ahead (their GMEM latency is longer than a step's wgmma)."""
-  m, k = xq.shape
-  _, n, _ = wq.shape
-  ks = k // BLOCK
-  m_iters, n_iters = m // BLOCK, n // BN
-  wm = BLOCK // 2  # rows per compute warpgroup
-
-  def body(be_g, x_g, sfx_g, w_g, sfw_g, o_g):
-    wg = lax.axis_index("wg")
-
-    pipeline = functools.partial(_k_pipeline, steps=ks, step_k=BLOCK, stages=stages)
-
-    ignore = lambda *_, **__: None
-
-    @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(x_g, w_g.at[0]),
-                       collective_axes="wg")
-    def _scope(allocs):
-      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-      def _items(info):
-        (lin,) = info.index
-        mi, ni = lin // n_iters, lin % n_iters
-        e = be_g[mi]
-        rows = pl.ds(mi * BLOCK + wg * wm, wm)
-        cols = pl.ds(ni * BN, BN)
-
-        def scales(kk):
-          return plgpu.load(sfx_g.at[kk, rows], layout=WG.reduce(1), optimized=False), sfw_g[e, ni, kk]
-
-        def compute_context(run_pipeline):
-          sx, sw = scales(0)
-          total, _, _ = run_pipeline((plgpu.layout_cast(jnp.zeros((wm, BN), jnp.float32), WG), sx, sw))
-          o_g[rows, cols] = total.astype(out_dtype)
-
-        def mma_body(idx, x_s, w_s, carry):
-          (kk,) = idx
-          total, sx, sw = carry
-
-          def scope(acc):
-            plgpu.wgmma(acc, x_s.at[pl.ds(wg * wm, wm)], w_s.T)
-            nxt = scales(jnp.minimum(kk + 1, ks - 1))
-            return acc[...], nxt
-
-          part, (sx_next, sw_next) = pl.run_scoped(scope, plgpu.ACC((wm, BN), jnp.float32))
-          return total + part * (sx * sw)[:, None], sx_next, sw_next
-
-        @pl.when(e >= 0)
-        def _compute():
-          pipeline(mma_body, compute_context)(x_g.at[pl.ds(mi * BLOCK, BLOCK), :], w_g.at[e, cols, :],
-                                              allocations=allocs)
-
-        @pl.when((e < 0) & (wg < 2))
-        def _skip():
-          o_g[rows, cols] = plgpu.layout_cast(jnp.zeros((wm, BN), out_dtype), WG)
-
-  return _persistent_call(body, (m, n), out_dtype, m_iters * n_iters, num_sms, interpret)(
-      block_expert, xq, sfx_t, wq, wsf)
-
-
 def _out_transforms(dtype, cols: int = BN):
   """Swizzled SMEM tiling of a ``(rows, cols)`` output staging tile: the widest swizzle that divides a row's bytes."""
   row_bytes = cols * jnp.dtype(dtype).itemsize
@@ -223,30 +146,29 @@ def _out_transforms(dtype, cols: int = BN):
   return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages", "kpair", "epilogue",
-                                             "group_n", "smem_scales"))
-def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, stages=4, kpair=2,
-                epilogue="tma", group_n=None, smem_scales=False):
-  """:func:`_ws_kernel` (arguments as :func:`_simple_kernel`) with two speed options (issue 24):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages", "kpair", "smem_scales"))
+def _raster_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, stages=3, kpair=2,
+                   smem_scales=False):
+  """A persistent, warp-specialised kernel (arguments as :func:`_simple_kernel`): one CTA per SM loops over the
+  (128-row block, 128-column tile) work items; per item a memory warpgroup runs an
+  ``emit_pipeline_warp_specialized`` TMA pipeline up to ``stages`` steps ahead of two compute warpgroups of 64 rows.
 
   * ``kpair=2`` (deferred promotion): a pipeline step carries ``2 x 128`` of K (``stages`` such steps in
     SMEM, 64 KiB each: 3 fit); each compute warpgroup issues both steps' wgmmas into two accumulators, then
     waits for the first only (``wgmma_accumulator_load(wait_n=1)``) and promotes it while the second runs,
     then promotes the second. Same numerics: every 128-deep product is promoted on its own, in step order.
-    Falls back to ``kpair=1`` when ``K/128`` is odd.
+    Falls back to one 128-deep step where ``K/128`` is odd.
   ``stages`` shrinks (down to 2) until the pipeline and the staging tile fit SMEM.
-  * ``epilogue="tma"``: the result goes registers -> swizzled SMEM (one ``(64, 128)`` tile per compute
-    warpgroup) -> TMA store, whose completion is only awaited before the next item's result is staged, so
-    the store overlaps the next item's main loop (``"reg"``: registers straight to GMEM).
-  * ``group_n`` (grouped rasterisation for L2 reuse): items walk ``gcd(group_n, N/128)`` column tiles at a
-    time, 128-row blocks slower, column groups slowest, so the CTAs of one wave share fewer distinct ``x``
-    row blocks and weight tiles (``None``: all column tiles of a row block, then the next row block;
-    ``"half"``: :func:`half_row_group`).
+  * Epilogue: the result goes registers -> swizzled SMEM (one ``(64, 128)`` tile per compute warpgroup) -> TMA
+    store, whose completion is only awaited before the next item's result is staged, so the store overlaps the
+    next item's main loop.
+  * Grouped rasterisation for L2 reuse: items walk :func:`half_row_group` column tiles at a time, 128-row blocks
+    slower, column groups slowest, so the CTAs of one wave share fewer distinct ``x`` row blocks and weight tiles.
   * ``smem_scales=True``: the step's scales travel through the pipeline with its tiles (a TMA of the ``(kp, 128)``
     x scales and one of the ``kp`` weight scales, from a copy the wrapper pads to :data:`SCALE_ROW` lanes per step
     so that each slot is 128-byte aligned), and the compute warpgroups read them from SMEM. Otherwise they are GMEM
-    loads issued a step ahead, whose latency the warpgroups wait out (ncu, H200, session 26: a fifth of the compute
-    warps' stall samples at A).
+    loads issued a step ahead, whose latency the warpgroups wait out (ncu, H200, 2026-11-28: a fifth of the compute
+    warps' stall samples at N = 4096, K = 7168).
   """
   m, k = xq.shape
   g, n, _ = wq.shape
@@ -255,23 +177,17 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
   steps = ks // kp
   m_iters, n_iters = m // BLOCK, n // BN
   wm = BLOCK // 2  # rows per compute warpgroup
-  tma_out = epilogue == "tma"
-  if group_n is None:
-    gn = n // BN
-  elif group_n == "half":
-    gn = half_row_group(n // BN)
-  else:
-    gn = int(np.gcd(group_n, n // BN))
+  gn = half_row_group(n // BN)
   scale_bytes = (kp * BLOCK + SCALE_ROW) * 4 if smem_scales else 0
   stage_bytes = kp * (BLOCK + BN) * BLOCK + scale_bytes
 
   def out_bytes(cols):
-    return 2 * wm * cols * jnp.dtype(out_dtype).itemsize if tma_out else 0
+    return 2 * wm * cols * jnp.dtype(out_dtype).itemsize
 
   # The staging tile's columns: all BN, or half of them (two stores per item) where that keeps a stage more.
   out_cols = BN
   fits = lambda st, cols: st * stage_bytes + out_bytes(cols) <= SMEM_LIMIT - 1024
-  if tma_out and not fits(stages, BN) and fits(stages, BN // 2):
+  if not fits(stages, BN) and fits(stages, BN // 2):
     out_cols = BN // 2
   while stages > 2 and not fits(stages, out_cols):
     stages -= 1  # e.g. the float32 staging tile leaves room for one stage fewer
@@ -286,12 +202,11 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
 
     ignore = lambda *_, **__: None
     pipe_refs = (x_g, w_g.at[0]) + ((sfx_g, sfw_g.at[0, 0]) if smem_scales else ())
-    allocs = dict(pipe=pipeline(ignore, ignore).get_allocations(*pipe_refs))
-    if tma_out:
-      allocs["out_s"] = plgpu.SMEM((2, wm, out_cols), out_dtype, transforms=_out_transforms(out_dtype, out_cols))
+    allocs = dict(pipe=pipeline(ignore, ignore).get_allocations(*pipe_refs),
+                  out_s=plgpu.SMEM((2, wm, out_cols), out_dtype, transforms=_out_transforms(out_dtype, out_cols)))
 
     @functools.partial(pl.run_scoped, collective_axes="wg", **allocs)
-    def _scope(pipe, out_s=None):
+    def _scope(pipe, out_s):
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
       def _items(info):
         (lin,) = info.index
@@ -310,14 +225,11 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
             total = run_pipeline(zero)
           else:
             total, _ = run_pipeline((zero, tuple(scales(j) for j in range(kp))))
-          if tma_out:
-            for c in range(0, BN, out_cols):
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read out_s
-              out_s[wg] = (total if out_cols == BN else total[:, c:c + out_cols]).astype(out_dtype)
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(out_s.at[wg], o_g.at[rows, pl.ds(ni * BN + c, out_cols)])
-          else:
-            o_g[rows, cols] = total.astype(out_dtype)
+          for c in range(0, BN, out_cols):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read out_s
+            out_s[wg] = (total if out_cols == BN else total[:, c:c + out_cols]).astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_s.at[wg], o_g.at[rows, pl.ds(ni * BN + c, out_cols)])
 
         def mma_body(idx, x_s, w_s, *refs):
           (kk,) = idx
@@ -355,17 +267,16 @@ def _ws2_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
         def _skip():
           o_g[rows, cols] = plgpu.layout_cast(jnp.zeros((wm, BN), out_dtype), WG)
 
-      if tma_out:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return _persistent_call(body, (m, n), out_dtype, m_iters * n_iters, num_sms, interpret)(
       block_expert, xq, sfx_t, wq, wsf)
 
 
 # Column tiles per raster group of "k2tma_gh": half a row of tiles, and a whole row up to this many. H200, 2026-11-27
-# (session 23, TF/s): 32 tiles (N=4096, K=7168; A / C) 16 per group 1200 / 1195, 8 1175 / 1174, 4 1141 / 1132 (H100,
-# session 17: all 32 1055 against 8's 1110); 16 tiles (N=2048, K=7168) all 16 1188, 8 1167-1176; 56 tiles (N=7168,
-# K=4096) 28 1152-1155, 16 or 8 1125-1141, all 56 1084-1109.
+# (TF/s): 32 tiles (N=4096, K=7168; uniform / 32 skewed experts) 16 per group 1200 / 1195, 8 1175 / 1174, 4 1141 /
+# 1132 (H100, 2026-11-27: all 32 1055 against 8's 1110); 16 tiles (N=2048, K=7168) all 16 1188, 8 1167-1176; 56 tiles
+# (N=7168, K=4096) 28 1152-1155, 16 or 8 1125-1141, all 56 1084-1109.
 WHOLE_ROW_GROUP_MAX = 16
 
 
@@ -395,12 +306,12 @@ def _zero_acc(acc, interpret):
 
 
 def _ring_memory_warpgroup(items, first, coords, expert_of, load, *, steps, stages, consumed):
-  """The memory warpgroup of the SMEM-ring kernels (:func:`_ws3_kernel`, :func:`_wide_kernel`): walks the CTA's
-  items as the compute warpgroups do (``coords(lin)``: row block and column position; ``expert_of(lin)``, carried
-  one item ahead, ``first`` the carry of the CTA's first item; items of expert < 0 load nothing), and for each of an
-  item's ``steps`` K steps waits until its ring slot is released (``consumed``) and calls ``load(slot, step, row
-  block, column, expert)`` to issue the step's TMA loads. At the end it observes the last releases (every phase of
-  the ``consumed`` barriers) before the kernel ends."""
+  """The memory warpgroup of the SMEM-ring kernels (:func:`_ring_kernel`, :func:`_wide_kernel`,
+  :func:`_pair_mc_kernel`): walks the CTA's items as the compute warpgroups do (``coords(lin)``: row block and
+  column position; ``expert_of(lin)``, carried one item ahead, ``first`` the carry of the CTA's first item; items
+  of expert < 0 load nothing), and for each of an item's ``steps`` K steps waits until its ring slot is released
+  (``consumed``) and calls ``load(slot, step, row block, column, expert)`` to issue the step's TMA loads. At the
+  end it observes the last releases (every phase of the ``consumed`` barriers) before the kernel ends."""
   plgpu.set_max_registers(40, action="decrease")
   ctas = lax.axis_size("sm")
 
@@ -433,13 +344,11 @@ def _ring_memory_warpgroup(items, first, coords, expert_of, load, *, steps, stag
     plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages", "group_n", "defer",
-                                             "multicast", "late_epilogue"))
-def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, stages=5, group_n=None,
-                defer=True, multicast=False, late_epilogue=False):
-  """A persistent, warp-specialised kernel with its own K pipeline (issue 24; arguments as :func:`_simple_kernel`).
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages"))
+def _ring_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, stages=5):
+  """A persistent, warp-specialised kernel with its own K pipeline (arguments as :func:`_simple_kernel`).
 
-  Unlike :func:`_ws2_kernel` (one ``emit_pipeline_warp_specialized`` per work item, whose memory warpgroup waits
+  Unlike :func:`_raster_kernel` (one ``emit_pipeline_warp_specialized`` per work item, whose memory warpgroup waits
   for the compute warpgroups to drain each item before it loads the next item's first tiles), one ring of
   ``stages`` SMEM slots of 128-deep K steps runs through all items of a CTA: the memory warpgroup walks the same
   item sequence as the compute warpgroups and loads the next item's first steps while they finish the current
@@ -448,32 +357,16 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
   per-token scales of ``x`` (one 512-byte TMA row of the column-major ``(K/128, M)`` scales, so no GMEM load of
   them on the compute warpgroups' path); the weight scale is a scalar GMEM load two steps ahead.
 
-  ``defer=True``: the promotion of step ``s`` runs while the wgmma of step ``s + 1`` is in flight, across pipeline
-  steps (two accumulators alternate; step ``s``'s slot is released once its wgmma has completed), so every
-  promotion of a compute warpgroup overlaps one of its own wgmmas (``_ws2_kernel``'s ``kpair=2`` leaves every
-  second promotion without one). ``defer=False``: wait for each step's wgmma, then promote it.
-  Same numerics as the other kernels: ``total += part_s * (sf_x[rows, s] * sf_w[e, n_block, s])`` in step order.
-  ``group_n``: column tiles per raster group as in :func:`_ws2_kernel`. Epilogue: registers -> swizzled SMEM ->
-  TMA store, awaited only before the warpgroup's next item is staged. ``stages`` shrinks until SMEM fits.
-
-  ``multicast=True`` (when ``N/128`` is even): clusters of 2 CTAs, one cluster per pair of column tiles
-  ``(2j, 2j + 1)`` of a row block, each CTA one tile; the ``x`` tile both need is loaded once for the pair by TMA
-  multicast (each CTA's memory warpgroup fetches half of it into both CTAs' SMEM), so each CTA reads 24 KiB
-  instead of 32 KiB from L2 per K step. A slot is then refilled only when the compute warpgroups of both CTAs
-  have released it (a cluster barrier).
-
-  ``late_epilogue=True``: a compute warpgroup keeps an item's result in registers and stages / stores it only
-  after it has issued the next item's first wgmma (the result and its position are the item loop's carry), so the
-  epilogue runs under a wgmma instead of leaving the tensor cores idle between items.
+  Each step's wgmma is awaited, then promoted: ``total += part_s * (sf_x[rows, s] * sf_w[e, n_block, s])`` in step
+  order (the other kernels' numerics). Items: all column tiles of a row block, then the next row block. Epilogue:
+  registers -> swizzled SMEM -> TMA store, awaited only before the warpgroup's next item is staged. ``stages``
+  shrinks until SMEM fits.
   """
   m, k = xq.shape
   _, n, _ = wq.shape
   ks = k // BLOCK
   m_iters, n_iters = m // BLOCK, n // BN
   wm = BLOCK // 2  # rows per compute warpgroup
-  cs = 2 if multicast and n_iters % 2 == 0 else 1  # CTAs per cluster, one column tile each
-  n_units = n_iters // cs  # column units (of cs tiles) per row block
-  gn = n_units if group_n is None else int(np.gcd(max(group_n // cs, 1), n_units))
   out_bytes = 2 * wm * BN * jnp.dtype(out_dtype).itemsize
   stage_bytes = (BLOCK + BN) * BLOCK + BLOCK * 4
   while stages > 2 and stages * stage_bytes + out_bytes > SMEM_LIMIT - 1024:
@@ -484,18 +377,14 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
       sx_s=plgpu.SMEM((stages, BLOCK), jnp.float32),
       out_s=plgpu.SMEM((2, wm, BN), out_dtype, transforms=_out_transforms(out_dtype)),
       produced=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
-      consumed=(plgpu.ClusterBarrier(collective_axes=("cl",), num_arrivals=2, num_barriers=stages) if cs > 1
-                else plgpu.Barrier(num_arrivals=2, num_barriers=stages)))
+      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
 
   def body(be_g, x_g, sfx_g, w_g, sfw_g, o_g, *, x_s, w_s, sx_s, out_s, produced, consumed):
     wg = lax.axis_index("wg")
-    items = (m_iters * n_units,)
-    cta = lax.axis_index("cl") if cs > 1 else 0
-    x_copy = dict(collective_axes="cl") if cs > 1 else {}
+    items = (m_iters * n_iters,)
 
     def coords(lin):
-      mi, nu = _raster(lin, m_iters, gn)
-      return mi, nu * cs + cta
+      return lin // n_iters, lin % n_iters
 
     def expert_of(lin):  # the expert of item ``lin`` (clamped into range: a prefetch past the last item is unused)
       return be_g[coords(jnp.minimum(lin, items[0] - 1))[0]]
@@ -509,142 +398,68 @@ def _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_s
     def _memory():
       def load(slot, s, mi, ni, e):
         kcols = pl.ds(s * BLOCK, BLOCK)
-        plgpu.copy_gmem_to_smem(x_g.at[pl.ds(mi * BLOCK, BLOCK), kcols], x_s.at[slot], produced.at[slot], **x_copy)
+        plgpu.copy_gmem_to_smem(x_g.at[pl.ds(mi * BLOCK, BLOCK), kcols], x_s.at[slot], produced.at[slot])
         plgpu.copy_gmem_to_smem(w_g.at[e, pl.ds(ni * BN, BN), kcols], w_s.at[slot], produced.at[slot])
         plgpu.copy_gmem_to_smem(sfx_g.at[s, pl.ds(mi * BLOCK, BLOCK)], sx_s.at[slot], produced.at[slot])
 
       _ring_memory_warpgroup(items, first, coords, expert_of, load, steps=ks, stages=stages, consumed=consumed)
 
-    def store(total, r0, c0):  # registers -> swizzled SMEM -> TMA store of one warpgroup's (wm, BN) result
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read out_s
-      out_s[wg] = total.astype(out_dtype)
-      plgpu.commit_smem()
-      dst = o_g.at[pl.ds(pl.multiple_of(r0, wm), wm), pl.ds(pl.multiple_of(c0, BN), BN)]
-      plgpu.copy_smem_to_gmem(out_s.at[wg], dst)
-
     @pl.when(wg < 2)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
-      init = first
-      if late_epilogue:  # (pending?, its result, its first row, its first column)
-        init = (*first, jnp.int32(0), plgpu.layout_cast(jnp.zeros((wm, BN), jnp.float32), WG), jnp.int32(0),
-                jnp.int32(0))
 
-      @plgpu.nd_loop(items, collective_axes="sm", init_carry=init)
+      @plgpu.nd_loop(items, collective_axes="sm", init_carry=first)
       def _items(info, carry):
         (lin,) = info.index
-        t0, e, *late = carry
+        t0, e = carry
         e_next = expert_of(lin + ctas)
         mi, ni = coords(lin)
-        rows = pl.ds(mi * BLOCK + wg * wm, wm)
+        r0 = mi * BLOCK + wg * wm
+        rows = pl.ds(r0, wm)
         cols = pl.ds(ni * BN, BN)
-
-        def slot_of(s):
-          return lax.rem(t0 + s, stages)
 
         def w_scale(s):
           return sfw_g[e, ni, jnp.minimum(s, ks - 1)]
 
-        def issue(acc, s):
-          slot = slot_of(s)
-          plgpu.barrier_wait(produced.at[slot])
-          _zero_acc(acc, interpret)
-          plgpu.wgmma(acc, x_s.at[slot, pl.ds(wg * wm, wm)], w_s.at[slot].T)
+        def k_loop(acc):
+          def step(s, c):
+            total, sw, sw1 = c
+            slot = lax.rem(t0 + s, stages)
+            plgpu.barrier_wait(produced.at[slot])
+            _zero_acc(acc, interpret)
+            plgpu.wgmma(acc, x_s.at[slot, pl.ds(wg * wm, wm)], w_s.at[slot].T)
+            part = plgpu.wgmma_accumulator_load(acc, wait_n=0)
+            sx = plgpu.load(sx_s.at[slot, pl.ds(wg * wm, wm)], layout=WG.reduce(1), optimized=False)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return total + part * (sx * sw)[:, None], sw1, w_scale(s + 2)
 
-        def retire(acc, s, total, sw, wait_n):
-          slot = slot_of(s)
-          part = plgpu.wgmma_accumulator_load(acc, wait_n=wait_n)
-          sx = plgpu.load(sx_s.at[slot, pl.ds(wg * wm, wm)], layout=WG.reduce(1), optimized=False)
-          plgpu.barrier_arrive(consumed.at[slot])
-          return total + part * (sx * sw)[:, None]
+          zero = plgpu.layout_cast(jnp.zeros((wm, BN), jnp.float32), WG)
+          return lax.fori_loop(0, ks, step, (zero, w_scale(0), w_scale(1)))[0]
 
-        def k_loop(after_first_issue, acc_a, acc_b):
-            zero = plgpu.layout_cast(jnp.zeros((wm, BN), jnp.float32), WG)
-            if not defer:
-              after_first_issue()
-              def one(s, c):
-                total, sw, sw1 = c
-                issue(acc_a, s)
-                return retire(acc_a, s, total, sw, 0), sw1, w_scale(s + 2)
-              total, _, _ = lax.fori_loop(0, ks, one, (zero, w_scale(0), w_scale(1)))
-              return total
-            # step s in acc_a (s even) / acc_b (s odd); invariant at a pair's start: step 2p issued into acc_a
-            issue(acc_a, 0)
-            after_first_issue()
+        @pl.when(e >= 0)
+        def _run():
+          total = pl.run_scoped(k_loop, plgpu.ACC((wm, BN), jnp.float32))
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read out_s
+          out_s[wg] = total.astype(out_dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(out_s.at[wg], o_g.at[pl.ds(pl.multiple_of(r0, wm), wm), cols])
 
-            def pair(p, c):
-              total, sw0, sw1 = c
-              s = 2 * p
-              nxt = (w_scale(s + 2), w_scale(s + 3))
-              issue(acc_b, s + 1)
-              total = retire(acc_a, s, total, sw0, 1)
-              issue(acc_a, s + 2)
-              total = retire(acc_b, s + 1, total, sw1, 1)
-              return (total, *nxt)
-
-            full = (ks - 1) // 2
-            total, sw0, sw1 = lax.fori_loop(0, full, pair, (zero, w_scale(0), w_scale(1)))
-            s = 2 * full  # issued into acc_a, not retired
-            if ks % 2 == 0:
-              issue(acc_b, s + 1)
-              total = retire(acc_a, s, total, sw0, 1)
-              total = retire(acc_b, s + 1, total, sw1, 0)
-            else:
-              total = retire(acc_a, s, total, sw0, 0)
-            return total
-
-        def run_item(after_first_issue):
-          return pl.run_scoped(functools.partial(k_loop, after_first_issue), plgpu.ACC((wm, BN), jnp.float32),
-                               plgpu.ACC((wm, BN), jnp.float32))
-
-        def skip_item():
+        @pl.when(e < 0)
+        def _skip():
           o_g[rows, cols] = plgpu.layout_cast(jnp.zeros((wm, BN), out_dtype), WG)
 
-        t_next = t0 + jnp.where(e >= 0, ks, 0).astype(jnp.int32)
-        if not late_epilogue:
-          @pl.when(e >= 0)
-          def _run():
-            store(run_item(lambda: None), mi * BLOCK + wg * wm, ni * BN)
+        return t0 + jnp.where(e >= 0, ks, 0).astype(jnp.int32), e_next
 
-          pl.when(e < 0)(skip_item)
-          return t_next, e_next
-
-        pend, tot_prev, prow, pcol = late
-
-        def flush():
-          pl.when(pend != 0)(lambda: store(tot_prev, prow, pcol))
-
-        def real():
-          return jnp.int32(1), run_item(flush), mi * BLOCK + wg * wm, ni * BN
-
-        def skip():
-          flush()
-          skip_item()
-          return jnp.int32(0), tot_prev, prow, pcol
-
-        return t_next, e_next, *lax.cond(e >= 0, real, skip)
-
-      if late_epilogue:
-        _, _, pend, tot_prev, prow, pcol = _items
-        pl.when(pend != 0)(lambda: store(tot_prev, prow, pcol))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  if cs == 1:
-    call = _persistent_call(body, (m, n), out_dtype, m_iters * n_iters, num_sms, interpret, scratch_types=scratch)
-  else:
-    call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-                        grid=(max(min(num_sms // cs, m_iters * n_units), 1),), grid_names=("sm",),
-                        cluster=(cs,), cluster_names=("cl",), num_threads=3, thread_name="wg",
-                        scratch_types=scratch, interpret=interpret,
-                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  call = _persistent_call(body, (m, n), out_dtype, m_iters * n_iters, num_sms, interpret, scratch_types=scratch)
   return call(block_expert, xq, sfx_t, wq, wsf)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "bn", "stages", "group_n"))
-def _wide_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, bn=192, stages=5,
-                 group_n=None):
-  """The SMEM ring of :func:`_ws3_kernel` (``defer=False``) with ``bn``-column tiles, ``128 < bn < 256`` a multiple of
-  32 (issue 24; arguments as :func:`_simple_kernel`): each compute warpgroup computes a ``64 x bn`` tile (DeepGEMM's
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "bn", "stages"))
+def _wide_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, bn=192, stages=5):
+  """The SMEM ring of :func:`_ring_kernel` with ``bn``-column tiles, ``128 < bn < 256`` a multiple of
+  32 (arguments as :func:`_simple_kernel`): each compute warpgroup computes a ``64 x bn`` tile (DeepGEMM's
   wide CTA tiles), so a wgmma reads fewer SMEM bytes per FLOP than at 128 columns and each item's fixed costs are
   spread over more FLOPs.
 
@@ -653,20 +468,19 @@ def _wide_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_
   128-column weight-scale blocks, the first ``b`` of its columns in block ``c0 // 128`` (``b = 128 - c0 % 128``, a
   multiple of ``gcd(bn, 128)``): the K loop is traced once per possible ``b``, and each step promotes the static
   column slices ``[:b]`` and ``[b:]`` of the wgmma result with their own row-scale vector, ``sf_x[row] *
-  sf_w[block]`` (the other kernels' float32 products; per-element scale products instead cost 10-16%, session 24,
-  and a column mask spills, session 25). The two weight scales of a step are scalar loads two steps ahead.
-  ``N < bn`` runs ``"ring_nodefer"``.
+  sf_w[block]`` (the other kernels' float32 products; per-element scale products instead cost 10-16% and a column
+  mask spills: H200, 2026-11-28). The two weight scales of a step are scalar loads two steps ahead. Items: all column
+  tiles of a row block, then the next row block. ``N < bn`` runs :func:`_ring_kernel`.
   """
   m, k = xq.shape
   _, n, _ = wq.shape
   assert BLOCK < bn < 2 * BLOCK and bn % 32 == 0, bn
   if n < bn:
-    return _ws3_kernel(block_expert, xq, sfx_t, wq, wsf, out_dtype=out_dtype, interpret=interpret, num_sms=num_sms,
-                       stages=stages, defer=False)
+    return _ring_kernel(block_expert, xq, sfx_t, wq, wsf, out_dtype=out_dtype, interpret=interpret, num_sms=num_sms,
+                        stages=stages)
   ks = k // BLOCK
   m_iters, n_iters = m // BLOCK, -(-n // bn)
   wm = BLOCK // 2  # rows per compute warpgroup
-  gn = n_iters if group_n is None else half_row_group(n_iters) if group_n == "half" else int(np.gcd(group_n, n_iters))
   out_bytes = 2 * wm * bn * jnp.dtype(out_dtype).itemsize
   stage_bytes = (BLOCK + bn) * BLOCK + BLOCK * 4
   while stages > 2 and stages * stage_bytes + out_bytes > SMEM_LIMIT - 2048:  # 1024-byte alignment of 5 buffers
@@ -685,7 +499,7 @@ def _wide_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_
     items = (m_iters * n_iters,)
 
     def coords(lin):  # (row block, first column) of item ``lin``
-      mi, ni = _raster(lin, m_iters, gn)
+      mi, ni = lin // n_iters, lin % n_iters
       return mi, pl.multiple_of(jnp.minimum(ni * bn, n - bn), 32)
 
     def expert_of(lin):  # clamped: a prefetch past the last item is unused
@@ -759,57 +573,207 @@ def _wide_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_
   return call(block_expert, xq, sfx_t, wq, wsf)
 
 
-# Kernel variants (module attribute read at trace time; scratch/gpu_gemm.sh times each).
-VARIANTS = {"ws": _ws_kernel, "ws6": functools.partial(_ws_kernel, stages=6), "simple": _simple_kernel,
-            # issue 24 speed variants (:func:`_ws2_kernel`): deferred promotion over 2 x 128 K per step, TMA epilogue
-            "k2": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="reg"),
-            "tma": functools.partial(_ws2_kernel, stages=4, kpair=1, epilogue="tma"),
-            "k2tma": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma"),
-            "k2tma2": functools.partial(_ws2_kernel, stages=2, kpair=2, epilogue="tma"),
-            "tma6": functools.partial(_ws2_kernel, stages=6, kpair=1, epilogue="tma"),
-            "k2tma_g8": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n=8),
-            "k2tma_gh": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n="half"),
-            "k2tma_gh_ss": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n="half",
-                                             smem_scales=True),
-            "tma_g8": functools.partial(_ws2_kernel, stages=4, kpair=1, epilogue="tma", group_n=8),
-            "k2tma_g1": functools.partial(_ws2_kernel, stages=3, kpair=2, epilogue="tma", group_n=1),
-            # issue 24, round 3 (:func:`_ws3_kernel`): one SMEM ring across items, promotion deferred across steps
-            "ring": functools.partial(_ws3_kernel, stages=5),
-            "ring_g8": functools.partial(_ws3_kernel, stages=5, group_n=8),
-            "ring_nodefer": functools.partial(_ws3_kernel, stages=5, defer=False),
-            "ring3": functools.partial(_ws3_kernel, stages=3),
-            "ring_mc": functools.partial(_ws3_kernel, stages=5, multicast=True),
-            "ring_mc_g8": functools.partial(_ws3_kernel, stages=5, multicast=True, group_n=8),
-            "ring_late": functools.partial(_ws3_kernel, stages=5, late_epilogue=True),
-            "ring_late_g8": functools.partial(_ws3_kernel, stages=5, late_epilogue=True, group_n=8),
-            "ring_late_mc": functools.partial(_ws3_kernel, stages=5, late_epilogue=True, multicast=True),
-            "ring_late_mc_g8": functools.partial(_ws3_kernel, stages=5, late_epilogue=True, multicast=True,
-                                                 group_n=8),
-            # 64 x 192 / 64 x 160 tiles per warpgroup (:func:`_wide_kernel`)
-            "wide192": functools.partial(_wide_kernel, bn=WIDE_TILE),
-            "wide192_gh": functools.partial(_wide_kernel, group_n="half"),
-            "wide160": functools.partial(_wide_kernel, bn=160)}
+def row_unit_group(units: int, rows_per_group: int, cluster: int) -> int:
+  """Row units (of ``cluster`` 128-row blocks) per raster group of :func:`_pair_mc_kernel`: the largest divisor of
+  ``units`` that keeps a group within ``rows_per_group`` row blocks (at least one unit)."""
+  cap = max(rows_per_group // cluster, 1)
+  return max(d for d in range(1, min(cap, units) + 1) if units % d == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "bn", "stages", "row_group"))
+def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, bn=192, stages=4,
+                    row_group=16):
+  """:func:`_wide_kernel` (``64 x bn`` tiles per compute warpgroup, one SMEM ring through all items, promotion after
+  each step's wgmma) with DeepGEMM's schedule for the m-grouped contiguous layout (arguments as
+  :func:`_simple_kernel`):
+
+  * Clusters of 2 CTAs on the row blocks ``(2p, 2p + 1)`` of one column tile. Where both blocks belong
+    to the same expert, the weight tile both need is loaded once for the pair by TMA multicast (each CTA's memory
+    warpgroup fetches half of it into both CTAs' SMEM): 28 instead of 40 KiB per CTA per K step from L2 at
+    ``bn = 192``. Otherwise each CTA loads the weight tile of its own expert (a CTA whose block is skipped loads its
+    peer's, computes nothing and writes zeros, so that both CTAs walk the ring in step). A slot is refilled only when
+    the compute warpgroups of both CTAs have released it (a cluster barrier).
+  * Raster: groups of ``row_group`` row blocks (:func:`row_unit_group`), row blocks fastest inside a group, then the
+    column tiles, groups slowest; the CTAs of one wave share a few weight tiles and ``row_group`` row blocks of ``x``.
+
+  Same numerics as the other kernels (bit-identical results). Falls back to :func:`_wide_kernel` where ``N < bn`` or
+  ``M/128`` is odd.
+  """
+  cluster = 2  # CTAs per cluster: one row block each
+  m, k = xq.shape
+  g, n, _ = wq.shape
+  assert BLOCK < bn < 2 * BLOCK and bn % 32 == 0, bn
+  m_iters = m // BLOCK
+  if n < bn or m_iters % cluster:
+    return _wide_kernel(block_expert, xq, sfx_t, wq, wsf, out_dtype=out_dtype, interpret=interpret, num_sms=num_sms,
+                        bn=bn, stages=stages)
+  ks = k // BLOCK
+  n_iters = -(-n // bn)
+  wm = BLOCK // 2  # rows per compute warpgroup
+  row_units = m_iters // cluster
+  gp = row_unit_group(row_units, row_group, cluster)
+  units = row_units * n_iters
+  out_bytes = 2 * wm * bn * jnp.dtype(out_dtype).itemsize
+  stage_bytes = (BLOCK + bn) * BLOCK + BLOCK * 4
+  while stages > 2 and stages * stage_bytes + out_bytes > SMEM_LIMIT - 2048:  # 1024-byte alignment of 5 buffers
+    stages -= 1
+  scratch = dict(
+      x_s=plgpu.SMEM((stages, BLOCK, BLOCK), xq.dtype, transforms=FP8_TILED),
+      w_s=plgpu.SMEM((stages, bn, BLOCK), wq.dtype, transforms=FP8_TILED),
+      sx_s=plgpu.SMEM((stages, BLOCK), jnp.float32),
+      out_s=plgpu.SMEM((2, wm, bn), out_dtype, transforms=_out_transforms(out_dtype, bn)),
+      produced=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+      consumed=plgpu.ClusterBarrier(collective_axes=("cl",), num_arrivals=2, num_barriers=stages))
+  first_cols_cases = range(BLOCK, 0, -int(np.gcd(bn, BLOCK)))  # every c0 is a multiple of gcd(bn, 128)
+
+  def body(be_g, x_g, sfx_g, w_g, sfw_g, o_g, *, x_s, w_s, sx_s, out_s, produced, consumed):
+    wg = lax.axis_index("wg")
+    cta = lax.axis_index("cl")
+
+    def coords(u):  # (this CTA's row block, first column) of unit ``u``
+      grp, within = u // (gp * n_iters), u % (gp * n_iters)
+      unit, j = grp * gp + within % gp, within // gp
+      return unit * cluster + cta, pl.multiple_of(jnp.minimum(j * bn, n - bn), 32)
+
+    def experts_of(u):  # (own expert, the pair's load code); clamped: a prefetch past the last unit is unused
+      mi, _ = coords(jnp.minimum(u, units - 1))
+      own = be_g[mi]
+      peer = be_g[mi + 1 - 2 * cta]
+      # load code: -1 nothing (both blocks skipped), else the expert whose weights this CTA loads, + g if multicast
+      shared = (own == peer) & (own >= 0)
+      code = jnp.where((own < 0) & (peer < 0), -1, jnp.where(own >= 0, own, peer) + jnp.where(shared, g, 0))
+      return own, code
+
+    ctas = lax.axis_size("sm")
+    first_own, first_code = experts_of(lax.axis_index("sm"))
+
+    @pl.when(wg == 2)
+    def _memory():
+      def load(slot, s, mi, c0, code):
+        kcols = pl.ds(s * BLOCK, BLOCK)
+        plgpu.copy_gmem_to_smem(x_g.at[pl.ds(mi * BLOCK, BLOCK), kcols], x_s.at[slot], produced.at[slot])
+        plgpu.copy_gmem_to_smem(sfx_g.at[s, pl.ds(mi * BLOCK, BLOCK)], sx_s.at[slot], produced.at[slot])
+        w_src = w_g.at[lax.rem(code, g), pl.ds(c0, bn), kcols]
+
+        @pl.when(code >= g)
+        def _shared():
+          plgpu.copy_gmem_to_smem(w_src, w_s.at[slot], produced.at[slot], collective_axes="cl")
+
+        @pl.when(code < g)
+        def _own():
+          plgpu.copy_gmem_to_smem(w_src, w_s.at[slot], produced.at[slot])
+
+      _ring_memory_warpgroup((units,), (jnp.int32(0), first_code), coords, lambda u: experts_of(u)[1], load,
+                             steps=ks, stages=stages, consumed=consumed)
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+
+      @plgpu.nd_loop((units,), collective_axes="sm", init_carry=(jnp.int32(0), first_own, first_code))
+      def _items(info, carry):
+        (lin,) = info.index
+        t0, e, code = carry
+        e_next, code_next = experts_of(lin + ctas)
+        mi, c0 = coords(lin)
+        r0 = mi * BLOCK + wg * wm
+        scale_block = c0 // BLOCK
+
+        def w_scales(s):  # the weight scales of the tile's two column blocks at step s
+          s = jnp.minimum(s, ks - 1)
+          return sfw_g[e, scale_block, s], sfw_g[e, scale_block + 1, s]
+
+        def k_loop(first_cols, acc):
+          def step(s, carry):
+            total, (w0, w1), w_next = carry
+            slot = lax.rem(t0 + s, stages)
+            plgpu.barrier_wait(produced.at[slot])
+            _zero_acc(acc, interpret)
+            plgpu.wgmma(acc, x_s.at[slot, pl.ds(wg * wm, wm)], w_s.at[slot].T)
+            part = plgpu.wgmma_accumulator_load(acc, wait_n=0)
+            sx = plgpu.load(sx_s.at[slot, pl.ds(wg * wm, wm)], layout=WG.reduce(1), optimized=False)
+            plgpu.barrier_arrive(consumed.at[slot])
+            promoted = jnp.concatenate([part[:, :first_cols] * (sx * w0)[:, None],
+                                        part[:, first_cols:] * (sx * w1)[:, None]], axis=1)
+            return total + promoted, w_next, w_scales(s + 2)
+
+          zero = plgpu.layout_cast(jnp.zeros((wm, bn), jnp.float32), WG)
+          return lax.fori_loop(0, ks, step, (zero, w_scales(0), w_scales(1)))[0]
+
+        for first_cols in first_cols_cases:
+          @pl.when((e >= 0) & (c0 % BLOCK == BLOCK - first_cols))
+          def _run():
+            total = pl.run_scoped(functools.partial(k_loop, first_cols), plgpu.ACC((wm, bn), jnp.float32))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read out_s
+            out_s[wg] = total.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_s.at[wg], o_g.at[pl.ds(pl.multiple_of(r0, wm), wm), pl.ds(c0, bn)])
+
+        @pl.when((e < 0) & (code >= 0))
+        def _peer_only():  # this block is skipped, its peer's is not: release each slot the pair's loads fill
+          @pl.loop(0, ks)
+          def _step(s):
+            slot = lax.rem(t0 + s, stages)
+            plgpu.barrier_wait(produced.at[slot])
+            plgpu.barrier_arrive(consumed.at[slot])
+
+        @pl.when(e < 0)
+        def _skip():
+          o_g[pl.ds(r0, wm), pl.ds(c0, bn)] = plgpu.layout_cast(jnp.zeros((wm, bn), out_dtype), WG)
+
+        return t0 + jnp.where(code >= 0, ks, 0).astype(jnp.int32), e_next, code_next
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+                      grid=(max(min(num_sms // cluster, units), 1),), grid_names=("sm",),
+                      cluster=(cluster,), cluster_names=("cl",), num_threads=3, thread_name="wg",
+                      scratch_types=scratch, interpret=interpret,
+                      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  return call(block_expert, xq, sfx_t, wq, wsf)
+
+
+# The kernels :func:`default_variant` picks, what they fall back to, and an independent check for the tests (module
+# attribute read at trace time). The figures of the variants tried and dropped: docs/gemm.md and benchmarks/NOTES.md.
+VARIANTS = {
+    # DeepGEMM's schedule (:func:`_pair_mc_kernel`): 128 x 192 CTA tiles, weight tiles multicast to 2-CTA clusters
+    # on row-block pairs; 16 / 32 row blocks per raster group (rows fastest)
+    "pair192": functools.partial(_pair_mc_kernel, bn=WIDE_TILE),
+    "pair192_r32": functools.partial(_pair_mc_kernel, bn=WIDE_TILE, row_group=32),
+    # :func:`_pair_mc_kernel`'s fallback for an odd number of row blocks (:func:`_wide_kernel`: 64 x 192 tiles)
+    "wide192": functools.partial(_wide_kernel, bn=WIDE_TILE),
+    # deferred promotion over 2 x 128 of K per step, grouped column tiles (:func:`_raster_kernel`); "_ss": the
+    # scales through the pipeline's SMEM
+    "k2tma_gh": _raster_kernel,
+    "k2tma_gh_ss": functools.partial(_raster_kernel, smem_scales=True),
+    # one SMEM ring of 128-deep steps across a CTA's items, 64 x 128 tiles (:func:`_ring_kernel`)
+    "ring_nodefer": _ring_kernel,
+    # one CTA per (64-row, 128-column) tile, a plain TMA pipeline: the tests' independent check
+    "simple": _simple_kernel}
 VARIANT = None  # a VARIANTS key forces that kernel (tests, timing scripts); None: default_variant(K, N)
-# The forward kernel per contraction K. H100, 2026-11-27, CUPTI cold L2, bf16 out (scratch/time_gemmfast.py, every
-# variant within 3.5e-3 of the float32 product), TF/s at A (K=7168 N=4096) / C (32 skewed experts, K=7168) and
-# B (K=2048 N=7168) / D (32 skewed, K=2048): "k2tma_g8" 1110 / 1101 and 970 / 955; "ring_nodefer" 1092 / 1063 and
-# 1108 / 1101; "k2tma" 1055 / 1057 and 998 / 996; "ring" (deferred promotion) 1000 / 1008 and 1046 / 1029. From
-# GROUPED_RASTER_MIN_K the grouped raster (L2 reuse of the x rows over a group of column tiles) wins; below it the
-# SMEM ring across items without deferral (short K loops: the gap between items is a larger share), since session 25
-# with 192-column tiles: H200, 2026-11-28, same call, B / D "wide192" 1198 / 1176, "wide192_gh" 1184 / 1193,
-# "ring_nodefer" 1114 / 1104; at A / C "wide192_gh" 1189 / 1148 against "k2tma_gh" 1179 / 1170 (no gain: the wide
-# tile has no register room for the deferred promotion). The group size: half_row_group.
+# Where the 192-column tile fits (below), DeepGEMM's schedule. H200, 2026-11-29, CUPTI cold L2, two runs of 10,
+# M = 32768, TF/s (bit-identical results), G = 4 / G = 8: N = 4096, K = 7168 "pair192" 1248.6-1260.6 / 1247.7-1250.2
+# against "k2tma_gh" 1204.0-1207.9 / 1173.8-1195.6 ("pair192_r32" 1223-1233); N = 2048, K = 7168 "pair192"
+# 1239.4-1241.4 against "k2tma_gh" 1195.3-1202.3 ("pair192_r32" 1223.0-1225.7); N = 7168, K = 4096 "pair192"
+# 1289.1-1301.1 / 1293.9-1295.2 ("pair192_r32" 1295.8-1301.2) against "k2tma_gh_ss" 1248.7-1253.4 / 1253.6; N = 7168,
+# K = 2048 "pair192_r32" 1255.2-1256.4 / 1251.2-1252.4 against "pair192" 1241.0-1244.5 and "wide192" 1231.4-1240.9.
+# Elsewhere, from GROUPED_RASTER_MIN_K the grouped raster (L2 reuse of the x rows over a group of column tiles) wins,
+# below it the SMEM ring across items without deferral (short K loops: the gap between items is a larger share).
+# H100, 2026-11-27, CUPTI cold L2, bf16 out, TF/s at K = 7168, N = 4096 (uniform / 32 skewed experts) and K = 2048,
+# N = 7168 (uniform / skewed): "k2tma_g8" 1110 / 1101 and 970 / 955; "ring_nodefer" 1092 / 1063 and 1108 / 1101.
+# The group size: half_row_group.
 GROUPED_RASTER_MIN_K = 4096
 # The share of extra columns the wide tile may compute (its last tile of a row overlaps the one before it where
-# WIDE_TILE does not divide N) and still be the default: at N = 7168 (1.8% extra) it is 7-9% faster than 128-column
-# tiles (session 25, above), so up to about 7% extra would break even; at N = 4096 the extra is exactly 1/32.
+# WIDE_TILE does not divide N) and still be the default: at N = 7168 (1.8% extra) "wide192" was 7-9% faster than
+# 128-column tiles (H200, 2026-11-28, K = 2048: 1176-1198 against "ring_nodefer" 1104-1114 TF/s), so up to about 7%
+# extra would break even; at N = 4096 and N = 2048 the extra is exactly 1/32.
 WIDE_TILE_MAX_EXTRA = 1 / 32
-# The largest K for which "k2tma_gh_ss" (scales through the pipeline's SMEM) is the default. H200, 2026-11-28 (session
-# 26, two calls, TF/s, "k2tma_gh_ss" against "k2tma_gh"): K = 4096, N = 7168 (the input gradient of the gate / up
-# projection) 1242 / 1220 against 1162 / 1160, with 32 skewed experts 1215 / 1192 against 1162 / 1160; K = 7168,
-# N = 4096 1184 / 1160 against 1200 / 1198 (32 skewed experts 1188 / 1164 against 1194 / 1196), K = 7168, N = 2048
-# 1173 against 1183. At K = 7168 the GPU runs at its 700 W power cap: ncu saw the SMEM scales raise the tensor pipe's
-# share of cycles from 68% to 73% while the SM clock fell from 1.62 to 1.52 GHz, the same 1.62 ms.
+# The largest K for which "k2tma_gh_ss" (scales through the pipeline's SMEM) is the default where the wide tile does
+# not fit. H200, 2026-11-28 (two calls, TF/s, "k2tma_gh_ss" against "k2tma_gh"): K = 4096, N = 7168 1242 / 1220
+# against 1162 / 1160, with 32 skewed experts 1215 / 1192 against 1162 / 1160; K = 7168, N = 4096 1184 / 1160 against
+# 1200 / 1198 (32 skewed experts 1188 / 1164 against 1194 / 1196), K = 7168, N = 2048 1173 against 1183. At K = 7168
+# the GPU runs at its 700 W power cap: ncu saw the SMEM scales raise the tensor pipe's share of cycles from 68% to
+# 73% while the SM clock fell from 1.62 to 1.52 GHz, the same 1.62 ms.
 SMEM_SCALES_MAX_K = 4096
 
 
@@ -819,14 +783,17 @@ def wide_tile_extra(n: int, bn: int = WIDE_TILE) -> float:
 
 
 def default_variant(k: int, n: int) -> str:
-  """The forward kernel for a contraction of ``k`` and ``n`` output columns. From :data:`GROUPED_RASTER_MIN_K`:
-  ``"k2tma_gh_ss"`` (deferred promotion, TMA-store epilogue, grouped column tiles, the scales through the pipeline's
-  SMEM) up to :data:`SMEM_SCALES_MAX_K`, ``"k2tma_gh"`` (the same with GMEM scale loads) above it. Below it
-  ``"wide192"`` (one SMEM ring through all items, 64 x 192 tiles per warpgroup) where its overlapping last tile adds
-  at most :data:`WIDE_TILE_MAX_EXTRA` of the work, else ``"ring_nodefer"`` (the same ring with 64 x 128 tiles)."""
+  """The forward kernel for a contraction of ``k`` and ``n`` output columns. Where the 192-column tile's overlapping
+  last tile adds at most :data:`WIDE_TILE_MAX_EXTRA` of the work: DeepGEMM's schedule, ``"pair192"`` (16 row blocks
+  per raster group) from :data:`GROUPED_RASTER_MIN_K`, ``"pair192_r32"`` (32) below it. Elsewhere, from
+  :data:`GROUPED_RASTER_MIN_K`: ``"k2tma_gh_ss"`` (deferred promotion, TMA-store epilogue, grouped column tiles, the
+  scales through the pipeline's SMEM) up to :data:`SMEM_SCALES_MAX_K`, ``"k2tma_gh"`` (the same with GMEM scale
+  loads) above it; below it ``"ring_nodefer"`` (one SMEM ring through all items, 64 x 128 tiles)."""
+  if n >= WIDE_TILE and wide_tile_extra(n) <= WIDE_TILE_MAX_EXTRA:
+    return "pair192" if k >= GROUPED_RASTER_MIN_K else "pair192_r32"
   if k >= GROUPED_RASTER_MIN_K:
     return "k2tma_gh_ss" if k <= SMEM_SCALES_MAX_K else "k2tma_gh"
-  return "wide192" if n >= WIDE_TILE and wide_tile_extra(n) <= WIDE_TILE_MAX_EXTRA else "ring_nodefer"
+  return "ring_nodefer"
 
 
 def _quant(name, x):

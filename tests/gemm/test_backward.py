@@ -68,9 +68,7 @@ def wgrad_variant(request, monkeypatch):
   return request.param
 
 
-# "ws6": "ws" with 6 stages; "k2_g8" / "k2_g8b": "k2" / "k2tma_g8b" in another item order (test_wgrad_item_orders)
-@pytest.mark.parametrize("wgrad_variant", ["ws", "simple", "s1", "k2", "k2tma", "k2tma_g8b", "xp_g8b", "xptma_g8b"],
-                         indirect=True)
+@pytest.mark.parametrize("wgrad_variant", ["simple", "xptma_g8b"], indirect=True)
 def test_weight_grad_matches_reference(key, wgrad_variant):
   g, m, n, k = 4, 640, 128, 256
   dyt, xt = _wgrad_inputs(key, m, n, k)
@@ -88,7 +86,7 @@ def test_weight_grad_matches_reference(key, wgrad_variant):
   assert rel_err(got[0], dyd[:, :256] @ xd[:, :256].T) < bound
 
 
-@pytest.mark.parametrize("wgrad_variant", ["ws", "simple", "k2", "k2tma", "xptma_g8b"], indirect=True)
+@pytest.mark.parametrize("wgrad_variant", ["simple", "xptma_g8b"], indirect=True)
 def test_weight_grad_bf16_output(key, wgrad_variant):
   """``out_dtype=bfloat16``: the float32 total rounded once, in the kernel (what the layer's bf16 weights take):
   against the reference's float32 result to half a bf16 ulp (the float32 totals differ in summation order only),
@@ -170,13 +168,11 @@ def test_gpu_weight_grad_accuracy(key):
   assert rel_err(got, want) <= 5e-3
 
 
-@pytest.mark.parametrize("variant", ["ws", "k2", "k2tma", "xp", "xptma"])
-def test_persistent_weight_grad_loops_over_items(key, monkeypatch, variant):
-  """2 CTAs for 8 items (experts with 3, 0, 1 and 1 blocks): several dynamic-length pipelines per CTA; for the
-  two-block steps of "k2" an odd count (3: a repeated last block promoted with 0) and a single block; for "xp" one
-  pipeline across the items (an item without blocks in between)."""
+def test_persistent_weight_grad_loops_over_items(key, monkeypatch):
+  """2 CTAs for 8 items (experts with 3, 0, 1 and 1 blocks): one pipeline across a CTA's items (an item without
+  blocks in between); for the two-block steps an odd count (3: a repeated last block promoted with 0) and a single
+  block."""
   from jaxkern import _config
-  monkeypatch.setattr(_backward, "WGRAD_VARIANT", variant)
   monkeypatch.setattr(_config, "num_sms", lambda: 2)
   g, m, n, k = 4, 768, 128, 256
   dyt, xt = _wgrad_inputs(key, m, n, k)
@@ -188,7 +184,7 @@ def test_persistent_weight_grad_loops_over_items(key, monkeypatch, variant):
 
 
 def test_wgrad_item_orders():
-  """The item decode of :func:`_backward._wgrad_ws2_kernel`: every (expert, N tile, K tile) exactly once, in the
+  """The item decode of :func:`_backward._wgrad_xp_kernel`: every (expert, N tile, K tile) exactly once, in the
   expert order given, K tiles grouped ``gk`` at a time."""
   g, n_iters, k_iters = 3, 2, 4
   order = np.array([2, 0, 1], np.int32)
@@ -201,14 +197,11 @@ def test_wgrad_item_orders():
   assert seen[:4] == [(2, 0, 0), (2, 0, 1), (2, 0, 2), (2, 0, 3)]
 
 
-@pytest.mark.parametrize("kernel", ["ws2", "xp"])
-def test_weight_grad_grouped_balanced(key, monkeypatch, kernel):
+def test_weight_grad_grouped_balanced(key, monkeypatch):
   """Grouped (2 K tiles per group) and balanced (experts by descending count: 3, 1, then 0 and 2 without blocks;
-  two -1 blocks) order of the two-block kernels, 3 CTAs for 32 items."""
+  two -1 blocks) order of the default kernel, 3 CTAs for 32 items."""
   from jaxkern import _config
-  fn = {"ws2": _backward._wgrad_ws2_kernel, "xp": _backward._wgrad_xp_kernel}[kernel]
-  monkeypatch.setitem(_backward.WGRAD_VARIANTS, "test_g2b",
-                      functools.partial(fn, stages=3, kpair=2, epilogue="tma", group_k=2, balance=True))
+  monkeypatch.setitem(_backward.WGRAD_VARIANTS, "test_g2b", functools.partial(_backward._wgrad_xp_kernel, group_k=2))
   monkeypatch.setattr(_backward, "WGRAD_VARIANT", "test_g2b")
   monkeypatch.setattr(_config, "num_sms", lambda: 3)
   g, m, n, k = 4, 768, 256, 512
@@ -222,11 +215,11 @@ def test_weight_grad_grouped_balanced(key, monkeypatch, kernel):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wgrad_variant", [v for v in _backward.WGRAD_VARIANTS if v not in ("ws", "ws6", "simple")],
+@pytest.mark.parametrize("wgrad_variant", [v for v in _backward.WGRAD_VARIANTS if v != "simple"],
                          indirect=True)
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_weight_grad_variants_ragged(key, wgrad_variant, out_dtype):
-  """The issue-24 variants on the GPU: ragged experts with odd block counts (9, 3, 1), one without blocks, a -1
+  """The weight-gradient default on the GPU: ragged experts with odd block counts (9, 3, 1), one without blocks, a -1
   block, against the float32 product of the dequantised operands (≤ 0.5%), zeros for the empty expert."""
   counts = [9, 0, 3, 1]
   g, n, k = len(counts), 512, 768

@@ -61,18 +61,19 @@ def variant(request, monkeypatch):
 
 
 @pytest.mark.parametrize("variant, out_dtype, k", [
-    ("ws", jnp.float32, 384), ("ws", jnp.bfloat16, 384), ("simple", jnp.float32, 384),
-    # issue 24 speed variants: K/128 even (deferred promotion of 2 x 128 per step) and odd (falls back to 1 x 128)
-    ("k2", jnp.float32, 512), ("k2", jnp.float32, 384), ("tma", jnp.bfloat16, 384), ("k2tma", jnp.bfloat16, 512),
-    ("k2tma", jnp.float32, 512), ("tma6", jnp.float32, 384),
+    ("simple", jnp.float32, 384), ("simple", jnp.bfloat16, 384),
+    # deferred promotion: K/128 even (2 x 128 per step) and odd (falls back to 1 x 128)
+    ("k2tma_gh", jnp.bfloat16, 512), ("k2tma_gh", jnp.float32, 384),
     # the scales through the pipeline's SMEM (bf16: the output staged in two column halves)
     ("k2tma_gh_ss", jnp.bfloat16, 512), ("k2tma_gh_ss", jnp.float32, 384),
-    # the SMEM ring across items (_ws3_kernel): K/128 even and odd (the deferred promotion's two tails), one step
-    ("ring", jnp.bfloat16, 512), ("ring", jnp.float32, 384), ("ring", jnp.float32, 128),
-    ("ring_nodefer", jnp.float32, 384), ("ring_mc", jnp.bfloat16, 512), ("ring_late", jnp.bfloat16, 384),
-    # 192 / 160 columns per tile (_wide_kernel): at N = 256 the second tile overlaps the first and starts inside a
-    # scale block (column 64 / 96)
-    ("wide192", jnp.bfloat16, 384), ("wide192", jnp.float32, 256), ("wide160", jnp.float32, 384)],
+    # the SMEM ring across items (_ring_kernel), one step
+    ("ring_nodefer", jnp.float32, 384), ("ring_nodefer", jnp.bfloat16, 128),
+    # 192 columns per tile (_wide_kernel): at N = 256 the second tile overlaps the first and starts inside a scale
+    # block (column 64)
+    ("wide192", jnp.bfloat16, 384), ("wide192", jnp.float32, 256),
+    # DeepGEMM's schedule (_pair_mc_kernel): row-block pairs (2, 0) of different experts (no multicast) and (-1, 1)
+    # (the skipped block's CTA loads its peer's weights and computes nothing)
+    ("pair192", jnp.bfloat16, 384), ("pair192_r32", jnp.float32, 256)],
     indirect=["variant"])
 def test_kernel_matches_reference(key, variant, out_dtype, k):
   g, m, n = 3, 512, 256
@@ -231,21 +232,17 @@ def test_gpu_accuracy(key, g, rows, n, k):
   assert rel_err(got, want) <= 5e-3
 
 
-@pytest.mark.parametrize("variant, k", [("ws", 384), ("k2", 768), ("k2tma2", 768), ("tma", 384), ("k2tma_g1", 512),
-                                        ("k2tma_gh", 512), ("k2tma_gh_ss", 768),
-                                        ("ring", 384), ("ring", 768), ("ring3", 512), ("ring_g8", 256),
-                                        ("ring_mc", 768), ("ring_late", 384), ("ring_late", 512),
-                                        ("ring_late_mc", 384), ("wide192", 768), ("wide192_gh", 512), ("wide160", 384)],
+@pytest.mark.parametrize("variant, k", [("k2tma_gh", 512), ("k2tma_gh", 768), ("k2tma_gh_ss", 768),
+                                        ("ring_nodefer", 384), ("ring_nodefer", 768), ("wide192", 768),
+                                        ("pair192", 768)],
                          indirect=["variant"])
 def test_persistent_kernel_loops_over_items(key, variant, k, monkeypatch):
   """3 CTAs for 8 work items: each CTA runs several pipelines in turn (barrier phases carried over, a skipped
   block in between; with the TMA epilogue, each item's store still in flight while the next one runs), as every
-  CTA does at the real shapes. k=768: 3 pipeline steps of 2 x 128 (2 stages: the SMEM ring wraps). The "ring"
-  variants keep one ring of slots across a CTA's items: 6-9 steps per CTA over 5 (3) slots, so slots are reused
-  across items, mid-item and (ring3, k=512) at an item boundary; ring_mc: one cluster of 2 CTAs walks all column
-  tile pairs, the x tiles multicast; ring_late: an item's result is stored during the next item (a skipped item
-  in between flushes it, the last one after the loop); wide: two column tiles of 192 / 160 per row
-  block, the second starting inside a weight-scale block."""
+  CTA does at the real shapes. k=768: 3 pipeline steps of 2 x 128. The ring kernels keep one ring of slots across
+  a CTA's items: 6-9 steps per CTA over 5 slots, so slots are reused across items and mid-item; wide192: two column
+  tiles of 192 per row block, the second starting inside a weight-scale block; pair192: one cluster of 2 CTAs (3 SMs)
+  walks the row-block pairs (1, -1) and (0, 2)."""
   from jaxkern import _config
   monkeypatch.setattr(_config, "num_sms", lambda: 3)
   g, m, n = 3, 512, 256
@@ -257,16 +254,55 @@ def test_persistent_kernel_loops_over_items(key, variant, k, monkeypatch):
   np.testing.assert_array_equal(np.asarray(got[128:256]), 0)
 
 
+@pytest.mark.parametrize("variant, num_sms", [("pair192", 3), ("pair192", 4), ("pair192_r32", 2)],
+                         indirect=["variant"])
+def test_pair_clusters_share_weight_tiles(key, variant, num_sms, monkeypatch):
+  """Row-block pairs of one expert (the weight tile multicast to both CTAs of a cluster), a pair of two skipped
+  blocks (no loads: the ring's slot counter must stay in step in both CTAs), a pair of two experts and a pair with one
+  skipped block, walked by one or two clusters (3 / 4 SMs) or with the grouped raster of 32 row blocks (2 SMs: one
+  cluster); 192-column tiles over N = 256 (the second starts inside a weight-scale block)."""
+  from jaxkern import _config
+  monkeypatch.setattr(_config, "num_sms", lambda: num_sms)
+  g, m, n, k = 3, 1280, 256, 384
+  x, w = make_inputs(key, g, m, n, k)
+  be = jnp.array([1, 1, -1, -1, 0, 0, 2, 0, 2, -1], jnp.int32)
+  got = run(x, w, be, out_dtype=jnp.float32)
+  want = ref.fp8_grouped_gemm(x, w, be, out_dtype=jnp.float32)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(want))
+  np.testing.assert_array_equal(np.asarray(got[256:512]), 0)
+  np.testing.assert_array_equal(np.asarray(got[1152:]), 0)
+
+
+def test_row_unit_group():
+  assert _grouped.row_unit_group(128, 16, 2) == 8 and _grouped.row_unit_group(256, 16, 1) == 16
+  assert _grouped.row_unit_group(5, 16, 2) == 5 and _grouped.row_unit_group(12, 16, 2) == 6
+  assert _grouped.row_unit_group(7, 4, 2) == 1
+
+
+def test_pair_kernel_falls_back_for_odd_row_blocks(key, monkeypatch):
+  """``"pair192"`` with 3 row blocks (no pairs) runs ``"wide192"``; with N = 128 (narrower than a tile) the ring of
+  128-column tiles."""
+  monkeypatch.setattr(_grouped, "VARIANT", "pair192")
+  for g, m, n, be in [(2, 384, 256, [1, -1, 0]), (2, 256, 128, [0, 1])]:
+    x, w = make_inputs(key, g, m, n, 256)
+    be = jnp.array(be, jnp.int32)
+    got = run(x, w, be, out_dtype=jnp.float32)
+    want = ref.fp8_grouped_gemm(x, w, be, out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(want))
+
+
 def test_default_variant_by_contraction():
-  assert _grouped.VARIANT is None  # the shipped default picks per K
-  assert _grouped.default_variant(7168, 4096) == "k2tma_gh" and _grouped.default_variant(5120, 1024) == "k2tma_gh"
-  # the scales through SMEM up to K = 4096
-  assert _grouped.default_variant(4096, 7168) == "k2tma_gh_ss" and _grouped.default_variant(4096, 1024) == "k2tma_gh_ss"
-  # below K = 4096 the 192-column tile where its overlapping last tile adds at most 1/32 of the columns
-  assert _grouped.default_variant(2048, 7168) == "wide192" and _grouped.default_variant(2048, 4096) == "wide192"
-  assert _grouped.default_variant(2048, 1536) == "wide192"  # 8 tiles, no overlap
+  assert _grouped.VARIANT is None  # the shipped default picks per K and N
+  # where the 192-column tile adds at most 1/32 of the columns: DeepGEMM's schedule, 32 row blocks per group below
+  # K = 4096
+  assert _grouped.default_variant(7168, 4096) == "pair192" and _grouped.default_variant(7168, 2048) == "pair192"
+  assert _grouped.default_variant(4096, 7168) == "pair192" and _grouped.default_variant(2048, 7168) == "pair192_r32"
+  assert _grouped.default_variant(2048, 1536) == "pair192_r32"  # 8 tiles, no overlap
+  # elsewhere: the scales through SMEM up to K = 4096, GMEM above, the 128-column ring below
+  assert _grouped.default_variant(5120, 1024) == "k2tma_gh" and _grouped.default_variant(4096, 1024) == "k2tma_gh_ss"
   assert _grouped.default_variant(2048, 1024) == "ring_nodefer"  # 6 tiles of 192: 1/8 extra
   assert _grouped.default_variant(128, 128) == "ring_nodefer"  # narrower than one wide tile
   assert _grouped.wide_tile_extra(7168) == 128 / 7168 and _grouped.wide_tile_extra(384) == 0
-  assert {"k2tma", "k2tma_g8", "k2tma_gh", "k2tma_gh_ss"} <= set(_grouped.VARIANTS)
+  assert {_grouped.default_variant(k, n) for k in (2048, 4096, 7168) for n in (128, 1024, 2048, 4096, 7168)} \
+      | {"wide192", "simple"} == set(_grouped.VARIANTS)
   assert [_grouped.half_row_group(t) for t in (1, 8, 16, 32, 56, 57, 59)] == [1, 8, 16, 16, 28, 19, 59]
