@@ -1,38 +1,59 @@
-"""Engram gate forward and backward (engram_mhc.md §3.4, §3.5): Mosaic GPU kernels.
+"""Engram gate forward and backward (docs/engram.md, "Gate"): Mosaic GPU kernels.
 
-The forward and the backward's row pass move each hidden row straight GMEM -> registers -> GMEM in 16-byte vectors
-(:func:`jaxkern._layouts.flat_layout`: one ``D``-row spread over the warpgroup's 128 threads, a warp
-reading contiguous 512-byte segments; ``D = 2560`` runs a 2048-column chunk of 16-byte vectors and a
-512-column chunk of 8-byte ones, :func:`jaxkern._layouts.flat_chunks`). All arithmetic is float32;
-row reductions are per-thread vector sums, then warp shuffles and an SMEM step across the 4 warps.
+Every kernel moves the hidden rows straight GMEM -> registers -> GMEM in 16-byte vectors (8-byte ones where
+``D`` asks for it) and does all arithmetic in float32. Two register layouts of a token's ``(M, D)`` rows:
 
-* Forward: one token per CTA (grid ``T``; the rows of all ``M`` streams loaded up front where
-  ``M·D <= PRELOAD_MAX_VALUES``), its ``M`` streams one after the other: ``Σx²``, ``Σk²``
-  and ``Σx·wf·k`` of the row, the gate as scalars, then ``out = bf16(x + g·v)`` from the registers
-  (``v`` is loaded once per token and shared by the streams). ``wf`` (``4·M·D`` bytes) is re-read
-  by every CTA from L2. The saved ``(T, M)`` intermediates are scalar stores.
-* Backward: two kernels, bandwidth first (the first version's persistent CTAs, each with a float32
-  ``(M, D)`` SMEM accumulator, reached 37-66% of copy bandwidth on an H100).
+* One warp per stream (:func:`stream_rows_layout`, ``M % 4 == 0``): a warp's lanes hold 16-byte vectors of
+  256-column segments of its stream's row (512 contiguous bytes per access, any ``D % 256 == 0``, so
+  ``D = 2560`` is ten such segments), and a row reduction is in-thread plus warp shuffles: no SMEM, no
+  barrier. ``v`` is loaded by every warp (the other three from L1).
+* Rows spread over the warpgroup (:func:`jaxkern._layouts.flat_layout` for one row,
+  :func:`block_rows_layout` for ``M`` rows): a thread holds the same columns of every stream, so sums over
+  streams are in-thread and row reductions end in an SMEM step across the 4 warps (one barrier pair, for
+  all ``M`` rows at once in :func:`block_rows_layout`).
 
-  1. Row pass, one token per CTA (grid ``T``, like the forward, with the same preloading): ``v`` and the ``M`` rows of ``go`` in
-     16-byte vectors, ``dldg = Σ go·v`` per stream (float32 row reductions), then ``G`` (spec §3.5) and
-     the scalars of the column pass: a ``(T, M, 4)`` float32 array ``[g, G, raw·rx²/D, raw·rk²/D]``.
+Kernels (the thresholds next to the module's constants say which measurement chose them):
+
+* Forward, one token per CTA (grid ``T``), where :func:`fwd_rows_applies` (``M % 4 == 0`` and a ``D`` that the
+  flat kernel would move in vectors narrower than 16 bytes, :func:`column_block` below 1024: ``D = 2560`` among
+  the benchmarked sizes): :func:`gate_fwd_rows_kernel` (one warp per stream: the three row sums ``Σx²``,
+  ``Σk²``, ``Σx·wf·k``, the gate, ``out = bf16(x + g·v)``). Elsewhere :func:`gate_fwd_flat_kernel` (the
+  streams one after the other, each row spread over the warpgroup, the rows of all streams loaded up front where
+  ``M·D <= PRELOAD_MAX_VALUES``; a ``D`` such as 2560 with ``M % 4 != 0`` in a 2048-column chunk of 16-byte
+  vectors and a 512-column chunk of 8-byte ones, :func:`jaxkern._layouts.flat_chunks`). ``wf`` (``4·M·D``
+  bytes) is re-read for every token from L2.
+* Backward, one pass (:func:`gate_bwd_fused_kernel`, where :func:`fused_applies`: 16-byte vectors,
+  ``D <= FUSED_MAX_D``, ``M <= 4``): persistent CTAs over token ranges, whole rows (:func:`block_rows_layout`);
+  per token ``dldg = Σ go·v`` of all streams in one reduction, ``G`` (docs/engram.md, "Gate"), then
+  ``grad_x``, ``grad_k``, ``grad_v = bf16(Σ_m go_m·g_m)`` (``m`` in order) and the weight-gradient partial
+  ``Σ_t G·x⊙k`` in an ``(M, D)`` float32 SMEM accumulator. ``44·T·D`` bytes from HBM (every array read or
+  written once).
+* Backward, two passes (elsewhere: ``D`` above ``FUSED_MAX_D``, ``D`` such as 2560 with narrower vectors,
+  other ``M``):
+
+  1. Row pass, one token per CTA (grid ``T``; :func:`gate_bwd_rows_kernel`, one warp per stream where
+     ``M % 4 == 0``): ``v`` and the ``M`` rows of ``go``, ``dldg = Σ go·v`` per stream, then ``G`` and the
+     scalars of the column pass: a ``(T, M, 4)`` float32 array ``[g, G, raw·rx²/D, raw·rk²/D]``.
   2. Column pass, grid ``(D / w column blocks) × (P token chunks)``: CTA ``(c, p)`` takes columns
      ``[c·w, (c+1)·w)`` (``w = 128·vec``, :func:`column_block`: each thread ``vec`` consecutive columns of
      every stream, 16-byte bf16 vectors for ``w = 1024``) of the tokens
      ``[p·ceil(T/P), min((p+1)·ceil(T/P), T))``. Per token it loads ``go``, ``x``, ``k`` of the ``M``
      streams (the loads of :data:`TOKENS_PER_STEP` tokens issued together) and writes ``grad_x``,
-     ``grad_k`` and ``grad_v = bf16(Σ_m go_m·g_m)`` (``m`` in order, float32) from the registers. No
-     thread exchanges data with another: the weight-gradient partial ``Σ_t G·x⊙k`` of the CTA's
-     ``(M, w)`` block is a ``lax.fori_loop`` carry (``M·vec`` float32 registers per thread), stored once
-     into ``grad_w_partial[p, :, cols]`` (zeros for an empty chunk); ``wf``'s block is loaded once.
-     :func:`default_num_partials` picks ``P`` for about :data:`CTAS_PER_SM` CTAs per SM.
+     ``grad_k`` and ``grad_v`` from the registers. No thread exchanges data with another: the
+     weight-gradient partial of the CTA's ``(M, w)`` block is a ``lax.fori_loop`` carry (``M·vec`` float32
+     registers per thread), stored once into ``grad_w_partial[p, :, cols]`` (zeros for an empty chunk);
+     ``wf``'s block is loaded once.
 
-  Traffic: ``10·T·D`` bytes (row pass) + ``42·T·D`` (column pass) = ``52·T·D`` against the spec's
-  ``44·T·D`` count (``go`` is read twice: ``G`` needs a whole row before any column can be finished).
+  Traffic: ``10·T·D`` bytes (row pass) + ``42·T·D`` (column pass) = ``52·T·D`` (``go`` is read twice: ``G``
+  needs a whole row before any column can be finished).
 
-Signed square root at ``d = ±0`` (spec §8.1): the kernel uses ``copysign`` (``u = ±sqrt(c)``, so the gate is
-``σ(±sqrt(c))``), the ``jnp`` reference upstream's ``sign`` (``u = 0``, gate 0.5).
+:func:`default_num_partials` picks ``P`` (the rows of ``grad_w_partial``) for either backward.
+
+No kernel relies on Pallas's automatic warpgroup barriers (``NO_AUTO_BARRIERS``): no thread reads SMEM that
+another wrote, except inside Mosaic's reductions, which synchronise themselves.
+
+Signed square root at ``d = ±0`` (docs/engram.md, "Gate"): the kernel uses ``copysign`` (``u = ±sqrt(c)``, so
+the gate is ``σ(±sqrt(c))``), the ``jnp`` reference upstream's ``sign`` (``u = 0``, gate 0.5).
 """
 
 from __future__ import annotations
@@ -44,21 +65,40 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _config
-from jaxkern._layouts import flat_chunks, flat_layout
+from jaxkern._layouts import NO_AUTO_BARRIERS, flat_chunks, flat_layout
 
 CTAS_PER_SM = 8  # column-pass CTAs per SM that the default token chunking aims at (over all waves)
 MIN_CHUNK = 16  # tokens per chunk at least, by default
 TOKENS_PER_STEP = 2  # tokens whose loads the column pass issues together
 MAX_STREAMS = 8  # hc_mult the backward's column pass takes (registers: 5·M·vec float32 per thread)
-# Rows of at most this many values per token (M·D) are loaded for all streams before any arithmetic (the forward's
-# x and k, the backward row pass's go): more bytes in flight per CTA than stream after stream, whose row reductions'
-# barriers keep the next stream's loads from being issued early. 4·2560 (M = 4, D <= 2560: 80 registers of packed
-# bf16 x, k per thread). H100, 2026-11-26, bit-identical: forward D = 2048 / 2560 1.01-1.06x faster (D = 2560 from
-# 85-94% to 88-96% of copy), D = 3072 unchanged (already 95-98%); the backward row pass unchanged.
+# Accumulators of Mosaic's in-thread float sums (fragmented_array.reduce, acc_ilp for "add" in jax 0.11.2): a row of
+# fewer vector values per thread than this is summed over interleaved accumulators, not in order.
+MOSAIC_ADD_ILP = 8
+FUSED_MAX_STREAMS = 4  # hc_mult the fused backward takes (registers: a thread holds M·D/128 values of each operand)
+# The flat kernels (the forward outside fwd_rows_applies, the backward row pass with M % 4 != 0): rows of at most
+# this many values per token (M·D) are loaded for all streams before any arithmetic (the forward's x and k, the
+# backward row pass's go): more bytes in flight per CTA than stream after stream, whose row reductions' barriers
+# keep the next stream's loads from being issued early. 4·2560 (M = 4, D <= 2560: 80 registers of packed bf16 x, k
+# per thread). H100, 2026-11-26, bit-identical: forward D = 2048 / 2560 1.01-1.06x faster (D = 2560 from 85-94% to
+# 88-96% of copy), D = 3072 unchanged (already 95-98%); the backward row pass unchanged.
 PRELOAD_MAX_VALUES = 4 * 2560
+# The fused backward (one pass) takes D up to this (only with 16-byte vectors, column_block(D) = 1024), the two-pass
+# kernels (row pass one warp per stream) the rest. H200, 2026-11-29, T=8001, M=4, CUPTI, cold L2, median of 20, all
+# bit-exact: fused D = 2048 197.3 µs (1.26x TileKernels; 2026-11-28's kernels 233.0), 3072 286.8 (1.14x); above it
+# the fused kernel loses: 4096 462.1 (0.88x; 2026-11-28's 447.7), 6144 827.6 (0.68x) against 638.5 for the two-pass
+# kernels. D = 2560 (8-byte vectors) two-pass: 287.7 µs (1.10x; the fused kernel took 385.8 there).
+FUSED_MAX_D = 3072
+# CTAs per SM of the fused backward at most (register budget: 2 fit even 255 registers per thread). H200, 2026-11-29,
+# T=8001: 3 per SM took 226.2 / 347.1 µs at D = 2048 / 3072, 4 per SM 201.3 / 316.7, 2 per SM 207.8 / 326.8 (go then
+# re-read from L2 for each column block): no gain above 2, and more partials to reduce.
+FUSED_MAX_CTAS_PER_SM = 2
+# Column blocks of x, k, wf whose loads the fused backward issues before G's barriers (the next ones follow the
+# arithmetic of the previous block).
+FUSED_XK_EARLY_BLOCKS = 1
 
 
 def _f32(a):
@@ -88,10 +128,85 @@ def unsupported(d: int, m: int, x_dtype, wf_dtype, backward: bool) -> str | None
   return None
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "clamp_value", "save", "interpret"))
+def _tiled(lay):
+  """A :class:`mgpu_fa.TiledLayout` as a Pallas layout."""
+  return plgpu.Layout.TILED(lay.tiling, lay.warp_dims, lay.lane_dims, lay.vector_dim)
+
+
+def stream_rows_layout() -> mgpu_fa.TiledLayout:
+  """Register layout of a ``(M, D)`` block of one token (``M % 4 == 0``, ``D % 256 == 0``) with one warp per
+  stream: warp ``w`` holds the rows ``w, w + 4, ...``, its lanes 16-byte bf16 vectors (8 columns) of 256-column
+  segments (a warp reads 512 contiguous bytes per vector access), the ``D / 256`` segments in registers. A row
+  reduction is in-thread plus 5 warp shuffles (no SMEM, no barrier); ``reduce((0,))`` is the matching layout
+  of a ``(D,)`` row replicated in every warp (``v``), ``reduce((1,))`` one value per row (every lane of the
+  row's warp holds it)."""
+  tiling = mgpu_fa.Tiling(((4, 256), (8,)))
+  return mgpu_fa.TiledLayout(tiling, (-3,), (-2,), -1, _check_canonical=False).canonicalize()
+
+
+def fwd_rows_applies(d: int, m: int) -> bool:
+  """Whether :func:`gate_fwd_kernel` runs :func:`gate_fwd_rows_kernel` (one warp per stream) for ``(D, M)``:
+  ``M % 4 == 0`` and a ``D`` that the flat kernel would move partly in vectors narrower than 16 bytes
+  (:func:`column_block` below 1024; ``D = 2560`` among the benchmarked sizes). H200, 2026-11-29, T=8001,
+  save=True, CUPTI, cold L2, median of 20, all bit-exact, µs of the rows kernel (one token per CTA) against the
+  flat kernel (2026-11-28): D = 2560 150.9 against 172.5 (TileKernels 142.9); with 16-byte vectors the flat
+  kernel wins: 2048 123.8 against 108.3, 3072 180.4 against 160.5."""
+  return m % 4 == 0 and column_block(d) < 1024
+
+
 def gate_fwd_kernel(x, k, v, wf, *, eps, clamp_value, save, interpret):
   """``x``, ``k`` ``(T, M, D)`` bf16, ``v`` ``(T, D)`` bf16, ``wf`` ``(M, D)`` float32 (``T >= 1``) ->
-  ``(out, dot, gate, rstd_x, rstd_k)`` (the last four only with ``save``)."""
+  ``(out, dot, gate, rstd_x, rstd_k)`` (the last four only with ``save``): :func:`gate_fwd_rows_kernel` where
+  :func:`fwd_rows_applies`, else :func:`gate_fwd_flat_kernel`."""
+  kernel = gate_fwd_rows_kernel if fwd_rows_applies(x.shape[2], x.shape[1]) else gate_fwd_flat_kernel
+  return kernel(x, k, v, wf, eps=eps, clamp_value=clamp_value, save=save, interpret=interpret)
+
+
+def _gate_of(raw, sxx, skk, *, d, eps, clamp_value):
+  """``(g, rx, rk)`` from the float32 row sums (scalars or arrays), the forward's formulas."""
+  inv_d, s = float(np.float32(1.0 / d)), float(np.float32(np.float64(d) ** -0.5))
+  eps32, c = float(np.float32(eps)), float(np.float32(clamp_value))
+  rx = lax.rsqrt(sxx * inv_d + eps32)
+  rk = lax.rsqrt(skk * inv_d + eps32)
+  return _sigmoid(_signed_sqrt(raw * rx * rk * s, c)), rx, rk
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "clamp_value", "save", "interpret"))
+def gate_fwd_rows_kernel(x, k, v, wf, *, eps, clamp_value, save, interpret):
+  """The forward with one warp per stream (:func:`stream_rows_layout`, ``M % 4 == 0``), one token per CTA (grid
+  ``T``): the token's ``(M, D)`` rows of ``x``, ``k`` and ``wf``, their three row sums without any barrier, then
+  ``out = bf16(x + g·v)`` with ``v`` loaded by every warp and ``x`` kept in registers (``D/32`` values of each
+  row per thread)."""
+  t, m, d = x.shape
+  lay = stream_rows_layout()
+  rows, row_v = _tiled(lay), _tiled(lay.reduce((0,)))
+  out_type = [jax.ShapeDtypeStruct((t, m, d), jnp.bfloat16)]
+  if save:
+    out_type += [jax.ShapeDtypeStruct((t, m), jnp.float32)] * 4
+
+  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(t,), grid_names=("t",), interpret=interpret,
+                     compiler_params=NO_AUTO_BARRIERS)
+  def kernel(x_g, k_g, v_g, w_g, o_g, *saved):
+    i = lax.axis_index("t")
+    xf = _f32(plgpu.load(x_g.at[i], layout=rows, optimized=False))
+    kf = _f32(plgpu.load(k_g.at[i], layout=rows, optimized=False))
+    wc = plgpu.load(w_g, layout=rows, optimized=False)
+    raw = 0.0 + jnp.sum(xf * wc * kf, axis=1)  # -0 becomes +0, as in the flat kernel's chunk sums
+    g, rx, rk = _gate_of(raw, jnp.sum(xf * xf, axis=1), jnp.sum(kf * kf, axis=1), d=d, eps=eps,
+                         clamp_value=clamp_value)
+    if save:
+      dot_g, gate_g, rx_g, rk_g = saved
+      dot_g[i], gate_g[i], rx_g[i], rk_g[i] = raw, g, rx, rk
+    vf = _f32(plgpu.load(v_g.at[i], layout=row_v, optimized=False))
+    o_g[i] = (xf + g[:, None] * vf[None, :]).astype(jnp.bfloat16)
+
+  return kernel(x, k, v, wf)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "clamp_value", "save", "interpret"))
+def gate_fwd_flat_kernel(x, k, v, wf, *, eps, clamp_value, save, interpret):
+  """The forward with each row spread over the warpgroup (:func:`jaxkern._layouts.flat_layout`; any ``M``):
+  the module docstring's flat design."""
   t, m, d = x.shape
   chunks = [(off, n, flat_layout(vec)) for off, n, vec in flat_chunks(d, 2)]
   inv_d, s = float(np.float32(1.0 / d)), float(np.float32(np.float64(d) ** -0.5))
@@ -100,7 +215,8 @@ def gate_fwd_kernel(x, k, v, wf, *, eps, clamp_value, save, interpret):
   if save:
     out_type += [jax.ShapeDtypeStruct((t, m), jnp.float32)] * 4
 
-  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(t,), grid_names=("t",), interpret=interpret)
+  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(t,), grid_names=("t",), interpret=interpret,
+                     compiler_params=NO_AUTO_BARRIERS)
   def kernel(x_g, k_g, v_g, w_g, o_g, *saved):
     i = lax.axis_index("t")
     vs = [_f32(plgpu.load(v_g.at[i, pl.ds(off, n)], layout=lay, optimized=False)) for off, n, lay in chunks]
@@ -138,27 +254,68 @@ def column_block(d: int) -> int:
   raise ValueError(f"hidden_size {d} is not a multiple of 256")
 
 
-def default_num_partials(t: int, d: int) -> int:
-  """Token chunks of the column pass (the rows of ``grad_w_partial``) when the caller gives none:
-  ``CTAS_PER_SM·SMs // (D / w)`` (about :data:`CTAS_PER_SM` CTAs per SM over the column blocks, several
-  waves so that the last one's quantisation costs little), at most one chunk per :data:`MIN_CHUNK` tokens
-  (the partials' ``16·P·D`` bytes, written here and read by ``grad_w_reduce``, stay a few % of the
-  traffic), at least 1. A tuning knob: ``num_partials=`` overrides it."""
+def default_num_partials(t: int, d: int, m: int = 4) -> int:
+  """Token chunks of the backward (the rows of ``grad_w_partial``) when the caller gives none. For the fused
+  kernel (:func:`fused_applies`) its persistent grid, ``SMs·fused_ctas_per_sm(D, M)``, at most ``T``. For the
+  two-pass column pass ``CTAS_PER_SM·SMs // (D / w)`` (about :data:`CTAS_PER_SM` CTAs per SM over the column
+  blocks, several waves so that the last one's quantisation costs little), at most one chunk per
+  :data:`MIN_CHUNK` tokens (the partials' ``16·P·D`` bytes, written here and read by ``grad_w_reduce``, stay a
+  few % of the traffic). At least 1. A tuning knob: ``num_partials=`` overrides it."""
+  if d % 256 == 0 and fused_applies(d, m):
+    return max(1, min(fused_ctas_per_sm(d, m) * _config.num_sms(), t))
   blocks = d // column_block(d) if d % 256 == 0 else 1
   return max(1, min(CTAS_PER_SM * _config.num_sms() // blocks, -(-t // MIN_CHUNK)))
 
 
-@functools.partial(jax.jit, static_argnames=("clamp_value", "interpret"))
+def _big_g(dldg, raw, g, rx, rk, *, d, clamp_value):
+  """``G`` (docs/engram.md, "Gate") from the float32 ``dldg`` and the saved ``raw``, ``g``, ``rx``, ``rk``
+  (scalars or arrays)."""
+  s, c = float(np.float32(np.float64(d) ** -0.5)), float(np.float32(clamp_value))
+  a = jnp.abs(raw)
+  active = a * s * rx * rk >= c
+  return jnp.where(active, dldg * g * (1.0 - g) * 0.5 * lax.sqrt(s * rx * rk / jnp.where(active, a, 1.0)), 0.0)
+
+
 def gate_bwd_rows_kernel(go, v, dot, gate, rstd_x, rstd_k, *, clamp_value, interpret):
-  """Row pass of the backward (``T >= 1``): ``(T, M, 4)`` float32 factors ``[g, G, raw·rx²/D, raw·rk²/D]``
-  per (token, stream), ``G`` from ``dldg = Σ go·v`` (spec §3.5)."""
+  """Row pass of the two-pass backward (``T >= 1``): ``(T, M, 4)`` float32 factors ``[g, G, raw·rx²/D,
+  raw·rk²/D]`` per (token, stream), ``G`` from ``dldg = Σ go·v`` (docs/engram.md, "Gate"). One warp per stream
+  (:func:`stream_rows_layout`, no barrier) where ``M % 4 == 0``, else the rows spread over the warpgroup. H200,
+  2026-11-29, T=8001 D=2560, both passes: 286.9 µs with the row pass by stream, 321.2 with the flat one
+  (2026-11-28)."""
+  kernel = _rows_pass_by_stream if go.shape[1] % 4 == 0 else _rows_pass_flat
+  return kernel(go, v, dot, gate, rstd_x, rstd_k, clamp_value=clamp_value, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("clamp_value", "interpret"))
+def _rows_pass_by_stream(go, v, dot, gate, rstd_x, rstd_k, *, clamp_value, interpret):
   t, m, d = go.shape
-  chunks = [(off, n, flat_layout(vec)) for off, n, vec in flat_chunks(d, 2)]
-  s = float(np.float32(np.float64(d) ** -0.5))
-  inv_d, c = float(np.float32(1.0 / d)), float(np.float32(clamp_value))
+  lay = stream_rows_layout()
+  rows, row_v, per_row = _tiled(lay), _tiled(lay.reduce((0,))), _tiled(lay.reduce((1,)))
+  inv_d = float(np.float32(1.0 / d))
+
+  def load(ref, layout):
+    return plgpu.load(ref, layout=layout, optimized=False)
 
   @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((t, m, 4), jnp.float32), grid=(t,),
-                     grid_names=("t",), interpret=interpret)
+                     grid_names=("t",), interpret=interpret, compiler_params=NO_AUTO_BARRIERS)
+  def kernel(go_g, v_g, dot_g, gate_g, rx_g, rk_g, f_g):
+    i = lax.axis_index("t")
+    dldg = 0.0 + jnp.sum(_f32(load(go_g.at[i], rows)) * _f32(load(v_g.at[i], row_v))[None, :], axis=1)
+    raw, g, rx, rk = (load(ref.at[i], per_row) for ref in (dot_g, gate_g, rx_g, rk_g))
+    f_g[i, :, 0], f_g[i, :, 1] = g, _big_g(dldg, raw, g, rx, rk, d=d, clamp_value=clamp_value)
+    f_g[i, :, 2], f_g[i, :, 3] = raw * rx * rx * inv_d, raw * rk * rk * inv_d
+
+  return kernel(go, v, dot, gate, rstd_x, rstd_k)
+
+
+@functools.partial(jax.jit, static_argnames=("clamp_value", "interpret"))
+def _rows_pass_flat(go, v, dot, gate, rstd_x, rstd_k, *, clamp_value, interpret):
+  t, m, d = go.shape
+  chunks = [(off, n, flat_layout(vec)) for off, n, vec in flat_chunks(d, 2)]
+  inv_d = float(np.float32(1.0 / d))
+
+  @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((t, m, 4), jnp.float32), grid=(t,),
+                     grid_names=("t",), interpret=interpret, compiler_params=NO_AUTO_BARRIERS)
   def kernel(go_g, v_g, dot_g, gate_g, rx_g, rk_g, f_g):
     i = lax.axis_index("t")
     vs = [_f32(plgpu.load(v_g.at[i, pl.ds(off, n)], layout=lay, optimized=False)) for off, n, lay in chunks]
@@ -172,10 +329,7 @@ def gate_bwd_rows_kernel(go, v, dot, gate, rstd_x, rstd_k, *, clamp_value, inter
       for goc, vc in zip(preloaded[j] if preloaded else load_row(j), vs):
         dldg = dldg + jnp.sum(_f32(goc) * vc)
       raw, g, rx, rk = dot_g[i, j], gate_g[i, j], rx_g[i, j], rk_g[i, j]
-      a = jnp.abs(raw)
-      active = a * s * rx * rk >= c
-      big_g = jnp.where(active, dldg * g * (1.0 - g) * 0.5 * lax.sqrt(s * rx * rk / jnp.where(active, a, 1.0)), 0.0)
-      f_g[i, j, 0], f_g[i, j, 1] = g, big_g
+      f_g[i, j, 0], f_g[i, j, 1] = g, _big_g(dldg, raw, g, rx, rk, d=d, clamp_value=clamp_value)
       f_g[i, j, 2], f_g[i, j, 3] = raw * rx * rx * inv_d, raw * rk * rk * inv_d
 
   return kernel(go, v, dot, gate, rstd_x, rstd_k)
@@ -194,7 +348,8 @@ def gate_bwd_cols_kernel(go, x, k, wf, factors, *, num_partials, interpret):
   out_type = (jax.ShapeDtypeStruct((t, m, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, m, d), jnp.bfloat16),
               jax.ShapeDtypeStruct((t, d), jnp.bfloat16), jax.ShapeDtypeStruct((p, m, d), jnp.float32))
 
-  @functools.partial(plgpu.kernel, out_type=out_type, grid=(d // w, p), grid_names=("c", "p"), interpret=interpret)
+  @functools.partial(plgpu.kernel, out_type=out_type, grid=(d // w, p), grid_names=("c", "p"), interpret=interpret,
+                     compiler_params=NO_AUTO_BARRIERS)
   def kernel(go_g, x_g, k_g, w_g, f_g, gx_g, gk_g, gv_g, gw_g):
     pid = lax.axis_index("p")
     cols = pl.ds(lax.axis_index("c") * w, w)
@@ -216,7 +371,7 @@ def gate_bwd_cols_kernel(go, x, k, wf, factors, *, num_partials, interpret):
           gx_g[i, j, cols] = (goc + big_g * (kc * wfs[j] - xc * cx)).astype(jnp.bfloat16)
           gk_g[i, j, cols] = (big_g * (xc * wfs[j] - kc * ck)).astype(jnp.bfloat16)
           acc[j] = acc[j] + big_g * xc * kc
-          gv = goc * g if gv is None else gv + goc * g  # m = 0..M-1 in order (spec §3.5)
+          gv = goc * g if gv is None else gv + goc * g  # m = 0..M-1 in order (docs/engram.md, "Gate")
         gv_g[i, cols] = gv.astype(jnp.bfloat16)
       return tuple(acc)
 
@@ -233,8 +388,114 @@ def gate_bwd_cols_kernel(go, x, k, wf, factors, *, num_partials, interpret):
   return kernel(go, x, k, wf, factors)
 
 
+def block_rows_layout(w: int) -> mgpu_fa.TiledLayout:
+  """Register layout of a ``(M, n)`` block (``n % w == 0``, ``w = 128·vec``) with every row spread over the
+  warpgroup as :func:`jaxkern._layouts.flat_layout` spreads one (``vec`` consecutive columns per thread, a warp
+  ``32·vec`` contiguous columns) and the rows and ``w``-column segments in registers: a reduction along the rows
+  is in-thread (``m`` in order where :func:`fused_block` says so), one along the columns reduces all ``M`` rows
+  in one SMEM step (one barrier pair, ``M <= 4``). ``reduce((0,))`` is :func:`jaxkern._layouts.flat_layout`,
+  ``reduce((1,))`` one value per row held by every thread."""
+  vec = w // 128
+  tiling = mgpu_fa.Tiling(((1, w), (32 * vec,), (vec,)))
+  return mgpu_fa.TiledLayout(tiling, (-3,), (-2,), -1, _check_canonical=False).canonicalize()
+
+
+SMEM_PER_SM = 228 * 1024  # Hopper: shared memory per SM, of which at most 227 KiB per CTA
+SMEM_PER_CTA_RESERVED = 1024 + 2048  # the driver's 1 KiB per CTA + Pallas's reduction scratch
+
+
+def fused_ctas_per_sm(d: int, m: int) -> int:
+  """CTAs per SM of :func:`gate_bwd_fused_kernel`: as many ``(M, D)`` float32 SMEM accumulators as fit in an
+  SM, at most :data:`FUSED_MAX_CTAS_PER_SM`, at least 1."""
+  return max(1, min(FUSED_MAX_CTAS_PER_SM, SMEM_PER_SM // (4 * m * d + SMEM_PER_CTA_RESERVED)))
+
+
+def fused_block(d: int) -> int | None:
+  """Columns per step of :func:`gate_bwd_fused_kernel` (``grad_x``, ``grad_k``, ``grad_v`` and the partial):
+  the narrowest multiple of :func:`column_block` ``w`` dividing ``D`` whose rows span at least
+  ``MOSAIC_ADD_ILP / vec`` registers per thread, so that Mosaic's in-thread sum over the streams (``grad_v``)
+  adds them in order (with fewer it splits them over interleaved accumulators); None if there is none
+  (``D = 512``). 1024 for 16-byte vectors (the fused kernel's); ``D`` itself for 2560."""
+  w = column_block(d)
+  for cb in range(w * max(1, MOSAIC_ADD_ILP * 128 // w), d + 1, w):
+    if d % cb == 0:
+      return cb
+  return None
+
+
+def fused_applies(d: int, m: int) -> bool:
+  """Whether :func:`gate_bwd_kernel` runs :func:`gate_bwd_fused_kernel` for ``(D, M)``: column blocks of
+  16-byte vectors (:func:`column_block` 1024), ``D <= FUSED_MAX_D`` (measurements there) and
+  ``M <= FUSED_MAX_STREAMS`` (the ``(M, D)`` float32 accumulator then takes at most 48 KiB of SMEM)."""
+  return column_block(d) == 1024 and d <= FUSED_MAX_D and m <= FUSED_MAX_STREAMS
+
+
+@functools.partial(jax.jit, static_argnames=("clamp_value", "num_partials", "interpret"))
+def gate_bwd_fused_kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k, *, clamp_value, num_partials, interpret):
+  """The backward in one pass (``T >= 1``): ``P`` persistent CTAs, CTA ``p`` the tokens
+  ``[p·ceil(T/P), min((p+1)·ceil(T/P), T))`` one after the other, whole rows (:func:`block_rows_layout` with
+  the :func:`column_block` width, 16-byte vectors). Per token: ``dldg = Σ go·v`` of the
+  ``M`` streams in one reduction, ``G`` (the row pass's formulas), then per :func:`fused_block` of columns
+  ``grad_x``, ``grad_k``, ``grad_v = bf16(Σ_m go_m·g_m)`` (``m`` in order) and the weight-gradient partial
+  ``Σ G·x⊙k``, accumulated in an ``(M, D)`` float32 SMEM buffer that each thread reads and writes at its own
+  positions (no barrier), stored into ``grad_w_partial[p]`` at the end. ``go`` is read once and kept in
+  registers (``M·D/256`` packed registers per thread: 48 at ``M = 4``, ``D = 3072``). The loads of the first
+  :data:`FUSED_XK_EARLY_BLOCKS` blocks of ``x``, ``k``, ``wf`` (never all of them) are issued before ``G``'s
+  barriers."""
+  t, m, d = x.shape
+  p = num_partials
+  per = -(-t // p)
+  lay, cb = block_rows_layout(column_block(d)), fused_block(d)
+  rows, row, per_stream = _tiled(lay), _tiled(lay.reduce((0,))), _tiled(lay.reduce((1,)))
+  inv_d = float(np.float32(1.0 / d))
+  blocks = [pl.ds(b * cb, cb) for b in range(d // cb)]
+  early = min(FUSED_XK_EARLY_BLOCKS, len(blocks) - 1)  # not the whole row (D = 1024: one block)
+  out_type = (jax.ShapeDtypeStruct((t, m, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, m, d), jnp.bfloat16),
+              jax.ShapeDtypeStruct((t, d), jnp.bfloat16), jax.ShapeDtypeStruct((p, m, d), jnp.float32))
+
+  def load(ref, layout=rows):
+    return plgpu.load(ref, layout=layout, optimized=False)
+
+  @functools.partial(plgpu.kernel, out_type=out_type, grid=(p,), grid_names=("p",), interpret=interpret,
+                     scratch_types=[plgpu.SMEM((m, d), jnp.float32)], compiler_params=NO_AUTO_BARRIERS)
+  def kernel(go_g, x_g, k_g, v_g, w_g, dot_g, gate_g, rx_g, rk_g, gx_g, gk_g, gv_g, gw_g, acc_s):
+    pid = lax.axis_index("p")
+    start = jnp.minimum(pid * per, t)
+    end = jnp.minimum(start + per, t)
+    for cols in blocks:
+      acc_s[:, cols] = plgpu.layout_cast(jnp.zeros((m, cb), jnp.float32), rows)
+
+    def token(i, carry):
+      gob = load(go_g.at[i])
+      xkw = [(load(x_g.at[i, :, cols]), load(k_g.at[i, :, cols]), load(w_g.at[:, cols])) for cols in blocks[:early]]
+      dldg = 0.0 + jnp.sum(_f32(gob) * _f32(load(v_g.at[i], row))[None, :], axis=1)  # as the two-pass row pass
+      raw, g, rx, rk = (load(ref.at[i], per_stream) for ref in (dot_g, gate_g, rx_g, rk_g))
+      big_g = _big_g(dldg, raw, g, rx, rk, d=d, clamp_value=clamp_value)[:, None]
+      cx, ck = (raw * rx * rx * inv_d)[:, None], (raw * rk * rk * inv_d)[:, None]
+      for b, cols in enumerate(blocks):
+        xb, kb, wb = xkw[b] if b < early else (load(x_g.at[i, :, cols]), load(k_g.at[i, :, cols]),
+                                                load(w_g.at[:, cols]))
+        goc = _f32(gob[:, b * cb:(b + 1) * cb])
+        xc, kc = _f32(xb), _f32(kb)
+        gx_g[i, :, cols] = (goc + big_g * (kc * wb - xc * cx)).astype(jnp.bfloat16)
+        gk_g[i, :, cols] = (big_g * (xc * wb - kc * ck)).astype(jnp.bfloat16)
+        acc_s[:, cols] = load(acc_s.at[:, cols]) + big_g * xc * kc
+        gv_g[i, cols] = jnp.sum(goc * g[:, None], axis=0).astype(jnp.bfloat16)  # m in order (fused_block)
+      return carry
+
+    lax.fori_loop(start, end, token, 0)
+    for cols in blocks:
+      gw_g[pid, :, cols] = load(acc_s.at[:, cols])
+
+  return kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k)
+
+
 def gate_bwd_kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k, *, clamp_value, num_partials, interpret):
-  """The backward's two kernels (``T >= 1``) -> ``(grad_x, grad_k, grad_v, grad_w_partial (P, M, D) float32)``."""
+  """The backward (``T >= 1``) -> ``(grad_x, grad_k, grad_v, grad_w_partial (P, M, D) float32)``:
+  :func:`gate_bwd_fused_kernel` where :func:`fused_applies`, else the two-pass kernels."""
+  if fused_applies(x.shape[2], x.shape[1]):
+    return gate_bwd_fused_kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k, clamp_value=clamp_value,
+                                 num_partials=num_partials, interpret=interpret)
   factors = gate_bwd_rows_kernel(go, v, dot, gate, rstd_x, rstd_k, clamp_value=clamp_value, interpret=interpret)
   return gate_bwd_cols_kernel(go, x, k, wf, factors, num_partials=num_partials, interpret=interpret)
 
@@ -277,7 +538,7 @@ def check_gate_arrays(**arrays):
 
 def engram_gate_fwd(hidden_states, k, v, weight_fused, *, eps: float, clamp_value: float,
                     save_for_backward: bool = True, implementation: str | None = None) -> EngramGateOutput:
-  """Engram gate forward (engram_mhc.md §3.4): ``out = bf16(x + σ(signed_sqrt(d))·v)`` per (token, stream).
+  """Engram gate forward (docs/engram.md, "Gate"): ``out = bf16(x + σ(signed_sqrt(d))·v)`` per (token, stream).
 
   With ``s = fp32(D^-1/2)``, ``rx = rsqrt(Σx²/D + eps)``, ``rk = rsqrt(Σk²/D + eps)``, ``raw = Σ x·wf·k``,
   ``d = raw·rx·rk·s``, ``signed_sqrt(d) = sign(d)·sqrt(max(|d|, clamp_value))``, everything in float32.
@@ -305,8 +566,8 @@ def engram_gate_fwd(hidden_states, k, v, weight_fused, *, eps: float, clamp_valu
   (``"pallas"`` raises :class:`jaxkern.KernelUnavailableError` for those).
 
   Numerics: float32 sums in another order than the reference's, ``rsqrt`` / ``sqrt`` / ``exp`` of the
-  device; compared by the spec's ``calc_diff < 2e-10``. At ``d = ±0`` (``raw = ±0``) the kernel's
-  ``copysign`` gives the gate ``σ(±sqrt(c))``, the reference's ``sign`` 0.5 (spec §8.1). Other float
+  device; within ``calc_diff < 2e-10`` of it (the tests' tolerance). At ``d = ±0`` (``raw = ±0``) the kernel's
+  ``copysign`` gives the gate ``σ(±sqrt(c))``, the reference's ``sign`` 0.5 (docs/engram.md, "Gate"). Other float
   dtypes run the reference in ``promote(dtype, float32)``.
 
   Differentiation: none (a building block): differentiate :func:`jaxkern.modeling.engram_gate`;
@@ -334,7 +595,7 @@ def engram_gate_fwd(hidden_states, k, v, weight_fused, *, eps: float, clamp_valu
 def engram_gate_bwd(grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k, *,
                     clamp_value: float, num_partials: int | None = None,
                     implementation: str | None = None) -> EngramGateGrads:
-  """Engram gate backward (engram_mhc.md §3.5) from the forward's saved intermediates.
+  """Engram gate backward (docs/engram.md, "Gate") from the forward's saved intermediates.
 
   Per (token, stream), float32: ``dldg = Σ go·v``; ``G = 0`` where ``|dot|·s·rx·rk < clamp_value`` (the
   clamp is active; also ``dot = 0``), else ``dldg·g(1-g)·0.5·sqrt(s·rx·rk/|dot|)``;
@@ -348,12 +609,14 @@ def engram_gate_bwd(grad_out, hidden_states, k, v, weight_fused, dot, gate_score
     hidden_states, k, v, weight_fused: the forward's inputs (see :func:`engram_gate_fwd`).
     dot, gate_score, rstd_x, rstd_k: ``(T, M)`` float32, as saved by the forward (any consistent values).
     clamp_value: the forward's clamp.
-    num_partials: ``P``, the rows of ``grad_w_partial``: the kernel's token chunks (spec §3.5 / §9.4 fix the
-      token-range structure, not ``P``; :func:`jaxkern.engram.grad_w_reduce` sums any number of rows). A
-      static int >= 1; default (``jaxkern.engram._gate.default_num_partials``):
-      ``max(1, min(8·SMs // (D / w), ceil(T / 16)))`` with the column block ``w`` (1024, or 512 / 256 where
-      1024 does not divide ``D``), e.g. 150 at ``D = 7168``, ``T = 8001`` on 132 SMs (132 assumed when
-      tracing off a GPU).
+    num_partials: ``P``, the rows of ``grad_w_partial``: the kernel's token chunks (docs/engram.md, "Gate": contiguous
+      token ranges, any ``P``; :func:`jaxkern.engram.grad_w_reduce` sums any number of rows). A
+      static int >= 1; default (``jaxkern.engram._gate.default_num_partials``, 132 SMs assumed when tracing
+      off a GPU): for the one-pass kernel its persistent grid, ``SMs·c`` with ``c`` the CTAs per SM whose
+      ``(M, D)`` float32 accumulators fit in shared memory (at most a small cap), at most ``T``: e.g. 264 at
+      ``D = 2048``; for the two-pass kernels ``max(1, min(8·SMs // (D / w), ceil(T / 16)))`` with the column
+      block ``w`` (1024, or 512 / 256 where 1024 does not divide ``D``), e.g. 176 at ``D = 6144``, 150 at ``D = 7168``
+      (``T = 8001``).
     implementation: as :func:`engram_gate_fwd`.
 
   Returns:
@@ -366,11 +629,13 @@ def engram_gate_bwd(grad_out, hidden_states, k, v, weight_fused, dot, gate_score
   XLA (the reference) instead of the kernel: ``T = 0`` (zero partials); under ``"auto"`` also other dtypes,
   ``D % 256 != 0`` and ``M > 8`` (``"pallas"`` raises :class:`jaxkern.KernelUnavailableError` for those).
 
-  Kernels (module docstring): a row pass (``G`` per token and stream) and a column pass (everything else,
-  the weight-gradient partial of each token chunk kept in registers); ``52·T·D`` bytes of traffic against
-  the spec's ``44·T·D`` count (``go`` is read by both).
+  Kernels (module docstring): one pass (persistent CTAs over token ranges, the weight-gradient partial in
+  shared memory; ``44·T·D`` bytes of traffic, every array once) for ``D`` up to 3072 in 16-byte vectors and
+  ``M <= 4``, else a row pass (``G`` per
+  token and stream) and a column pass (everything else, the weight-gradient partial of each token chunk kept
+  in registers; ``52·T·D`` bytes: ``go`` is read by both).
 
-  Numerics: float32, other summation orders than the reference (spec tolerance ``calc_diff < 1e-8``);
+  Numerics: float32, other summation orders than the reference (within ``calc_diff < 1e-8``, the tests' tolerance);
   the weight-gradient partials are deterministic for a fixed ``P``.
 
   Differentiation: none (it is the backward); ``jax.grad`` through it raises
@@ -381,7 +646,7 @@ def engram_gate_bwd(grad_out, hidden_states, k, v, weight_fused, dot, gate_score
       gate_score=gate_score, rstd_x=rstd_x, rstd_k=rstd_k)
   clamp_value = _checks.check_float("clamp_value", clamp_value, nonnegative=True)
   t, m, d = x.shape
-  p = default_num_partials(t, d) if num_partials is None else num_partials
+  p = default_num_partials(t, d, m) if num_partials is None else num_partials
   if not isinstance(p, (int, np.integer)) or isinstance(p, bool) or p < 1:
     raise ValueError(f"num_partials must be an int >= 1, got {num_partials!r}")
   p = int(p)

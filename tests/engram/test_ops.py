@@ -89,10 +89,13 @@ def _fwd(x, k, v, wf, save, implementation="interpret", eps=1e-20, clamp=1e-6):
                                                    implementation=implementation))(x, k, v, wf)
 
 
-# 2560: a 2048-column 16-byte chunk + a 512-column 8-byte one; M·D <= PRELOAD_MAX_VALUES up to 2560, 3072 streams
-@pytest.mark.parametrize("t, d", [(5, 512), (3, 2560), (2, 3072)])
-def test_gate_fwd_kernel(key, t, d):
-  x, k, v, wh, we = gate_inputs(key, t, 4, d)
+# M = 4: one warp per stream where the flat kernel would need vectors narrower than 16 bytes (512, 2560), the flat
+# kernel with 16-byte vectors (4096, stream by stream); M = 3: the flat kernel, 2560 a 2048-column 16-byte chunk + a
+# 512-column 8-byte one, M·D <= PRELOAD_MAX_VALUES (2560) or not (3584)
+@pytest.mark.parametrize("t, m, d", [(5, 4, 512), (3, 4, 2560), (2, 4, 4096), (3, 3, 2560), (2, 3, 3584)])
+def test_gate_fwd_kernel(key, t, m, d):
+  assert _gate.fwd_rows_applies(d, m) == (m == 4 and d in (512, 2560))
+  x, k, v, wh, we = gate_inputs(key, t, m, d)
   wf = engram.fused_weight(wh, we)
   got = _fwd(x, k, v, wf, True)
   want = ref.engram_gate_fwd(x, k, v, wf, eps=1e-20, clamp_value=1e-6)
@@ -115,26 +118,32 @@ def test_gate_fwd_signed_sqrt_at_zero(key):
   assert float(want.gate_score[0, 1]) == 0.5 and float(got.dot[0, 1]) == 0.0
 
 
-def _bwd_inputs(key, t, d, clamp):
-  x, k, v, wh, we = gate_inputs(key, t, 4, d)
+def _bwd_inputs(key, t, d, clamp, m=4):
+  x, k, v, wh, we = gate_inputs(key, t, m, d)
   wf = engram.fused_weight(wh, we)
   saved = ref.engram_gate_fwd(x, k, v, wf, eps=1e-20, clamp_value=clamp)
   go = jax.random.normal(jax.random.fold_in(key, 7), x.shape).astype(jnp.bfloat16)
   return (go, x, k, v, wf, *saved[1:])
 
 
-def _median_clamp(key, t, d):
+def _median_clamp(key, t, d, m=4):
   """A clamp just above the median ``|d|`` of :func:`_bwd_inputs`' data (the same key gives the same data)."""
-  _, x, k, v, wf, dot, _, rx, rk = _bwd_inputs(key, t, d, 1e-6)
+  _, x, k, v, wf, dot, _, rx, rk = _bwd_inputs(key, t, d, 1e-6, m)
   return float(np.median(np.abs(np.asarray(dot * rx * rk, np.float64))) * d**-0.5) * 1.0001
 
 
-# column blocks: D = 512, 2560 -> 512 wide (8-byte vectors), 1024 / 2048 -> 1024 (16-byte), 768 -> 256 (4-byte);
-# chunks of 3 tokens (a pair + a tail token), 1 (tail only), 5 (two pairs + tail); p > t: empty chunks write zeros
-@pytest.mark.parametrize("t, d, p", [(7, 512, 3), (2, 2560, 4), (5, 1024, 1), (3, 2048, 3), (4, 768, 2), (2, 3072, 2)])
-def test_gate_bwd_kernel(key, t, d, p):
-  clamp = _median_clamp(key, t, d)  # the clamp is active for about half the (token, stream) pairs
-  args = _bwd_inputs(key, t, d, clamp)
+# fused (one pass, D <= FUSED_MAX_D in 16-byte vectors): 1024 / 2048 / 3072 in 1024-column steps. Two-pass: 4096
+# (16-byte vectors above FUSED_MAX_D), 2560 (8-byte vectors), 512, 768 (4-byte vectors), all with the row pass one
+# warp per stream; M = 3: the flat row pass, M·D above PRELOAD_MAX_VALUES. Token chunks of 3 tokens, 1, 5; p > t:
+# empty chunks write zeros.
+@pytest.mark.parametrize("t, d, p, m, kernel", [
+    (2, 3072, 4, 4, "fused"), (5, 1024, 1, 4, "fused"), (3, 2048, 3, 4, "fused"), (2, 4096, 3, 4, "two_pass"),
+    (7, 512, 3, 4, "two_pass"), (4, 768, 2, 4, "two_pass"), (2, 2560, 4, 4, "two_pass"),
+    (2, 3584, 2, 3, "two_pass")])
+def test_gate_bwd_kernel(key, t, d, p, m, kernel):
+  assert _gate.fused_applies(d, m) == (kernel == "fused")
+  clamp = _median_clamp(key, t, d, m)  # the clamp is active for about half the (token, stream) pairs
+  args = _bwd_inputs(key, t, d, clamp, m)
   got = jax.jit(lambda *a: engram.engram_gate_bwd(*a, clamp_value=clamp, num_partials=p,
                                                   implementation="interpret"))(*args)
   want = ref.engram_gate_bwd(*args, clamp_value=clamp, num_partials=p)
@@ -151,10 +160,11 @@ def test_gate_bwd_kernel(key, t, d, p):
   assert 0 < active.mean() < 1
 
 
-def test_gate_bwd_row_pass_factors(key):
+@pytest.mark.parametrize("m", [4, 3])  # one warp per stream; the flat row pass
+def test_gate_bwd_row_pass_factors(key, m):
   """The row pass alone: ``[g, G, raw·rx²/D, raw·rk²/D]`` per (token, stream) vs the reference's formulas."""
-  clamp = _median_clamp(key, 3, 2560)
-  go, x, k, v, wf, dot, gate, rx, rk = _bwd_inputs(key, 3, 2560, clamp)
+  clamp = _median_clamp(key, 3, 2560, m)
+  go, x, k, v, wf, dot, gate, rx, rk = _bwd_inputs(key, 3, 2560, clamp, m)
   got = _gate.gate_bwd_rows_kernel(go, v, dot, gate, rx, rk, clamp_value=clamp,
                                    interpret=plgpu.InterpretGPUParams())
   dldg = jnp.sum(go.astype(jnp.float32) * v.astype(jnp.float32)[:, None], axis=-1)
@@ -167,15 +177,24 @@ def test_gate_bwd_row_pass_factors(key):
 
 
 def test_gate_preload_threshold_splits_the_tested_widths():
-  assert 4 * 2560 <= _gate.PRELOAD_MAX_VALUES < 4 * 3072  # the kernel tests run both row-loading orders
+  assert 3 * 2560 <= _gate.PRELOAD_MAX_VALUES < 3 * 3584  # the flat kernels' tests (M = 3) run both loading orders
 
 
 def test_gate_bwd_default_partials():
   assert _gate.column_block(7168) == 1024 and _gate.column_block(2560) == 512 and _gate.column_block(768) == 256
+  assert [_gate.fused_block(d) for d in (512, 1024, 1536, 2560, 7168)] == [None, 1024, 1536, 2560, 1024]
+  # fused: the persistent grid, as many (M, D) float32 accumulators per SM as fit (at most the cap), at most T
+  assert _gate.fused_ctas_per_sm(3072, 4) == min(4, _gate.FUSED_MAX_CTAS_PER_SM)
+  assert _gate.default_num_partials(8001, 3072) == _gate.fused_ctas_per_sm(3072, 4) * 132
+  assert _gate.default_num_partials(40, 2048) == 40
+  assert _gate.default_num_partials(8001, 2048) == _gate.fused_ctas_per_sm(2048, 4) * 132
+  assert _gate.default_num_partials(0, 2048) == 1
+  # two-pass: column blocks x token chunks
   assert _gate.default_num_partials(8001, 7168) == 8 * 132 // 7 == 150  # 7 column blocks x 150 chunks
-  assert _gate.default_num_partials(8001, 2560) == 8 * 132 // 5
-  assert _gate.default_num_partials(4001, 2048) == -(-4001 // 16)  # 16 tokens per chunk at least
-  assert _gate.default_num_partials(40, 7168) == 3 and _gate.default_num_partials(0, 2048) == 1
+  assert _gate.default_num_partials(8001, 6144) == 8 * 132 // 6 == 176  # 6144: two-pass (above FUSED_MAX_D)
+  assert _gate.default_num_partials(40, 7168) == 3
+  assert _gate.default_num_partials(8001, 2560) == 8 * 132 // 5  # 2560: two-pass (8-byte vectors)
+  assert _gate.default_num_partials(4001, 4096) == -(-4001 // 16)  # 16 tokens per chunk at least
   s = jnp.zeros((0, 4))
   x = jnp.zeros((0, 4, 7168), jnp.bfloat16)
   g = engram.engram_gate_bwd(x, x, x, x[:, 0], jnp.ones((4, 7168)), s, s, s, s, clamp_value=1e-6,
@@ -192,9 +211,11 @@ def test_gate_zero_tokens():
   assert g.grad_v.shape == (0, 512) and g.grad_w_partial.shape == (8, 4, 512) and not np.any(g.grad_w_partial)
 
 
-@pytest.mark.parametrize("t, d", [(4001, 2048), (8001, 7168), (4001, 2560), (1, 768)])
-def test_gate_kernels_lower_for_h100(t, d):
-  m = 4
+# fwd: one warp per stream (2560, 768), the flat kernel (2048, 6144, 7168, m = 3); bwd: fused (2048), two-pass (7168,
+# 6144, 2560, 768; flat row pass with m = 3)
+@pytest.mark.parametrize("t, d, m", [(4001, 2048, 4), (8001, 7168, 4), (4001, 2560, 4), (8001, 6144, 4), (1, 768, 4),
+                                     (4001, 7168, 3)])
+def test_gate_kernels_lower_for_h100(t, d, m):
   b16, f32 = (sds((t, m, d), jnp.bfloat16), sds((t, m), jnp.float32))
   args = (b16, b16, sds((t, d), jnp.bfloat16), sds((m, d), jnp.float32))
   for save in (True, False):
@@ -208,14 +229,14 @@ def test_gate_kernels_lower_for_h100(t, d):
 def test_gate_unsupported_runs_xla():
   x = jnp.zeros((2, 4, 320), jnp.bfloat16)
   with pytest.raises(jaxkern.KernelUnavailableError, match="multiple of 256"):
-    engram.engram_gate_fwd(x, x, x[:, 0], jnp.ones((4, 320)), eps=0.0, clamp_value=1e-6, implementation="pallas")
+    engram.engram_gate_fwd(x, x, x[:, 0], jnp.ones((4, 320)), eps=0.0, clamp_value=1e-6, implementation="interpret")
   d = jaxkern.explain(lambda *a: engram.engram_gate_fwd(*a, eps=0.0, clamp_value=1e-6, implementation="xla"),
                       x, x, x[:, 0], jnp.ones((4, 320)))
   assert d[0].path == "xla"
   x9, s9 = jnp.zeros((2, 9, 256), jnp.bfloat16), jnp.zeros((2, 9))
   with pytest.raises(jaxkern.KernelUnavailableError, match="hc_mult 9 > 8"):
     engram.engram_gate_bwd(x9, x9, x9, x9[:, 0], jnp.ones((9, 256)), s9, s9, s9, s9, clamp_value=1e-6,
-                           implementation="pallas")
+                           implementation="interpret")
 
 
 B16 = jnp.zeros((2, 4, 256), jnp.bfloat16)
