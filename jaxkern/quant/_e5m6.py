@@ -1,41 +1,44 @@
-"""E5M6 casts (quant.md §4.6, §5.4, §9.3): ``per_token_cast_to_e5m6`` and ``cast_back_e5m6``.
+"""E5M6 casts: ``per_token_cast_to_e5m6`` and ``cast_back_e5m6`` (docs/quant.md, "Number formats", "Casts",
+"Cast-backs").
 
-E5M6 is a 12-bit format, the top 12 bits of an fp16 pattern (the spec's recipe: fp16 round toward zero,
-then the 17-bit drop rule; 8 codes packed big-endian into three uint32 words). On the GPU the kernels use
-the hardware fp16 conversions through inline PTX at the lane level (``plgpu.inline_mgpu``): the encoder's
-``cvt.rz.f16.f32`` is the recipe's first step (:func:`_lane_code`; it saturates finite magnitudes from 65536 on,
-where the recipe goes to infinity, which one compare corrects), the decoder's ``cvt.f32.f16`` decodes a
-code exactly (:func:`_hw_decode`, bf16 output). Interpret mode cannot run inline PTX: there (and for the
-float32 decoder output) both are integer bit manipulation on float32 patterns with the same bits
+E5M6 is a 12-bit format, the top 12 bits of an fp16 pattern (the format's recipe: fp16 round toward zero, then the
+17-bit drop rule; 8 codes packed big-endian into three uint32 words). On the GPU the kernels use the hardware fp16
+conversions through inline PTX at the lane level (``plgpu.inline_mgpu``): the encoder's round-toward-zero
+conversion is the recipe's first step, two values per ``cvt.rz.f16x2.f32`` (:func:`_lane_pair_bits`); it saturates
+finite magnitudes from 65536 on, where the recipe goes to infinity, and only a NaN row with ``round_sf`` scales
+values that far, so those rows take per-value codes that correct it with one compare (:func:`_lane_code`). The
+decoder's ``cvt.f32.f16`` decodes a code exactly, for bf16 and float32 output (:func:`_hw_decode`). Interpret mode
+cannot run inline PTX: there both are integer bit manipulation on float32 patterns with the same bits
 (:func:`_encode_code`, :func:`_decode`).
 
 Both Mosaic GPU kernels view a row as groups of 8 columns, ``(M, K/8, 8)``. The encoder reads them in
-:func:`jaxkern._layouts.group_layout`: each thread holds whole groups as 16-byte vectors, so the input
-moves as vectors straight from GMEM to registers and the position in the group is a compile-time
-constant. The decoder writes them in :func:`jaxkern._layouts.group_vectors_layout` (the view ``(M, K/8,
-parts, vec)``: a float32 group's two 16-byte vectors on neighbouring lanes, so that every vector store
-of a warp is contiguous; whole 32-byte groups per thread left the float32 decoder at 0.85-0.99x XLA on an
-H100). The three words of a group are one value per group (``layout.reduce``). The encoder's words pass through
-SMEM on the GPU, so that GMEM sees 16-byte vector stores of the CTA's contiguous words (:func:`_stage_words`;
-the strided SMEM stores are lane-level code, Mosaic GPU's layout inference takes no strided SMEM view); the
-decoder reads them as three strided 4-byte GMEM loads (through SMEM it was 1-4% slower for the float32
-output and no faster for bf16), as does the interpret-mode encoder for its stores. The lane-level encoder
-builds a group's words from its codes with shifts and ORs (:func:`_lane_words`), the decoder cuts the codes
-out as fp16 pairs (:func:`_lane_half_pairs`); the integer paths build each word as a sum over the group of
-its codes' shifted pieces (an in-thread reduction) and broadcast the words over the group to cut every code
-out, the selects on the position in the group folding where it is constant. The row's ``|x|`` maximum (a
-bf16 row's from the threads' packed bf16 maxima, :func:`_bf16_row_partials`) gives one sf per row
-(``num_per_channels == K``, correctly rounded divisions :func:`jaxkern._ieee.exact_div`), written in layout
-A / B / C by the kernel. The decoder reads one sf per row (layout A / B float32, or the UE8M0 byte of a
-packed layout-C word); it touches no SMEM, so it runs without Pallas's automatic warpgroup barriers
-(:data:`jaxkern._layouts.NO_AUTO_BARRIERS`), while the encoder keeps them around its SMEM staging. Any row
-count runs (inputs of fewer rows than one layout block are padded); the last CTA's rows are moved back to
-end at the last row, as in :mod:`jaxkern.quant._per_token_cast`.
+:func:`jaxkern._layouts.group_layout`: each thread holds whole groups as 16-byte vectors, so the input moves as
+vectors straight from GMEM to registers and the position in the group is a compile-time constant. The decoder writes
+them in :func:`jaxkern._layouts.group_vectors_layout` (the view ``(M, K/8, parts, vec)``: a float32 group's two
+16-byte vectors on neighbouring lanes, so that every vector store of a warp is contiguous; whole 32-byte groups per
+thread left the float32 decoder at 0.85-0.99x XLA on an H100). The three words of a group are one value per group
+(``layout.reduce``). On the GPU the encoder makes a group's words in one pass over the loaded tile (scaled, coded in
+pairs, the words cut from the pair blocks with byte permutations, :func:`_lane_pair_words`) and stores them to SMEM
+at once (:func:`_hw_stage_scaled_words`; strided lane-level stores, Mosaic GPU's layout inference takes no strided
+SMEM view), so that GMEM sees 16-byte vector stores of the CTA's contiguous words; the per-value codes of a NaN row
+become words with shifts and ORs (:func:`_lane_words`). The decoder reads the words as three strided 4-byte GMEM
+loads (through SMEM it was 1-4% slower for the float32 output and no faster for bf16; the interpret-mode encoder
+stores them so) and cuts the codes out as fp16 pairs (:func:`_lane_half_pairs`). The integer paths of
+interpret mode build each word as a sum over the group of its codes' shifted pieces (an in-thread reduction) and
+broadcast the words over the group to cut every code out, the selects on the position in the group folding where it
+is constant. The row's ``|x|`` maximum (a bf16 row's from the threads' packed bf16 maxima,
+:func:`_bf16_row_partials`) gives one sf per row (``num_per_channels == K``, correctly rounded divisions, PTX
+``div.rn.f32`` where it lowers, :func:`_sf_div`), written in layout A / B / C by the kernel. The decoder reads one sf
+per row (layout A / B float32, or the UE8M0 byte of a packed layout-C word); it touches no SMEM, so it runs without
+Pallas's automatic warpgroup barriers (:data:`jaxkern._layouts.NO_AUTO_BARRIERS`), while the encoder keeps them
+around its SMEM staging. Any row count runs (inputs of fewer rows than one layout block are padded); the last CTA's
+rows are moved back to end at the last row, as in :mod:`jaxkern.quant._per_token_cast`.
 
-H200 (2026-11-28; TileKernels' figures in parentheses): the encoder 8001x7168 bf16 went from 104.7 µs (the
-integer recipe with strided word stores) to 64.9 µs (54.2), float32 from 111.6 to 77.9 µs (76.7); at 576
-columns its speed-up over XLA is 1.04-1.24x TileKernels'. The decoder to bf16 is at or above TileKernels'
-speed-up from K = 2048 on, to float32 at 1.3-1.5x it.
+H200 (2026-11-29, CUPTI, cold L2, median of 10; TileKernels' figures in parentheses): the encoder takes 12.37 /
+18.45 µs at 4001 / 8001 x 2048 bf16 (10.10 / 17.54), 30.59 / 57.98 µs at 4001 / 8001 x 7168 bf16 (29.65 / 54.23),
+77.38 µs at 8001 x 7168 float32 (76.71) and 5.04 µs at 4001 x 576 bf16 (6.53). The decoder to bf16 takes 3.78 /
+5.36 µs at 4001 / 8001 x 576 (3.81 / 5.86), to float32 4.37 µs at 4001 x 576 (6.59; with a layout-C sf 4.32, 6.66)
+and 81.25 µs at 8001 x 7168 (119.18).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, vector
+from jaxlib.mlir.dialects import arith, llvm, scf, vector
 
 from jaxkern import _autodiff, _checks, _config, _dispatch, _ieee
 from jaxkern._layouts import NO_AUTO_BARRIERS, flat_chunks, flat_layout, group_layout, group_vectors_layout
@@ -62,8 +65,9 @@ from jaxkern.reference import quant as ref
 from jaxkern.types import QuantTensor
 
 
-# Columns of the 96-bit big-endian stream of a group (quant.md §4.6): code ``j`` holds bits ``[12j, 12j + 12)``
-# from the top, i.e. bits ``o = 12j % 32`` on of word ``12j // 32``, running into the next word when ``o > 20``.
+# Columns of the 96-bit big-endian stream of a group (docs/quant.md, "Number formats"): code ``j`` holds bits
+# ``[12j, 12j + 12)`` from the top, i.e. bits ``o = 12j % 32`` on of word ``12j // 32``, running into the next word
+# when ``o > 20``.
 _CODE_BITS = 12
 
 
@@ -115,7 +119,8 @@ def _unpack_codes(words, j):
 
 
 def _i32(v: int):
-  return arith.constant(ir.IntegerType.get_signless(32), v)
+  """An i32 constant; ``v`` may be given as an unsigned 32-bit pattern."""
+  return arith.constant(ir.IntegerType.get_signless(32), v - (1 << 32) if v >= 1 << 31 else v)
 
 
 def _lane_code(f):
@@ -141,7 +146,8 @@ def _lane_code(f):
 
 
 def _lane_words(codes):
-  """Eight codes (i32 MLIR values) -> the three words of their 96-bit big-endian stream (quant.md §4.6)."""
+  """Eight codes (i32 MLIR values) -> the three words of their 96-bit big-endian stream, as
+  :func:`_pack_words` (docs/quant.md, "Number formats")."""
   words = []
   for w in range(3):
     word = None
@@ -154,6 +160,62 @@ def _lane_words(codes):
   return words
 
 
+def _lane_pair_bits(fa, fb):
+  """Two float32 scalars (MLIR values; NaN only the canonical one; no finite magnitude from 65536 on, where the
+  hardware's round toward zero saturates) -> ``code_a << 20 | code_b << 8`` (i32; bits 0-7 are left over from the
+  fp16 patterns), the pair's 24 bits of the stream: one ``cvt.rz.f16x2.f32`` for both values (``h_a`` in the high
+  half), the codes ``h >> 4`` moved into place with a mask and a shift, plus the recipe's bumps as in
+  :func:`_lane_code`, added where their code sits (a code below 0xFFF carries into no neighbour)."""
+  i32 = ir.IntegerType.get_signless(32)
+  p = llvm.inline_asm(i32, [fa, fb], "cvt.rz.f16x2.f32 $0, $1, $2;", "=r,f,f")
+  base = arith.ori(arith.andi(p, _i32(0xFFF00000)), arith.andi(arith.shli(p, _i32(4)), _i32(0xFFFFF)))
+
+  def bump(f, code_bit):  # ((u & 0x1FFFF) + (t & 1) + 0xFFFF) >> 17, t's lowest bit at ``code_bit`` of p
+    odd = arith.andi(arith.shrui(p, _i32(code_bit)), _i32(1))
+    low = arith.andi(arith.bitcast(i32, f), _i32(0x1FFFF))
+    return arith.shrui(arith.addi(arith.addi(low, odd), _i32(0xFFFF)), _i32(17))
+
+  return arith.addi(arith.addi(base, arith.shli(bump(fa, 20), _i32(20))), arith.shli(bump(fb, 4), _i32(8)))
+
+
+def _prmt(a, b, selector: int):
+  """``prmt.b32``: byte ``i`` of the result is byte ``selector``'s nibble ``i`` of ``b:a`` (a's bytes 0-3)."""
+  i32 = ir.IntegerType.get_signless(32)
+  return llvm.inline_asm(i32, [a, b], f"prmt.b32 $0, $1, $2, {selector:#06x};", "=r,r,r")
+
+
+def _lane_pair_words(z):
+  """A group's four pair blocks (:func:`_lane_pair_bits`, codes ``2i``, ``2i + 1``) -> its three words: each word
+  is four of the blocks' top three bytes in stream order (one byte permutation each)."""
+  return _prmt(z[0], z[1], 0x3217), _prmt(z[1], z[2], 0x2176), _prmt(z[2], z[3], 0x1765)
+
+
+def _lane_values(reg):
+  """One register of a loaded tile (``vector<n x bf16>`` or ``vector<n x f32>``) -> its n float32 scalars; a bf16
+  pair's low half is the even element (its bits shifted up), the high half the odd one (the low half cleared)."""
+  i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+  vt = ir.VectorType(reg.type)
+  n = vt.shape[0]
+  at = lambda v, e: vector.extract(v, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
+  if vt.element_type == f32:
+    return [at(reg, e) for e in range(n)]
+  pairs = vector.bitcast(ir.VectorType.get((n // 2,), i32), reg)
+  out = []
+  for e in range(n // 2):
+    p = at(pairs, e)
+    out += [arith.bitcast(f32, arith.shli(p, _i32(16))), arith.bitcast(f32, arith.andi(p, _i32(0xFFFF0000)))]
+  return out
+
+
+def _thread_offset(layout, shape):
+  """The calling thread's linear offset in ``shape`` (i32) under a tiled layout: :func:`_register_offsets` are
+  relative to it (as in :meth:`TiledLayout.thread_idxs`)."""
+  i32 = ir.IntegerType.get_signless(32)
+  strides = layout.tiling.tile_strides(tuple(mgpu.utils.get_contiguous_strides(shape)))
+  dyn = [arith.constant(i32, s) for s in strides[-layout.tiled_tiling_rank:]]
+  return arith.addi(mgpu.utils.dyn_dot(layout.warp_indices(), dyn), mgpu.utils.dyn_dot(layout.lane_indices(), dyn))
+
+
 def _register_offsets(layout, shape):
   """``{register index: linear offset in shape}`` of a tiled layout's registers, relative to the thread's own
   (dynamic) offset, as :meth:`TiledLayout.thread_idxs` numbers them."""
@@ -161,32 +223,58 @@ def _register_offsets(layout, shape):
   return {idx: sum(i * s for i, s in zip(idx, strides)) for idx in np.ndindex(layout.registers_shape(shape))}
 
 
-def _hw_words(v, lay):
-  """Scaled float32 values ``(rows, groups, 8)`` in ``lay`` (:func:`jaxkern._layouts.group_layout`) -> the three
-  words of each group ``(rows, groups)`` in ``lay.reduce(2)``, built per thread at the lane level
-  (:func:`_lane_code`, :func:`_lane_words`: a group is whole in one thread, so a value's place in its group is
-  known when the kernel is traced). Mosaic GPU only (inline PTX; interpret mode cannot run it)."""
+def _hw_stage_scaled_words(xr, inv, w_s, lay, round_sf):
+  """The encoder's pass from the loaded tile to the staged words (Mosaic GPU only): a tile ``(rows, groups, 8)``
+  (bf16 / float32, in ``lay``, :func:`jaxkern._layouts.group_layout`) and its rows' ``sf_inv`` broadcast to ``(rows,
+  groups)`` (in ``lay.reduce(2)``) -> each group's three words stored into the SMEM buffer ``w_s`` (``rows·groups·3``
+  int32, the GMEM order) as soon as they are made, then a warpgroup sync. Per group: the values widened and scaled, the
+  codes two at a time (:func:`_lane_pair_bits`) and the words by byte permutations (:func:`_lane_pair_words`), so
+  that only the loaded tile stays live. Products from 65536 on (finite) arise only in a NaN row with ``round_sf``
+  (``sf_inv = -2^127``; an inf row's is ``-inf``): with ``round_sf`` a thread takes, per row, the per-value codes
+  of :func:`_lane_code` (which carry the saturation on to infinity) where the row's ``sf_inv`` is negative."""
   word_lay = lay.reduce(2)
-  out = plgpu.ShapeDtypeStruct(v.shape[:2], jnp.int32, layout=word_lay)
+  rows, groups = xr.shape[:2]
 
-  @plgpu.inline_mgpu(arg_types=(lay,), return_type=(out, out, out))
-  def words(_, a):
+  @plgpu.inline_mgpu(arg_types=(lay, word_lay, plgpu.RefType()))
+  def stage(_, a, s, ref):
     src, dst = lay.to_mgpu(), word_lay.to_mgpu()
+    i32 = ir.IntegerType.get_signless(32)
     values = {}  # group offset -> {position in the group: f32 scalar}
     for idx, off in _register_offsets(src, a.shape).items():
-      reg = a.registers[idx]
-      for e in range(ir.VectorType(reg.type).shape[0]):
-        scalar = vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
-        values.setdefault(off // 8, {})[off % 8 + e] = scalar
-    i32 = ir.IntegerType.get_signless(32)
-    regs = [np.empty(dst.registers_shape(a.shape[:2]), object) for _ in range(3)]
-    for idx, off in _register_offsets(dst, a.shape[:2]).items():
-      group = values[off]
-      for w, word in enumerate(_lane_words([_lane_code(group[c]) for c in range(8)])):
-        regs[w][idx] = vector.broadcast(ir.VectorType.get((1,), i32), word)
-    return tuple(mgpu.FragmentedArray(_registers=r, _layout=dst, _is_signed=True) for r in regs)
+      for e, v in enumerate(_lane_values(a.registers[idx])):
+        values.setdefault(off // 8, {})[off % 8 + e] = v
+    base = mgpu.utils.getelementptr(mgpu.utils.memref_ptr(ref),
+                                    [arith.muli(_thread_offset(dst, (rows, groups)), _i32(3))], i32)
+    by_row = {}  # the thread's rows -> [(register index, group offset)]
+    for idx, off in _register_offsets(dst, (rows, groups)).items():
+      by_row.setdefault(off // groups, []).append((idx, off))
 
-  return words(v)
+    def emit(regs, scale, fast):
+      for _, off in regs:
+        f = [arith.mulf(values[off][c], scale) for c in range(8)]
+        if fast:
+          words = _lane_pair_words([_lane_pair_bits(f[c], f[c + 1]) for c in range(0, 8, 2)])
+        else:
+          words = _lane_words([_lane_code(v) for v in f])
+        for w, word in enumerate(words):
+          llvm.store(word, mgpu.utils.getelementptr(base, [3 * off + w], i32))
+
+    for regs in by_row.values():
+      scale = vector.extract(s.registers[regs[0][0]], dynamic_position=[],
+                             static_position=ir.DenseI64ArrayAttr.get([0]))
+      if not round_sf:
+        emit(regs, scale, True)
+        continue
+      branch = scf.IfOp(arith.cmpi(arith.CmpIPredicate.slt, arith.bitcast(i32, scale), _i32(0)), has_else=True)
+      with ir.InsertionPoint(branch.then_block):
+        emit(regs, scale, False)
+        scf.yield_([])
+      with ir.InsertionPoint(branch.else_block):
+        emit(regs, scale, True)
+        scf.yield_([])
+    mgpu.utils.warpgroup_barrier()
+
+  stage(xr, inv, w_s)
 
 
 def _bf16_row_partials(xr, lay):
@@ -231,23 +319,6 @@ def _bf16_row_partials(xr, lay):
   return partials(xr)
 
 
-def _stage_words(words, w_s, lay):
-  """Stores the three word arrays ``(rows, groups)`` (in ``lay.reduce(2)``) interleaved into the SMEM buffer
-  ``w_s`` (``rows·groups·3`` int32, the GMEM order), then syncs the warpgroup. Lane level: Mosaic GPU's layout
-  inference takes no strided SMEM view (``We cannot apply swizzle to non-contiguous refs``)."""
-  word_lay = lay.reduce(2)
-  rows, groups = words[0].shape
-
-  @plgpu.inline_mgpu(arg_types=(word_lay, word_lay, word_lay, plgpu.RefType()))
-  def stage(_, w0, w1, w2, ref):
-    view = mgpu.utils.memref_reshape(ref, (rows, groups, 3))
-    for w, word in enumerate((w0, w1, w2)):
-      word.store_untiled(mgpu.utils.memref_slice(view, (slice(None), slice(None), w)), optimized=False)
-    mgpu.utils.warpgroup_barrier()
-
-  stage(*words, w_s)
-
-
 def _tile(m: int, k: int, unit: int):
   """Rows per CTA and CTAs for ``m`` rows (at least ``unit``) of ``k`` float32-sized values."""
   rt = tiling.tile_rows(m, k, 4, unit)
@@ -275,6 +346,18 @@ def _row_amax(xr, lay, interpret):
   return key_value(jnp.max(jnp.max(key, axis=2), axis=1), interpret)
 
 
+def _sf_div(lay, rt: int, interpret):
+  """The correctly rounded division of the rows' scale factors (``(rt,)`` arrays in ``lay.reduce(2).reduce(1)``):
+  on the GPU PTX ``div.rn.f32`` (IEEE, specials included), in interpret mode and for one row per CTA
+  :func:`jaxkern._ieee.exact_div` (the same quotients). ``div.rn.f32`` against ``exact_div``, H200, 2026-11-29:
+  the bf16 encoder 4001 / 8001 x 2048 at 12.37 / 18.45 µs against 12.64 / 20.11."""
+  # Not a variant but a lowering constraint: a one-row array through inline PTX fails Mosaic GPU's lowering (a
+  # missing layout attribute), so one-row CTAs keep ``exact_div``.
+  if interpret is not None or rt == 1:
+    return _ieee.exact_div
+  return _ieee.mosaic_ptx("div.rn.f32", lay.reduce(2).reduce(1), (rt,))
+
+
 @functools.partial(jax.jit, static_argnames=("round_sf", "col_major", "packed", "interpret"))
 def _encode_kernel(x, *, round_sf, col_major, packed, interpret):
   """``x`` ``(M, K)`` bf16 / float32 -> ``(packed (M, 3K/2) uint8, sf in layout A / B / C)``."""
@@ -295,7 +378,8 @@ def _encode_kernel(x, *, round_sf, col_major, packed, interpret):
     row0 = jnp.minimum(lax.axis_index("i") * rt, r - rt)
     rows = pl.ds(row0, rt)
     xr = plgpu.load(x_g.at[rows], layout=lay, optimized=False)
-    sf, inv = ref.scale_factors(_row_amax(xr, lay, interpret), c_g[0], "e5m6", round_sf, div=_ieee.exact_div)
+    sf, inv = ref.scale_factors(_row_amax(xr, lay, interpret), c_g[0], "e5m6", round_sf,
+                                div=_sf_div(lay, rt, interpret))
     sf = gpu_nan(sf, interpret)
     sf_g[0, rows] = (lax.bitcast_convert_type(sf, jnp.int32) >> 23) & 0xFF if packed else sf
     if sf_type.shape[1] > r:
@@ -303,14 +387,16 @@ def _encode_kernel(x, *, round_sf, col_major, packed, interpret):
       def _():
         for c in range(r, sf_type.shape[1]):
           sf_g[0, c] = jnp.zeros((), sf_type.dtype)
-    v = gpu_nan(xr.astype(jnp.float32) * inv[:, None, None], interpret)
     if not lane_level:  # interpret mode: the integer recipe, strided 4-byte word stores
-      codes = _encode_code(v)
+      codes = _encode_code(gpu_nan(xr.astype(jnp.float32) * inv[:, None, None], interpret))
       for w, word in enumerate(_pack_words(codes, plgpu.broadcasted_iota(jnp.int32, (rt, g, 8), 2, layout=lay))):
         o_g[rows, pl.ds(0, g), w] = word
       return
     (w_s,) = w_s
-    _stage_words(_hw_words(v, lay), w_s, lay)
+    # One pass from the loaded tile to the staged words: against the scaled tile coded per value, then staged (H200,
+    # 2026-11-29), bf16 8001 x 2048 18.45 against 21.73 µs, 8001 x 7168 57.98 against 63.14 µs, 55 against 78
+    # registers per thread at 2048 columns.
+    _hw_stage_scaled_words(xr, lax.broadcast_in_dim(inv, (rt, g), (0,)), w_s, lay, round_sf)
     for off, n, vec in flat_chunks(rt * g * 3, 4):
       o_g[pl.ds(row0 * (g * 3) + off, n)] = plgpu.load(w_s.at[pl.ds(off, n)], layout=flat_layout(vec),
                                                        optimized=False)
@@ -352,39 +438,50 @@ def _lane_half_pairs(w0, w1, w2):
           pair(shl(w1, _i32(16)), _fshl(w1, w2, 12)), pair(shl(w2, _i32(8)), shl(w2, _i32(4))))
 
 
-def _hw_decode(words, scale, lay, out_dtype):
+def _hw_decode(words, scale, lay, out_dtype, part=None):
   """Three word arrays ``(rows, groups)`` and the rows' sf broadcast to ``(rows, groups)`` (all in ``lay.reduce(3)
-  .reduce(2)``) -> ``RN(decode(code) · sf)`` as ``(rows, groups, 1, 8)`` ``out_dtype`` (bf16) in ``lay``
-  (:func:`jaxkern._layouts.group_vectors_layout` with one 16-byte vector per group), at the lane level: a code
-  is the top 12 bits of an fp16 pattern, so the hardware conversion ``cvt.f32.f16`` decodes it exactly
-  (subnormals, inf and NaN included; :func:`_decode`'s values), two codes per i32 (:func:`_lane_half_pairs`).
-  The float32 product's NaN is the GPU's canonical one. Mosaic GPU only."""
+  .reduce(2)``) -> ``RN(decode(code) · sf)`` as ``(rows, groups, parts, vec)`` ``out_dtype`` in ``lay``
+  (:func:`jaxkern._layouts.group_vectors_layout`), at the lane level: a code is the top 12 bits of an fp16
+  pattern, so the hardware conversion ``cvt.f32.f16`` decodes it exactly (subnormals, inf and NaN included;
+  :func:`_decode`'s values), two codes per i32 (:func:`_lane_half_pairs`). bf16: one 16-byte vector per group,
+  the float32 products rounded once. float32: two vectors of 4 per group on neighbouring lanes, each lane taking
+  the two pairs of its half (``part``, the iota along ``parts`` in ``lay``, selects them). The float32 product's
+  NaN is the GPU's canonical one. Mosaic GPU only."""
   word_lay = lay.reduce(3).reduce(2)
   rows, groups = scale.shape
-  out = plgpu.ShapeDtypeStruct((rows, groups, 1, 8), out_dtype, layout=lay)
+  vec = min(16 // jnp.dtype(out_dtype).itemsize, 8)
+  shape = (rows, groups, 8 // vec, vec)
+  out = plgpu.ShapeDtypeStruct(shape, out_dtype, layout=lay)
+  split = part is not None
 
-  @plgpu.inline_mgpu(arg_types=(word_lay,) * 4, return_type=out)
-  def decode(_, w0, w1, w2, sf):
+  def decode(_, w0, w1, w2, sf, *part_arr):
     src, dst = word_lay.to_mgpu(), lay.to_mgpu()
     i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
     f16x2, f32x2 = ir.VectorType.get((2,), ir.F16Type.get()), ir.VectorType.get((2,), f32)
     out_el = mgpu.utils.dtype_to_ir_type(jnp.dtype(out_dtype))
     first = lambda reg: vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
     at = {off: idx for idx, off in _register_offsets(src, (rows, groups)).items()}
-    regs = np.empty(dst.registers_shape((rows, groups, 1, 8)), object)
-    for idx, off in _register_offsets(dst, (rows, groups, 1, 8)).items():
+    regs = np.empty(dst.registers_shape(shape), object)
+    for idx, off in _register_offsets(dst, shape).items():
       g = at[off // 8]
       s = vector.broadcast(f32x2, first(sf.registers[g]))
+      pairs = _lane_half_pairs(*(first(w.registers[g]) for w in (w0, w1, w2)))
+      if split:  # this lane's half of the group: pairs 0, 1 or 2, 3
+        upper = arith.cmpi(arith.CmpIPredicate.ne, first(part_arr[0].registers[idx]), _i32(0))
+        pairs = [arith.select(upper, pairs[2 + i], pairs[i]) for i in range(2)]
       parts = []
-      for p in _lane_half_pairs(*(first(w.registers[g]) for w in (w0, w1, w2))):
+      for p in pairs:
         v = arith.mulf(arith.extf(f32x2, vector.bitcast(f16x2, vector.broadcast(ir.VectorType.get((1,), i32), p))), s)
         v = vector.shuffle(v, v, [1, 0])  # the high half holds the even code
-        parts.append(arith.truncf(ir.VectorType.get((2,), out_el), v))
-      regs[idx] = vector.shuffle(vector.shuffle(parts[0], parts[1], [0, 1, 2, 3]),
-                                 vector.shuffle(parts[2], parts[3], [0, 1, 2, 3]), list(range(8)))
+        parts.append(v if out_el == f32 else arith.truncf(ir.VectorType.get((2,), out_el), v))
+      while len(parts) > 1:
+        parts = [vector.shuffle(a, b, list(range(2 * ir.VectorType(a.type).shape[0])))
+                 for a, b in zip(parts[::2], parts[1::2])]
+      regs[idx] = parts[0]
     return mgpu.FragmentedArray(_registers=regs, _layout=dst, _is_signed=None)
 
-  return decode(*words, scale)
+  arg_types = (word_lay,) * 4 + ((lay,) if split else ())
+  return plgpu.inline_mgpu(arg_types=arg_types, return_type=out)(decode)(*words, scale, *((part,) if split else ()))
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "col_major", "interpret"))
@@ -401,9 +498,13 @@ def _decode_kernel(q, sf, *, out_dtype, col_major, interpret):
   mode = "packed" if sf.dtype == jnp.int32 else "rows"
   sf = sf if col_major or mode == "packed" else sf.reshape(1, m)
   sf = jnp.pad(sf, ((0, 0), (0, max(0, r - sf.shape[1]))))
+  # The default bytes per thread: 64 or 256 moved the bf16 decoder of 4001 / 8001 x 576 by no more than noise
+  # (3.74-3.81 / 5.33-5.36 µs, H200, 2026-11-29).
   rt, num_ctas = _tile(r, k, unit)
   word_lay = lay.reduce(3).reduce(2)
-  hardware = interpret is None and vec == 8
+  # The hardware decode on the GPU for both outputs: to float32 against the integer decode (H200, 2026-11-29)
+  # 4001 x 576 4.37 against 7.02 µs, 8001 x 7168 81.25 against 88.54 µs.
+  hardware = interpret is None
 
   # No SMEM in this kernel: Pallas's automatic barriers would only add syncs (off: bf16 4001x576 4.14 -> 3.87 µs,
   # H200, 2026-11-28).
@@ -414,7 +515,8 @@ def _decode_kernel(q, sf, *, out_dtype, col_major, interpret):
     scale = _sf_decode(_sf_raw(sf_g, mode, 0, rows, word_lay.reduce(1)), mode, 0)
     w = [plgpu.load(w_g.at[rows, pl.ds(0, g), i], layout=word_lay, optimized=False) for i in range(3)]
     if hardware:
-      o_g[rows] = _hw_decode(w, lax.broadcast_in_dim(scale, (rt, g), (0,)), lay, out_dtype)
+      part = plgpu.broadcasted_iota(jnp.int32, (rt, *shape), 2, layout=lay) if vec < 8 else None
+      o_g[rows] = _hw_decode(w, lax.broadcast_in_dim(scale, (rt, g), (0,)), lay, out_dtype, part)
       return
     w = [lax.broadcast_in_dim(wi, (rt, *shape), (0, 1)) for wi in w]
     j = sum(plgpu.broadcasted_iota(jnp.int32, (rt, *shape), d, layout=lay) * f for d, f in ((2, vec), (3, 1)))
@@ -437,7 +539,7 @@ def _check_cast(x, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use
 def per_token_cast_to_e5m6(x, num_per_channels: int, *, use_tma_aligned_col_major_sf: bool = False,
                            round_sf: bool = False, use_packed_ue8m0: bool = False,
                            implementation: str | None = None) -> QuantTensor:
-  """Row-wise cast to packed 12-bit E5M6, one scale per row (quant.md §5.4); also reached as
+  """Row-wise cast to packed 12-bit E5M6, one scale per row (docs/quant.md, "Casts"); also reached as
   ``per_token_cast(x, "e5m6", K, ...)``.
 
   Args:
@@ -449,11 +551,11 @@ def per_token_cast_to_e5m6(x, num_per_channels: int, *, use_tma_aligned_col_majo
 
   Returns:
     ``QuantTensor(data, sf)``: ``data`` ``(M, 3K/2)`` uint8, the little-endian bytes of three uint32 words
-    per 8 columns holding their E5M6 codes (``s eeeee mmmmmm``, bias 15) big-endian (quant.md §4.6);
-    ``sf`` (max value 65024, clamp minimum 1e-4) layout A ``(M, 1)`` float32, B ``(1, align(M, 4))``
-    float32 or C ``(1, align(M, 4))`` int32. Codes are the spec's recipe bit for bit: fp16 round toward
+    per 8 columns holding their E5M6 codes (``s eeeee mmmmmm``, bias 15) big-endian; ``sf`` (max value 65024,
+    clamp minimum 1e-4) layout A ``(M, 1)`` float32, B ``(1, align(M, 4))`` float32 or C ``(1, align(M, 4))``
+    int32. Codes are the format's recipe bit for bit (docs/quant.md, "Number formats"): fp16 round toward
     zero, then ``+1`` where ``(code & 1) + (low 17 bits of x · sf_inv) > 0x10000`` (round to nearest even
-    above 2^-14 relative to 65024·sf, the spec's quirk below).
+    above 2^-14 relative to 65024·sf, the recipe's own rule below).
 
   Raises:
     ValueError: another rank or dtype of ``x``, ``K % 8 != 0``, ``num_per_channels != K``, packed without
@@ -503,7 +605,7 @@ def _check_back(x, fmt, x_block_size, col_major):
 
 def cast_back_e5m6(x, fmt: str, x_block_size, *, x_use_tma_aligned_col_major_sf: bool = False,
                    implementation: str | None = None) -> jax.Array:
-  """Dequantises packed E5M6 ``(q, sf)`` (quant.md §9.3): ``RN(decode(code) · sf)`` in float32, then one
+  """Dequantises packed E5M6 ``(q, sf)`` (docs/quant.md, "Cast-backs"): ``RN(decode(code) · sf)`` in float32, then one
   rounding to bf16 for ``fmt="bf16"``; also reached as ``cast_back(x, fmt, x_block_size, x_special_fmt="e5m6")``.
 
   Args:

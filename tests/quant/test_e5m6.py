@@ -127,12 +127,28 @@ class _NumpyDialects:
     return a < b
 
   @staticmethod
-  def inline_asm(_, args, asm, constraints):
-    assert asm == "cvt.rz.f16x2.f32 $0, $2, $1;" and constraints == "=r,f,f" and args[1] == 0
-    u = args[0].view(np.uint32)
+  def _cvt_rz_f16(f):
+    u = f.view(np.uint32)
     h = np.asarray(ref.fp16_rtz_bits(jnp.asarray(u.view(np.int32)))).astype(np.uint32)
     a = u & 0x7FFFFFFF
     return np.where((a >= 0x47800000) & (a < 0x7F800000), (h & 0x8000) | 0x7BFF, h).astype(np.uint32)
+
+  @staticmethod
+  def inline_asm(_, args, asm, constraints):
+    cvt = _NumpyDialects._cvt_rz_f16
+    if asm == "cvt.rz.f16x2.f32 $0, $2, $1;":  # one value, a zero high half
+      assert constraints == "=r,f,f" and args[1] == 0
+      return cvt(args[0])
+    if asm == "cvt.rz.f16x2.f32 $0, $1, $2;":  # the first operand into the high half
+      assert constraints == "=r,f,f"
+      return (cvt(args[0]) << 16) | cvt(args[1])
+    assert asm.startswith("prmt.b32 $0, $1, $2, ") and constraints == "=r,r,r"
+    selector = int(asm.split(", ")[-1].rstrip(";"), 16)
+    source = (args[1].astype(np.uint64) << 32) | args[0].astype(np.uint64)  # byte i of b:a, a's bytes 0-3
+    out = np.zeros_like(args[0])
+    for i in range(4):
+      out |= (((source >> np.uint64(8 * ((selector >> 4 * i) & 7))) & np.uint64(0xFF)).astype(np.uint32) << (8 * i))
+    return out
 
 
 def test_lane_formulas_match_reference(monkeypatch):
@@ -160,6 +176,31 @@ def test_lane_formulas_match_reference(monkeypatch):
   pairs = e5._lane_half_pairs(*words)
   halves = np.stack([h for p in pairs for h in (p >> 16, p & 0xFFFF)], axis=1)
   assert_bitwise_equal(halves, want << 4)
+
+
+def test_lane_pair_formulas_match_reference(monkeypatch):
+  """The encoder's pair code on numpy (:func:`_lane_pair_bits`: two values per conversion, the bumps added in
+  place; :func:`_lane_pair_words`: the words as byte permutations) against the reference, on every value it is
+  given on the GPU: all but the finite magnitudes from 65536 on (those rows take :func:`_lane_code`)."""
+  from jaxkern.quant import _e5m6 as e5
+  for name in ("ir", "arith", "llvm"):
+    monkeypatch.setattr(e5, name, _NumpyDialects)
+  rng = np.random.default_rng(5)
+  mants = np.concatenate([np.array([0, 1, 0xFFFF, 0x10000, 0x10001, 0x1FFFF, 0x20000, 0x7FFFFF], np.uint32),
+                          rng.integers(0, 1 << 23, 32, dtype=np.uint32)])
+  u = ((np.arange(143, dtype=np.uint32)[:, None] << 23) | mants[None, :]).ravel()  # every exponent below 2^16
+  u = np.concatenate([np.array([0x7FFFFFFF, 0x7F800000, 0xFF800000], np.uint32), u, u | 0x80000000,
+                      rng.integers(0, 0x47800000, 1 << 14, dtype=np.uint32) | (rng.integers(0, 2, 1 << 14,
+                                                                                   dtype=np.uint32) << 31)])
+  u = np.concatenate([u, rng.permutation(u)])  # every value both first and second in a pair
+  u = u[: len(u) // 8 * 8].reshape(-1, 8)
+  v = u.view(np.float32)
+  want = np.asarray(ref.encode_e5m6(jnp.asarray(v))).astype(np.uint32)
+  blocks = [e5._lane_pair_bits(v[:, c].copy(), v[:, c + 1].copy()) for c in range(0, 8, 2)]
+  assert_bitwise_equal(np.stack([b >> 20 for b in blocks] + [(b >> 8) & 0xFFF for b in blocks], axis=1),
+                       want[:, [0, 2, 4, 6, 1, 3, 5, 7]])
+  want_words = np.asarray(ref.pack_e5m6(jnp.asarray(want.astype(np.int32)))).view("<u4").reshape(-1, 3)
+  assert_bitwise_equal(np.stack(e5._lane_pair_words(blocks), axis=1), want_words)
 
 
 def test_pack_unpack_and_decode_match_numpy():
