@@ -2,16 +2,23 @@
 
 Mosaic GPU kernel built like the per-token cast's column-segment path
 (:func:`jaxkern.quant._per_token_cast.row_kernel`): straight GMEM -> registers -> GMEM, no SMEM or TMA. Each CTA
-takes a block of rows (the last block shifted back to end at the last row) and a chunk of :data:`SEG_CHUNK` groups
-of 128 columns (grid axis ``g``), or the whole row when one scale covers it (``num_per_channels == h``, whole warps
-per row). Per group it loads the gate columns ``[c, c + npc)`` and the value columns ``[h + c, h + c + npc)`` in
-the same :func:`jaxkern._layouts.row_layout`, so every value meets its partner in the same thread, then computes in
-float32 registers: the optional clamp and its per-row flag counts, ``e = exp(-l)``, ``d = 1 + e``, ``g = l / d``
-correctly rounded (:func:`jaxkern._ieee.newton_div`: the GPU's ``/`` is approximate), ``act = g · r``, ``act · w``,
-the group's NaN-propagating abs-max (row reduction), sf and sf_inv (:func:`jaxkern.reference.quant.scale_factors`
-with the kernels' exact division), the saturating e4m3 conversion, and stores data and sf (float32 ``(groups,
-rows)`` turned into layout A by the wrapper, or layouts B / C written directly with zeroed padding rows, as the
-per-token cast does).
+takes a block of rows (the last block shifted back to end at the last row) and a chunk of
+:data:`jaxkern.quant._per_token_cast.SEG_CHUNK` groups of 128 columns (grid axis ``g``), :data:`_LANES` lanes per
+row of a group, or the whole row when one scale covers it (``num_per_channels == h``, whole warps per row). Per
+group it loads the gate columns ``[c, c + npc)`` and the value columns ``[h + c, h + c + npc)`` in the same
+:func:`jaxkern._layouts.row_layout`, so every value meets its partner in the same thread, then computes in float32
+registers: the optional clamp and its per-row flag counts, ``e = exp(-l)``, ``d = 1 + e``, ``g = l / d`` correctly
+rounded (the GPU's ``/`` is approximate: PTX ``div.rn.f32``, :func:`rn_div`), ``act = g · r``, ``act · w``, the
+group's NaN-propagating abs-max (row reduction), sf and sf_inv (:func:`jaxkern.reference.quant.scale_factors` with
+``div.rn.f32``), the saturating e4m3 conversion, and stores data and sf (float32 ``(groups, rows)`` turned into
+layout A by the wrapper, or layouts B / C written directly with zeroed padding rows, as the per-token cast does).
+Interpret mode has no inline PTX and divides with :func:`jaxkern._ieee.newton_div` and
+:func:`jaxkern._ieee.exact_div` (the same bits).
+
+A CTA issues the loads of all the groups of its chunk before the first group's math and stores (GMEM stores may
+alias the input as far as the compilers know, so nothing moves a load above a store), and the kernel runs without
+Pallas's automatic warpgroup barriers around every store (:data:`jaxkern._layouts.NO_AUTO_BARRIERS`: no thread
+reads what another wrote; the cross-warp row reductions of whole-row groups synchronise themselves).
 
 Steps done outside the kernel, by XLA:
 
@@ -39,10 +46,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config, _dispatch, _ieee
-from jaxkern._layouts import row_layout
+from jaxkern._layouts import NO_AUTO_BARRIERS, row_layout
 from jaxkern.quant import _tiling as tiling
 from jaxkern.quant import _validate as validate
-from jaxkern.quant._per_token_cast import SEG_CHUNK, SEGMENT_LANES, abs_key, gpu_nan, key_value, to_e4m3
+from jaxkern.quant._per_token_cast import SEG_CHUNK, abs_key, gpu_nan, key_value, to_e4m3
 from jaxkern.reference import quant as ref
 from jaxkern.types import QuantTensor, QuantTensorWithClampedCount
 
@@ -77,6 +84,27 @@ def _sf_type(sf_layout, nseg, rows):
           "C": ((ref.cdiv(nseg, 4), mp), jnp.int32)}[sf_layout]
 
 
+# Lanes sharing a row of one group (npc < h); each CTA issues all its chunk's loads before the first group's math
+# and stores, divides with div.rn.f32 and runs without Pallas's automatic barriers. H200, 2026-11-29 (CUPTI, cold
+# L2, median of 20, all bit-exact), swiglu E=32x8 K8 N=35952, clamp None / 0.5: h=2048: 16 lanes with all loads
+# first 101.2 / 152.3 µs, 16 lanes loading one group ahead 101.6 / 160.1, 8 lanes one group ahead 108.8 / 199.8,
+# 8 lanes with newton_div, automatic barriers and each group's loads with it 145.9 / 205.2 (TileKernels 98.3 /
+# 138.2), chunks of 8 groups (16 lanes, one ahead) 106.8 / 161.4; h=1024: 16 lanes one group ahead 55.9 / 86.3,
+# 8 lanes 62.3 / 107.4 (TileKernels 50.6 / 70.3); h=3584, timed with 8 lanes one group ahead only: 180.2 / 340.7,
+# the automatic barriers and newton_div 250.7 / 352.8 (TileKernels 220.4 / 414.6).
+_LANES = 16
+
+
+def _divisions(lay, vec, rt, interpret):
+  """``(swish_div, sf_div)``: the correctly rounded division of ``l / (1 + exp(-l))`` (arrays in ``lay``) and that
+  of the scale factors (``(rt,)`` arrays in ``vec``, or scalars). Compiled: the PTX ``div.rn.f32`` (:func:`rn_div`,
+  :func:`jaxkern._ieee.mosaic_ptx`); in interpret mode (no PTX) :func:`jaxkern._ieee.newton_div` and
+  :func:`jaxkern._ieee.exact_div`, which give the same bits."""
+  if interpret is None:
+    return functools.partial(rn_div, layout=lay), _ieee.mosaic_ptx("div.rn.f32", vec, (rt,))
+  return _ieee.newton_div, _ieee.exact_div
+
+
 def swiglu_kernel(x, weight, pos_to_expert, *, npc, round_sf, sf_layout, clamp, sf_clamp_min, count, interpret):
   """``x`` ``(R, 2h)`` (``R`` at least one layout block of rows), ``weight`` ``(1, R)`` float32 or None,
   ``pos_to_expert`` ``(1, R)`` int32 or None -> ``(out (R, h) e4m3, sf, counts | None)``: ``sf`` float32
@@ -86,7 +114,7 @@ def swiglu_kernel(x, weight, pos_to_expert, *, npc, round_sf, sf_layout, clamp, 
   nseg = h // npc
   chunk = min(SEG_CHUNK, nseg)
   num_chunks = ref.cdiv(nseg, chunk)
-  lay, unit = row_layout(npc, x.dtype.itemsize, 32 if npc == h else SEGMENT_LANES)
+  lay, unit = row_layout(npc, x.dtype.itemsize, 32 if npc == h else _LANES)
   vec = lay.reduce(1)
   rt = tiling.tile_rows(r, 2 * chunk * npc, x.dtype.itemsize, unit)
   num_ctas = pl.cdiv(r, rt)
@@ -95,9 +123,10 @@ def swiglu_kernel(x, weight, pos_to_expert, *, npc, round_sf, sf_layout, clamp, 
   if count:
     out_type.append(jax.ShapeDtypeStruct((NUM_COUNTERS * num_chunks, r), jnp.float32))
   c = None if clamp is None else float(np.float32(clamp))
+  swish_div, sf_div = _divisions(lay, vec, rt, interpret)
 
   @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(num_chunks, num_ctas), grid_names=("g", "i"),
-                     interpret=interpret)
+                     compiler_params=NO_AUTO_BARRIERS, interpret=interpret)
   def kernel(*refs):
     x_g, c_g, *rest = refs
     w_g = rest.pop(0) if weight is not None else None
@@ -111,12 +140,13 @@ def swiglu_kernel(x, weight, pos_to_expert, *, npc, round_sf, sf_layout, clamp, 
       seg0 = chunk_index * chunk
       w = plgpu.load(w_g.at[0, rows], layout=vec, optimized=False) if w_g is not None else None
       keep = plgpu.load(p_g.at[0, rows], layout=vec, optimized=False) >= 0 if p_g is not None else None
-      totals = None
+      maxv = c_g[0]
+      loaded = [[plgpu.load(x_g.at[rows, pl.ds((seg0 + t) * npc + off, npc)], layout=lay, optimized=False)
+                 for off in (0, h)] for t in range(nlocal)]
+      totals, word = None, None
       for t in range(nlocal):
-        cols = pl.ds((seg0 + t) * npc, npc)
-        left, right = (plgpu.load(x_g.at[rows, pl.ds((seg0 + t) * npc + off, npc)], layout=lay,
-                                  optimized=False).astype(jnp.float32) for off in (0, h))
-        act, counts = _silu_times(left, right, c, count)
+        left, right = (v.astype(jnp.float32) for v in loaded[t])
+        act, counts = _silu_times(left, right, c, count, swish_div)
         if counts is not None:
           totals = counts if totals is None else [a + b for a, b in zip(totals, counts)]
         if w is not None:
@@ -124,7 +154,7 @@ def swiglu_kernel(x, weight, pos_to_expert, *, npc, round_sf, sf_layout, clamp, 
         if keep is not None:
           act = jnp.where(keep[:, None], act, 0.0)
         amax = key_value(jnp.max(abs_key(act, interpret), axis=1), interpret)
-        sf, inv = ref.scale_factors(amax, c_g[0], "e4m3", round_sf, div=_ieee.exact_div, clamp_min=sf_clamp_min)
+        sf, inv = ref.scale_factors(amax, maxv, "e4m3", round_sf, div=sf_div, clamp_min=sf_clamp_min)
         sf = gpu_nan(sf, interpret)
         if keep is not None:
           sf = jnp.where(keep, sf, 0.0)
@@ -135,7 +165,7 @@ def swiglu_kernel(x, weight, pos_to_expert, *, npc, round_sf, sf_layout, clamp, 
           word = byte if t % 4 == 0 else word | byte
           if t % 4 == 3 or t == nlocal - 1:
             sf_g[seg0 // 4 + t // 4, rows] = word
-        o_g[rows, cols] = to_e4m3(gpu_nan(act * inv[:, None], interpret), interpret)
+        o_g[rows, pl.ds((seg0 + t) * npc, npc)] = to_e4m3(gpu_nan(act * inv[:, None], interpret), interpret)
       for k, flags in enumerate(totals or ()):
         n = jnp.sum(flags, axis=1)
         cnt_g[NUM_COUNTERS * chunk_index + k, rows] = n if keep is None else jnp.where(keep, n, 0.0)
@@ -160,7 +190,7 @@ def _kernel(x, weight, pos_to_expert, *, npc, round_sf, col_major, packed, clamp
   """``x`` ``(E, 2h)``, per-row ``weight`` ``(E,)`` or None, ``pos_to_expert`` ``(E,)`` or None ->
   ``(out (E, h) e4m3, sf in layout A / B / C, counts (3,) int32 | None)``."""
   e, h = x.shape[0], x.shape[1] // 2
-  unit = row_layout(npc, x.dtype.itemsize, 32 if npc == h else SEGMENT_LANES)[1]
+  unit = row_layout(npc, x.dtype.itemsize, 32 if npc == h else _LANES)[1]
   rp = max(e, unit)
 
   def rows(a, fill):  # (E,) -> (1, rp), padded when E is below one layout block

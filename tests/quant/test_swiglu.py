@@ -180,6 +180,101 @@ def test_lowers_for_h100(h, npc, flags, weights, clamp):
   assert "mosaic_gpu" in lower_for_h100(f, *args).as_text()
 
 
+_CAST = "builtin.unrealized_conversion_cast"
+
+
+def _op(value_or_op):
+  return getattr(value_or_op, "operation", value_or_op)
+
+
+def _unreconciled_casts(module) -> list[str]:
+  """Register-level ``builtin.unrealized_conversion_cast`` ops of a lowered Mosaic GPU module (vectors, not refs)
+  that an op other than a cast uses, but whose chain of casts does not start from values of their result types.
+  The GPU's pipeline cannot fold them away and fails with "LLVM Translation failed for operation:
+  builtin.unrealized_conversion_cast" (an H200, 2026-11-28: a broadcast handed straight to inline PTX)."""
+  bad = []
+
+  def chain_start(op):
+    values = list(op.operands)
+    while values and len({id(v.owner) for v in values}) == 1 and _op(values[0].owner).name == _CAST:
+      producer = _op(values[0].owner)
+      if [r.get_name() for r in producer.results] != [v.get_name() for v in values]:
+        break
+      values = list(producer.operands)
+    return [str(v.type) for v in values]
+
+  def visit(op):
+    for region in op.regions:
+      for block in region.blocks:
+        for child in block.operations:
+          visit(_op(child))
+    if op.name != _CAST:
+      return
+    types = [str(v.type) for v in list(op.operands) + list(op.results)]
+    if not any(t.startswith("vector<") for t in types) or any(t.startswith(("memref<", "!")) for t in types):
+      return
+    used = any(_op(u.owner).name != _CAST for r in op.results for u in r.uses)
+    if used and chain_start(op) != [str(r.type) for r in op.results]:
+      bad.append(str(op)[:200])
+
+  visit(module.operation)
+  return bad
+
+
+@pytest.fixture
+def cast_check(monkeypatch):
+  """The :func:`_unreconciled_casts` of every Mosaic GPU module lowered while the test runs (a list per module)."""
+  import jax.experimental.mosaic.gpu.core as mgpu_core
+
+  found, serde = [], mgpu_core._run_serde_pass
+
+  def spy(module, serialize, ir_version):
+    if serialize:
+      found.append(_unreconciled_casts(module))
+    return serde(module, serialize=serialize, ir_version=ir_version)
+
+  monkeypatch.setattr(mgpu_core, "_run_serde_pass", spy)
+  return found
+
+
+def test_cast_check_finds_a_broadcast_fed_to_inline_ptx(cast_check):
+  """The check flags the construct that failed on the GPU (a broadcast array as an inline-PTX operand) and passes
+  the same division with a computed operand."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  from jaxkern import _ieee
+  from jaxkern._layouts import row_layout
+
+  lay = row_layout(128, 2, 8)[0]
+
+  def lowered(numerator):
+    @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((16, 128), jnp.float32))
+    def kernel(x_g, o_g):
+      d = 1.0 + jnp.exp(-plgpu.load(x_g, layout=lay, optimized=False).astype(jnp.float32))
+      o_g[...] = _ieee.mosaic_ptx("rcp.rn.f32" if numerator is None else "div.rn.f32", lay, (16, 128))(
+          *(() if numerator is None else (numerator(d),)), d)
+
+    lower_for_h100(kernel, jax.ShapeDtypeStruct((16, 128), jnp.bfloat16))
+    return cast_check.pop()
+
+  assert lowered(jnp.ones_like)
+  assert not lowered(lambda d: d * d)
+  assert not lowered(None)
+
+
+@pytest.mark.parametrize("h, npc, flags, clamp", [(2048, 128, "C", 0.5), (1280, 128, "A", None),
+                                                  (1024, 1024, "A-round", None)])
+def test_no_unreconciled_casts(cast_check, h, npc, flags, clamp):
+  """The compiled kernel's module (inline PTX divisions included) has no cast the GPU's pipeline cannot fold."""
+  e = 512
+  s = jax.ShapeDtypeStruct
+  lower_for_h100(lambda x, pte, ptt, w: OP(x, "e4m3", npc, ptt, w, pte, **FLAGS[flags], swiglu_clamp_value=clamp,
+                                           clamped_count=None if clamp is None else jnp.zeros(3, jnp.int32),
+                                           implementation="pallas"),
+                 s((e, 2 * h), jnp.bfloat16), s((e,), jnp.int32), s((e,), jnp.int32), s((64, 8), jnp.float32))
+  assert cast_check and not any(cast_check), cast_check
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("h, npc, flags", [(3584, 128, "C"), (1280, 128, "A-round"), (2048, 2048, "A")])
 @pytest.mark.parametrize("clamp", [None, 0.5])
