@@ -235,3 +235,15 @@ def mosaic_ptx(instr: str, layout, shape):
     return binary(*args) if len(args) == 2 else unary(*args)
 
   return apply
+
+
+def mosaic_swish_divisions(layout, shape, sf_layout, sf_shape, interpret):
+  """``(swish, sf_div)`` for a Mosaic GPU SwiGLU kernel: ``swish(x, d)`` is ``(x / d, 1 / d)`` correctly rounded
+  for ``d = 1 + exp(-x) >= 1`` (float32 ``shape`` arrays in ``layout``), ``sf_div(a, b)`` the correctly rounded
+  division of the scale factors (``sf_shape`` arrays in ``sf_layout``, or scalars). Compiled (``interpret`` None):
+  the PTX ``div.rn.f32`` and ``rcp.rn.f32`` (:func:`mosaic_ptx`); in interpret mode :func:`newton_div` and
+  :func:`exact_div`, which give the same bits."""
+  if interpret is None:
+    div, rcp = mosaic_ptx("div.rn.f32", layout, shape), mosaic_ptx("rcp.rn.f32", layout, shape)
+    return (lambda x, d: (div(x, d), rcp(d))), mosaic_ptx("div.rn.f32", sf_layout, sf_shape)
+  return (lambda x, d: (newton_div(x, d), newton_div(jnp.ones_like(d), d))), exact_div

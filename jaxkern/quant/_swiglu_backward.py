@@ -1,12 +1,14 @@
-"""Fused SwiGLU backward and per-token e4m3 cast of the input gradient (quant.md §8.3).
+"""Fused SwiGLU backward and per-token e4m3 cast of the input gradient (docs/quant.md, "Fused SwiGLU").
 
 Two Mosaic GPU kernels, picked by ``num_per_channels``: 128-column scale groups (:data:`GROUPED_NPC`) run the
-grouped kernel of this module, every other group width (32) the row-block kernel of
-:mod:`jaxkern.quant._swiglu_backward_rows`. Both compute the same values (below) and are bit-exact against the
-reference; they differ in tiling and in how the divisions are done. On one H200 (2026-11-28) the grouped kernel
-was 320.4 / 317.2 µs on the npc=128 h=2048 runner shapes (the row-block kernel 714.4 / 515.9, TileKernels
-364.7 / 362.7) but slower at npc=32: 524.7 / 523.8 µs at h=2048 (row-block 502.7 / 471.5) and 994.8 / 987.3 at
-h=4096 (row-block 1005.5 / 951.2).
+grouped kernel of this module, 32-column groups the step kernel of :mod:`jaxkern.quant._swiglu_backward_steps`
+(this kernel with four 32-wide groups per 128-column step). Both compute the same values (below) and are bit-exact
+against the reference; they differ only in how a row's columns are grouped. On one H200 (2026-11-28) the grouped
+kernel was 320.4 / 317.2 µs on the npc=128 h=2048 runner shapes (clamp None / 0.5; TileKernels 364.7 / 362.7).
+At npc=32, on one H200 (2026-11-29, runner, CUPTI, cold L2), the step kernel was at or ahead of TileKernels on
+every shape: E=32x8 K8 h=2048 307.8 / 310.8 µs (TileKernels 368.6 / 367.3), h=4096 605.2 / 608.1 (661.1 / 657.1),
+h=7168 1041.8 / 1047.6 (1050.2 / 1061.5); E=4x64 h=2048 305.5 / 307.6 (424.2 / 421.6), h=4096 597.5 / 600.7
+(715.3 / 708.9), h=7168 1028.5 / 1034.2 (1100.6 / 1111.6).
 
 Grouped kernel, built like the forward (:mod:`jaxkern.quant._swiglu`): straight GMEM -> registers -> GMEM, no
 SMEM or TMA. Each CTA takes one register layout block of rows (the last block shifted back to end at the last row;
@@ -36,8 +38,8 @@ fuses such a pair into ``fma.rn.f32`` (as :mod:`jaxkern.moe._reduce_fused` relie
 module, the ``gpu`` test the bits). XLA on CPU contracts the pair as well (interpret mode). No other product in the
 kernel feeds an add (``1 + exp(-x)`` adds no product) but the elementwise ``g · act`` sums, whose contraction the
 weight-gradient tolerance allows, and the correctly rounded division's own residuals
-(:func:`jaxkern._ieee.newton_div`, which needs them fused: in interpret mode in the grouped kernel, always in the
-row-block kernel). The row-block kernel computes the same steps with the same fused multiply-add.
+(:func:`jaxkern._ieee.newton_div`, which needs them fused: in interpret mode only). The step kernel computes the
+same steps with the same fused multiply-add.
 
 Steps done outside the kernel, by XLA:
 
@@ -51,8 +53,9 @@ In interpret mode ``exp`` is XLA's CPU ``exp`` (not CUDA's ``expf``), so interpr
 reference run on the CPU, and compiled results the reference run on the GPU.
 
 Timing (one H200, 2026-11-28, E=32x8 K8 N=37376 h=7168 npc=128 clamp=0.5, the worst of the TileKernels shapes):
-1077.8 µs against TileKernels' 1065.6 µs and the row-block kernel's 3083.2 µs (1302.0 µs with 512-column chunks
-and no prefetch, 1179.2 with the prefetch alone; see :data:`CHUNK_COLS`).
+1077.8 µs against TileKernels' 1065.6 µs and an earlier row-block kernel's 3083.2 µs (one group at a time on row
+blocks, since removed; this kernel took 1302.0 µs with 512-column chunks and no prefetch, 1179.2 with the prefetch
+alone; see :data:`CHUNK_COLS`).
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _checks, _config, _dispatch, _ieee
 from jaxkern._layouts import NO_AUTO_BARRIERS, row_layout
-from jaxkern.quant import _swiglu_backward_rows as rows_path
+from jaxkern.quant import _swiglu_backward_steps as steps
 from jaxkern.quant import _tiling as tiling
 from jaxkern.quant import _validate as validate
 from jaxkern.quant._per_token_cast import abs_key, gpu_nan, key_value, to_e4m3
@@ -77,10 +80,10 @@ from jaxkern.types import QuantTensor, SwigluBackward
 
 NUM_PER_CHANNELS = (32, 128)
 
-# The group width run by the grouped kernel; other widths (32) run the row-block kernel
-# (:mod:`jaxkern.quant._swiglu_backward_rows`), faster there on an H200 (2026-11-28): npc=32 h=2048 502.7 / 471.5 µs
-# against the grouped kernel's 524.7 / 523.8, h=4096 1005.5 / 951.2 against 994.8 / 987.3; at npc=128 the grouped
-# kernel wins (h=2048: 320.4 / 317.2 against 714.4 / 515.9 µs).
+# The group width run by the grouped kernel; 32-wide groups run the step kernel
+# (:mod:`jaxkern.quant._swiglu_backward_steps`, four groups per 128-column step), on an H200 (2026-11-29, E=32x8 K8,
+# clamp None / 0.5) 307.8 / 310.8 µs at h=2048 and 1041.8 / 1047.6 at h=7168 against TileKernels' 368.6 / 367.3 and
+# 1050.2 / 1061.5 (the grouped kernel with 32-wide groups took 524.7 / 523.8 µs at h=2048 on 2026-11-28).
 GROUPED_NPC = 128
 
 # Gate columns per CTA of the grouped kernel (16 groups of 128). On an H200 (2026-11-28, E=32x8 K8 N=37376 h=7168
@@ -99,18 +102,6 @@ def _layout(npc):
   return row_layout(npc, 2, _ROW_LANES)
 
 
-def _divisions(lay, vec, rt, npc, interpret):
-  """``(swish, sf_div)``: ``swish(x, d)`` is ``(x / d, 1 / d)`` correctly rounded for ``d = 1 + exp(-x) >= 1``,
-  ``sf_div(a, b)`` the correctly rounded division of the scale factors (``(rt,)`` arrays in ``vec`` or scalars).
-  The PTX ``div.rn.f32`` and ``rcp.rn.f32`` (IEEE round to nearest even), or in interpret mode
-  :func:`jaxkern._ieee.newton_div` and :func:`jaxkern._ieee.exact_div` (the same values; compiled, they cost 12%:
-  1450.9 against 1291.2 µs on an H200, 2026-11-28, E=32x8 h=7168 npc=128 clamp=0.5)."""
-  if interpret is None:
-    div, rcp = _ieee.mosaic_ptx("div.rn.f32", lay, (rt, npc)), _ieee.mosaic_ptx("rcp.rn.f32", lay, (rt, npc))
-    return (lambda x, d: (div(x, d), rcp(d))), _ieee.mosaic_ptx("div.rn.f32", vec, (rt,))
-  return (lambda x, d: (_ieee.newton_div(x, d), _ieee.newton_div(jnp.ones_like(d), d))), _ieee.exact_div
-
-
 def backward_kernel(q, sf, grad, weight, *, npc, round_sf, clamp, interpret):
   """``q`` ``(R, 2h)`` e4m3, ``sf`` ``(R, 2h/npc)`` float32, ``grad`` ``(R, h)`` bf16, ``weight`` ``(1, R)``
   float32 (``R`` at least one layout block) -> ``(out (R, h) bf16, x_grad (R, 2h) bf16, x_grad_q (R, 2h) e4m3,
@@ -123,9 +114,11 @@ def backward_kernel(q, sf, grad, weight, *, npc, round_sf, clamp, interpret):
   vec = lay.reduce(1)
   rt = unit
   num_ctas = pl.cdiv(r, rt)
-  out_type = rows_path.output_types(r, h, nseg, num_chunks)
+  out_type = steps.output_types(r, h, nseg, num_chunks)
   c = None if clamp is None else float(np.float32(clamp))
-  swish, sf_div = _divisions(lay, vec, rt, npc, interpret)
+  # The PTX div.rn / rcp.rn compiled; newton_div / exact_div there instead cost 12% (1450.9 against 1291.2 µs on an
+  # H200, 2026-11-28, E=32x8 h=7168 npc=128 clamp=0.5).
+  swish, sf_div = _ieee.mosaic_swish_divisions(lay, (rt, npc), vec, (rt,), interpret)
 
   @functools.partial(plgpu.kernel, out_type=out_type, grid=(num_chunks, num_ctas), grid_names=("g", "i"),
                      compiler_params=NO_AUTO_BARRIERS, interpret=interpret)
@@ -204,16 +197,16 @@ def _kernel(q, sf, grad, weight, pos_to_token_topk, *, npc, round_sf, clamp, int
   """``q`` ``(E, 2h)``, ``sf`` ``(E, 2h/npc)``, ``grad`` ``(E, h)``, ``weight`` ``(T, k)``, ``pos_to_token_topk``
   ``(E,)`` -> :class:`SwigluBackward`: the weight gather, the kernel and the weight-gradient scatter in one jit
   (eager interpret kernels mixed with eager XLA ops can deadlock XLA:CPU). ``npc`` = :data:`GROUPED_NPC` runs
-  :func:`backward_kernel`, other widths :func:`jaxkern.quant._swiglu_backward_rows.backward_kernel`."""
+  :func:`backward_kernel`, 32 :func:`jaxkern.quant._swiglu_backward_steps.backward_kernel`."""
   e = q.shape[0]
   grouped = npc == GROUPED_NPC
-  rp = max(e, (_layout if grouped else rows_path.layout)(npc)[1])
+  rp = max(e, _layout(npc)[1] if grouped else steps.block_rows(npc, q.shape[1] // 2))
 
   def pad(a):  # fewer rows than one layout block: zero rows (tiny inputs only)
     return jnp.pad(a, ((0, rp - e),) + ((0, 0),) * (a.ndim - 1))
 
   row_w = ref.row_weights(pos_to_token_topk, weight, e)
-  kernel = backward_kernel if grouped else rows_path.backward_kernel
+  kernel = backward_kernel if grouped else steps.backward_kernel
   out, xg, xq, xsf, dots = kernel(pad(q), pad(sf), pad(grad), pad(row_w).reshape(1, rp), npc=npc, round_sf=round_sf,
                                   clamp=clamp, interpret=interpret)
   weight_grad = ref.scatter_weight_grad(dots[:, :e].sum(axis=0), pos_to_token_topk, weight.shape)
@@ -221,7 +214,8 @@ def _kernel(q, sf, grad, weight, pos_to_token_topk, *, npc, round_sf, clamp, int
 
 
 def _check(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, npc):
-  """Argument checks (quant.md §8.3, §12.8); returns ``(q (E, 2h), sf, grad_out (E, h), weight, pos, t2p)``."""
+  """Argument checks (docs/quant.md, "Fused SwiGLU" and "Non-finite inputs and edge cases"); returns
+  ``(q (E, 2h), sf, grad_out (E, h), weight, pos, t2p)``."""
   if not (isinstance(x, tuple) and len(x) == 2):
     raise ValueError("x must be a QuantTensor (data, sf)")
   q, sf = (_checks.as_array(n, a) for n, a in (("x[0]", x[0]), ("x[1]", x[1])))
@@ -267,7 +261,8 @@ def swiglu_backward_and_per_token_cast(x, grad_out, weight, pos_to_token_topk, t
                                        num_per_channels: int, *, round_sf: bool = False,
                                        swiglu_clamp_value: float | None = None,
                                        implementation: str | None = None) -> SwigluBackward:
-  """SwiGLU backward from the FP8 forward input, fused with a per-token e4m3 cast of the input gradient (quant.md §8.3).
+  """SwiGLU backward from the FP8 forward input, fused with a per-token e4m3 cast of the input gradient (docs/quant.md,
+  "Fused SwiGLU").
 
   Per element (row ``p``, column ``c < h``; float32, each step one IEEE rounding): ``x = q[p, c] · sf``,
   ``y = q[p, h + c] · sf`` (their groups' sf); with a clamp ``C``, ``x`` clamped to ``C`` from above and ``y`` to
@@ -286,7 +281,7 @@ def swiglu_backward_and_per_token_cast(x, grad_out, weight, pos_to_token_topk, t
     token_topk_to_pos: int32 ``(T, k)``: only its shape is used (with ``pos_to_token_topk`` a mutually inverse
       pair, as :func:`jaxkern.moe.get_fused_mapping` makes them).
     num_per_channels: 32 or 128, dividing ``h``: the group width of ``x``'s sf and of the output cast.
-    round_sf: power-of-two output sf (quant.md §3.3).
+    round_sf: power-of-two output sf (docs/quant.md, "Scale factors").
     swiglu_clamp_value: the clamp ``C`` (a float, taken as float32) or None.
     implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``.
 

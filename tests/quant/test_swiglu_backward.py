@@ -1,7 +1,7 @@
-"""swiglu_backward_and_per_token_cast (quant.md §8.3): both kernels (the grouped one for npc = 128, the row-block
-one for npc = 32; interpret mode, inside jit) vs reference bit for bit
-on the same backend (weight_grad within atol = rtol = 1e-4), the reference vs numpy (float64 semantics, and the
-spec's float32 step sequence with its one fma), argument checks, the fma in the lowered kernel, lowering for an
+"""swiglu_backward_and_per_token_cast (docs/quant.md, "Fused SwiGLU"): both kernels (the grouped one for
+npc = 128, the step one for npc = 32; interpret mode, inside jit) vs reference bit for bit on the same backend
+(weight_grad within atol = rtol = 1e-4), the reference vs numpy (float64 semantics, and the spec's float32 step
+sequence with its one fma), argument checks, the fma in the lowered kernel, lowering for an
 H100, and a GPU subset of the spec grid."""
 
 import functools
@@ -89,9 +89,13 @@ def _both(args, **kw):
     (37, 640, 128, True, 10.0),  # 5 groups: one chunk; 5 row blocks, the last shifted back
     (16, 2304, 128, False, 0.5),  # 18 groups: chunks of 16 and 2
     (7, 256, 128, True, 0.5),  # fewer rows than one layout block: padded
-    # npc = 32: the row-block kernel (layout blocks of 32 rows, chunks of 16 groups, unrolled up to 4)
-    (70, 128, 32, True, 0.5),  # 4 groups unrolled, 3 row blocks (the last shifted back)
-    (48, 640, 32, False, 10.0),  # 20 groups: chunks of 16 (peeled group + loop) and 4 (unrolled)
+    # npc = 32: the step kernel (steps of 4 groups on 8-row blocks, chunks of 16 steps, the next step prefetched)
+    (70, 128, 32, True, 0.5),  # 4 groups: one step; 9 row blocks, the last shifted back
+    (48, 640, 32, False, 10.0),  # 20 groups: 5 steps in one chunk
+    (16, 2304, 32, False, 0.5),  # 72 groups: 18 steps, chunks of 16 and 2
+    (20, 192, 32, True, None),  # 6 groups: steps of 2 groups on 16-row blocks
+    (40, 96, 32, False, 0.5),  # 3 groups: steps of 1 group on 32-row blocks
+    (5, 128, 32, True, 10.0),  # fewer rows than one layout block: padded
 ])
 def test_bit_exact(key, e, h, npc, round_sf, clamp):
   args = _inputs(key, e, h, npc)
@@ -132,7 +136,7 @@ def test_zero_rows():
 
 
 def _numpy_backward(v, g, row_w, clamp):
-  """quant.md §8.3 in float64: ``(out, [dx | dy], row sums)``."""
+  """docs/quant.md, "Fused SwiGLU", in float64: ``(out, [dx | dy], row sums)``."""
   h = v.shape[1] // 2
   x, y = v[:, :h].copy(), v[:, h:].copy()
   cx = cy = np.zeros(x.shape, bool)
@@ -181,15 +185,13 @@ def test_reference_against_numpy(key, clamp):
   assert_bitwise_equal(out, jnp.asarray((xv / t * yv) * row_w.astype(f)[:, None]))
 
 
-@pytest.mark.parametrize("npc, sites", [(128, 1), (32, 2)])
+@pytest.mark.parametrize("npc, sites", [(128, 1), (32, 1)])
 def test_kernel_fma_is_contractable(monkeypatch, npc, sites):
   """The Mosaic GPU module computes ``x·(1 - s) + 1`` as a ``fastmath<contract>`` multiply whose only use is an
-  add of 1.0 (LLVM fuses the pair into ``fma.rn.f32``) at each place a group is written out: npc = 128 (the grouped
-  kernel, 2 groups) once, in the body of the loop over groups; npc = 32 (the row-block kernel, 8 groups) twice, in
-  the peeled first group and in the loop over the others. (The other contracted pairs: the elementwise ``g · act``
-  sums of the weight gradient, and in the row-block kernel the correctly rounded division's residuals,
-  :func:`jaxkern._ieee.newton_div`.) Checked on the MLIR handed to the Mosaic GPU compiler; the ``gpu`` test checks
-  the resulting bits."""
+  add of 1.0 (LLVM fuses the pair into ``fma.rn.f32``) at each place a group is written out: once, in the body of
+  the loop over groups (npc = 128, the grouped kernel, 2 groups) or over steps of 4 groups (npc = 32, the step
+  kernel, 2 steps). (The other contracted pairs: the elementwise ``g · act`` sums of the weight gradient.) Checked
+  on the MLIR handed to the Mosaic GPU compiler; the ``gpu`` test checks the resulting bits."""
   modules = capture_mosaic_modules(monkeypatch)
   s = jax.ShapeDtypeStruct
   e, h = 64, 256  # one chunk
@@ -253,8 +255,10 @@ def test_not_differentiable(key):
 
 
 @pytest.mark.parametrize("h, npc, round_sf, clamp", [(7168, 128, True, 0.5), (2560, 32, False, None),
-                                                     (6144, 32, True, 10.0)])
+                                                     (6144, 32, True, 10.0), (2112, 32, True, None),
+                                                     (2080, 32, False, 0.5)])
 def test_lowers_for_h100(h, npc, round_sf, clamp):
+  """The spec's shapes, and for npc = 32 steps of 2 groups (h = 2112: 66 groups) and of 1 group (2080: 65)."""
   e = 32016  # 4001 tokens, top-k 8, padded per expert
   s = jax.ShapeDtypeStruct
   f = lambda q, sf, g, w, p, t: OP((q, sf), g, w, p, t, npc, round_sf=round_sf, swiglu_clamp_value=clamp,
@@ -292,3 +296,15 @@ def test_spec_shapes_gpu(key, num_topk, experts, ranks, h, npc, round_sf, clamp)
   want = _run(*args, **kw, implementation="ref")
   _assert_matches(_run(*args, **kw, implementation="pallas"), want,
                   weight_grad_tolerance(args[0], args[1], args[3], want.weight_grad, npc, clamp))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h, clamp", [(2080, 0.5), (2112, None)])
+def test_narrow_steps_gpu(key, h, clamp):
+  """npc = 32 compiled with steps of 1 group (h = 2080: 65 groups) and of 2 groups (2112: 66 groups) vs the
+  reference run by XLA on the same GPU."""
+  args = _inputs(key, 300, h, 32)
+  kw = dict(npc=32, round_sf=False, clamp=clamp)
+  want = _run(*args, **kw, implementation="ref")
+  _assert_matches(_run(*args, **kw, implementation="pallas"), want,
+                  weight_grad_tolerance(args[0], args[1], args[3], want.weight_grad, 32, clamp))
