@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC, engram_mhc.md §4): residual streams, their mixes, the
+"""Manifold-constrained hyper-connections (mHC, docs/mhc.md): residual streams, their mixes, the
 Sinkhorn normalisation, the RMS-normalised projection ``pre_norm_fn``, the fused inference path
 ``pre_big_fuse`` and ``multilayer_recompute``; each differentiable op is a ``jax.custom_vjp`` whose backward is the matching
 ``*_bwd`` op."""

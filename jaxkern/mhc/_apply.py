@@ -1,4 +1,4 @@
-"""``pre_apply_mix`` (engram_mhc.md §4.6): the sublayer input as the ``pre``-weighted sum of the streams."""
+"""``pre_apply_mix`` (docs/mhc.md, "pre_apply_mix"): the sublayer input as the ``pre``-weighted sum of the streams."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ MAX_M = 8
 # "auto" runs XLA (H100, 2026-11-26, runner with CUPTI, 8 shapes T 4096/8192 x H 1280-7168): the forward kernel
 # ran at 0.93-0.98x XLA, the backward kernel at 0.83-0.96x. (The forward's two benchmark mismatches on N(0, 1)
 # data were rounding order, FMA-contracted sums against XLA's separate products, beyond that check's atol where
-# outputs reach 4: tests/mhc/test_gpu_regressions.py bounds the difference on the GPU; the spec's data pass.)
+# outputs reach 4: tests/mhc/test_gpu_regressions.py bounds the difference on the GPU; the upstream tests' data pass.)
 # Those figures are of the first, (8, 128)-tile kernels; the whole-row kernels (jaxkern.mhc._stream_kernels, second
 # version) are not measured yet: scratch/gpu_mhcfast.sh times them with the private _JAXKERN_MHC_FORCE_KERNEL.
 _FWD_SLOWER = "kernel 0.93-0.98x XLA on an H100 (2026-11-26)"
@@ -25,11 +25,16 @@ _BWD_SLOWER = "kernel 0.83-0.96x XLA on an H100 (2026-11-26)"
 
 
 def _unsupported(x, mix, others=()):
-  if x.dtype != jnp.bfloat16 or mix.dtype != jnp.float32 or any(a.dtype != jnp.bfloat16 for a in others):
-    return "the kernels take bfloat16 streams / gradients and a float32 mix"
+  """Why the kernels cannot run (None where they can); ``others``: ``(argument name, array)`` of the further
+  bfloat16 arrays."""
+  for name, a in (("x", x), *others):
+    if a.dtype != jnp.bfloat16:
+      return f"{name} has dtype {a.dtype.name}; the kernels take bfloat16"
+  if mix.dtype != jnp.float32:
+    return f"mix has dtype {mix.dtype.name}; the kernels take float32"
   if x.shape[-2] > MAX_M:
-    return f"M = {x.shape[-2]} > {MAX_M}"
-  return sk.unsupported_hidden(x.shape[-1])
+    return f"x.shape[-2] (M) = {x.shape[-2]}; the kernels take M <= {MAX_M}"
+  return None
 
 
 def _check(x, mix):
@@ -40,11 +45,11 @@ def _check(x, mix):
 
 
 def pre_apply_mix_bwd(o_grad, x, mix, x_grad_acc=None, *, implementation: str | None = None) -> PreApplyMixGrads:
-  """Backward of :func:`pre_apply_mix` (spec §4.6), optionally accumulated onto a residual gradient.
+  """Backward of :func:`pre_apply_mix` (docs/mhc.md, "pre_apply_mix"), optionally accumulated onto a residual gradient.
 
   ``x_grad[m, h] = bf16(f32(x_grad_acc[m, h]) + mix[m]·f32(og[h]))`` (without ``x_grad_acc``:
   ``bf16(mix[m]·og[h])``); ``mix_grad[m] = Σ_h og[h]·x[m, h]`` in float32. ``x_grad_acc`` is the functional
-  form of upstream's in-place accumulation into the ``grad_from_mhc_post`` buffer (spec §4.11, §9.5): pass
+  form of upstream's in-place accumulation into the ``grad_from_mhc_post`` buffer (docs/modeling.md, "mHC layers"): pass
   ``post_bwd``'s ``d_residual`` to get ``bf16(d_post + d_apply)`` in one pass.
 
   Args:
@@ -62,22 +67,23 @@ def pre_apply_mix_bwd(o_grad, x, mix, x_grad_acc=None, *, implementation: str | 
     ValueError (naming the argument): shapes that do not match ``x``, non-floating dtypes.
 
   XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also dtypes other than bfloat16
-  streams / gradients with a float32 mix, ``M > 8``, ``H`` not a multiple of 128 of at least 1024.
-  Kernel: Mosaic GPU, 16-byte vectors, per-token float32 reductions (whole hidden rows of 1-4 tokens per
-  register tile where ``H/8`` vectors spread evenly over at most 8 per thread and at least one tile of tokens
-  is given, else row sums of ``(8, 128)`` tiles, then one warpgroup sum); the summation order differs from the
-  reference's (float32 rounding only).
+  streams / gradients with a float32 mix, ``M > 8``.
+  Kernel (any ``H``): Mosaic GPU, 16-byte vectors (narrower where ``H`` is not a multiple of 8), per-token
+  float32 reductions (register tiles of whole hidden rows of 1-4 tokens where ``H/8`` vectors spread evenly over
+  at most 8 per thread and at least one tile of tokens is given, row sums of ``(8, 128)`` tiles where ``H`` is
+  another multiple of 128 of at least 1024, else tiles of up to 128 tokens x a divisor of ``H``; then one
+  warpgroup sum); the summation order differs from the reference's (float32 rounding only).
 
   Differentiation: none (a backward pass): :class:`jaxkern.NotDifferentiableError`.
   """
   x, mix, lead, m, h = _check(x, mix)
   og = _common.array("o_grad", o_grad, 1)
   _common.shape("o_grad", og, (*lead, h))
-  others = [og]
+  others = [("o_grad", og)]
   if x_grad_acc is not None:
     x_grad_acc = _common.array("x_grad_acc", x_grad_acc, 2)
     _common.shape("x_grad_acc", x_grad_acc, x.shape)
-    others.append(x_grad_acc)
+    others.append(("x_grad_acc", x_grad_acc))
   og, x, mix, x_grad_acc = _autodiff.guard("pre_apply_mix_bwd", _common.BWD_ADVICE, og, x, mix, x_grad_acc)
   t = _common.tokens(lead)
 
@@ -139,8 +145,8 @@ def pre_apply_mix(x, mix, *, implementation: str | None = None) -> jax.Array:
     ValueError (naming the argument): rank < 2, ``mix`` not ``(..., M, 1)``, non-floating dtypes, ``M`` or ``H`` 0.
 
   XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also dtypes other than bfloat16
-  ``x`` with a float32 ``mix``, ``M > 8``, ``H`` not a multiple of 128 of at least 1024.
-  Kernel: Mosaic GPU (see :mod:`jaxkern.mhc._stream_kernels`), bandwidth-bound; the products are summed
+  ``x`` with a float32 ``mix``, ``M > 8``.
+  Kernel (any ``H``): Mosaic GPU (see :mod:`jaxkern.mhc._stream_kernels`), bandwidth-bound; the products are summed
   as ``mix[0]·x[0] + mix[1]·x[1] + ...`` (the GPU contracts each add into an FMA). XLA on a GPU does not
   contract, so there the kernel and the XLA path round to different bf16 neighbours on about 1e-4 of the
   outputs (one bf16 ulp; XLA on CPU contracts like the kernel).

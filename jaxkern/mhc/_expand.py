@@ -1,4 +1,4 @@
-"""``expand_to_mhc`` (engram_mhc.md §4.1): widen a hidden state to ``M`` identical residual streams."""
+"""``expand_to_mhc`` (docs/mhc.md, "expand_to_mhc"): widen a hidden state to ``M`` identical residual streams."""
 
 from __future__ import annotations
 
@@ -17,12 +17,16 @@ from jaxkern.reference import mhc as ref
 # (8, 128)-tile kernel; the whole-row kernel (second version) is not measured yet (scratch/gpu_mhcfast.sh).
 _BWD_SLOWER = "kernel 0.87-0.97x XLA on an H100 (2026-11-26)"
 
-def _unsupported(dtype, h, m):
+MAX_M = 8
+
+
+def _unsupported(name, dtype, m_name, m):
+  """Why the kernels cannot run (None where they can); ``name`` / ``m_name``: the user's argument and its ``M``."""
   if dtype != jnp.bfloat16:
-    return f"the kernel takes bfloat16 data, got {jnp.dtype(dtype).name}"
-  if m > 8:
-    return f"mhc_mult {m} > 8"
-  return sk.unsupported_hidden(h)
+    return f"{name} has dtype {jnp.dtype(dtype).name}; the kernel takes bfloat16"
+  if m > MAX_M:
+    return f"{m_name} = {m}; the kernel takes {m_name} <= {MAX_M}"
+  return None
 
 
 def expand_to_mhc_bwd(out_grad, *, implementation: str | None = None) -> jax.Array:
@@ -38,10 +42,10 @@ def expand_to_mhc_bwd(out_grad, *, implementation: str | None = None) -> jax.Arr
   Raises:
     ValueError (naming the argument): rank < 2, a non-floating dtype, ``M = 0`` or ``H = 0``.
 
-  XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also dtypes other than bfloat16,
-  ``M > 8`` and ``H`` not a multiple of 128 of at least 1024 (``"pallas"`` raises
-  :class:`jaxkern.KernelUnavailableError` there). Kernel: Mosaic GPU, 16-byte vectors, float32 sums (whole
-  hidden rows of 1-4 tokens per register tile where they fit, else ``(8, 128)`` tiles; the same bits).
+  XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also dtypes other than bfloat16 and
+  ``M > 8`` (``"pallas"`` raises :class:`jaxkern.KernelUnavailableError` there). Kernel (any ``H``): Mosaic GPU,
+  16-byte vectors (narrower where ``H`` is not a multiple of 8), float32 sums (register tiles of whole hidden rows
+  of 1-4 tokens, or of up to 128 tokens x a divisor of ``H``, else ``(8, 128)`` tiles; the same bits).
 
   Differentiation: none (a backward pass): :class:`jaxkern.NotDifferentiableError`.
   """
@@ -54,7 +58,8 @@ def expand_to_mhc_bwd(out_grad, *, implementation: str | None = None) -> jax.Arr
     return bwd(g.reshape(t, m, h), interpret=_config.mosaic_interpret(interpret)).reshape(*lead, h)
 
   return _dispatch.run("expand_to_mhc_bwd", implementation, kernel=kernel, xla=lambda: ref.expand_to_mhc_bwd(g),
-                       empty=t == 0, unsupported=_unsupported(g.dtype, h, m), xla_faster=_common.xla_faster("expand_to_mhc_bwd", _BWD_SLOWER))
+                       empty=t == 0, unsupported=_unsupported("out_grad", g.dtype, "out_grad.shape[-2] (M)", m),
+                       xla_faster=_common.xla_faster("expand_to_mhc_bwd", _BWD_SLOWER))
 
 
 def _fwd_op(hidden, mhc_mult, implementation):
@@ -62,12 +67,13 @@ def _fwd_op(hidden, mhc_mult, implementation):
   t = _common.tokens(lead)
 
   def kernel(interpret):
-    out = sk.expand_fwd_kernel(hidden.reshape(t, h), mhc_mult=mhc_mult, interpret=_config.mosaic_interpret(interpret))
+    fwd = sk.expand_fwd_kernel if sk.tiles_fit(h) else sk.expand_fwd_rows_kernel
+    out = fwd(hidden.reshape(t, h), mhc_mult=mhc_mult, interpret=_config.mosaic_interpret(interpret))
     return out.reshape(*lead, mhc_mult, h)
 
   return _dispatch.run("expand_to_mhc", implementation, kernel=kernel,
                        xla=lambda: ref.expand_to_mhc(hidden, mhc_mult=mhc_mult), empty=t == 0,
-                       unsupported=_unsupported(hidden.dtype, h, mhc_mult))
+                       unsupported=_unsupported("hidden", hidden.dtype, "mhc_mult", mhc_mult))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -100,9 +106,9 @@ def expand_to_mhc(hidden, *, mhc_mult: int, implementation: str | None = None) -
   Raises:
     ValueError (naming the argument): rank 0, a non-floating dtype, ``H = 0``, ``mhc_mult`` not an int >= 1.
 
-  XLA (a broadcast) instead of the kernel: zero tokens; under ``"auto"`` also dtypes other than bfloat16,
-  ``mhc_mult > 8`` and ``H`` not a multiple of 128 of at least 1024. Kernel: Mosaic GPU, each token's row
-  loaded once in 16-byte vectors and stored ``M`` times.
+  XLA (a broadcast) instead of the kernel: zero tokens; under ``"auto"`` also dtypes other than bfloat16 and
+  ``mhc_mult > 8``. Kernel (any ``H``): Mosaic GPU, each token's row loaded once in 16-byte vectors (narrower
+  where ``H`` is not a multiple of 8) and stored ``M`` times.
 
   Differentiation: ``jax.custom_vjp``; the cotangent is :func:`expand_to_mhc_bwd` (float32 stream sum,
   one rounding), run with the same implementation.

@@ -1,8 +1,8 @@
-"""``pre_big_fuse`` (engram_mhc.md §4.9) and ``multilayer_recompute`` (§4.10).
+"""``pre_big_fuse`` and ``multilayer_recompute`` (docs/mhc.md).
 
 ``pre_big_fuse`` is a composition of jaxkern's own mHC ops, traced into the caller's jit (no kernel of its own),
 so it is bit-identical to the unfused chain of those ops by construction, on every backend and under every
-implementation (the exact-equality tests of spec §6.2 / §6.5). Each part takes the implementation given here and
+implementation (the exact-equality tests; docs/mhc.md, "pre_big_fuse"). Each part takes the implementation given here and
 makes its own dispatch decision (``jaxkern.explain`` lists one decision per part, not one for the composite).
 What a fused kernel would fuse (later performance work): after the ``pre_norm_fn`` GEMM (which reads the residual
 once), one kernel per token block doing the split-partial sum and the RMS normalisation, the affine + sigmoid split,
@@ -12,7 +12,7 @@ hundred bytes per token, against ``2·M·H`` bytes per residual read) and launch
 of two.
 
 ``multilayer_recompute`` runs one fused kernel (:mod:`jaxkern.mhc._recompute_kernel`) that keeps the running
-residual in registers and streams each layer's small inputs (spec §6.4: it moves ``io_fused = 2nMH + L(4nM +
+residual in registers and streams each layer's small inputs (docs/mhc.md, "multilayer_recompute"; it moves ``io_fused = 2nMH + L(4nM +
 2nH) + Lp(2nH + 4nM + 4nM² + 2nMH)`` bytes against the composition's ``io_ref = L·io_pre + Lp·io_post``, which
 re-reads every residual ``R_i`` once for ``pre_apply_mix`` and once for ``post``), bit-identical to the
 composition run with the same implementation; the composition is its XLA path.
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkern import _autodiff, _checks, _config, _dispatch
-from jaxkern.mhc import _apply, _common, _post, _recompute_kernel as rck, _stream_kernels as sk
+from jaxkern.mhc import _apply, _common, _post, _recompute_kernel as rck
 from jaxkern.mhc._apply import pre_apply_mix
 from jaxkern.mhc._mixes import pre_split_mixes
 from jaxkern.mhc._norm_fn import _check_residual_fn, _check_splits, pre_norm_fn
@@ -43,7 +43,7 @@ RECOMPUTE_ADVICE = ("it rebuilds activations for checkpointing; differentiate th
 def pre_big_fuse(residual, fn, mhc_scale, mhc_base, norm_weight=None, *, rms_eps: float = 1e-6,
                  mhc_pre_eps: float = 1e-6, mhc_sinkhorn_eps: float = 1e-6, mhc_post_mult_value: float = 1.0,
                  sinkhorn_repeat: int = 10, n_splits: int = 16, implementation: str | None = None) -> PreBigFuse:
-  """The fused mHC pre-processing of the inference path (spec §4.9): mixes, Sinkhorn and sublayer input.
+  """The fused mHC pre-processing of the inference path (docs/mhc.md, "pre_big_fuse"): mixes, Sinkhorn and sublayer input.
 
   Exactly :func:`pre_norm_fn` -> :func:`pre_split_mixes` -> :func:`sinkhorn_normalize` (comb logits) ->
   :func:`pre_apply_mix` (pre mix). Upstream's fused kernel must be bit-identical to that chain; this first
@@ -55,7 +55,7 @@ def pre_big_fuse(residual, fn, mhc_scale, mhc_base, norm_weight=None, *, rms_eps
       dims, also zero-size).
     fn: ``(J, M·H)`` float32, ``J = M(M+2) = 24``.
     mhc_scale: ``(3,)`` float32; mhc_base: ``(J,)`` float32.
-    norm_weight: optional ``(M·H,)`` RMSNorm weight, merged into ``fn`` before the TF32 rounding (spec §8.3:
+    norm_weight: optional ``(M·H,)`` RMSNorm weight, merged into ``fn`` before the TF32 rounding (docs/mhc.md, "pre_big_fuse":
       upstream's inference path ignores it; jaxkern merges it on both paths so they agree).
     rms_eps: RMS epsilon of ``pre_norm_fn``; mhc_pre_eps: added to the pre mix; mhc_sinkhorn_eps: Sinkhorn's
       eps; mhc_post_mult_value: post-mix multiplier (non-zero); sinkhorn_repeat: Sinkhorn iterations.
@@ -71,7 +71,7 @@ def pre_big_fuse(residual, fn, mhc_scale, mhc_base, norm_weight=None, *, rms_eps
     ValueError (naming the argument): as the parts (``M`` other than 4, ``fn`` not ``(24, 4H)``, ``mhc_scale``
       not ``(3,)``, ``mhc_base`` not ``(24,)``, ``norm_weight`` not ``(4H,)``, bad scalars).
     :class:`jaxkern.KernelUnavailableError` under ``"pallas"`` / ``"interpret"`` where a part's kernel cannot
-      run (e.g. ``pre_apply_mix`` needs ``H`` a multiple of 128 of at least 1024).
+      run (e.g. ``pre_norm_fn`` needs ``M·H`` a multiple of 256, ``H`` a multiple of 64).
 
   XLA instead of kernels: each part decides for itself (see their docstrings; on an H100 ``"auto"`` currently
   runs XLA for ``pre_norm_fn``'s forward and ``pre_apply_mix``); zero tokens run XLA.
@@ -112,15 +112,26 @@ def _list(name, seq):
   return [_common.array(f"{name}[{i}]", a, 1) for i, a in enumerate(seq)]
 
 
+RECOMPUTE_HIDDEN_MULTIPLE = 128  # the fused kernel's 1-D hidden chunks span 128 threads (rck.chunk_plan)
+
+
 def _recompute_unsupported(r, pres, outs, posts, combs):
-  """Why the fused kernel cannot run (None where it can): where the per-layer kernels run, so that its numerics
-  follow theirs."""
-  if r.dtype != jnp.bfloat16 or any(a.dtype != jnp.bfloat16 for a in outs) or any(
-      a.dtype != jnp.float32 for a in (*pres, *posts, *combs)):
-    return "the kernel takes bfloat16 residual / layer outputs and float32 mixes"
+  """Why the fused kernel cannot run (None where it can): dtypes and ``M`` where the per-layer kernels run, so
+  that its numerics follow theirs, and its own hidden-size constraint."""
+  if r.dtype != jnp.bfloat16:
+    return f"initial_residual has dtype {r.dtype.name}; the kernel takes bfloat16"
+  for name, lst, want in (("layer_output_list", outs, jnp.bfloat16), ("pre_mix_list", pres, jnp.float32),
+                          ("post_mix_list", posts, jnp.float32), ("comb_mix_list", combs, jnp.float32)):
+    for i, a in enumerate(lst):
+      if a.dtype != want:
+        return f"{name}[{i}] has dtype {a.dtype.name}; the kernel takes {jnp.dtype(want).name}"
   if r.shape[-2] > _post.MAX_M:
-    return f"M = {r.shape[-2]} > {_post.MAX_M} (post's kernel)"
-  return sk.unsupported_hidden(r.shape[-1])
+    return f"initial_residual.shape[-2] (M) = {r.shape[-2]}; the kernel takes M <= {_post.MAX_M} (post's kernel)"
+  if r.shape[-1] % RECOMPUTE_HIDDEN_MULTIPLE:
+    return (f"initial_residual.shape[-1] (H) = {r.shape[-1]}; the fused kernel takes H a multiple of "
+            f"{RECOMPUTE_HIDDEN_MULTIPLE} (implementation='auto' / 'xla' run the layer-by-layer kernels, which "
+            "take any H)")
+  return None
 
 
 def _pre_apply_mix_is_kernel(impl, r, pre) -> bool:
@@ -133,7 +144,7 @@ def _pre_apply_mix_is_kernel(impl, r, pre) -> bool:
 
 def multilayer_recompute(initial_residual, pre_mix_list, layer_output_list, post_mix_list, comb_mix_list, *,
                          implementation: str | None = None) -> MultilayerRecompute:
-  """Rebuild the sublayer inputs and residuals of ``L`` mHC layers from the first residual (spec §4.10).
+  """Rebuild the sublayer inputs and residuals of ``L`` mHC layers from the first residual (docs/mhc.md, "multilayer_recompute").
 
   ``R_0 = initial_residual``; for ``i = 0..L-1``: ``layer_input[i] = pre_apply_mix(R_i, pre_mix[i])`` and, if
   ``i < Lp``, ``R_{i+1} = post(layer_output[i], R_i, post_mix[i], comb_mix[i])``. Kernel path: one fused Mosaic
@@ -165,8 +176,8 @@ def multilayer_recompute(initial_residual, pre_mix_list, layer_output_list, post
       (below).
 
   XLA instead of the kernel (the composition): zero tokens; under ``"auto"`` also dtypes other than a bfloat16
-  residual and layer outputs with float32 mixes, ``M > 4`` and ``H`` not a multiple of 128 of at least 1024
-  (where the per-layer kernels do not run either).
+  residual and layer outputs with float32 mixes and ``M > 4`` (where the per-layer kernels do not run either),
+  and ``H`` not a multiple of 128 (the fused kernel's constraint; the per-layer kernels take any ``H``).
 
   Differentiation: none (activation recompute): :class:`jaxkern.NotDifferentiableError`.
   """

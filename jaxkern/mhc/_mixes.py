@@ -1,4 +1,4 @@
-"""``pre_split_mixes`` (engram_mhc.md §4.4) and ``head_compute_mix`` (§4.8): per-token affine + sigmoid maps of
+"""``pre_split_mixes`` and ``head_compute_mix`` (docs/mhc.md): per-token affine + sigmoid maps of
 the mixing logits. XLA code, no Pallas kernel.
 
 Why XLA: both are element-wise maps of ``(T, J)`` / ``(T, M)`` float32 rows (96 / 16 bytes per token, one
@@ -39,7 +39,7 @@ def _check_split(input_mixes, mhc_scale, mhc_base, mhc_mult):
 def pre_split_mixes_bwd(pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_grad, input_mixes, post_layer_mix,
                         mhc_scale, mhc_base, *, mhc_mult: int, mhc_post_mult_value: float,
                         implementation: str | None = None) -> PreSplitMixesGrads:
-  """Backward of :func:`pre_split_mixes` (spec §4.4), XLA code (see the module docstring).
+  """Backward of :func:`pre_split_mixes` (docs/mhc.md, "pre_split_mixes"), XLA code (see the module docstring).
 
   ``da_pre = g_pre·σ(1-σ)`` (σ recomputed from ``input_mixes``, ``mhc_scale``, ``mhc_base``),
   ``da_post = g_post·post·(1 - post/post_mult_value)`` (from the saved ``post_layer_mix``), ``da_comb = g_comb``;
@@ -105,7 +105,7 @@ _split.defvjp(_split_fwd, _split_bwd)
 
 def pre_split_mixes(input_mixes, mhc_scale, mhc_base, *, mhc_mult: int, mhc_post_mult_value: float = 1.0,
                     mhc_pre_eps: float = 1e-6, implementation: str | None = None) -> PreSplitMixes:
-  """Split the ``J = M·(M+2)`` logits per token into the pre, post and comb mixes (spec §4.4).
+  """Split the ``J = M·(M+2)`` logits per token into the pre, post and comb mixes (docs/mhc.md, "pre_split_mixes").
 
   ``a_j = z_j·scale[min(2, j // M)] + base_j``; ``pre = σ(a[:M]) + mhc_pre_eps``,
   ``post = σ(a[M:2M])·mhc_post_mult_value``, ``comb = a[2M:]`` as ``(M, M)`` (row = input stream), float32.
@@ -123,8 +123,8 @@ def pre_split_mixes(input_mixes, mhc_scale, mhc_base, *, mhc_mult: int, mhc_post
 
   Raises:
     ValueError (naming the argument): ``input_mixes``' last axis not ``M·(M+2)``, ``mhc_scale`` not ``(3,)``,
-    ``mhc_base`` not ``(J,)``, non-floating dtypes, ``mhc_mult`` not an int >= 1, a zero or non-finite
-    ``mhc_post_mult_value``, a non-finite ``mhc_pre_eps``.
+      ``mhc_base`` not ``(J,)``, non-floating dtypes, ``mhc_mult`` not an int >= 1, a zero or non-finite
+      ``mhc_post_mult_value``, a non-finite ``mhc_pre_eps``.
 
   Differentiation: ``jax.custom_vjp`` (residuals ``input_mixes, scale, base`` and the post output), backward
   :func:`pre_split_mixes_bwd`.
@@ -150,7 +150,7 @@ def _check_head(input_mix, mhc_scale, mhc_base):
 
 def head_compute_mix_bwd(output_mix_grad, input_mix, mhc_scale, mhc_base, *,
                          implementation: str | None = None) -> HeadComputeMixGrads:
-  """Backward of :func:`head_compute_mix` (spec §4.8), XLA code: ``dz = go·σ(1-σ)`` (σ recomputed),
+  """Backward of :func:`head_compute_mix` (docs/mhc.md, "head_compute_mix"), XLA code: ``dz = go·σ(1-σ)`` (σ recomputed),
   ``input_mix_grad = dz·scale``, ``mhc_scale_grad = Σ dz·z`` ``(1,)``, ``mhc_base_grad = Σ_tokens dz`` ``(M,)``.
 
   Args:
@@ -197,7 +197,7 @@ _head.defvjp(_head_fwd, _head_bwd)
 
 def head_compute_mix(input_mix, mhc_scale, mhc_base, *, mhc_pre_eps: float = 1e-6,
                      implementation: str | None = None) -> jax.Array:
-  """The head's pre mix ``σ(input_mix·scale + base) + mhc_pre_eps`` (spec §4.8), float32.
+  """The head's pre mix ``σ(input_mix·scale + base) + mhc_pre_eps`` (docs/mhc.md, "head_compute_mix"), float32.
 
   Args:
     input_mix: ``(..., M)`` float32 (upstream: exactly ``(B, S, M)``).
@@ -210,7 +210,7 @@ def head_compute_mix(input_mix, mhc_scale, mhc_base, *, mhc_pre_eps: float = 1e-
 
   Raises:
     ValueError (naming the argument): ``mhc_scale`` not ``(1,)``, ``mhc_base`` not ``(M,)``, non-floating dtypes,
-    ``M = 0``, a non-finite ``mhc_pre_eps``.
+      ``M = 0``, a non-finite ``mhc_pre_eps``.
 
   Differentiation: ``jax.custom_vjp`` (residuals ``input_mix, scale, base``), backward
   :func:`head_compute_mix_bwd`.

@@ -1,4 +1,4 @@
-"""``pre_norm_fn`` (engram_mhc.md §4.2, §4.3): the RMS-normalised skinny projection of the flattened mHC residual.
+"""``pre_norm_fn`` (docs/mhc.md, "pre_norm_fn"): the RMS-normalised skinny projection of the flattened mHC residual.
 
 Kernels (Mosaic GPU, ``BT = 64`` tokens per tile, ``KB = 64`` columns per step):
 
@@ -12,14 +12,14 @@ Kernels (Mosaic GPU, ``BT = 64`` tokens per tile, ``KB = 64`` columns per step):
 * backward ``bwd_mul_kernel``: grid ``(C, K/64)``; CTA ``(c, b)`` loops over the token tiles of chunk ``c``
   (2-slot TMA ring) for its 64 columns and produces both the residual gradient (written once, through SMEM
   and a TMA store) and the float32 partial ``fn`` gradient of the chunk (accumulated in a wgmma accumulator
-  over all its tiles, stored once; the ``C`` partials are summed by XLA, §9.4). ``C`` is chosen so that
+  over all its tiles, stored once; the ``C`` partials are summed by XLA). ``C`` is chosen so that
   ``C · K/64`` fills the GPU (``C = 1`` for ``K >= 8448``).
 
-Why bf16 wgmma and not tf32: the spec's products are exact (``x`` is bf16, ``fn_r`` = ``tf32_rna(fn)`` has 11
+Why bf16 wgmma and not tf32: the products are exact (``x`` is bf16, ``fn_r`` = ``tf32_rna(fn)`` has 11
 significant bits). ``fn_r = hi + lo`` with ``hi`` = ``fn_r`` truncated to bf16 and ``lo = fn_r - hi`` is an exact
 split into two bfloat16 values (``lo`` has at most 3 significant bits; :func:`split_bf16`, made with integer
 bit operations because XLA:GPU removes an ``f32 -> bf16 -> f32`` round trip), so ``x·fn_r = x·hi + x·lo`` with both products exact
-in the float32 accumulator: the same numbers as the TF32 MMA up to float32 summation order (what the spec's
+in the float32 accumulator: the same numbers as the TF32 MMA up to float32 summation order (what the tests'
 1e-3 tolerance allows), while the residual tile stays bf16 in SMEM (no float32 conversion pass, half the SMEM
 bytes of a tf32 operand, and bf16 wgmma runs at twice the tf32 rate). The backward's ``q = tf32(G·ρ)`` is
 split the same way, so ``q·fn_r = q_hi·fn_hi + q_lo·fn_hi + q_hi·fn_lo + q_lo·fn_lo`` (two K = 64 wgmmas over
@@ -249,12 +249,12 @@ ADVICE = ("it is a building block of pre_norm_fn; differentiate jaxkern.mhc.pre_
 
 
 def round_to_tf32(x, *, implementation: str | None = None) -> jax.Array:
-  """``tf32_rna(x) = bitcast_f32((bitcast_u32(x) + 0x1000) & 0xFFFFE000)`` (spec §4.3.4), elementwise.
+  """``tf32_rna(x) = bitcast_f32((bitcast_u32(x) + 0x1000) & 0xFFFFE000)`` (docs/mhc.md, "pre_norm_fn"), elementwise.
 
   Round to nearest TF32 (10 explicit mantissa bits), ties away from zero, with the low 13 bits cleared
   (upstream leaves them set; the tensor cores ignore them). float32 only is rounded; other dtypes come back
   unchanged (the float64 gradient checks use the exact math). Values that round past FLT_MAX become ±inf
-  (out of contract, spec §8.8). An XLA elementwise op (no kernel). Not differentiable in a useful sense
+  (out of contract, docs/mhc.md, "pre_norm_fn"). An XLA elementwise op (no kernel). Not differentiable in a useful sense
   (zero derivative almost everywhere, as written in ``jnp``).
   """
   x = _checks.as_array("x", x)
@@ -264,9 +264,9 @@ def round_to_tf32(x, *, implementation: str | None = None) -> jax.Array:
 
 
 def fn_normw_merge(fn, normw, *, implementation: str | None = None) -> jax.Array:
-  """``fn * normw`` (spec §4.2): ``fn (J, K)`` float32 times the RMSNorm weight ``normw (K,)`` on every row.
+  """``fn * normw`` (docs/mhc.md, "pre_norm_fn"): ``fn (J, K)`` float32 times the RMSNorm weight ``normw (K,)`` on every row.
 
-  Plain ``jnp`` (spec §9.1): autodiff gives upstream's backward ``grad_fn = g·normw``,
+  Plain ``jnp`` (docs/mhc.md, "pre_norm_fn"): autodiff gives upstream's backward ``grad_fn = g·normw``,
   ``grad_normw = Σ_j g·fn``. Raises ValueError (naming the argument) for other ranks or a length mismatch.
   ``implementation`` is accepted for the common signature; every choice runs the same ``jnp`` product.
   """
@@ -368,7 +368,7 @@ def _bwd_kernel(g, r2, fn, out_mul, sqrsum, *, norm_eps, interpret):
 
 def pre_norm_fn_fwd(residual, fn, *, norm_eps: float = 1e-6, n_splits: int = 16,
                     implementation: str | None = None) -> PreNormFnFwd:
-  """The forward of :func:`pre_norm_fn` with the sums its backward needs (spec §4.3.1-§4.3.2).
+  """The forward of :func:`pre_norm_fn` with the sums its backward needs (docs/mhc.md, "pre_norm_fn").
 
   Per token, ``r = vec(residual[t])`` (stream-major, ``K = M·H``), ``fn_r = round_to_tf32(fn)``:
   ``out_mul = r @ fn_rᵀ`` (exact products, float32 accumulation), ``sqrsum = Σ r²`` (float32),
@@ -395,7 +395,7 @@ def pre_norm_fn_fwd(residual, fn, *, norm_eps: float = 1e-6, n_splits: int = 16,
   bfloat16 or an ``fn`` other than float32, and ``K % 256 != 0`` (``"pallas"`` raises
   :class:`jaxkern.KernelUnavailableError`). The split partials' sum and the normalisation are XLA code.
 
-  Numerics: equal to the reference up to float32 summation order (spec tolerance ``atol = rtol = 1e-3``).
+  Numerics: equal to the reference up to float32 summation order (the tests' tolerance ``atol = rtol = 1e-3``).
 
   Differentiation: none (building block); ``jax.grad`` raises :class:`jaxkern.NotDifferentiableError`.
   """
@@ -424,7 +424,7 @@ def _fwd(residual, fn, eps, n_splits, implementation) -> PreNormFnFwd:
 
 def pre_norm_fn_bwd(grad_mixes, residual, fn, out_mul, sqrsum, *, norm_eps: float = 1e-6,
                     implementation: str | None = None) -> PreNormFnGrads:
-  """The backward of :func:`pre_norm_fn` (spec §4.3.3) from :func:`pre_norm_fn_fwd`'s sums.
+  """The backward of :func:`pre_norm_fn` (docs/mhc.md, "pre_norm_fn") from :func:`pre_norm_fn_fwd`'s sums.
 
   Per token (float32): ``ρ = rsqrt(sqrsum/K + eps)``, ``q = round_to_tf32(G·ρ)``,
   ``sqrsum_grad = (Σ_j G·out_mul)·ρ / (sqrsum + eps·K) / (-2)``;
@@ -441,7 +441,7 @@ def pre_norm_fn_bwd(grad_mixes, residual, fn, out_mul, sqrsum, *, norm_eps: floa
   Returns:
     ``PreNormFnGrads(grad_residual, grad_fn)``: the residual's shape and dtype, ``(J, K)`` in ``fn``'s dtype.
     Upstream adds ``grad_residual`` into an existing bf16 buffer (``fuse_grad_acc``); here it is returned and
-    JAX adds cotangents (spec §9.5, option 1).
+    JAX adds cotangents (docs/modeling.md, "mHC layers").
 
   Raises:
     ValueError (naming the argument): as :func:`pre_norm_fn_fwd`, or ``grad_mixes`` / ``out_mul`` /
@@ -512,7 +512,7 @@ _pre_norm_fn.defvjp(_pre_norm_fn_vjp_fwd, _pre_norm_fn_vjp_bwd)
 
 def pre_norm_fn(residual, fn, norm_weight=None, *, norm_eps: float = 1e-6, fuse_grad_acc: bool = True,
                 n_splits: int = 16, implementation: str | None = None) -> jax.Array:
-  """The mHC mixing logits: ``RMSNorm(vec(R); norm_weight) @ fnᵀ`` per token (spec §4.3), differentiable.
+  """The mHC mixing logits: ``RMSNorm(vec(R); norm_weight) @ fnᵀ`` per token (docs/mhc.md, "pre_norm_fn"), differentiable.
 
   ``fn_eff = fn * norm_weight`` (:func:`fn_normw_merge`, if given), ``fn_r = round_to_tf32(fn_eff)``;
   per token ``mixes = (r @ fn_rᵀ) · rsqrt(Σr²/K + norm_eps)`` with ``r = vec(residual[t])`` (stream-major).
@@ -525,7 +525,7 @@ def pre_norm_fn(residual, fn, norm_weight=None, *, norm_eps: float = 1e-6, fuse_
       upstream's M2 backward).
     norm_eps: RMS epsilon (upstream default 1e-6).
     fuse_grad_acc: accepted for upstream compatibility; no effect (JAX adds the residual's cotangents
-      functionally, spec §9.5 option 1).
+      functionally; docs/modeling.md, "mHC layers").
     n_splits: upper bound on the forward's K splits (performance only).
     implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``; used by
       the forward and the backward.
@@ -539,7 +539,7 @@ def pre_norm_fn(residual, fn, norm_weight=None, *, norm_eps: float = 1e-6, fuse_
 
   XLA instead of kernels: see :func:`pre_norm_fn_fwd` / :func:`pre_norm_fn_bwd`.
 
-  Numerics: spec tolerances: mixes ``atol = rtol = 1e-3``; residual gradient bf16 (``rtol 1.6e-2``); fn
+  Numerics: the tests' tolerances: mixes ``atol = rtol = 1e-3``; residual gradient bf16 (``rtol 1.6e-2``); fn
   gradient ``atol 3e-2, rtol 1e-3``.
 
   Differentiation: ``jax.custom_vjp``; residuals ``residual, fn_eff, out_mul, sqrsum``; backward

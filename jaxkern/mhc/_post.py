@@ -1,4 +1,4 @@
-"""``post`` (engram_mhc.md §4.7): write the sublayer output into the streams and recombine them."""
+"""``post`` (docs/mhc.md, "post"): write the sublayer output into the streams and recombine them."""
 
 from __future__ import annotations
 
@@ -16,12 +16,21 @@ MAX_M = 4
 
 
 def _unsupported(residual, mixes, others):
-  if residual.dtype != jnp.bfloat16 or any(a.dtype != jnp.bfloat16 for a in others) or any(
-      a.dtype != jnp.float32 for a in mixes):
-    return "the kernels take bfloat16 x / residual / gradients and float32 mixes"
+  """Why the kernels cannot run (None where they can); ``mixes`` / ``others``: ``(argument name, array)`` of the
+  float32 mixes and the further bfloat16 arrays."""
+  for name, a in (("residual", residual), *others):
+    if a.dtype != jnp.bfloat16:
+      return f"{name} has dtype {a.dtype.name}; the kernels take bfloat16"
+  for name, a in mixes:
+    if a.dtype != jnp.float32:
+      return f"{name} has dtype {a.dtype.name}; the kernels take float32"
   if residual.shape[-2] > MAX_M:
-    return f"M = {residual.shape[-2]} > {MAX_M}"
-  return sk.unsupported_hidden(residual.shape[-1])
+    return f"residual.shape[-2] (M) = {residual.shape[-2]}; the kernels take M <= {MAX_M}"
+  return None
+
+
+def _mixes(post_layer_mix, comb_res_mix):
+  return (("post_layer_mix", post_layer_mix), ("comb_res_mix", comb_res_mix))
 
 
 def _check(x, residual, post_layer_mix, comb_res_mix):
@@ -36,7 +45,7 @@ def _check(x, residual, post_layer_mix, comb_res_mix):
 
 
 def post_bwd(d_o, x, residual, post_layer_mix, comb_res_mix, *, implementation: str | None = None) -> PostGrads:
-  """Backward of :func:`post` (spec §4.7).
+  """Backward of :func:`post` (docs/mhc.md, "post").
 
   ``d_residual[m] = bf16(Σ_n comb[m, n]·dO[n])``, ``d_x = bf16(Σ_n post[n]·dO[n])`` (float32, ``n`` in order),
   ``d_comb[m, n] = Σ_h residual[m]·dO[n]``, ``d_post[n] = Σ_h x·dO[n]`` (float32).
@@ -53,9 +62,10 @@ def post_bwd(d_o, x, residual, post_layer_mix, comb_res_mix, *, implementation: 
   Raises:
     ValueError (naming the argument): shapes that do not match ``residual``, non-floating dtypes.
 
-  XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also other dtypes, ``M > 4`` and
-  ``H`` not a multiple of 128 of at least 1024. Kernel: Mosaic GPU, one pass over ``dO``, ``x``, ``residual``
-  (20 per-token float32 reductions for ``M = 4``: row sums of ``(8, 128)`` tiles, then one warpgroup sum each).
+  XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also other dtypes and ``M > 4``.
+  Kernel (any ``H``): Mosaic GPU, one pass over ``dO``, ``x``, ``residual`` (20 per-token float32 reductions
+  for ``M = 4``: row sums of ``(8, 128)`` tiles where ``H`` is a multiple of 128 of at least 1024, else of
+  register tiles of up to 128 tokens x a divisor of ``H``; then one warpgroup sum each).
 
   Differentiation: none (a backward pass): :class:`jaxkern.NotDifferentiableError`.
   """
@@ -63,19 +73,20 @@ def post_bwd(d_o, x, residual, post_layer_mix, comb_res_mix, *, implementation: 
   d_o = _common.array("d_o", d_o, 2)
   _common.shape("d_o", d_o, residual.shape)
   return _bwd_op(d_o, x, residual, post_layer_mix, comb_res_mix, implementation, xla_d_o=lambda: d_o,
-                 checked=(x, d_o))
+                 checked=(("x", x), ("d_o", d_o)))
 
 
 def _bwd_op(d_o, x, residual, post_layer_mix, comb_res_mix, implementation, *, xla_d_o, checked) -> PostGrads:
   """The dispatch of :func:`post_bwd`: the kernel reads ``d_o`` as given, the XLA path ``xla_d_o()``; ``checked``:
-  the arrays besides the mixes whose dtypes the kernel constrains."""
+  ``(argument name, array)`` of the arrays besides the mixes whose dtypes the kernel constrains."""
   d_o, x, residual, post_layer_mix, comb_res_mix = _autodiff.guard(
       "post_bwd", _common.BWD_ADVICE, d_o, x, residual, post_layer_mix, comb_res_mix)
   lead, (m, h) = residual.shape[:-2], residual.shape[-2:]
   t = _common.tokens(lead)
 
   def kernel(interpret):
-    dx, dr, dp, dc = sk.post_bwd_kernel(d_o.reshape(t, m, h), x.reshape(t, h), residual.reshape(t, m, h),
+    bwd = sk.post_bwd_kernel if sk.tiles_fit(h) else sk.post_bwd_rows_kernel
+    dx, dr, dp, dc = bwd(d_o.reshape(t, m, h), x.reshape(t, h), residual.reshape(t, m, h),
                                         post_layer_mix.reshape(t, m), comb_res_mix.reshape(t, m, m),
                                         interpret=_config.mosaic_interpret(interpret))
     return PostGrads(dx.reshape(x.shape), dr.reshape(residual.shape), dp.reshape(post_layer_mix.shape),
@@ -83,7 +94,7 @@ def _bwd_op(d_o, x, residual, post_layer_mix, comb_res_mix, implementation, *, x
 
   return _dispatch.run("post_bwd", implementation, kernel=kernel,
                        xla=lambda: ref.post_bwd(xla_d_o(), x, residual, post_layer_mix, comb_res_mix), empty=t == 0,
-                       unsupported=_unsupported(residual, (post_layer_mix, comb_res_mix), checked))
+                       unsupported=_unsupported(residual, _mixes(post_layer_mix, comb_res_mix), checked))
 
 
 def _fwd_op(x, residual, post_layer_mix, comb_res_mix, implementation):
@@ -91,13 +102,14 @@ def _fwd_op(x, residual, post_layer_mix, comb_res_mix, implementation):
   t = _common.tokens(lead)
 
   def kernel(interpret):
-    out = sk.post_fwd_kernel(x.reshape(t, h), residual.reshape(t, m, h), post_layer_mix.reshape(t, m),
+    fwd = sk.post_fwd_kernel if sk.tiles_fit(h) else sk.post_fwd_rows_kernel
+    out = fwd(x.reshape(t, h), residual.reshape(t, m, h), post_layer_mix.reshape(t, m),
                              comb_res_mix.reshape(t, m, m), interpret=_config.mosaic_interpret(interpret))
     return out.reshape(residual.shape)
 
   return _dispatch.run("post", implementation, kernel=kernel,
                        xla=lambda: ref.post(x, residual, post_layer_mix, comb_res_mix), empty=t == 0,
-                       unsupported=_unsupported(residual, (post_layer_mix, comb_res_mix), (x,)))
+                       unsupported=_unsupported(residual, _mixes(post_layer_mix, comb_res_mix), (("x", x),)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -115,7 +127,7 @@ def _cotangent_bwd(d_o, x, residual, post_layer_mix, comb_res_mix, implementatio
   that upcasts the output): the kernel reads the float32 ``d_o`` and rounds it in registers (bit-identical to
   casting first, one pass over ``dO`` less); the XLA path casts first."""
   return _bwd_op(d_o, x, residual, post_layer_mix, comb_res_mix, implementation,
-                 xla_d_o=lambda: d_o.astype(residual.dtype), checked=(x,))
+                 xla_d_o=lambda: d_o.astype(residual.dtype), checked=(("x", x),))
 
 
 def _post_bwd(implementation, residuals, d_o):
@@ -130,7 +142,7 @@ _post.defvjp(_post_fwd, _post_bwd)
 
 
 def post(x, residual, post_layer_mix, comb_res_mix, *, implementation: str | None = None) -> jax.Array:
-  """The new residual ``out[..., n, h] = bf16(post[n]·x[h] + Σ_m comb[m, n]·residual[m, h])`` (spec §4.7).
+  """The new residual ``out[..., n, h] = bf16(post[n]·x[h] + Σ_m comb[m, n]·residual[m, h])`` (docs/mhc.md, "post").
 
   float32: the post term first, then ``m = 0..M-1`` in order (input stream ``m`` is the *row* of ``comb``).
 
@@ -146,11 +158,11 @@ def post(x, residual, post_layer_mix, comb_res_mix, *, implementation: str | Non
 
   Raises:
     ValueError (naming the argument): shapes that do not match ``residual``, non-floating dtypes, ``M`` or
-    ``H`` 0.
+      ``H`` 0.
 
   XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also dtypes other than bfloat16
-  ``x`` / ``residual`` with float32 mixes, ``M > 4`` (upstream's backward supports only 4) and ``H`` not a
-  multiple of 128 of at least 1024. Kernel: Mosaic GPU (see :mod:`jaxkern.mhc._stream_kernels`),
+  ``x`` / ``residual`` with float32 mixes and ``M > 4`` (upstream's backward supports only 4). Kernel (any
+  ``H``): Mosaic GPU (see :mod:`jaxkern.mhc._stream_kernels`),
   bandwidth-bound (``2·H·(2M+1)`` bytes per token).
 
   Differentiation: ``jax.custom_vjp``; residuals ``x, residual, post_layer_mix, comb_res_mix``; backward

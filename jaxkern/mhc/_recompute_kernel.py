@@ -1,10 +1,10 @@
-"""One Mosaic GPU kernel for ``multilayer_recompute`` (engram_mhc.md §4.10): all layers of a layer group in one pass.
+"""One Mosaic GPU kernel for ``multilayer_recompute`` (docs/mhc.md, "multilayer_recompute"): all layers of a layer group in one pass.
 
 Each CTA (one warpgroup) owns a block of ``BT`` consecutive tokens and one hidden chunk of ``C`` columns of them;
 it walks its tokens one after another and, for each, runs the whole layer loop with the token's residual chunk
 ``R_i`` (``M`` streams) in registers: it reads ``R_0`` once, then per layer reads only that layer's sublayer
 output chunk and the token's mixes and writes the sublayer input chunk and ``R_{i+1}``. The bytes moved are
-upstream's ``io_fused`` (spec §6.4); the layer-by-layer composition also reads every ``R_i`` twice.
+upstream's ``io_fused`` byte model; the layer-by-layer composition also reads every ``R_i`` twice.
 
 * Layout: a chunk is a 1-D slice of ``C = 128·vec·k`` values in :func:`jaxkern._layouts.flat_layout` ``(vec)``
   (16-, 8-, 4- or 2-byte vectors, the widest that divides the row), ``C/128`` values per thread and stream;

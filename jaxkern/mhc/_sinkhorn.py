@@ -1,4 +1,4 @@
-"""``sinkhorn_normalize`` (engram_mhc.md §4.5): push the comb logits towards doubly-stochastic matrices."""
+"""``sinkhorn_normalize`` (docs/mhc.md, "sinkhorn_normalize"): push the comb logits towards doubly-stochastic matrices."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _unsupported(*arrays):
 
 def sinkhorn_normalize_bwd(grad_output, x, *, repeat: int = 10, eps: float = 1e-6,
                            implementation: str | None = None) -> jax.Array:
-  """Backward of :func:`sinkhorn_normalize` for the logits ``x`` (spec §4.5): the chain is recomputed from
+  """Backward of :func:`sinkhorn_normalize` for the logits ``x`` (docs/mhc.md, "sinkhorn_normalize"): the chain is recomputed from
   ``x`` and walked backwards (``t = Σ g·X_i / (Σ_i + eps)``, ``g = (g - t) / (Σ_i + eps)`` per normalisation,
   then the softmax backward ``(g - Σ_n g·P)·P``). Equal to autodiff of the forward.
 
@@ -49,12 +49,12 @@ def sinkhorn_normalize_bwd(grad_output, x, *, repeat: int = 10, eps: float = 1e-
 
   Raises:
     ValueError (naming the argument): shapes other than ``(..., M, M)`` / mismatched, ``repeat < 1``, a
-    non-finite or negative ``eps``.
+      non-finite or negative ``eps``.
 
   XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also non-float32 inputs and
   ``M > 8`` or ``M·M`` not a multiple of 4. Kernel: Mosaic GPU, one token per thread, 128 per CTA: the forward
   chain once, its iterates kept per thread, then the steps in reverse with multiplies by the reciprocal sums
-  (within an ulp or so of the divisions; ``repeat > 16``: the chain recomputed per step, the spec's divisions;
+  (within an ulp or so of the divisions; ``repeat > 16``: the chain recomputed per step, the reference's divisions;
   :mod:`jaxkern.mhc._sinkhorn_kernel`).
 
   Differentiation: none (a backward pass): :class:`jaxkern.NotDifferentiableError`.
@@ -107,7 +107,7 @@ _sinkhorn.defvjp(_sinkhorn_fwd, _sinkhorn_bwd)
 
 
 def sinkhorn_normalize(x, *, repeat: int = 10, eps: float = 1e-6, implementation: str | None = None) -> jax.Array:
-  """Sinkhorn-Knopp normalisation of per-token ``M x M`` logits (spec §4.5).
+  """Sinkhorn-Knopp normalisation of per-token ``M x M`` logits (docs/mhc.md, "sinkhorn_normalize").
 
   Softmax over the last axis, ``+ eps``, a column normalisation ``X / (Σ_m X + eps)``, then ``repeat - 1``
   pairs of row and column normalisations (``2·repeat - 1`` normalisations; columns sum to ~1).
@@ -123,12 +123,12 @@ def sinkhorn_normalize(x, *, repeat: int = 10, eps: float = 1e-6, implementation
 
   Raises:
     ValueError (naming the argument): not ``(..., M, M)``, a non-floating dtype, ``repeat < 1``, a negative or
-    non-finite ``eps``.
+      non-finite ``eps``.
 
   XLA (the reference, ``2·repeat - 1`` unrolled reductions) instead of the kernel: zero tokens; under
   ``"auto"`` also non-float32 ``x`` and ``M > 8`` or ``M·M`` not a multiple of 4. Kernel: Mosaic GPU, one token
   per thread (the whole iteration in registers), 128 tokens per CTA; the GPU's float32 division is
-  approximate (within ~2 ulp), so results differ from the reference in the last bits (spec tolerance:
+  approximate (within ~2 ulp), so results differ from the reference in the last bits (the tests' tolerance:
   fp32 ``assert_close``).
 
   Differentiation: ``jax.custom_vjp``; residual ``x`` only; backward :func:`sinkhorn_normalize_bwd` (a kernel

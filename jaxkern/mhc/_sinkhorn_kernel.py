@@ -1,4 +1,4 @@
-"""Mosaic GPU kernels of the Sinkhorn normalisation (engram_mhc.md §4.5), forward and backward.
+"""Mosaic GPU kernels of the Sinkhorn normalisation (docs/mhc.md, "sinkhorn_normalize"), forward and backward.
 
 One thread per token: a CTA loads a ``(128, M·M)`` float32 tile (``row_layout(M·M, 4, max_lanes=1)``: each
 thread holds its token's whole matrix as 16-byte vectors) and splits it into ``M·M`` per-thread scalars
@@ -10,7 +10,7 @@ is padded to 128 rows by the caller.
 Order of operations (the contract for fused kernels that must match bit for bit, see :func:`forward`):
 softmax ``exp(x - rowmax) / rowsum`` (sums ``n = 0..M-1`` in order), ``+ eps``; each normalisation
 ``X / (Σ + eps)`` with the sum over the other index in order. ``/`` is the GPU's float32 division
-(approximate, within ~2 ulp: the spec's tolerance is ``assert_close`` at fp32 defaults).
+(approximate, within ~2 ulp: the tests' tolerance is ``assert_close`` at fp32 defaults).
 
 The backward (:func:`backward`, ``repeat <= MAX_LINEAR_REPEAT``) runs the forward chain once and keeps its
 iterates per thread: ``X_1 = P + eps`` and the inputs ``X_2q`` of the row steps (``10·M²`` values for
@@ -18,13 +18,13 @@ iterates per thread: ``X_1 = P + eps`` and the inputs ``X_2q`` of the row steps 
 back it recomputes ``X_2q+1 = row_norm(X_2q)``, each step's sums and their reciprocals ``r = 1/(Σ_i + eps)``
 from those saved values: that work does not depend on the incoming gradient, so it runs beside the gradient
 chain instead of lengthening it, and a backward step on the chain is ``t = (Σ g·X_i)·r``, ``g = (g - t)·r``
-(two multiplies where the spec divides twice: each differs from the division by at most an ulp or so; the
-spec's tolerance is fp32 ``assert_close``). The chain is thus ``2·repeat - 1`` forward normalisations and as
+(two multiplies where the reference divides twice: each differs from the division by at most an ulp or so; the
+tests' tolerance is fp32 ``assert_close``). The chain is thus ``2·repeat - 1`` forward normalisations and as
 many multiply-only backward steps (linear in ``repeat``). The first version re-ran the forward up to ``X_i``
 for every step (``O(repeat²)`` normalisations, ~170 dependent steps for ``repeat = 10``) and ran at
 0.26-0.74x XLA on an H100: with one token per thread and at most one CTA per SM for ``T <= 16896``, the
 kernel's time is the latency of that one chain. Larger ``repeat`` keeps the recomputing form
-(:func:`backward_recompute`: the spec's divisions, few registers).
+(:func:`backward_recompute`: the reference's divisions, few registers).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def _bwd_step_rcp(g, xi, eps, axis_rows):
 
 
 def backward(g, e, repeat, eps):
-  """Gradient of :func:`forward` w.r.t. ``e`` for the output cotangent ``g`` (spec §4.5): one forward pass
+  """Gradient of :func:`forward` w.r.t. ``e`` for the output cotangent ``g`` (docs/mhc.md, "sinkhorn_normalize"): one forward pass
   saving ``X_1`` and the row-step inputs ``X_2q``, then the steps in reverse with reciprocal multiplies
   (module docstring)."""
   if repeat > MAX_LINEAR_REPEAT:

@@ -55,7 +55,7 @@ def exact(a, b):
 
 @pytest.mark.parametrize("implementation, lead, h, normw", [
     ("xla", (3, 5), 64, False), ("xla", (70,), 128, True), ("reference", (7,), 64, True),
-    ("interpret", (5,), 1024, False)])  # the pre_apply_mix kernel needs H >= 1024
+    ("interpret", (5,), 1024, False), ("interpret", (3,), 192, True)])
 def test_pre_big_fuse_bit_exact_vs_unfused_ops(key, implementation, lead, h, normw):
   r, fn, scale, base, w = fuse_inputs(key, lead, h, normw)
   got = jax.jit(lambda *a: mhc.pre_big_fuse(*a, **OPTS, implementation=implementation))(r, fn, scale, base, w)
@@ -120,7 +120,8 @@ def test_pre_big_fuse_argument_checks(key):
     f(r, fn, scale, base, mhc_sinkhorn_eps=-1.0)
   with pytest.raises(ValueError, match="rms_eps"):
     f(r, fn, scale, base, rms_eps=float("nan"))
-  with pytest.raises(jaxkern.KernelUnavailableError, match="pre_apply_mix"):  # H = 64: no pre_apply_mix kernel
+  r, fn, scale, base, _ = fuse_inputs(key, (2,), 32)
+  with pytest.raises(jaxkern.KernelUnavailableError, match="pre_norm_fn"):  # H = 32: M·H not a multiple of 256
     jax.jit(lambda *a: mhc.pre_big_fuse(*a, implementation="interpret"))(r, fn, scale, base)
 
 
@@ -155,7 +156,8 @@ def layer_by_layer(r, pre, outs, posts, combs, implementation):
 
 @pytest.mark.parametrize("implementation, lead, h, num_layers, num_post", [
     ("xla", (1, 33), 256, 1, 1), ("xla", (17,), 128, 3, 2), ("xla", (2, 5), 64, 3, 3),
-    ("reference", (9,), 64, 4, 3), ("interpret", (3,), 1024, 2, 1), ("interpret", (2,), 1024, 2, 2)])
+    ("reference", (9,), 64, 4, 3), ("interpret", (3,), 1024, 2, 1), ("interpret", (2,), 1024, 2, 2),
+    ("interpret", (5,), 256, 2, 1), ("xla", (3,), 576, 2, 2)])
 def test_multilayer_recompute_bit_exact_vs_layer_by_layer(key, implementation, lead, h, num_layers, num_post):
   args = recompute_inputs(key, lead, h, num_layers, num_post)
   got = jax.jit(lambda *a: mhc.multilayer_recompute(*a, implementation=implementation))(*args)

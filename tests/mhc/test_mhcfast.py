@@ -1,4 +1,4 @@
-"""Issue 20 performance part 2: the whole-row stream kernels (second version of pre_apply_mix, its backward and
+"""The whole-row stream kernels (second version of pre_apply_mix, its backward and
 expand_to_mhc_bwd) against the first-version kernels and the references in interpret mode, their H100 lowering,
 which kernel the ops pick, and the private timing override of the "auto" XLA choice."""
 
@@ -24,10 +24,13 @@ def bits(a):
 
 
 def test_whole_rows_and_selection(monkeypatch):
-  assert [sk.whole_rows(h)[1] for h in (1024, 1280, 2560, 4096, 7168)] == [1, 4, 2, 1, 1]
-  assert sk.whole_rows(1032) is None  # 129 vectors of 8: one thread would hold the whole row
-  assert sk.whole_rows(1028) is None  # not whole 16-byte vectors
+  plans = [sk.row_plan(h) for h in (1024, 1280, 2560, 4096, 7168)]
+  assert [(p.rows, p.chunk) for p in plans] == [(1, 1024), (4, 1280), (2, 2560), (1, 4096), (1, 7168)]
+  # 129 vectors of 8 (a thread per row whatever the chunk): 128 tokens x 24 columns; 4-byte vectors for 1028
+  assert [(sk.row_plan(h).rows, sk.row_plan(h).chunk) for h in (1032, 1028)] == [(128, 24), (128, 4)]
   assert sk.use_rows(1280, 4) and not sk.use_rows(1280, 3)  # fewer tokens than one tile: first version
+  assert not sk.use_rows(7680, 4096)  # whole rows do not fit one tile: first version
+  assert sk.use_rows(1032, 1)  # the (8, 128) tiles do not fit: the row kernels, always
   monkeypatch.setenv(sk.STREAM_V1_ENV, "1")
   assert not sk.use_rows(1280, 4096)
 

@@ -113,12 +113,12 @@ def test_kernels_lower_for_h100(h):
 
 
 def test_unsupported_runs_xla():
-  x, r = jnp.zeros((2, 640), jnp.bfloat16), jnp.zeros((2, M, 640), jnp.bfloat16)
-  p, c = jnp.zeros((2, M, 1)), jnp.zeros((2, M, M))
-  with pytest.raises(jaxkern.KernelUnavailableError, match="multiple of 128 of at least 1024"):
-    mhc.post(x, r, p, c, implementation="pallas")
-  with pytest.raises(jaxkern.KernelUnavailableError, match="float32 mix"):
-    mhc.pre_apply_mix(r[..., :1024] if False else jnp.zeros((2, M, 1024), jnp.float32), p, implementation="pallas")
+  x, r = jnp.zeros((2, 640), jnp.bfloat16), jnp.zeros((2, 5, 640), jnp.bfloat16)
+  p, c = jnp.zeros((2, 5, 1)), jnp.zeros((2, 5, 5))
+  with pytest.raises(jaxkern.KernelUnavailableError, match=r"residual.shape\[-2\] \(M\) = 5; the kernels take M <= 4"):
+    mhc.post(x, r, p, c, implementation="interpret")
+  with pytest.raises(jaxkern.KernelUnavailableError, match="x has dtype float32; the kernels take bfloat16"):
+    mhc.pre_apply_mix(jnp.zeros((2, M, 1024), jnp.float32), p[:, :M], implementation="interpret")
 
 
 X, R = jnp.zeros((2, 1024), jnp.bfloat16), jnp.zeros((2, M, 1024), jnp.bfloat16)
