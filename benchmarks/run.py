@@ -81,6 +81,10 @@ def _path_reason(decisions) -> str:
   return "; ".join(dict.fromkeys(f"{d.op}: {d.reason}" for d in decisions if d.path not in ("pallas", "interpret")))
 
 
+# The path the CPU pass runs: the kernels in Pallas interpret mode (a case a kernel cannot run takes the XLA path).
+CPU_PASS_IMPLEMENTATION = "interpret"
+
+
 def _correctness_pass(ops, shapes: str | None, out_path: pathlib.Path | None) -> int:
   """Runs the small cases (labels matching ``shapes``) in interpret mode, or on the XLA path where the
   kernel cannot run them; checks them against the reference; appends rows to ``out_path`` if given."""
@@ -98,7 +102,7 @@ def _correctness_pass(ops, shapes: str | None, out_path: pathlib.Path | None) ->
     t0 = time.perf_counter()
     path = ""
     try:
-      impl = "interpret"
+      impl = CPU_PASS_IMPLEMENTATION
       fn = functools.partial(op.fn, **case.kwargs)  # registered callables take no implementation argument
       try:
         with jaxkern.use_implementation(impl):

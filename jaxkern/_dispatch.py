@@ -89,16 +89,16 @@ def decide(op: str, implementation: str | None, *, has_kernel: bool = True, unsu
     return made("xla", "the op has no Pallas kernel: its XLA code is the implementation")
   if requested == "xla":
     return made("xla", "implementation='xla'")
-  if requested == "pallas" and not _targets_gpu():
-    raise KernelUnavailableError(
-        f"{op}: implementation='pallas' compiles a Mosaic GPU kernel, which needs an NVIDIA Hopper GPU; the JAX "
-        f"backend is {jax.default_backend()!r}. Use implementation='interpret' to run the kernel on this backend, "
-        "or 'auto' / 'xla'.")
   if requested in ("pallas", "interpret"):
     if unsupported:
       raise KernelUnavailableError(
           f"{op}: implementation={requested!r} cannot run the Pallas kernel: {unsupported}. "
           "Use implementation='auto' or 'xla' for these arguments.")
+    if requested == "pallas" and not _targets_gpu():
+      raise KernelUnavailableError(
+          f"{op}: implementation='pallas' compiles a Mosaic GPU kernel, which needs an NVIDIA Hopper GPU; the JAX "
+          f"backend is {jax.default_backend()!r}. Use implementation='interpret' to run the kernel on this backend, "
+          "or 'auto' / 'xla'.")
     return made(requested, f"implementation={requested!r}")
   if unsupported:
     return made("xla", f"the kernel cannot run these arguments: {unsupported}")

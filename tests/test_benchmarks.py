@@ -33,6 +33,20 @@ def test_runner_without_gpu(capsys, tmp_path):
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the correctness-only pass is the no-GPU path")
+def test_runner_without_gpu_runs_every_registered_op(capsys, monkeypatch):
+  """The README's main job on a CPU: every registered op's small cases run through the runner and match the
+  reference. On the XLA paths, to stay fast (interpret mode takes minutes per mHC backward case on 2 cores); the
+  kernels run in interpret mode in each op's own tests and in the two runner tests above."""
+  monkeypatch.setattr(run, "CPU_PASS_IMPLEMENTATION", "xla")
+  assert run.main([]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  ran = {line.split()[0] for line in lines if line.endswith("  ok")}
+  assert ran == {name for name, op in REGISTRY.items() if op.small_cases()} == set(REGISTRY)
+  cases = sum(len(op.small_cases()) for op in REGISTRY.values())
+  assert lines[-1] == f"{cases} ok, 0 failed, 0 skipped"
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the correctness-only pass is the no-GPU path")
 def test_runner_without_gpu_honours_shapes_and_out(capsys, tmp_path):
   labels = [c.label for c in REGISTRY["transpose"].small_cases()]
   out_file = tmp_path / "rows.jsonl"
