@@ -1,15 +1,14 @@
 """Per-block casts (``bm × bk`` blocks, ``bm, bk ∈ {32, 128}``) and the lossless FP4 -> FP8 re-quantisation.
 
-Mosaic GPU kernel for e4m3 and bf16 -> e2m1 (``per_block_cast*``): each CTA owns one block row and ``nb`` block
-columns (``bm · nb·bk`` elements, ``nb·bk`` = 256 columns for ``bm = 32``, 128 for ``bm = 128``).
-Each block comes in by its own TMA box into an untiled SMEM buffer (the box clips at the array
-edges and zero-fills, so partial blocks and any row count need no padding), is loaded into
-registers in :func:`jaxkern._layouts.row_layout` (conflict-free: the buffer is contiguous), and
-reduced over both axes to the block's amax; the quantisation re-reads the buffer, writes e4m3 to an
-SMEM buffer and TMA stores it (clipped at the edges). The sf is stored per block from the kernel,
-float32 ``(Mb, kt·nb)``; the wrapper cuts the padding columns and formats the layout. Divisions and
-non-finite inputs (NaN-propagating maxima, saturating e4m3, canonical NaN) as in
-:mod:`jaxkern.quant._per_token_cast`.
+Mosaic GPU kernel for e4m3 and bf16 -> e2m1 (``per_block_cast*``; e4m3 from bf16 32x32 / 128x128 blocks with
+computed sf runs the direct kernel below): each CTA owns one block row and ``nb`` block columns (``bm · nb·bk``
+elements, ``nb·bk`` = 256 columns for ``bm = 32``, 128 for ``bm = 128``). Each block comes in by its own TMA box
+into an untiled SMEM buffer (the box clips at the array edges and zero-fills, so partial blocks and any row count
+need no padding), is loaded into registers in :func:`jaxkern._layouts.row_layout` (conflict-free: the buffer is
+contiguous), and reduced over both axes to the block's amax; the quantisation re-reads the buffer, writes e4m3 to
+an SMEM buffer and TMA stores it (clipped at the edges). The sf is stored per block from the kernel, float32
+``(Mb, kt·nb)``; the wrapper cuts the padding columns and formats the layout. Divisions and non-finite inputs
+(NaN-propagating maxima, saturating e4m3, canonical NaN) as in :mod:`jaxkern.quant._per_token_cast`.
 
 e2m1 from bf16 reads each pair of columns as one int32 word (a free bitcast of the input; the data
 TMA boxes are half as wide) and packs the two nibbles per output byte as in
@@ -17,13 +16,14 @@ TMA boxes are half as wide) and packs the two nibbles per output byte as in
 float32 -> e2m1 has its own kernel (:func:`_fp4_from_f32_kernel`) that reads the even and odd
 columns straight from GMEM (strided SMEM loads do not lower) and stores through SMEM and TMA.
 
-e4m3 with 32-row blocks, computed sf (:func:`_wide_kernel`, chosen by :func:`_variant`): each CTA owns
-one block row and ``WIDE_COLS`` columns (eight 32x32 blocks), brought in by one TMA box and read from the
-untiled SMEM buffer as a ``(32, blocks, bk/vec, vec)`` view in :func:`jaxkern._layouts.group_vectors_layout`
-(16-byte vectors, a block's columns on consecutive lanes): the amax of all of the CTA's blocks is one
-reduction (in-thread and lane shuffles over the block's columns, then over the rows), the sf one vector
-division, and the quantised tile one TMA store; the per-block kernel above reduces and divides block by
-block, one warpgroup synchronisation each, which dominated narrow rows (K = 576: 2x TileKernels' time).
+e4m3 from bf16 with 32x32 or 128x128 blocks, computed sf (:func:`_direct_kernel`, chosen by :func:`_variant`):
+each CTA owns one block row and 256 columns (eight 32x32 blocks, two packed sf words) or one 128x128 block,
+loaded straight from GMEM into registers (16-byte vectors; TMA only for a partial last block row), reduced in
+bf16 (exact) and stored straight from registers; the kernel writes the sf in the requested layout itself (A,
+B, C; where a packed word spans CTAs, 128x128 blocks with ``K > 128``, each CTA stores its byte of the word),
+so no XLA kernel follows it. H200 (2026-11-29, layout C, bf16): 32x32 ``4001x576`` 4.35 µs (TileKernels 4.15),
+``8001x2048`` 15.54 (16.11), the previous one-TMA-box kernel with its XLA sf formatting 5.34 / 16.53; 128x128
+``4001x576`` 4.90 (4.53), ``8001x2048`` 16.02 (16.54).
 
 ``per_block_cast_lossless`` computes the exponents per block in XLA (small: one value per input
 block) and moves the data through the packed-e2m1 row kernel of :mod:`jaxkern.quant._cast_back`
@@ -36,13 +36,17 @@ import functools
 import math
 
 import jax
+import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm
 
 from jaxkern import _checks, _config, _dispatch, _ieee
-from jaxkern._layouts import group_vectors_layout, row_layout
+from jaxkern._layouts import NO_AUTO_BARRIERS, group_vectors_layout, row_layout
 from jaxkern.quant import _validate as validate
 from jaxkern.quant._encode import encode_e2m1
 from jaxkern.quant._cast_back import _kernel as _cast_back_kernel
@@ -58,32 +62,23 @@ def _blocks_per_cta(block_size) -> int:
   return (256 if bm == 32 else 128) // bk
 
 
-WIDE_COLS = 256  # columns per CTA of the wide kernel (one TMA box: at most 256 elements per dimension)
-WIDE_DTYPES = ("bfloat16",)  # inputs for which "auto" picks the wide kernel (float32 lowers too; not timed yet)
-# "blocks" / "wide" / ("wide", cols) / ("wide_direct", cols) / ("split", rows) / ("split_direct", rows): forces
-# the e4m3 kernel with computed sf (timing scripts)
-_VARIANT_OVERRIDE = None
+DIRECT_BLOCKS = ((32, 32), (128, 128))  # block sizes "auto" runs on the direct kernel (e4m3, computed sf)
+# Columns per CTA of the direct kernel by block rows: 32 -> eight 32x32 blocks (two packed sf words, TileKernels'
+# 32x256 tiles), 128 -> one 128x128 block (128 bf16 values per thread). H200, 2026-11-29 (CUPTI, cold L2, bf16,
+# layout C): 32x32 at M=4001 K=576 / 2048, M=8001 K=576 / 2048: 4.35 / 9.47 / 6.75 / 15.54 µs with 256 columns,
+# 4.50 / 10.18 / 7.33 / 16.34 with 128, 4.77 / 9.74 (K=576 / 2048 at M=4001) with the tile in by one TMA box, and
+# 5.34 / 10.64 / 8.19 / 16.53 for the previous one-TMA-box kernel with its XLA sf formatting; 128x128 one block per
+# CTA: within 0.2 µs of the previous kernels (one TMA box per block) on all six shapes, K = 576 .. 7168.
+DIRECT_COLS = {32: 256, 128: 128}
 
 
-# 128x128 blocks of a WIDE_DTYPES input with K up to this run the wide kernel one block wide (("wide", 128)).
-# H100, 2026-11-26 (scratch/time_narrow2.py, CUPTI cold L2, bit-exact): M=4001 / 8001 x K=576 / 2048 all 1.02-1.05x
-# faster than the per-block kernel (K=576 7.10 -> 6.75 µs at M=4001); K > 2048 not timed.
-WIDE128_MAX_K = 2048
-
-
-def _variant(x_dtype, fmt, block_size, precomputed, k: int) -> str | tuple:
-  """The e4m3 kernel for these arguments: ``"wide"`` (:func:`_wide_kernel`) for 32x32 blocks with computed
-  sf from a :data:`WIDE_DTYPES` input, ``("wide", 128)`` for 128x128 ones with ``K <= WIDE128_MAX_K``, else
-  ``"blocks"`` (:func:`_kernel`)."""
-  if fmt != "e4m3" or precomputed:
-    return "blocks"
-  if _VARIANT_OVERRIDE is not None:  # the wide kernel also runs 128-row blocks (one or two per CTA)
-    return _VARIANT_OVERRIDE
-  if jnp.dtype(x_dtype).name not in WIDE_DTYPES:
-    return "blocks"
-  if block_size == (32, 32):
-    return "wide"
-  return ("wide", 128) if block_size == (128, 128) and k <= WIDE128_MAX_K else "blocks"
+def _variant(x_dtype, fmt, block_size, precomputed) -> str:
+  """The kernel for these arguments: ``"direct"`` (:func:`_direct_kernel`) for e4m3 with computed sf,
+  :data:`DIRECT_BLOCKS` blocks and a bf16 input (its block maxima are taken in bf16; float32 would need twice the
+  registers, not timed), else ``"blocks"`` (:func:`_kernel`, or for float32 -> e2m1 :func:`_fp4_from_f32_kernel`)."""
+  if fmt == "e4m3" and not precomputed and jnp.dtype(x_dtype) == jnp.bfloat16 and block_size in DIRECT_BLOCKS:
+    return "direct"
+  return "blocks"
 
 
 def _untiled(width, array_width):
@@ -103,21 +98,11 @@ def _load_halves(x_s, layout, fp4):
   return (lax.bitcast_convert_type(u << 16, jnp.float32), lax.bitcast_convert_type(u & jnp.int32(-65536), jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "block_size", "round_sf", "write_data", "compute_sf",
-                                             "split", "direct", "interpret"))
-def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, interpret, split=None, direct=False):
+@functools.partial(jax.jit, static_argnames=("fmt", "block_size", "round_sf", "write_data", "compute_sf", "interpret"))
+def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, interpret):
   """``x`` ``(M, K)``; ``sf_in`` precomputed layout-A sf ``(Mb, Kb)`` or None.
 
   Returns ``(out (M, K) e4m3 or (M, K/2) int8 | None, sf (Mb, Kb) float32 | None)``.
-
-  ``split`` (e4m3 only, a divisor of ``bm``; :data:`_VARIANT_OVERRIDE` ``("split", rows)``): each block comes in
-  as ``bm / split`` TMA boxes of ``split`` rows with a barrier each, its amax is reduced chunk by chunk as
-  the chunks arrive (``split`` rows in registers, not ``bm``), and each quantised chunk is TMA-stored as soon
-  as it is written, so loads, reductions and stores of one CTA overlap. A chunk that would start at or
-  past the last row is moved back to end there (never before the block's first row): it re-reads rows
-  of its own block (the maximum is unchanged) and re-writes the same bytes, so no box lies wholly
-  outside the array and nothing needs a predicate. With ``direct`` (``("split_direct", rows)``) a block wholly
-  inside the array stores its chunks straight from registers to GMEM instead (no SMEM, fence or TMA store).
   """
   m, k = x.shape
   bm, bk = block_size
@@ -130,11 +115,8 @@ def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, inte
   layout, _ = row_layout(obk, x.dtype.itemsize)
   # e2m1 works on 32-row slices of a block: the integer rounding of a whole 128-row block at once
   # needs too many registers (measured 6x slower than the e4m3 kernel on the H200).
-  if split is not None and (fp4 or bm % split):
-    raise ValueError(f"split={split}: e4m3 only, a divisor of the block's {bm} rows")
-  rc = 32 if fp4 else (split or bm)
+  rc = 32 if fp4 else bm
   chunks = [pl.ds(r0, rc) for r0 in range(0, bm, rc)]
-  nc = len(chunks) if split else 1  # TMA boxes (and barriers) per block
   out_type = []
   if write_data:
     out_type.append(jax.ShapeDtypeStruct((m, k // 2), jnp.int8) if fp4 else
@@ -143,7 +125,7 @@ def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, inte
     out_type.append(jax.ShapeDtypeStruct((mb, kt * nb), jnp.float32))
 
   scratch = dict(x_s=plgpu.SMEM((nb, bm, obk), x.dtype, transforms=_untiled(obk, x.shape[1])),
-                 bar=plgpu.Barrier(num_arrivals=1, num_barriers=nb * nc))
+                 bar=plgpu.Barrier(num_arrivals=1, num_barriers=nb))
   if write_data:
     scratch["o_s"] = plgpu.SMEM((nb, bm, obk), jnp.int8 if fp4 else jnp.float8_e4m3fn,
                                  transforms=_untiled(obk, k // 2 if fp4 else k))
@@ -157,10 +139,6 @@ def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, inte
     sf_g = rest.pop(0) if compute_sf else None
     i, j = lax.axis_index("i"), lax.axis_index("j")
     rows = pl.ds(i * bm, bm)
-    if split:
-      _split_body(x_g, c_g, sfin_g, o_g, sf_g, x_s, bar, o_s, i, j)
-      return
-
     for s in range(nb):
       plgpu.copy_gmem_to_smem(x_g.at[rows, pl.ds((j * nb + s) * obk, obk)], x_s.at[s], bar.at[s])
     for s in range(nb):
@@ -190,55 +168,8 @@ def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, inte
         plgpu.copy_smem_to_gmem(o_s.at[s], o_g.at[rows, pl.ds((j * nb + s) * obk, obk)])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  def _split_body(x_g, c_g, sfin_g, o_g, sf_g, x_s, bar, o_s, i, j):
-    """The ``split`` kernel body (e4m3): chunked loads, per-chunk reductions, per-chunk stores."""
-    starts = [jnp.maximum(jnp.minimum(i * bm + c * rc, m - rc), i * bm) for c in range(nc)]
-    for s in range(nb):
-      for c in range(nc):
-        plgpu.copy_gmem_to_smem(x_g.at[pl.ds(starts[c], rc), pl.ds((j * nb + s) * obk, obk)], x_s.at[s, chunks[c]],
-                                bar.at[s * nc + c])
-    for s in range(nb):
-      if sf_in is not None:
-        inv = _ieee.exact_div(1.0, jnp.broadcast_to(sfin_g[i, j * nb + s], (rc,)))
-      else:
-        parts = []
-        for c in range(nc):
-          plgpu.barrier_wait(bar.at[s * nc + c])
-          h = plgpu.load(x_s.at[s, chunks[c]], layout=layout).astype(jnp.float32)
-          parts.append(jnp.max(jnp.max(abs_key(h, interpret), axis=1), axis=0))
-        a = key_value(functools.reduce(jnp.maximum, parts), interpret)
-        sf, inv = ref.scale_factors(jnp.broadcast_to(a, (rc,)), jnp.broadcast_to(c_g[0], (rc,)), fmt, round_sf,
-                                    div=_ieee.exact_div)
-        if compute_sf:
-          sf_g[i, j * nb + s] = jnp.max(gpu_nan(sf, interpret), axis=0)
-      if write_data:
-        for c in range(nc):
-          if sf_in is not None:
-            plgpu.barrier_wait(bar.at[s * nc + c])
-          h = plgpu.load(x_s.at[s, chunks[c]], layout=layout).astype(jnp.float32)
-          q = gpu_nan(h * inv[:, None], interpret)
-          q = ref.encode_e4m3(q) if sf_in is not None else to_e4m3(q, interpret)
-          dst = o_g.at[pl.ds(starts[c], rc), pl.ds((j * nb + s) * obk, obk)]
-
-          def tma_store(c=c, q=q, dst=dst):
-            o_s.at[s, chunks[c]][...] = q
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s.at[s, chunks[c]], dst)
-
-          if not direct:
-            tma_store()
-          else:  # a block wholly inside the array: straight from registers (its chunks are never moved back)
-            inside = ((i + 1) * bm <= m) & ((j * nb + s + 1) * obk <= k)
-
-            @pl.when(inside)
-            def _(q=q, dst=dst):
-              dst[...] = q
-
-            pl.when(jnp.logical_not(inside))(tma_store)
-    if write_data:
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-  consts = jnp.full((1,), ref.MAX_VALUE[fmt], jnp.float32)
+  # A numpy constant: XLA keeps it as a constant buffer (a jnp.full is a broadcast, one more kernel launch).
+  consts = np.full((1,), ref.MAX_VALUE[fmt], np.float32)
   if sf_in is not None:
     sf_in = jnp.pad(sf_in, ((0, 0), (0, kt * nb - kb)), constant_values=1.0)
   outs = list(kernel(*((x, consts) if sf_in is None else (x, consts, sf_in))))
@@ -246,76 +177,261 @@ def _kernel(x, sf_in, *, fmt, block_size, round_sf, write_data, compute_sf, inte
   return out, (outs.pop(0)[:, :kb] if compute_sf else None)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "round_sf", "write_data", "cols", "direct", "interpret"))
-def _wide_kernel(x, *, block_size, round_sf, write_data, cols=WIDE_COLS, direct=False, interpret):
-  """e4m3, computed sf: ``x`` ``(M, K)`` -> ``(out (M, K) e4m3 | None, sf (Mb, Kb) float32)``; chosen for
-  ``bm = 32`` (a 128-row block holds 128 float32 values per thread: timing scripts only).
+def _abs_key16(h, interpret):
+  """``|h|`` of bf16 values in the form whose maximum the direct kernel takes (exact in bf16): ``|h|`` on the GPU
+  (``max.NaN.bf16x2``), the sign-cleared int16 pattern in interpret mode (NaN above +inf; see :func:`abs_key`)."""
+  return jnp.abs(h) if interpret is None else lax.bitcast_convert_type(h, jnp.int16) & jnp.int16(0x7FFF)
 
-  A CTA owns one block row and ``g = cols / bk`` blocks (fewer where ``K`` has fewer, a power of two so the
-  TMA box never exceeds the array); the box clips at the edges and zero-fills (zeros leave an amax
-  unchanged), the store clips. The SMEM buffers have no transforms (row-major, so the 4-D view is a plain
-  reshape); interpret mode, which has no ref reshape, reshapes the loaded value instead.
 
-  ``direct`` (:data:`_VARIANT_OVERRIDE` ``("wide_direct", cols)``, timing only): a CTA whose tile lies wholly
-  inside the array stores the quantised tile straight from registers to GMEM (8-byte vectors, a warp's
-  accesses contiguous), with no SMEM round trip, fence or TMA store to wait for; the edge CTAs keep the
-  clipping TMA store.
+def _key16_float(k, interpret):
+  """The float32 value of a maximum of :func:`_abs_key16` keys."""
+  return (k if interpret is None else lax.bitcast_convert_type(k, jnp.bfloat16)).astype(jnp.float32)
+
+
+def _direct_tiles(k, block_size):
+  """Column tiles of the direct kernel: ``(g, kt, full, last)``: blocks per CTA (:data:`DIRECT_COLS`, fewer where
+  ``K`` has fewer), CTA columns, and the ``(blocks, block width)`` of the full tiles and of the last one. A block
+  is partial only where 128-wide blocks (one per CTA) do not divide ``K``: the last tile is then that block
+  (32-wide blocks always divide ``K``, a multiple of 64). A CTA holds whole packed UE8M0 words of layout C
+  (multiples of 4 blocks, or all of them) or one block, whose byte it stores (:func:`_store_sf_byte`)."""
+  bm, bk = block_size
+  kb = ref.cdiv(k, bk)
+  g = min(DIRECT_COLS[bm] // bk, kb)
+  kt = ref.cdiv(kb, g)
+  last_w = k - (kt - 1) * g * bk
+  return g, kt, (g, bk), ((last_w // bk, bk) if last_w % bk == 0 else (1, last_w))
+
+
+def _sf_scalars(sf, red, sf_layout, nvalid, interpret):
+  """The scalars the direct kernel stores for the sf vector ``sf`` (float32 ``(n,)`` of ``n > 1`` blocks, layout
+  ``red``) of which the first ``nvalid`` are real blocks: one per block (layouts A, B), or for layout C one
+  packed UE8M0 word per 4 blocks (byte ``t % 4`` of word ``t // 4``, zero for missing blocks; the sum of the bytes
+  shifted into disjoint fields).
+
+  A block's sf is the maximum of the vector with the other blocks at -inf: exact for every sf, including the -0 of
+  a NaN block with ``round_sf`` (a one-hot sum adds +0 to it, giving +0) and NaN (``max.NaN`` on the GPU). In
+  interpret mode, where XLA's float maxima can drop a NaN, the same on the int32 patterns with the others at the
+  smallest int32 (the pattern of -0)."""
+  iota = plgpu.broadcasted_iota(jnp.int32, sf.shape, 0, layout=red)
+  if sf_layout == "C":
+    byte = ((lax.bitcast_convert_type(sf, jnp.int32) >> 23) & 0xFF) << (8 * (iota % 4))
+    return [jnp.sum(jnp.where(((iota >> 2) == q) & (iota < nvalid), byte, 0)) for q in range(ref.cdiv(nvalid, 4))]
+  if interpret is None:
+    return [jnp.max(jnp.where(iota == t, sf, -jnp.inf)) for t in range(nvalid)]
+  bits, low = lax.bitcast_convert_type(sf, jnp.int32), np.iinfo(np.int32).min
+  return [lax.bitcast_convert_type(jnp.max(jnp.where(iota == t, bits, low)), jnp.float32) for t in range(nvalid)]
+
+
+def _store_sf(sf_g, vals, *, sf_layout, i, blk0, mb):
+  """Stores the scalars ``vals`` of block row ``i`` (from :func:`_sf_scalars`: blocks ``blk0 + t`` for layouts
+  A ``(Mb, Kb)`` and B ``(Kb, Mp)``, packed words ``blk0 / 4 + t`` for C ``(ceil(Kb/4), Mp)``); the last block
+  row also zeroes the padding rows ``Mb .. Mp`` of B and C."""
+  if sf_layout == "A":
+    for t, v in enumerate(vals):
+      sf_g[i, blk0 + t] = v
+    return
+  col0 = blk0 // 4 if sf_layout == "C" else blk0
+  for t, v in enumerate(vals):
+    sf_g[col0 + t, i] = v
+  if sf_g.shape[1] > mb:
+    @pl.when(i == mb - 1)
+    def _():
+      for t in range(len(vals)):
+        for r in range(mb, sf_g.shape[1]):
+          sf_g[col0 + t, r] = jnp.zeros((), sf_g.dtype)
+
+
+_SPLAT = plgpu.Layout.WG_SPLAT(shape=())  # a scalar operand of inline Mosaic GPU code
+
+
+def _put_sf_byte(sf_g, w, r, t, byte, interpret):
+  """Byte ``t`` (0 = least significant) of the int32 word ``sf_g[w, r]`` := the low byte of ``byte`` (int32
+  scalars). On the GPU one 8-bit store by one thread, leaving the word's other bytes (other CTAs') alone; in
+  interpret mode, whose grid runs one CTA after another, a read-modify-write of the word."""
+  if interpret is not None:
+    shift = 8 * t
+    sf_g[w, r] = (sf_g[w, r] & ~(jnp.int32(0xFF) << shift)) | ((byte & 0xFF) << shift)
+    return
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT))
+  def store(_, ref_, offset, value):
+    i8 = ir.IntegerType.get_signless(8)
+    addr = mgpu.utils.getelementptr(mgpu.utils.memref_ptr(ref_), [offset.registers.item()], i8)
+    with mgpu.utils.single_thread(mgpu.utils.ThreadSubset.WARPGROUP):
+      llvm.store(arith.trunci(i8, value.registers.item()), addr)
+
+  store(sf_g, (w * sf_g.shape[1] + r) * 4 + t, byte)
+
+
+# Layout C from 128x128 blocks with K > 128 (a packed word spans 4 CTAs): each CTA stores its own UE8M0 byte of
+# the word, no XLA packing after the kernel. H200, 2026-11-29 (CUPTI, cold L2, bf16, bit-exact): M=4001 K=576 /
+# 2048 4.90 / 9.73 µs, M=8001 6.66 / 16.02 against 5.65 / 10.72 / 7.81 / 16.69 with layout A written by the kernel
+# and packed by XLA (TileKernels 4.53 / 9.69 / 7.23 / 16.54).
+def _store_sf_byte(sf_g, byte, *, i, j, mb, kb, interpret):
+  """Layout C from CTAs of one block each: block ``(i, j)``'s UE8M0 ``byte`` (int32 scalar) becomes byte ``j % 4``
+  of word ``(j // 4, i)`` of the int32 ``(ceil(Kb/4), Mp)`` buffer ``sf_g``. The CTA of the last block column also
+  zeroes the padding bytes ``Kb % 4 .. 3`` of its word, and the CTAs of the last block row do both for the padding
+  rows ``Mb .. Mp``: every byte of the buffer is written by exactly one CTA."""
+  mp = sf_g.shape[1]
+  pad = tuple(range(kb % 4, 4)) if kb % 4 else ()
+  zero = jnp.int32(0)
+
+  def row(r, b):
+    _put_sf_byte(sf_g, j // 4, r, j % 4, b, interpret)
+    if pad:
+      @pl.when(j == kb - 1)
+      def _():
+        for t in pad:
+          _put_sf_byte(sf_g, kb // 4, r, t, zero, interpret)
+
+  row(i, byte)
+  if mp > mb:
+    @pl.when(i == mb - 1)
+    def _():
+      for r in range(mb, mp):
+        row(r, zero)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "round_sf", "write_data", "sf_layout", "interpret"))
+def _direct_kernel(x, *, block_size, round_sf, write_data, sf_layout, interpret):
+  """e4m3 with computed sf from bf16 ``x`` ``(M, K)`` (``M >= 1``): ``(out (M, K) e4m3 | None, sf)`` with the sf in
+  ``sf_layout`` ("A", "B" or "C"; B / C padded to ``align(Mb, 4)`` rows with zeros).
+
+  A CTA owns one block row and ``g`` blocks (:func:`_direct_tiles`: :data:`DIRECT_COLS` columns, fewer in the last
+  CTA column). A CTA whose block row lies wholly inside the array loads its tile straight from GMEM into
+  registers (16-byte vectors; several blocks viewed as ``(bm, blocks, bk/8, 8)`` in
+  :func:`jaxkern._layouts.group_vectors_layout`, a warp reading a contiguous 512-byte span per access; one block as
+  plain rows in :func:`jaxkern._layouts.row_layout`), reduces the block maxima in bf16 (exact), computes the sf
+  (:func:`jaxkern._ieee.exact_div`), and stores the e4m3 tile straight from registers; the sf go to GMEM as
+  scalars (or one vector for layout A), packed UE8M0 words assembled in registers, or stored byte by byte where a
+  word spans CTAs (:func:`_store_sf_byte`). The CTAs of a partial last block row instead bring their tile in by
+  one TMA box (clipped at the array edges, zero-filled) and store it through SMEM by a clipped TMA store.
+  No automatic warpgroup barriers: no thread reads SMEM another wrote without a ``commit_smem()`` in between.
   """
   m, k = x.shape
   bm, bk = block_size
   mb, kb = ref.cdiv(m, bm), ref.cdiv(k, bk)
-  g = max(1, min(cols // bk, 1 << (kb.bit_length() - 1)))
-  w, kt = g * bk, ref.cdiv(kb, g)
-  lay, _ = group_vectors_layout(g, bk, x.dtype.itemsize)
-  vec = min(16 // x.dtype.itemsize, bk)
-  view = (bm, g, bk // vec, vec)
+  g, kt, full, last = _direct_tiles(k, block_size)
+  w = g * bk
+  wb = w if kt > 1 else last[0] * last[1]  # width of the TMA box (never wider than the array)
+  tma = m % bm != 0
   out_type = [jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn)] if write_data else []
-  out_type.append(jax.ShapeDtypeStruct((mb, kt * g), jnp.float32))
-  scratch = dict(x_s=plgpu.SMEM((bm, w), x.dtype), bar=plgpu.Barrier(num_arrivals=1))
-  if write_data:
-    scratch["o_s"] = plgpu.SMEM((bm, w), jnp.float8_e4m3fn)
+  mp = ref.cdiv(mb, 4) * 4
+  out_type.append(jax.ShapeDtypeStruct({"A": (mb, kb), "B": (kb, mp), "C": (ref.cdiv(kb, 4), mp)}[sf_layout],
+                                       jnp.int32 if sf_layout == "C" else jnp.float32))
+  scratch = {}
+  if tma:  # one-block tiles are read as plain rows: a one-row tiling keeps them row-major (see _untiled)
+    tr = (lambda width: _untiled(wb, width)) if (full if kt > 1 else last)[0] == 1 else (lambda width: ())
+    scratch = dict(x_s=plgpu.SMEM((bm, wb), x.dtype, transforms=tr(k)), bar=plgpu.Barrier(num_arrivals=1))
+    if write_data:
+      scratch["o_s"] = plgpu.SMEM((bm, wb), jnp.float8_e4m3fn, transforms=tr(k))
+
+  def view_of(nblk, bw):
+    """The register view of a tile of ``nblk`` blocks ``bw`` wide and its layout: ``(bm, nblk, bw/vec, vec)`` with
+    a block's vectors on consecutive lanes, or for one block the plain ``(bm, bw)`` rows (the amax is then a
+    scalar: a one-element vector of the 4-D view reduces to a scalar in no lowering)."""
+    if nblk == 1:
+      return (bm, bw), row_layout(bw, x.dtype.itemsize)[0]
+    vec = min(16 // x.dtype.itemsize, bw)
+    return (bm, nblk, bw // vec, vec), group_vectors_layout(nblk, bw, x.dtype.itemsize)[0]
 
   @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(mb, kt), grid_names=("i", "j"),
-                     scratch_types=scratch, interpret=interpret)
-  def kernel(x_g, c_g, *rest, x_s, bar, o_s=None):
+                     scratch_types=scratch, compiler_params=NO_AUTO_BARRIERS, interpret=interpret)
+  def kernel(x_g, c_g, *rest, x_s=None, bar=None, o_s=None):
+    o_g = rest[0] if write_data else None
     sf_g = rest[-1]
     i, j = lax.axis_index("i"), lax.axis_index("j")
-    tile = (pl.ds(i * bm, bm), pl.ds(j * w, w))
-    plgpu.copy_gmem_to_smem(x_g.at[tile], x_s, bar)
-    plgpu.barrier_wait(bar)
-    v = plgpu.load(x_s.reshape(*view).at[...], layout=lay) if interpret is None else x_s[...].reshape(view)
-    v = v.astype(jnp.float32)
-    a = key_value(jnp.max(jnp.max(jnp.max(abs_key(v, interpret), axis=3), axis=2), axis=0), interpret)
-    sf, inv = ref.scale_factors(a, jnp.broadcast_to(c_g[0], (g,)), "e4m3", round_sf, div=_ieee.exact_div)
-    sf_g[i, pl.ds(j * g, g)] = gpu_nan(sf, interpret)
-    if write_data:
-      q = to_e4m3(gpu_nan(v * inv[None, :, None, None], interpret), interpret)
+    rows = pl.ds(i * bm, bm)
+    if sf_layout == "C" and g == 1 and kt > 1:  # a packed word spans 4 CTAs: each stores its byte
+      store = lambda vals: _store_sf_byte(sf_g, vals[0], i=i, j=j, mb=mb, kb=kb, interpret=interpret)
+    else:
+      store = functools.partial(_store_sf, sf_g, sf_layout=sf_layout, i=i, blk0=j * g, mb=mb)
 
-      def tma_store():
-        if interpret is None:
+    def when(cond, fn):  # fn under a CTA-column condition (None: always)
+      fn() if cond is None else pl.when(cond)(fn)
+
+    def quantise(v, lay, nvalid_of):
+      """Block maxima, sf (stored) and the e4m3 tile (or None) of ``v`` (a :func:`view_of` view in ``lay``);
+      ``nvalid_of``: ``(condition or None, real blocks)`` of each CTA column branch (static counts)."""
+      if v.ndim == 2:  # one block: a scalar amax (rows first: packed maxima in-thread), the sf as splat vectors
+        a = _key16_float(jnp.max(jnp.max(_abs_key16(v, interpret), axis=0), axis=0), interpret)
+        sf, inv = ref.scale_factors(jnp.broadcast_to(a, (bm,)), jnp.broadcast_to(c_g[0], (bm,)), "e4m3", round_sf,
+                                    div=_ieee.exact_div)
+        sf = gpu_nan(sf, interpret)
+        byte = (lax.bitcast_convert_type(sf, jnp.int32) >> 23) & 0xFF
+        vals = [jnp.max(byte if sf_layout == "C" else sf, axis=0)]
+        for cond, _ in nvalid_of:
+          when(cond, lambda: store(vals))
+        scale = inv[:, None]
+      else:
+        a = _key16_float(jnp.max(jnp.max(jnp.max(_abs_key16(v, interpret), axis=0), axis=1), axis=1), interpret)
+        red = lay.reduce(0).reduce(1).reduce(1)
+        nblk = v.shape[1]
+        sf, inv = ref.scale_factors(a, plgpu.layout_cast(jnp.broadcast_to(c_g[0], (nblk,)), red), "e4m3", round_sf,
+                                    div=_ieee.exact_div)
+        sf = gpu_nan(sf, interpret)
+        for cond, nvalid in nvalid_of:
+          if sf_layout == "A" and nvalid == nblk:
+            def store_row(nblk=nblk):
+              sf_g[i, pl.ds(j * g, nblk)] = sf
+            when(cond, store_row)
+          else:
+            when(cond, lambda nvalid=nvalid: store(_sf_scalars(sf, red, sf_layout, nvalid, interpret)))
+        scale = inv[None, :, None, None]
+      if not write_data:
+        return None
+      return to_e4m3(gpu_nan(v.astype(jnp.float32) * scale, interpret), interpret)
+
+    def direct(tile):
+      view, lay = view_of(*tile)
+      cols_ = pl.ds(j * w, tile[0] * tile[1])
+      if interpret is not None:
+        v = x_g[rows, cols_].reshape(view)
+      else:
+        v = plgpu.load(x_g.at[rows, cols_].reshape(*view), layout=lay, optimized=False)
+      q = quantise(v, lay, [(None, tile[0])])
+      if write_data:
+        if interpret is None and len(view) > 2:
+          o_g.at[rows, cols_].reshape(*view)[...] = q
+        else:
+          o_g[rows, cols_] = q.reshape(bm, -1)
+
+    def via_tma():
+      tile = full if kt > 1 else last
+      view, lay = view_of(*tile)
+      cols_ = pl.ds(j * w, wb)
+      plgpu.copy_gmem_to_smem(x_g.at[rows, cols_], x_s, bar)
+      plgpu.barrier_wait(bar)
+      if interpret is not None:
+        v = x_s[...].reshape(view)
+      else:
+        v = plgpu.load(x_s.reshape(*view) if len(view) > 2 else x_s, layout=lay)
+      nvalid_of = [(None, tile[0])] if kt == 1 or last == full else [(j < kt - 1, g), (j == kt - 1, last[0])]
+      q = quantise(v, lay, nvalid_of)
+      if write_data:
+        if interpret is None and len(view) > 2:
           o_s.reshape(*view)[...] = q
         else:
-          o_s[...] = q.reshape(bm, w)
+          o_s[...] = q.reshape(bm, wb)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, rest[0].at[tile])
+        plgpu.copy_smem_to_gmem(o_s, o_g.at[rows, cols_])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-      if not direct:
-        tma_store()
+    def direct_tiles():
+      if kt == 1 or last == full:
+        direct(last if kt == 1 else full)
       else:
-        inside = ((i + 1) * bm <= m) & ((j + 1) * w <= k)
+        pl.when(j < kt - 1)(lambda: direct(full))
+        pl.when(j == kt - 1)(lambda: direct(last))
 
-        @pl.when(inside)
-        def _():
-          if interpret is None:
-            rest[0].at[tile].reshape(*view)[...] = q
-          else:
-            rest[0][tile] = q.reshape(bm, w)
+    if tma:
+      pl.when((i + 1) * bm <= m)(direct_tiles)
+      pl.when((i + 1) * bm > m)(via_tma)
+    else:
+      direct_tiles()
 
-        pl.when(jnp.logical_not(inside))(tma_store)
-
-  outs = list(kernel(x, jnp.full((1,), ref.MAX_VALUE["e4m3"], jnp.float32)))
-  return (outs[0] if write_data else None), outs[-1][:, :kb]
+  outs = list(kernel(x, np.full((1,), ref.MAX_VALUE["e4m3"], np.float32)))
+  return (outs[0] if write_data else None), outs[-1]
 
 
 CHUNK_ROWS = 32  # rows per register chunk of the float32 -> e2m1 kernel
@@ -412,7 +528,7 @@ def _fp4_from_f32_kernel(x, sf_in, *, block_size, round_sf, write_data, compute_
       pl.when(j < kt - 1)(lambda: body((p,) * nb))
       pl.when(j == kt - 1)(lambda: body(last))
 
-  consts = jnp.full((1,), ref.FP4_MAX, jnp.float32)
+  consts = np.full((1,), ref.FP4_MAX, np.float32)  # a constant buffer, no broadcast kernel
   if sf_in is not None:
     sf_in = jnp.pad(sf_in, ((0, 0), (0, kt * nb - kb)), constant_values=1.0)
   outs = list(kernel(*((xv, consts) if sf_in is None else (xv, consts, sf_in))))
@@ -420,20 +536,28 @@ def _fp4_from_f32_kernel(x, sf_in, *, block_size, round_sf, write_data, compute_
   return out, (outs.pop(0)[:, :kb] if compute_sf else None)
 
 
-def _run_kernel(x, fmt, block_size, interpret, *, sf_in=None, round_sf=False, write_data=True, compute_sf=True):
-  variant = _variant(x.dtype, fmt, block_size, sf_in is not None, x.shape[1])
-  if isinstance(variant, tuple) and variant[0] in ("split", "split_direct"):
-    return _kernel(x, sf_in, fmt=fmt, block_size=block_size, round_sf=round_sf, write_data=write_data,
-                   compute_sf=compute_sf, split=variant[1], direct=variant[0] == "split_direct",
-                   interpret=_config.mosaic_interpret(interpret))
-  if variant == "wide" or isinstance(variant, tuple):
-    cols = variant[1] if isinstance(variant, tuple) else WIDE_COLS
-    direct = isinstance(variant, tuple) and variant[0] == "wide_direct"
-    return _wide_kernel(x, block_size=block_size, round_sf=round_sf, write_data=write_data, cols=cols,
-                        direct=direct, interpret=_config.mosaic_interpret(interpret))
+def _run_kernel(x, fmt, block_size, interpret, *, sf_in=None, round_sf=False, write_data=True, compute_sf=True,
+                sf_layout="A"):
+  """``(out | None, sf | None)`` of the kernel :func:`_variant` picks, the sf in ``sf_layout`` ("A", "B", "C"):
+  written so by the direct kernel, formatted by XLA after the others (which write layout A)."""
+  mode = _config.mosaic_interpret(interpret)
+  if _variant(x.dtype, fmt, block_size, sf_in is not None) == "direct":
+    return _direct_kernel(x, block_size=block_size, round_sf=round_sf, write_data=write_data, sf_layout=sf_layout,
+                          interpret=mode)
   f = _fp4_from_f32_kernel if fmt == "e2m1" and x.dtype == jnp.float32 else functools.partial(_kernel, fmt=fmt)
-  return f(x, sf_in, block_size=block_size, round_sf=round_sf, write_data=write_data, compute_sf=compute_sf,
-           interpret=_config.mosaic_interpret(interpret))
+  out, sf = f(x, sf_in, block_size=block_size, round_sf=round_sf, write_data=write_data, compute_sf=compute_sf,
+              interpret=mode)
+  return out, (None if sf is None else _format_sf(sf, sf_layout))
+
+
+def _sf_layout(use_tma_aligned_col_major_sf, use_packed_ue8m0) -> str:
+  """The sf layout of the flags: A (row-major float32), B (column-major float32) or C (packed UE8M0)."""
+  return "C" if use_packed_ue8m0 else "B" if use_tma_aligned_col_major_sf else "A"
+
+
+def _format_sf(sf, sf_layout):
+  """Layout-A float32 sf -> ``sf_layout`` (XLA)."""
+  return ref.format_sf(sf, sf_layout != "A", sf_layout == "C")
 
 
 def _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0):
@@ -453,7 +577,7 @@ def _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packe
 
 def per_block_cast(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
                    use_packed_ue8m0: bool = False, implementation: str | None = None) -> QuantTensor:
-  """Blockwise cast to FP8 e4m3 or packed FP4 e2m1, one scale per ``bm × bk`` block (quant.md §6.1).
+  """Blockwise cast to FP8 e4m3 or packed FP4 e2m1, one scale per ``bm × bk`` block (docs/quant.md, "Casts").
 
   Args:
     x: ``(M, K)`` bfloat16 / float32 array (or nested list), ``K % 64 == 0``, any ``M``; partial blocks at
@@ -468,8 +592,9 @@ def per_block_cast(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: boo
   Returns:
     ``QuantTensor(data, sf)``: ``data`` ``(M, K)`` float8_e4m3fn or ``(M, K/2)`` int8 (column ``2j`` in
     the low nibble); ``sf`` for ``(Mb, Kb) = (ceil(M/bm), ceil(K/bk))`` blocks: layout A ``(Mb, Kb)``
-    float32, B ``(Kb, align(Mb, 4))`` float32 or C ``(ceil(Kb/4), align(Mb, 4))`` int32. The kernel writes
-    the sf as float32 ``(Mb, Kb)``; XLA formats layouts B / C.
+    float32, B ``(Kb, align(Mb, 4))`` float32 or C ``(ceil(Kb/4), align(Mb, 4))`` int32. The e4m3 kernel of
+    bf16 32x32 / 128x128 blocks writes every layout itself; the others write float32 ``(Mb, Kb)`` and XLA
+    formats layouts B / C.
 
   Raises:
     ValueError: a QuantTensor ``x``, another rank or dtype, ``K % 64 != 0``, another ``fmt`` or block side,
@@ -491,8 +616,8 @@ def per_block_cast(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: boo
                use_packed_ue8m0=use_packed_ue8m0)
 
   def kernel(interpret):
-    out, sf = _run_kernel(x, fmt, block_size, interpret, round_sf=round_sf)
-    return QuantTensor(out, ref.format_sf(sf, use_tma_aligned_col_major_sf, use_packed_ue8m0))
+    return QuantTensor(*_run_kernel(x, fmt, block_size, interpret, round_sf=round_sf,
+                                    sf_layout=_sf_layout(use_tma_aligned_col_major_sf, use_packed_ue8m0)))
 
   return _dispatch.run("per_block_cast", implementation, kernel=kernel,
                        xla=lambda: ref.per_block_cast(x, fmt, block_size, **flags), empty=x.shape[0] == 0)
@@ -501,7 +626,7 @@ def per_block_cast(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: boo
 def per_block_cast_with_sf_only(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: bool = False,
                                 round_sf: bool = False, use_packed_ue8m0: bool = False,
                                 implementation: str | None = None) -> jax.Array:
-  """The ``sf`` of :func:`per_block_cast`, bit-identical, without writing the data (quant.md §6.2).
+  """The ``sf`` of :func:`per_block_cast`, bit-identical, without writing the data (docs/quant.md, "Casts").
   Arguments, layouts, errors, XLA cases and non-finite inputs as :func:`per_block_cast`.
 
   Differentiation: not differentiable, as :func:`per_block_cast` (raises :class:`jaxkern.NotDifferentiableError`).
@@ -512,8 +637,8 @@ def per_block_cast_with_sf_only(x, fmt: str, block_size, *, use_tma_aligned_col_
                use_packed_ue8m0=use_packed_ue8m0)
 
   def kernel(interpret):
-    _, sf = _run_kernel(x, fmt, block_size, interpret, round_sf=round_sf, write_data=False)
-    return ref.format_sf(sf, use_tma_aligned_col_major_sf, use_packed_ue8m0)
+    return _run_kernel(x, fmt, block_size, interpret, round_sf=round_sf, write_data=False,
+                       sf_layout=_sf_layout(use_tma_aligned_col_major_sf, use_packed_ue8m0))[1]
 
   return _dispatch.run("per_block_cast_with_sf_only", implementation, kernel=kernel,
                        xla=lambda: ref.per_block_cast_with_sf_only(x, fmt, block_size, **flags), empty=x.shape[0] == 0)
@@ -522,7 +647,7 @@ def per_block_cast_with_sf_only(x, fmt: str, block_size, *, use_tma_aligned_col_
 def per_block_cast_with_precomputed_sf(x, fmt: str, block_size, sf, *, use_tma_aligned_col_major_sf: bool = False,
                                        round_sf: bool = False, use_packed_ue8m0: bool = False,
                                        implementation: str | None = None) -> jax.Array:
-  """Quantises ``x`` with a caller-given sf per block (quant.md §6.3).
+  """Quantises ``x`` with a caller-given sf per block (docs/quant.md, "Casts").
 
   ``sf``: float32 layout A ``(ceil(M/bm), ceil(K/bk))``; ``sf_inv = RN(1 / sf)``, ``data = encode(x ·
   sf_inv)`` with the e4m3 clamp to ±448. ``round_sf`` has no effect. Returns ``data`` only: ``(M, K)``
@@ -554,7 +679,7 @@ def per_block_cast_lossless(x, fmt: str, x_block_size, out_block_size, *, use_tm
                             x_use_tma_aligned_col_major_sf: bool = False,
                             implementation: str | None = None) -> QuantTensor:
   """Exact re-quantisation of a packed-e2m1 QuantTensor with power-of-two sf into e4m3 with larger blocks
-  (quant.md §6.4): every dequantised value is kept.
+  (docs/quant.md, "Casts"): every dequantised value is kept.
 
   Args:
     x: QuantTensor ``(data, sf)``: int8 / uint8 packed e2m1 ``(M, K/2)`` data (logical ``K % 32 == 0``),

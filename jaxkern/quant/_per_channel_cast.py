@@ -1,6 +1,7 @@
-"""Per-channel e4m3 casts: one scale per column and group of ``num_per_tokens`` rows (quant.md §7).
+"""Per-channel e4m3 casts: one scale per column and group of ``num_per_tokens`` rows (docs/quant.md, "Casts").
 
-One Mosaic GPU kernel serves all three ops. Each CTA (one warpgroup) owns 128 rows (one group of 128
+One Mosaic GPU kernel (:func:`_kernel`) serves all three ops (bf16 ``per_channel_cast`` with short rows and the
+``pos_to_token`` gather excepted, below). Each CTA (one warpgroup) owns 128 rows (one group of 128
 or four of 32) and 128 columns (64 where 128 does not divide ``K``, e.g. 576), TMA-loaded into SMEM
 once and read from there twice, in :func:`jaxkern._layouts.row_layout` (16-byte vectors along a row,
 lanes along the columns, the rest of the lanes and the warps down the rows; conflict-free reads):
@@ -21,6 +22,12 @@ H200 (runner, cold L2): bf16 ``8064x7168`` 45.3 µs (90% of copy, 2.4x XLA), ``4
 previous kernel (WGMMA-layout reductions, 255 registers avoided by the same one-column-per-thread
 step) took 72.1 / 10.8 µs. Walking 2 or 4 column tiles per CTA through a TMA pipeline, 64- or
 256-column tiles and the column-major grid order measured equal or slower.
+
+``per_channel_cast`` of a bf16 input with ``K <=`` :data:`DIRECT_MAX_K` runs :func:`_direct_kernel`: the same three
+steps with the tile loaded straight from GMEM into registers (no TMA, no SMEM copy of the data) and kept there
+for step 3, 128-column tiles (a 64-column last one where 128 does not divide ``K``), no automatic warpgroup
+barriers. H200 (2026-11-29): ``4096x576`` 5.31 µs against 5.66 for the kernel above; from ``K = 2048`` the kernel
+above is faster (10.00 against 10.51 µs at ``4096x2048``).
 
 With a ``pos_to_token`` gather ``per_channel_cast_fused`` runs a Pallas-Triton kernel instead
 (:func:`_gather_kernel`): Mosaic GPU has no per-row register gather, and feeding the kernel above
@@ -44,6 +51,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import checkify
 from jax.experimental import pallas as pl
@@ -52,7 +60,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as plt
 
 from jaxkern import _checks, _config, _dispatch, _ieee
-from jaxkern._layouts import row_layout
+from jaxkern._layouts import NO_AUTO_BARRIERS, row_layout
 from jaxkern.quant import _validate as validate
 from jaxkern.quant._tiling import BM
 from jaxkern.reference import quant as ref
@@ -60,9 +68,6 @@ from jaxkern.types import QuantTensor
 
 _ROWS = 128  # rows per CTA: one group of 128 or four of 32
 _CHUNK = 32  # rows per register load in the row layout
-# Columns per CTA: None = 128 where 128 divides K, else 64. A timing script may force 64 (issue 21: K = 2048
-# at 4096 rows gets 1024 CTAs instead of 512); 128 applies only where it divides K.
-_COLS = None
 
 
 def _per_thread(n: int):
@@ -100,17 +105,21 @@ def _transposed_e4m3(q):
   return lax.bitcast_convert_type(w.astype(jnp.int8), jnp.float8_e4m3fn)
 
 
-@functools.partial(jax.jit, static_argnames=("npt", "round_sf", "transpose_out", "tile_cols", "interpret"))
-def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, tile_cols=None, interpret=False):
+def _max_values(n: int):
+  """The e4m3 maximum as an ``(n,)`` kernel operand: a numpy constant, which XLA keeps as a constant buffer (a
+  ``jnp.full`` is a broadcast: one more kernel launch, 0.64 µs on the H200 before every per-channel cast)."""
+  return np.full((n,), ref.FP8_MAX, np.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("npt", "round_sf", "transpose_out", "interpret"))
+def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, interpret=False):
   """Per-channel cast of ``x`` ``(M, K)``, ``M % 128 == 0``, ``K % 64 == 0``; ``sf_in`` float32
   ``(M, K/128)`` makes ``x`` (e4m3) a QuantTensor. Returns ``(out (M, K) e4m3, or (K, M) if
   transpose_out, sf (M/npt, K) float32)``. ``interpret``: Pallas interpret mode (a bool).
-
-  ``tile_cols=64`` forces 64-column tiles (:data:`_COLS`, timing only).
   """
   m, k = x.shape
   r = _ROWS
-  c = 128 if k % 128 == 0 and tile_cols != 64 else 64  # columns per CTA (64 / 256 measured no faster on an H200)
+  c = 128 if k % 128 == 0 else 64  # columns per CTA (64 / 256 measured no faster on an H200)
   groups, chunk = r // npt, min(_CHUNK, npt)
   lay = row_layout(c, 4 if sf_in is not None else x.dtype.itemsize)[0]  # f32 reductions: 4 per vector
   per_thread = _per_thread(c)
@@ -120,7 +129,7 @@ def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, tile_cols=None
   else:
     out_type = jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn)
     scratch = {}
-  inputs = [x, jnp.full((c,), ref.FP8_MAX, jnp.float32)]
+  inputs = [x, _max_values(c)]
   if sf_in is not None:
     inputs.append(sf_in)
 
@@ -181,6 +190,64 @@ def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, tile_cols=None
           o_g[pl.ds(i * r + h, chunk), cols] = _e4m3(v * inv, interpret)
 
   return kernel(*inputs)
+
+
+# Largest K for which per_channel_cast of bf16 runs :func:`_direct_kernel` (above it :func:`_kernel`). H200,
+# 2026-11-29 (CUPTI, cold L2): K=576 at M=4096 / 8064 5.31 / 7.30 µs against 5.66 / 7.76 for the TMA kernel (64-column
+# tiles); K=2048 10.51 / 16.46 against 10.00 / 15.98, K=2560 12.59 against 11.66, K=7168 47.81 against 46.77.
+DIRECT_MAX_K = 576
+_DIRECT_COLS = 128  # columns per CTA of the direct kernel, a 64-column last tile where 128 does not divide K
+
+
+@functools.partial(jax.jit, static_argnames=("round_sf", "interpret"))
+def _direct_kernel(x, *, round_sf, interpret=False):
+  """Per-channel cast of a plain bf16 ``x`` ``(M, K)`` (``M % 128 == 0``, ``K % 64 == 0``), one group of
+  128 rows: ``(out (M, K) e4m3, sf (M/128, K) float32)``.
+
+  As :func:`_kernel`, but the CTA's ``(128, C)`` tile goes straight from GMEM into registers (16-byte vectors,
+  :func:`jaxkern._layouts.row_layout`) and stays there for the cast: no TMA, no SMEM copy of the data, no
+  second read. ``C = 128`` (:data:`_DIRECT_COLS`), the last tile 64 columns where 128 does not divide ``K``
+  (TileKernels' grid). The column maxima reach one column per thread through SMEM for the divisions, and
+  ``sf_inv`` comes back the same way (two ``commit_smem()`` synchronisations); no automatic warpgroup barriers
+  otherwise (no thread reads SMEM another wrote without one of them in between).
+  """
+  m, k = x.shape
+  r, c = _ROWS, _DIRECT_COLS
+  kt = pl.cdiv(k, c)
+  last = k - (kt - 1) * c
+
+  @functools.partial(
+      plgpu.kernel, grid=(kt, m // r), grid_names=("j", "i"), interpret=_config.mosaic_interpret(interpret),
+      out_type=(jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m // r, k), jnp.float32)),
+      scratch_types=dict(a_s=plgpu.SMEM((c,), jnp.float32), inv_s=plgpu.SMEM((c,), jnp.float32)),
+      compiler_params=NO_AUTO_BARRIERS)
+  def kernel(x_g, c_g, o_g, sf_g, a_s, inv_s):
+    i, j = lax.axis_index("i"), lax.axis_index("j")
+    rows = pl.ds(i * r, r)
+
+    def tile(w):
+      cols = pl.ds(j * c, w)
+      lay = row_layout(w, x.dtype.itemsize)[0]
+      v = plgpu.load(x_g.at[rows, cols], layout=lay, optimized=False)
+      a_s[pl.ds(0, w)] = _column_max([jnp.abs(v)], interpret).astype(jnp.float32)
+      plgpu.commit_smem()
+      per_thread = _per_thread(w)
+      maxv = plgpu.load(c_g.at[pl.ds(0, w)], layout=per_thread, optimized=False)
+      sf, inv = ref.scale_factors(plgpu.load(a_s.at[pl.ds(0, w)], layout=per_thread), maxv, "e4m3", round_sf,
+                                  div=_ieee.exact_div)
+      sf_g[i, cols] = sf
+      inv_s[pl.ds(0, w)] = inv
+      plgpu.commit_smem()
+      inv = plgpu.load(inv_s.at[pl.ds(0, w)], layout=lay.reduce(0), optimized=False)
+      o_g[rows, cols] = _e4m3(v.astype(jnp.float32) * inv[None, :], interpret)
+
+    if last == c:
+      tile(c)
+    else:
+      pl.when(j < kt - 1)(lambda: tile(c))
+      pl.when(j == kt - 1)(lambda: tile(last))
+
+  return kernel(x, _max_values(c))
 
 
 _GATHER_WARPS = 4  # warps per program of the gather kernel
@@ -288,7 +355,7 @@ def per_channel_cast_fused(x, fmt: str, num_per_tokens: int, *, round_sf: bool =
     ValueError: another ``fmt`` or ``num_per_tokens``; ``num_per_channels`` not 128 for a QuantTensor
       (not None for a plain input); wrong ranks, dtypes, shapes (above) or a bool / non-array input.
 
-  Kernels: without ``pos_to_token`` the Mosaic GPU kernel of :func:`per_channel_cast`; with it a
+  Kernels: without ``pos_to_token`` the TMA Mosaic GPU kernel of :func:`per_channel_cast`; with it a
   Pallas-Triton gather kernel (H200: 1.89-2.00x XLA on the MoE gathers, module docstring). XLA
   instead of a kernel: only zero-size problems (``M``, ``Mo`` or ``K`` zero: the result is empty or,
   for ``M = 0`` with ``Mo > 0``, zero rows with the clamp scale).
@@ -394,9 +461,17 @@ def per_channel_cast(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False
   x = validate.guard("per_channel_cast", _check_plain(x, fmt, num_per_tokens, (128,), (jnp.bfloat16, jnp.float32)))
   return _dispatch.run(
       "per_channel_cast", implementation,
-      kernel=lambda interpret: QuantTensor(*_kernel(x, npt=num_per_tokens, round_sf=round_sf, tile_cols=_COLS,
-                                                    interpret=interpret)),
+      kernel=lambda interpret: QuantTensor(*_plain_kernel(x, round_sf, interpret)),
       xla=lambda: ref.per_channel_cast(x, fmt, num_per_tokens, round_sf=round_sf), empty=x.size == 0)
+
+
+def _plain_kernel(x, round_sf, interpret):
+  """:func:`per_channel_cast`'s kernel (``npt = 128``): :func:`_direct_kernel` for bf16 with ``K <=``
+  :data:`DIRECT_MAX_K`, else :func:`_kernel` (float32: a 128-column register tile would hold 128 float32 values
+  per thread)."""
+  if x.dtype == jnp.bfloat16 and x.shape[1] <= DIRECT_MAX_K:
+    return _direct_kernel(x, round_sf=round_sf, interpret=interpret)
+  return _kernel(x, npt=128, round_sf=round_sf, interpret=interpret)
 
 
 def per_channel_cast_and_transpose(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False,

@@ -1,4 +1,5 @@
 import functools
+import re
 
 import chex
 import jax
@@ -296,162 +297,101 @@ def test_non_finite_inputs_gpu(fmt, dtype, block, flags):
       jax.device_put(x, jax.devices("cpu")[0])))
 
 
-@pytest.mark.parametrize("variant", ["wide", "blocks"])
-@pytest.mark.parametrize("m, k, block, dtype, flags", [
-    (45, 320, (32, 32), jnp.bfloat16, "A"),  # partial last block row, last CTA column 2 of 8 blocks
-    (5, 64, (32, 32), jnp.bfloat16, "A-round"),  # fewer rows than a block, 2 blocks per CTA (narrow K)
-    (64, 192, (32, 32), jnp.float32, "C"),  # 6 blocks: 4 per CTA, last CTA half empty
-    (33, 256, (32, 128), jnp.bfloat16, "B"),  # wide kernel with 128-wide blocks (2 per CTA)
-    (130, 192, (128, 128), jnp.bfloat16, "A"),  # 128-row blocks: one per CTA (K = 192 < 256), partial edges
-])
-def test_e4m3_variants_bit_exact(key, monkeypatch, m, k, block, dtype, flags, variant):
-  """Both e4m3 kernels for 32-row blocks (the wide one-box kernel and the per-block one), forced."""
+def test_variant_choice():
   from jaxkern.quant import _per_block_cast as pbc
-  monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", variant)
-  x = _input(key, m, k, dtype)
+  assert pbc._variant(jnp.bfloat16, "e4m3", (32, 32), False) == "direct"
+  assert pbc._variant(jnp.bfloat16, "e4m3", (128, 128), False) == "direct"
+  assert pbc._variant(jnp.bfloat16, "e4m3", (32, 32), True) == "blocks"  # precomputed sf
+  assert pbc._variant(jnp.bfloat16, "e2m1", (32, 32), False) == "blocks"
+  assert pbc._variant(jnp.float32, "e4m3", (128, 128), False) == "blocks"
+  assert pbc._variant(jnp.bfloat16, "e4m3", (32, 128), False) == "blocks"
+  assert pbc._variant(jnp.float32, "e4m3", (32, 32), False) == "blocks"
+
+
+# The direct kernel: partial last block rows (TMA path) and whole ones (register path), last CTA columns with
+# fewer blocks (K = 320, 576: 2 of 8) or a partial 128-wide block (K = 576, 64), one CTA column (K = 64 / 192),
+# fewer rows than a block, and every sf layout: C from whole words per CTA (32x32) or byte by byte (128x128 with
+# K > 128: K = 576 with 3 padding bytes in the last word, K = 512 with none; 130 / 256 rows: padding rows).
+DIRECT_CASES = [(45, 320, (32, 32), "C"), (70, 576, (32, 32), "B"), (64, 512, (32, 32), "A"),
+                (5, 64, (32, 32), "C"), (96, 192, (32, 32), "A-round"), (130, 576, (128, 128), "A"),
+                (256, 320, (128, 128), "B"), (256, 256, (128, 128), "C"), (40, 64, (128, 128), "C"),
+                (130, 576, (128, 128), "C"), (256, 512, (128, 128), "C")]
+
+
+@pytest.mark.parametrize("m, k, block, flags", DIRECT_CASES, ids=str)
+def test_direct_kernel_bit_exact(key, m, k, block, flags):
+  """The direct kernel ("auto" for bf16 32x32 / 128x128 blocks), data and sf, and the sf-only form."""
+  x = _input(key, m, k, jnp.bfloat16)
+  x = x.at[m - 1, k - 1].set(jnp.bfloat16(3e4))  # the last row's block has the largest value: a lost row shows
   want = ref.per_block_cast(x, "e4m3", block, **FLAGS[flags])
   assert_same(quant.per_block_cast(x, "e4m3", block, **FLAGS[flags]), want)
   assert_bitwise_equal(quant.per_block_cast_with_sf_only(x, "e4m3", block, **FLAGS[flags]), want.sf)
 
 
-def test_variant_choice():
-  from jaxkern.quant import _per_block_cast as pbc
-  assert pbc._variant(jnp.bfloat16, "e4m3", (32, 32), False, 7168) == "wide"
-  assert pbc._variant(jnp.bfloat16, "e4m3", (32, 32), True, 576) == "blocks"  # precomputed sf
-  assert pbc._variant(jnp.bfloat16, "e2m1", (32, 32), False, 576) == "blocks"
-  assert pbc._variant(jnp.bfloat16, "e4m3", (128, 128), False, 2048) == ("wide", 128)
-  assert pbc._variant(jnp.bfloat16, "e4m3", (128, 128), False, 2560) == "blocks"
-  assert pbc._variant(jnp.float32, "e4m3", (128, 128), False, 576) == "blocks"
-  assert pbc._variant(jnp.bfloat16, "e4m3", (32, 128), False, 576) == "blocks"
-  assert pbc._variant(jnp.float32, "e4m3", (32, 32), False, 576) == "blocks"
+# Non-finite blocks in the last CTA column, whose sf are picked from the block vector one by one (K = 320: 2 of 8
+# blocks), and a NaN block's -0 sf with round_sf (A-round, B-round); 128x128 layout C byte by byte.
+NON_FINITE_FLAGS = dict(FLAGS, **{"B-round": dict(use_tma_aligned_col_major_sf=True, round_sf=True)})
 
 
-@pytest.mark.parametrize("m, k, block, dtype", [(4001, 576, (32, 32), jnp.bfloat16), (8001, 7168, (32, 32), jnp.float32),
-                                                (100, 64, (32, 32), jnp.bfloat16), (4001, 576, (32, 128), jnp.bfloat16),
-                                                (4001, 2048, (128, 128), jnp.bfloat16)])
-def test_wide_kernel_lowers_for_h100(m, k, block, dtype):
+@pytest.mark.parametrize("m, k, block, flags", [(140, 192, (32, 32), "C"), (140, 192, (128, 128), "A"),
+                                                (140, 192, (32, 32), "A-round"), (101, 320, (32, 32), "A-round"),
+                                                (128, 320, (32, 32), "B-round"), (140, 320, (128, 128), "C")], ids=str)
+def test_direct_kernel_non_finite(m, k, block, flags):
+  x = _non_finite(m, k, jnp.bfloat16)
+  assert_same(quant.per_block_cast(x, "e4m3", block, **NON_FINITE_FLAGS[flags]),
+              ref.per_block_cast(x, "e4m3", block, **NON_FINITE_FLAGS[flags]))
+
+
+def test_direct_tiles():
   from jaxkern.quant import _per_block_cast as pbc
-  s = jax.ShapeDtypeStruct((m, k), dtype)
-  for write_data in (True, False):
-    f = functools.partial(pbc._wide_kernel, block_size=block, round_sf=True, write_data=write_data, interpret=None)
+  assert pbc._direct_tiles(576, (32, 32)) == (8, 3, (8, 32), (2, 32))
+  assert pbc._direct_tiles(576, (128, 128)) == (1, 5, (1, 128), (1, 64))
+  assert pbc._direct_tiles(64, (32, 32)) == (2, 1, (2, 32), (2, 32))
+
+
+@pytest.mark.parametrize("m, k, block", [(4001, 576, (32, 32)), (8001, 2048, (32, 32)), (4096, 7168, (32, 32)),
+                                         (4001, 576, (128, 128)), (8064, 7168, (128, 128))])
+def test_direct_kernel_lowers_for_h100(m, k, block):
+  s = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+  for flags in ("A", "B", "C"):
+    f = functools.partial(quant.per_block_cast, fmt="e4m3", block_size=block, **FLAGS[flags], implementation="pallas")
     assert "mosaic_gpu" in lower_for_h100(f, s).as_text()
+  g = functools.partial(quant.per_block_cast_with_sf_only, fmt="e4m3", block_size=block, **FLAGS["C"],
+                        implementation="pallas")
+  assert "mosaic_gpu" in lower_for_h100(g, s).as_text()
 
 
-def _check_e4m3_variant_compiled(key, monkeypatch, variant, m, k, block, dtype):
-  """``per_block_cast`` (layouts A and C) and its sf-only form with the e4m3 ``variant`` forced, compiled, against
-  the reference."""
-  from jaxkern.quant import _per_block_cast as pbc
-  monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", variant)
-  x = _input(key, m, k, dtype)
-  for flags in ("A", "C"):
+@pytest.mark.parametrize("block", [(32, 32), (128, 128)])
+def test_direct_kernel_has_no_xla_epilogue(block):
+  """Layout C from bf16 32x32 / 128x128 blocks: the kernel writes the final sf (no XLA packing or broadcast)."""
+  f = functools.partial(quant.per_block_cast, fmt="e4m3", block_size=block, **FLAGS["C"], implementation="pallas")
+  text = lower_for_h100(f, jax.ShapeDtypeStruct((4001, 576), jnp.bfloat16)).as_text()
+  ops = {op for op in re.findall(r"= stablehlo\.([a-z_]+)", text)} - {"constant", "custom_call"}
+  assert not ops, ops
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, block", [
+    (4001, 576, (32, 32)), (8001, 2048, (32, 32)), (37, 64, (32, 32)), (4001, 320, (32, 32)),
+    (4001, 576, (128, 128)), (8064, 2560, (128, 128)), (4001, 512, (128, 128))], ids=str)
+def test_direct_kernel_gpu(key, m, k, block):
+  """The direct kernel, compiled, against the reference: layouts A, B, C (128x128 layout C byte by byte) and the
+  sf-only form."""
+  x = _input(key, m, k, jnp.bfloat16)
+  x = x.at[m - 1, k - 1].set(jnp.bfloat16(3e4))
+  for flags in ("A", "B", "C"):
     got = jax.jit(lambda x: quant.per_block_cast(x, "e4m3", block, **FLAGS[flags]))(x)
     assert_same(got, ref.per_block_cast(x, "e4m3", block, **FLAGS[flags]))
-    sf = jax.jit(lambda x: quant.per_block_cast_with_sf_only(x, "e4m3", block, **FLAGS[flags]))(x)
-    assert_bitwise_equal(sf, got.sf)
+  sf = jax.jit(lambda x: quant.per_block_cast_with_sf_only(x, "e4m3", block, **FLAGS["C"]))(x)
+  assert_bitwise_equal(sf, got.sf)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["wide", "blocks", ("wide", 64), ("wide", 128)], ids=str)
-@pytest.mark.parametrize("m, k, block, dtype", [(4001, 576, (32, 32), jnp.bfloat16), (8001, 2048, (32, 32), jnp.float32),
-                                                (4001, 576, (32, 128), jnp.bfloat16), (37, 64, (32, 32), jnp.bfloat16)])
-def test_e4m3_variants_gpu(key, monkeypatch, variant, m, k, block, dtype):
-  """Both e4m3 kernels for 32-row blocks, compiled, against the reference on ragged spec-sized shapes."""
-  _check_e4m3_variant_compiled(key, monkeypatch, variant, m, k, block, dtype)
-
-
-@pytest.mark.parametrize("cols", [64, 128])
-def test_wide_kernel_narrower_ctas(key, monkeypatch, cols):
-  """The wide kernel with 2 / 4 blocks per CTA (K = 320: 10 blocks, the last CTA partly empty)."""
-  from jaxkern.quant import _per_block_cast as pbc
-  monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", ("wide", cols))
-  x = _input(key, 40, 320, jnp.bfloat16)
-  assert_same(quant.per_block_cast(x, "e4m3", (32, 32), **FLAGS["C"]), ref.per_block_cast(x, "e4m3", (32, 32), **FLAGS["C"]))
-
-
-# The chunked ("split") per-block kernel: rows per chunk 32 / 64; block rows with 2 and 1 rows (every
-# chunk moved back onto them), 72 rows (a chunk moved back across its predecessor), fewer rows than a
-# chunk, 128x32 blocks (4 per CTA), and split = bm (one chunk).
-SPLIT_CASES = [(130, 576, (128, 128), "A"), (257, 384, (128, 128), "C"), (200, 192, (128, 128), "A-round"),
-               (10, 256, (128, 128), "B"), (150, 192, (128, 32), "A"), (40, 256, (32, 128), "C"),
-               (256, 256, (128, 128), "A")]  # every block inside the array
-
-
-@pytest.mark.parametrize("kind", ["split", "split_direct"])
-@pytest.mark.parametrize("split", [32, 64])
-@pytest.mark.parametrize("m, k, block, flags", SPLIT_CASES)
-def test_split_variant_bit_exact(key, monkeypatch, m, k, block, flags, split, kind):
-  from jaxkern.quant import _per_block_cast as pbc
-  if block[0] % split:
-    pytest.skip("split must divide bm")
-  monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", (kind, split))
-  x = _input(key, m, k, jnp.bfloat16)
-  x = x.at[m - 1, k - 1].set(jnp.bfloat16(3e4))  # the last row's block has the largest value: a lost row shows
-  want = ref.per_block_cast(x, "e4m3", block, **FLAGS[flags])
-  assert_same(jax.jit(lambda x: quant.per_block_cast(x, "e4m3", block, **FLAGS[flags]))(x), want)
-  assert_bitwise_equal(jax.jit(lambda x: quant.per_block_cast_with_sf_only(x, "e4m3", block, **FLAGS[flags]))(x),
-                       want.sf)
-
-
-def test_split_variant_rejects_bad_split(key):
-  from jaxkern.quant import _per_block_cast as pbc
-  x = _input(key, 64, 128, jnp.bfloat16)
-  with pytest.raises(ValueError, match="split"):
-    pbc._kernel(x, None, fmt="e4m3", block_size=(32, 32), round_sf=False, write_data=True, compute_sf=True,
-                split=64, interpret=True)
-
-
-@pytest.mark.parametrize("split", [32, 64])
-@pytest.mark.parametrize("m, k, block, dtype", [(4001, 576, (128, 128), jnp.bfloat16), (8001, 2048, (128, 128), jnp.bfloat16),
-                                                (4001, 576, (128, 128), jnp.float32), (4001, 7168, (128, 32), jnp.bfloat16)])
-def test_split_variant_lowers_for_h100(m, k, block, dtype, split):
-  from jaxkern.quant import _per_block_cast as pbc
-  s = jax.ShapeDtypeStruct((m, k), dtype)
-  for write_data, direct in ((True, False), (False, False), (True, True)):
-    f = functools.partial(pbc._kernel, sf_in=None, fmt="e4m3", block_size=block, round_sf=True, write_data=write_data,
-                          compute_sf=True, split=split, direct=direct, interpret=None)
-    assert "mosaic_gpu" in lower_for_h100(f, s).as_text()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["split", "split_direct"])
-@pytest.mark.parametrize("split", [32, 64])
-@pytest.mark.parametrize("m, k, block, dtype", [(4001, 576, (128, 128), jnp.bfloat16), (8001, 2048, (128, 128), jnp.bfloat16),
-                                                (4001, 576, (128, 128), jnp.float32), (4033, 320, (128, 32), jnp.bfloat16),
-                                                (37, 64, (128, 128), jnp.bfloat16)])
-def test_split_variant_gpu(key, monkeypatch, split, m, k, block, dtype, kind):
-  """The chunked per-block kernel, compiled, against the reference on ragged spec-sized shapes."""
-  _check_e4m3_variant_compiled(key, monkeypatch, (kind, split), m, k, block, dtype)
-
-
-# The wide kernel storing interior tiles straight from registers ("wide_direct"): interior and edge CTAs in
-# both directions (70 rows: a partial last block row; K = 320: the last CTA column partial), and a shape
-# with interior CTAs only.
-@pytest.mark.parametrize("cols", [256, 64])
-@pytest.mark.parametrize("m, k, flags", [(70, 320, "A"), (64, 512, "C"), (5, 64, "A-round")])
-def test_wide_direct_variant_bit_exact(key, monkeypatch, m, k, flags, cols):
-  from jaxkern.quant import _per_block_cast as pbc
-  monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", ("wide_direct", cols))
-  x = _input(key, m, k, jnp.bfloat16)
-  want = ref.per_block_cast(x, "e4m3", (32, 32), **FLAGS[flags])
-  assert_same(jax.jit(lambda x: quant.per_block_cast(x, "e4m3", (32, 32), **FLAGS[flags]))(x), want)
-
-
-@pytest.mark.parametrize("cols", [256, 128, 64])
-@pytest.mark.parametrize("m, k", [(4001, 576), (8001, 2048)])
-def test_wide_direct_variant_lowers_for_h100(m, k, cols):
-  from jaxkern.quant import _per_block_cast as pbc
-  f = functools.partial(pbc._wide_kernel, block_size=(32, 32), round_sf=False, write_data=True, cols=cols, direct=True,
-                        interpret=None)
-  assert "mosaic_gpu" in lower_for_h100(f, jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).as_text()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cols", [256, 128, 64])
-@pytest.mark.parametrize("m, k", [(4001, 576), (8001, 2048), (4001, 320)])
-def test_wide_direct_variant_gpu(key, monkeypatch, cols, m, k):
-  from jaxkern.quant import _per_block_cast as pbc
-  monkeypatch.setattr(pbc, "_VARIANT_OVERRIDE", ("wide_direct", cols))
-  x = _input(key, m, k, jnp.bfloat16)
-  for flags in ("A", "C"):
-    got = jax.jit(lambda x: quant.per_block_cast(x, "e4m3", (32, 32), **FLAGS[flags]))(x)
-    assert_same(got, ref.per_block_cast(x, "e4m3", (32, 32), **FLAGS[flags]))
+@pytest.mark.parametrize("block", [(32, 32), (128, 128)])
+@pytest.mark.parametrize("flags", ["A-round", "B-round", "C"])
+def test_direct_kernel_non_finite_gpu(block, flags):
+  """NaN / ±inf inputs through the direct kernel (bf16 maxima, in-kernel sf layouts; a NaN block's -0 sf with
+  round_sf in a partial last CTA column) against the reference."""
+  x = _non_finite(4001, 576, jnp.bfloat16)
+  got = jax.jit(lambda x: quant.per_block_cast(x, "e4m3", block, **NON_FINITE_FLAGS[flags]))(x)
+  assert_same(got, jax.jit(lambda x: ref.per_block_cast(x, "e4m3", block, **NON_FINITE_FLAGS[flags]))(x))

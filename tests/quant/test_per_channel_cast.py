@@ -356,29 +356,43 @@ def test_non_finite_inputs_gpu(key, round_sf):
   _assert_quant_equal(fused(x, pos), want)
 
 
-def test_tile_cols_override_bit_exact(key, monkeypatch):
-  """``_COLS = 64`` (timing scripts, issue 21) forces 64-column tiles where 128 divides K."""
-  from jaxkern.quant import _per_channel_cast as pcc
-  monkeypatch.setattr(pcc, "_COLS", 64)
-  x = randn(key, (256, 256), jnp.bfloat16) * 100
-  got = jax.jit(lambda x: quant.per_channel_cast(x, "e4m3", 128))(x)
-  _assert_quant_equal(got, ref.per_channel_cast(x, "e4m3", 128))
-
-
-@pytest.mark.parametrize("m, k", [(4096, 2048), (8064, 2048)])
-def test_tile_cols_override_lowers_for_h100(monkeypatch, m, k):
-  from jaxkern.quant import _per_channel_cast as pcc
+def test_kernel_choice():
+  """bf16 with K <= DIRECT_MAX_K: the register kernel; wider or float32: the TMA kernel."""
   from jaxkern.testing import lower_for_h100
-  monkeypatch.setattr(pcc, "_COLS", 64)
+
+  for k, dtype, direct in ((576, jnp.bfloat16, True), (2048, jnp.bfloat16, False), (576, jnp.float32, False)):
+    f = lambda x: quant.per_channel_cast(x, "e4m3", 128, implementation="pallas")
+    text = lower_for_h100(f, jax.ShapeDtypeStruct((256, k), dtype)).as_text()
+    assert ("_direct_kernel" in text) == direct, (k, dtype)
+    assert "broadcast_in_dim" not in text  # the kernels' constant operand: no XLA kernel before them
+
+
+# The register kernel of bf16 per_channel_cast: 128-column tiles (K = 256), a 64-column last tile (K = 320, 576),
+# and the TMA kernel at those K (DIRECT_MAX_K = 0).
+@pytest.mark.parametrize("direct_max_k", [576, 0])
+@pytest.mark.parametrize("k, round_sf", [(256, True), (320, False), (576, True)])
+def test_direct_kernel_bit_exact(key, monkeypatch, k, round_sf, direct_max_k):
+  monkeypatch.setattr(module, "DIRECT_MAX_K", direct_max_k)
+  x = randn(key, (256, k), jnp.bfloat16) * jnp.exp2(jnp.arange(k, dtype=jnp.float32) % 17 - 8)
+  got = quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf)
+  _assert_quant_equal(got, _oracle(np.asarray(x, np.float32), 128, round_sf))
+
+
+@pytest.mark.parametrize("m, k", [(4096, 576), (8064, 576), (4096, 512)])
+def test_direct_kernel_lowers_for_h100(m, k):
+  from jaxkern.testing import lower_for_h100
   f = lambda x: quant.per_channel_cast(x, "e4m3", 128, implementation="pallas")
-  text = lower_for_h100(f, jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).as_text()
-  assert "mosaic_gpu" in text
+  assert "mosaic_gpu" in lower_for_h100(f, jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).as_text()
 
 
 @pytest.mark.gpu
-def test_tile_cols_override_gpu(key, monkeypatch):
-  from jaxkern.quant import _per_channel_cast as pcc
-  monkeypatch.setattr(pcc, "_COLS", 64)
-  x = randn(key, (4096, 2048), jnp.bfloat16)
-  got = jax.jit(lambda x: quant.per_channel_cast(x, "e4m3", 128))(x)
-  _assert_quant_equal(got, ref.per_channel_cast(x, "e4m3", 128))
+@pytest.mark.parametrize("direct_max_k, m, k", [
+    (576, 4096, 576), (576, 8064, 576), (576, 4096, 2048), (576, 8064, 7168), (0, 4096, 576), (8192, 8064, 2560)])
+def test_per_channel_cast_spec_shapes_gpu(key, monkeypatch, m, k, direct_max_k):
+  """per_channel_cast's kernels (the register kernel up to ``DIRECT_MAX_K``, the TMA kernel above), compiled, against
+  numpy."""
+  monkeypatch.setattr(module, "DIRECT_MAX_K", direct_max_k)
+  x = randn(key, (m, k), jnp.bfloat16)
+  for round_sf in (False, True):
+    got = jax.jit(lambda x: quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))(x)
+    _assert_quant_equal(got, _oracle(np.asarray(x, np.float32), 128, round_sf))
