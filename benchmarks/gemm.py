@@ -1,5 +1,5 @@
 """fp8_grouped_gemm and its two backward GEMMs at the DeepSeek-V3 expert shapes
-(../shared/notes/fp8_grouped_gemm.md).
+(docs/gemm.md, "Kernels and performance").
 
 A: 8 experts x 4096 rows, K=7168 N=4096 (gate+up); B: the same rows, K=2048 N=7168 (down); C / D: 32 experts,
 65,536 routed rows skewed 384-7168 per expert (each segment padded to 128 rows), gate+up / down.

@@ -182,7 +182,8 @@ def _big_fuse(r, fn, scale, base, **kw):
 
 
 def _fuse_check(out, expected):
-  tol_check(1e-3, 1e-3)(out[:2], expected[:2])  # mixes: pre_norm_fn's tolerance carried through (spec §6.2)
+  # mixes: pre_norm_fn's tolerance carried through (docs/mhc.md, "pre_norm_fn")
+  tol_check(1e-3, 1e-3)(out[:2], expected[:2])
   tol_check(1.6e-2, 1e-2)(out[2], expected[2])
 
 

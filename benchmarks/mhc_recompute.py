@@ -32,7 +32,7 @@ HIDDEN = [2560, 4096, 7168, 8192]
 
 
 def io_fused(n: int, h: int, layers: int, post_layers: int, m: int = M) -> int:
-  """Upstream's byte count of a fused recompute (spec §6.4)."""
+  """Upstream's byte count of a fused recompute (its benchmark's io_fused)."""
   return (2 * n * m * h + layers * (4 * n * m + 2 * n * h)
           + post_layers * (2 * n * h + 4 * n * m + 4 * n * m * m + 2 * n * m * h))
 

@@ -57,7 +57,7 @@ register(BenchOp(
     lambda: [_group_case(70, 72, 8, 2, 4)]))
 
 
-# (num_groups, num_topk_groups, E, S, K) of spec §4.3; shared experts where valid.
+# (num_groups, num_topk_groups, E, S, K) of upstream's test of top2_sum_gate; shared experts where valid.
 _GATE_CONFIGS = [(0, 0, 72, 1, 6), (0, 0, 32, 2, 6), (0, 0, 64, 2, 6), (0, 0, 96, 2, 6), (0, 0, 16, 2, 6),
                  (0, 0, 36, 2, 6), (0, 0, 108, 2, 6), (0, 0, 128, 2, 6), (0, 0, 144, 2, 6), (8, 8, 256, 2, 8),
                  (8, 4, 256, 2, 8)]

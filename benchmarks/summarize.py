@@ -28,7 +28,7 @@ RESULTS = HERE / "results"
 OUT = HERE / "RESULTS.md"
 
 # The ceiling reported beside each FP8 grouped GEMM row: XLA's dense FP8 dot_general (cuBLASLt) of the
-# same FLOPs, TF/s at the benchmark shapes A / B / C / D (H100, warm L2, ../shared/notes/fp8_grouped_gemm.md, "The field").
+# same FLOPs, TF/s at the benchmark shapes A / B / C / D (H100, warm L2; benchmarks/NOTES.md, "FP8 grouped GEMM").
 DENSE_FP8_TFLOPS = {"A": 1587, "B": 1552, "C": 1576, "D": 1535}
 
 # variant suffixes of benchmark op names: (group width / block / layout / dtype) variants of one public op
@@ -143,7 +143,7 @@ def summarize(paths) -> str:
     gemm = all("tflops" in r for r in rs)
     if gemm:
       lines += ["TF/s = 2·M·N·K / time; dense FP8 ceiling: XLA's cuBLASLt FP8 `dot_general` of the same FLOPs at the "
-                "shape's letter (H100, warm L2, ../shared/notes/fp8_grouped_gemm.md).", ""]
+                "shape's letter (H100, warm L2; NOTES.md, \"FP8 grouped GEMM\").", ""]
       head, rule = head + " TF/s | XLA TF/s | dense FP8 ceiling |", rule + "---:|---:|---:|"
     if with_tk:
       head, rule = head + " TK target | vs TK |", rule + "---:|---:|"

@@ -174,7 +174,7 @@ def test_mhc_fused_small_cases_without_gpu(capsys):
 def test_multilayer_recompute_grid_and_byte_counts():
   cases = REGISTRY["multilayer_recompute"].cases()
   assert len(cases) == 8 and cases[-1].label == "L=10 Lp=10 S=8192 H=8192"
-  n, h, m, l, lp = 8192, 8192, 4, 10, 10  # upstream's io_fused (spec §6.4)
+  n, h, m, l, lp = 8192, 8192, 4, 10, 10  # upstream's io_fused (its benchmark's byte count)
   assert cases[-1].nbytes == 2 * n * m * h + l * (4 * n * m + 2 * n * h) + lp * (
       2 * n * h + 4 * n * m + 4 * n * m * m + 2 * n * m * h)
 

@@ -60,7 +60,7 @@ def xla_faster(op: str, reason: str) -> str | None:
   The override is for timing scripts only (not an API): the environment variable ``_JAXKERN_MHC_FORCE_KERNEL``,
   a comma-separated list of op names or ``all``, read when the op is traced, makes "auto" run these ops'
   kernels although XLA measured faster, so ``python -m benchmarks.run`` times the kernels (its rows then say
-  ``path: pallas``). ``scratch/gpu_mhcfast.sh`` uses it.
+  ``path: pallas``); it exists so that the kernels "auto" passes over can still be timed.
   """
   names = {n.strip() for n in os.environ.get(FORCE_KERNEL_ENV, "").split(",")}
   return None if op in names or "all" in names else reason

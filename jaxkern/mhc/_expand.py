@@ -14,7 +14,8 @@ from jaxkern.reference import mhc as ref
 
 
 # "auto" runs XLA for the backward: 0.87-0.97x XLA on an H100 (2026-11-26, runner with CUPTI, 8 shapes), the first
-# (8, 128)-tile kernel; the whole-row kernel (second version) is not measured yet (scratch/gpu_mhcfast.sh).
+# (8, 128)-tile kernel; the whole-row kernel (second version), timed through the private _JAXKERN_MHC_FORCE_KERNEL
+# switch on the same card and day, 0.97-1.00x.
 _BWD_SLOWER = "kernel 0.87-0.97x XLA on an H100 (2026-11-26)"
 
 MAX_M = 8

@@ -15,7 +15,8 @@ from jaxkern.reference import mhc as ref
 
 # "auto" runs XLA for the backward: the first kernel (it recomputed the iteration chain for every step, O(repeat²))
 # ran at 0.26-0.74x XLA on an H100 (2026-11-26, runner with CUPTI, T 1-8192). The current kernel (saved iterates,
-# linear chain) is not measured yet: scratch/gpu_mhcfast.sh times it with the private _JAXKERN_MHC_FORCE_KERNEL.
+# linear chain), timed through the private _JAXKERN_MHC_FORCE_KERNEL switch on the same card and day: 0.30-0.94x
+# (a few µs, launch- and latency-bound).
 _BWD_SLOWER = "kernel 0.26-0.74x XLA on an H100 (2026-11-26)"
 
 def _check(name, x):

@@ -66,7 +66,7 @@ _MAX_TOKEN_BLOCK = 16
 # guarded single-thread TMA store issue, serial within a CTA; with narrow rows (H = 576) and K = 8 / 9 a 16-token CTA
 # had 128-144 of them. 64 (7-8 tokens at K = 8 / 9; K <= 4 and rows wider than 1792 bf16 values keep
 # their blocks): H100, 2026-11-26, H=576 K=8/9 1.07-1.20x faster than no limit (E=4x64 K=9: 42.1 -> 35.1 µs), 32
-# no better, 16 and 9 1.5-3.5x slower (scratch/time_narrow2.py, CUPTI cold L2).
+# no better, 16 and 9 1.5-3.5x slower (CUPTI, cold L2).
 _MAX_SLOTS = 64
 _ROW_BLOCK = 32  # fused rows checked for padding per CTA (a timing script may change it)
 _TMA_ALIGN = 128  # bytes; SMEM address alignment of a TMA copy

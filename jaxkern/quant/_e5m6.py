@@ -60,7 +60,7 @@ from jaxkern._layouts import NO_AUTO_BARRIERS, flat_chunks, flat_layout, group_l
 from jaxkern.quant import _tiling as tiling
 from jaxkern.quant import _validate as validate
 from jaxkern.quant._cast_back import _sf_decode, _sf_raw
-from jaxkern.quant._per_token_cast import abs_key, gpu_nan, key_value
+from jaxkern.quant._nan import abs_key, gpu_nan, key_value
 from jaxkern.reference import quant as ref
 from jaxkern.types import QuantTensor
 

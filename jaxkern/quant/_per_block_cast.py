@@ -50,7 +50,8 @@ from jaxkern._layouts import NO_AUTO_BARRIERS, group_vectors_layout, row_layout
 from jaxkern.quant import _validate as validate
 from jaxkern.quant._encode import encode_e2m1
 from jaxkern.quant._cast_back import _kernel as _cast_back_kernel
-from jaxkern.quant._per_token_cast import abs_key, gpu_nan, key_value, to_e4m3
+from jaxkern.quant._nan import abs_key, gpu_nan, key_value
+from jaxkern.quant._per_token_cast import to_e4m3
 from jaxkern.reference import quant as ref
 from jaxkern.types import QuantTensor
 

@@ -37,12 +37,13 @@ cover (groups straddling input blocks, fewer rows than one register layout block
 rows, more than 16 groups with a partial last one) are unsupported: ``"auto"`` / ``"xla"`` run the ``jnp``
 reference, ``"pallas"`` / ``"interpret"`` raise.
 
-Non-finite inputs: the group maxima are NaN-propagating on both backends (:func:`abs_key`: ``max.NaN.f32``
-on the GPU, integer maxima of the sign-cleared patterns in interpret mode, where XLA's float reductions
-can drop NaN), the e4m3 conversion saturates on both (:func:`to_e4m3`) and NaN results are the GPU's
-canonical NaN on both (:func:`gpu_nan`), so that kernel and reference (:func:`jaxkern.reference.quant.abs_max`,
-:func:`jaxkern.reference.quant.canonical_nan`) give the same bits for NaN and ±inf inputs on every
-backend. Interpret mode pays for the last two; the compiled kernel does nothing extra.
+Non-finite inputs: the group maxima are NaN-propagating on both backends
+(:func:`jaxkern.quant._nan.abs_key`: ``max.NaN.f32`` on the GPU, integer maxima of the sign-cleared patterns in
+interpret mode, where XLA's float reductions can drop NaN), the e4m3 conversion saturates on both (:func:`to_e4m3`)
+and NaN results are the GPU's canonical NaN on both (:func:`jaxkern.quant._nan.gpu_nan`), so that kernel and
+reference (:func:`jaxkern.reference.quant.abs_max`, :func:`jaxkern.reference.quant.canonical_nan`) give the same
+bits for NaN and ±inf inputs on every backend. Interpret mode pays for the last two; the compiled kernel does
+nothing extra.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ from jaxkern.quant import _tiling as tiling
 from jaxkern.quant import _validate as validate
 from jaxkern.quant._encode import encode_e2m1
 from jaxkern.quant._cast_back import _sf_decode, _sf_raw
+from jaxkern.quant._e5m6 import per_token_cast_to_e5m6
+from jaxkern.quant._nan import abs_key, gpu_nan, key_value
 from jaxkern.reference import quant as ref
 from jaxkern.types import QuantTensor
 
@@ -73,30 +76,6 @@ SEG_CHUNK = 4
 # 4 lanes 53.1 / 81.5 µs (bf16 / float32), 8 lanes 42.2 / 69.0, 16 lanes 48.9 / 71.0; e2m1 float32
 # 4001x576 npc 128 (5 segments per row): 15.0, 11.0, 10.1 µs.
 SEGMENT_LANES = 8
-
-
-def abs_key(h, interpret):
-  """``|h|`` (float32) in the form whose maximum the kernels take: NaN-propagating on both backends.
-
-  On the GPU ``|h|`` itself (the kernels' code as it was measured): ``jnp.maximum`` / ``jnp.max`` lower to
-  ``max.NaN.f32`` in Mosaic GPU, so a NaN wins. In interpret mode XLA's float max reductions drop NaN on the
-  CPU for some shapes, so there the key is the float32 pattern with the sign cleared, whose integer order is
-  that of the magnitudes with NaN above +inf (:func:`jaxkern.reference.quant.abs_max`). Elementwise
-  ``jnp.maximum`` and ``jnp.max`` work on either key; :func:`key_value` turns the maximum back into a float32.
-  """
-  return jnp.abs(h) if interpret is None else lax.bitcast_convert_type(h, jnp.int32) & 0x7FFFFFFF
-
-
-def key_value(k, interpret):
-  """The float32 value of a maximum of :func:`abs_key` keys."""
-  return k if interpret is None else lax.bitcast_convert_type(k, jnp.float32)
-
-
-def gpu_nan(v, interpret):
-  """NaN results as the GPU makes them: on the GPU ``v`` itself (every NaN an instruction returns is the
-  canonical NaN 0x7FFFFFFF), in interpret mode ``v`` with its NaNs made canonical (the CPU keeps an
-  operand's NaN or makes a negative one; :func:`jaxkern.reference.quant.canonical_nan`)."""
-  return v if interpret is None else ref.canonical_nan(v)
 
 
 def to_e4m3(q, interpret):
@@ -553,8 +532,6 @@ def per_token_cast(x, fmt: str, num_per_channels: int, *, x_block_size=None,
 
 def _to_e5m6(x, npc, x_block_size, x_col_major, flags, implementation):
   """``per_token_cast(x, "e5m6", ...)``: :func:`jaxkern.quant.per_token_cast_to_e5m6` of a plain input."""
-  from jaxkern.quant._e5m6 import per_token_cast_to_e5m6  # that module imports this one
-
   if isinstance(x, tuple) or x_block_size is not None or x_col_major:
     raise ValueError("fmt='e5m6' needs a plain (M, K) array x (no QuantTensor, x_block_size None)")
   return per_token_cast_to_e5m6(x, npc, **flags, implementation=implementation)

@@ -49,7 +49,8 @@ from jaxkern import _checks, _config, _dispatch, _ieee
 from jaxkern._layouts import NO_AUTO_BARRIERS, row_layout
 from jaxkern.quant import _tiling as tiling
 from jaxkern.quant import _validate as validate
-from jaxkern.quant._per_token_cast import SEG_CHUNK, abs_key, gpu_nan, key_value, to_e4m3
+from jaxkern.quant._nan import abs_key, gpu_nan, key_value
+from jaxkern.quant._per_token_cast import SEG_CHUNK, to_e4m3
 from jaxkern.reference import quant as ref
 from jaxkern.types import QuantTensor, QuantTensorWithClampedCount
 

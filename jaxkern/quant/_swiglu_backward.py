@@ -74,7 +74,8 @@ from jaxkern._layouts import NO_AUTO_BARRIERS, row_layout
 from jaxkern.quant import _swiglu_backward_steps as steps
 from jaxkern.quant import _tiling as tiling
 from jaxkern.quant import _validate as validate
-from jaxkern.quant._per_token_cast import abs_key, gpu_nan, key_value, to_e4m3
+from jaxkern.quant._nan import abs_key, gpu_nan, key_value
+from jaxkern.quant._per_token_cast import to_e4m3
 from jaxkern.reference import quant as ref
 from jaxkern.types import QuantTensor, SwigluBackward
 

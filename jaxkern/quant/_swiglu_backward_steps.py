@@ -34,7 +34,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxkern import _ieee
 from jaxkern._layouts import NO_AUTO_BARRIERS, group_vectors_layout, row_layout
 from jaxkern.quant import _tiling as tiling
-from jaxkern.quant._per_token_cast import abs_key, gpu_nan, key_value, to_e4m3
+from jaxkern.quant._nan import abs_key, gpu_nan, key_value
+from jaxkern.quant._per_token_cast import to_e4m3
 from jaxkern.reference import quant as ref
 
 # Groups per step (at most; the largest power of two dividing ``h / npc`` up to it): 4 groups of 32 are 128 columns

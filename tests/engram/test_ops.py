@@ -109,7 +109,8 @@ def test_gate_fwd_kernel(key, t, m, d):
 
 
 def test_gate_fwd_signed_sqrt_at_zero(key):
-  """raw = ±0 (a zero row): the kernel's copysign gives σ(±sqrt(c)), the reference's sign 0.5 (spec §8.1)."""
+  """raw = ±0 (a zero row): the kernel's copysign gives σ(±sqrt(c)), the reference's sign 0.5
+  (docs/engram.md, "Gate")."""
   x, k, v, wh, we = gate_inputs(key, 2, 4, 256)
   x = x.at[0, 1].set(0).at[1, 2].set(0)
   wf = engram.fused_weight(wh, we)

@@ -1,6 +1,7 @@
-"""jaxkern.mhc.pre_big_fuse and multilayer_recompute (engram_mhc.md §4.9, §4.10): bit-exact against the unfused
-chain of jaxkern's own ops (upstream's exact-equality tests, spec §6.2 / §6.5), against the references at the
-spec's tolerances, zero tokens, argument checks, H100 lowering, not differentiable; spec shapes on a GPU.
+"""jaxkern.mhc.pre_big_fuse and multilayer_recompute (docs/mhc.md, "`pre_big_fuse`: the inference path",
+"`multilayer_recompute`: rebuilding activations"): bit-exact against the unfused chain of jaxkern's own ops (as
+upstream's exact-equality tests), against the references at upstream's tolerances, zero tokens, argument checks,
+H100 lowering, not differentiable; upstream's shapes on a GPU.
 
 Bit-exactness is checked with both sides under jax.jit (as the ops run in practice): on XLA:CPU an op-by-op
 (eager) run of the same XLA code can differ in the last bit of the Sinkhorn divisions from a jitted one."""

@@ -36,7 +36,7 @@ def np_tf32(v):
 
 
 def np_forward(x, fn, w, eps):
-  """numpy float64 transcription of spec §4.3.1 (fn_eff rounded in float32 first)."""
+  """numpy float64 transcription of docs/mhc.md, "pre_norm_fn" (fn_eff rounded in float32 first)."""
   fn = np.asarray(fn, np.float32)
   if w is not None:
     fn = fn * np.asarray(w, np.float32)[None, :]

@@ -84,7 +84,7 @@ def test_mhc_pre_same_forward_with_and_without_gradients(key, implementation, h)
   for a, b in zip((plain[0], *plain[1]), (fused.layer_input, fused.post_mix, fused.comb_mix)):
     exact(a, b)
   assert plain[0].shape == (2, 3, h) and plain[0].dtype == jnp.bfloat16
-  # the norm weight is used on the no-gradient path (spec §8.3)
+  # the norm weight is used on the no-gradient path (docs/mhc.md, "`pre_big_fuse`: the inference path")
   no_w = jax.jit(lambda *a: f(*a))(r, fn, scale, base)
   assert not np.array_equal(np.asarray(no_w[1][1]), np.asarray(plain[1][1]))
 

@@ -38,7 +38,7 @@ def _expected(idx: np.ndarray, num_experts: int, alignment: int, n: int):
 
 
 def _check_properties(idx, outs, alignment):
-  """The upstream test's checks (spec §5.1)."""
+  """Upstream's test's checks."""
   assert isinstance(outs, FusedMapping)
   pte, ptt, pttk, ttp, start, end, n_e, counts = [np.asarray(o) for o in outs[:7]] + [outs.num_tokens_per_expert_list]
   k = idx.shape[1]

@@ -13,7 +13,7 @@ from jaxkern.reference import moe as ref
 from jaxkern.testing import assert_bitwise_equal, lower_for_h100, num_tokens
 from tests.moe.gating import tricky_rows
 
-# (E, K) of the upstream test (spec §4.1).
+# (E, K) of upstream's test.
 SPEC_EK = [(72, 6), (32, 6), (64, 6), (96, 6), (16, 6), (36, 6), (108, 6), (128, 6), (144, 6), (256, 8)]
 
 
@@ -42,7 +42,7 @@ def test_tricky_values(x):
   x = jnp.asarray(x)
   y = np.asarray(topk_gate(x, 5))
   assert_bitwise_equal(y, ref.topk_gate(x, 5))
-  assert all(len(set(r)) == 5 for r in y)  # never a repeated expert (spec §9.9)
+  assert all(len(set(r)) == 5 for r in y)  # never a repeated expert (docs/moe.md, "`topk_gate`")
 
 
 def test_all_minus_inf_rows_give_distinct_indices():

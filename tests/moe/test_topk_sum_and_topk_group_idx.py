@@ -13,7 +13,7 @@ from jaxkern.reference import moe as ref
 from jaxkern.testing import assert_bitwise_equal, lower_for_h100, num_tokens
 from tests.moe.gating import tricky_rows
 
-# (E, G) of the upstream test (spec §4.2).
+# (E, G) of upstream's test.
 SPEC_EG = [(72, 4), (72, 8), (72, 12), (256, 4), (256, 8), (256, 16)]
 
 
