@@ -1,15 +1,24 @@
-"""Trace-time argument checks shared by the public ops; each raises ``ValueError`` naming the argument."""
+"""Trace-time argument checks shared by the public ops; each raises ``ValueError`` naming the argument.
+
+Checks chex covers (rank) go through chex; its ``AssertionError`` becomes the ``ValueError`` here. chex's
+``dtype`` check takes one dtype, not a set, and it has no divisibility check: those two stay plain."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 
 
 def check_rank(name: str, x, ndim: int) -> None:
-  if x.ndim != ndim:
+  try:
+    chex.assert_rank(x, ndim)
+    ok = len(x.shape) == ndim  # chex.disable_asserts() switches chex off; the op's own check must stay on
+  except AssertionError:
+    ok = False
+  if not ok:
     raise ValueError(f"{name} must have rank {ndim}, got shape {tuple(x.shape)}")
 
 

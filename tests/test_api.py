@@ -61,3 +61,40 @@ def test_public_names():
   assert jaxkern.QuantTensor is jaxkern.types.QuantTensor is quant.QuantTensor
   assert moe.FusedMapping is jaxkern.types.FusedMapping
   assert "explain" in jaxkern.__all__ and "KernelUnavailableError" in jaxkern.__all__
+
+
+def _public_callables():
+  """(qualified name, callable) for every public callable: the ``__all__`` names of jaxkern and its areas (classes
+  with their public methods), and every public function defined in a reference module."""
+  areas = (jaxkern, engram, gemm, mhc, moe, quant, transpose, jaxkern.modeling)
+  seen = {}
+  for mod in areas:
+    for name in mod.__all__:
+      obj = getattr(mod, name)
+      if isinstance(obj, types.ModuleType):
+        continue
+      seen[f"{mod.__name__}.{name}"] = obj
+      if isinstance(obj, type):
+        for attr, member in vars(obj).items():
+          if not attr.startswith("_") and inspect.isfunction(member):
+            seen[f"{mod.__name__}.{name}.{attr}"] = member
+  for mod in [getattr(reference, n) for n in reference.__all__] + [mhc_norm]:
+    for name, obj in vars(mod).items():
+      if not name.startswith("_") and inspect.isfunction(obj) and obj.__module__ == mod.__name__:
+        seen[f"{mod.__name__}.{name}"] = obj
+  return sorted(seen.items())
+
+
+def test_every_public_parameter_is_annotated():
+  missing = []
+  for qualname, obj in _public_callables():
+    try:
+      sig = inspect.signature(obj)
+    except (TypeError, ValueError):  # a class or builtin without a Python signature
+      continue
+    for p in sig.parameters.values():
+      if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in ("self", "cls"):
+        continue
+      if p.annotation is inspect.Parameter.empty:
+        missing.append(f"{qualname}({p.name})")
+  assert not missing, "parameters without an annotation: " + ", ".join(missing)

@@ -132,3 +132,13 @@ def test_pallas_off_a_gpu_says_so():
   # lowering for an abstract H100 counts as a GPU
   lowered = lower_for_h100(functools.partial(transpose.transpose, implementation="pallas"), x)
   assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_rank_checks_stay_on_when_chex_asserts_are_off():
+  import chex
+  chex.disable_asserts()
+  try:
+    with pytest.raises(ValueError, match="must have rank 2"):
+      transpose.transpose(jnp.zeros((64,), jnp.float32), implementation="xla")
+  finally:
+    chex.enable_asserts()

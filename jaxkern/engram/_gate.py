@@ -536,8 +536,9 @@ def check_gate_arrays(**arrays):
 
 
 
-def engram_gate_fwd(hidden_states, k, v, weight_fused, *, eps: float, clamp_value: float,
-                    save_for_backward: bool = True, implementation: str | None = None) -> EngramGateOutput:
+def engram_gate_fwd(hidden_states: jax.Array, k: jax.Array, v: jax.Array, weight_fused: jax.Array, *, eps: float,
+                    clamp_value: float, save_for_backward: bool = True,
+                    implementation: str | None = None) -> EngramGateOutput:
   """Engram gate forward (docs/engram.md, "Gate"): ``out = bf16(x + σ(signed_sqrt(d))·v)`` per (token, stream).
 
   With ``s = fp32(D^-1/2)``, ``rx = rsqrt(Σx²/D + eps)``, ``rk = rsqrt(Σk²/D + eps)``, ``raw = Σ x·wf·k``,
@@ -592,9 +593,9 @@ def engram_gate_fwd(hidden_states, k, v, weight_fused, *, eps: float, clamp_valu
                        unsupported=unsupported(d, m, x.dtype, wf.dtype, backward=False))
 
 
-def engram_gate_bwd(grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k, *,
-                    clamp_value: float, num_partials: int | None = None,
-                    implementation: str | None = None) -> EngramGateGrads:
+def engram_gate_bwd(grad_out: jax.Array, hidden_states: jax.Array, k: jax.Array, v: jax.Array, weight_fused: jax.Array,
+                    dot: jax.Array, gate_score: jax.Array, rstd_x: jax.Array, rstd_k: jax.Array, *, clamp_value: float,
+                    num_partials: int | None = None, implementation: str | None = None) -> EngramGateGrads:
   """Engram gate backward (docs/engram.md, "Gate") from the forward's saved intermediates.
 
   Per (token, stream), float32: ``dldg = Σ go·v``; ``G = 0`` where ``|dot|·s·rx·rk < clamp_value`` (the

@@ -13,7 +13,7 @@ from jaxkern.reference import engram as ref
 split_multipliers = ref.split_multipliers
 
 
-def make_offsets(vocab_sizes, *, implementation: str | None = None) -> jax.Array:
+def make_offsets(vocab_sizes: jax.typing.ArrayLike, *, implementation: str | None = None) -> jax.Array:
   """Exclusive prefix sums of the table sizes per layer (docs/engram.md, "Hash").
 
   Args:
@@ -62,8 +62,8 @@ def _multiplier_words(multipliers, num_layers, n):
   return ref.split_multipliers(m)
 
 
-def engram_hash(ngram_token_ids, multipliers, vocab_sizes, offsets, *,
-                implementation: str | None = None) -> jax.Array:
+def engram_hash(ngram_token_ids: jax.Array, multipliers: jax.typing.ArrayLike, vocab_sizes: jax.typing.ArrayLike,
+                offsets: jax.Array, *, implementation: str | None = None) -> jax.Array:
   """N-gram hash indices into the per-layer concatenated embedding tables (docs/engram.md, "Hash").
 
   For layer ``l``, token ``t`` and order ``n = 1..N-1``: ``h_n = XOR_{i <= n} int64(ids[t, i])·mult[l, i]``

@@ -30,7 +30,7 @@ def _weights(weight_hidden, weight_embed):
   return wh, we
 
 
-def fused_weight(weight_hidden, weight_embed, *, implementation: str | None = None) -> jax.Array:
+def fused_weight(weight_hidden: jax.Array, weight_embed: jax.Array, *, implementation: str | None = None) -> jax.Array:
   """``f32(weight_hidden) · f32(weight_embed)`` (docs/engram.md, "Gate"), the gate's fused RMSNorm weight.
 
   Args:
@@ -50,7 +50,8 @@ def fused_weight(weight_hidden, weight_embed, *, implementation: str | None = No
   return _dispatch.run("fused_weight", implementation, kernel=None, xla=lambda: ref.fused_weight(wh, we))
 
 
-def grad_w_reduce(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed, *,
+def grad_w_reduce(grad_w_partial: jax.Array, weight_hidden: jax.Array, weight_embed: jax.Array,
+                  grad_weight_hidden: jax.Array, grad_weight_embed: jax.Array, *,
                   implementation: str | None = None) -> EngramWeightGrads:
   """The RMSNorm weight gradients from the gate backward's partials (docs/engram.md, "Gate"), functionally.
 

@@ -44,14 +44,17 @@ from jaxkern.types import QuantTensor
 WN = 64  # rows of dw (N) per CTA
 
 
-def transpose_weights(w, *, implementation: str | None = None) -> QuantTensor:
+def transpose_weights(w: QuantTensor | tuple[jax.Array, jax.Array], *,
+                      implementation: str | None = None) -> QuantTensor:
   """``(G, N, K)`` e4m3 weights with ``(G, N/128, K/128)`` block sf -> the ``(G, K, N)`` K-major copy the
   input gradient needs, sf ``(G, K/128, N/128)`` (bit-exact)."""
   w = _grouped._quant("w", w)
   return QuantTensor(batched_transpose(w.data, implementation=implementation), jnp.swapaxes(w.sf, 1, 2))
 
 
-def fp8_grouped_gemm_input_grad(dy, w, block_expert, *, out_dtype=jnp.bfloat16,
+def fp8_grouped_gemm_input_grad(dy: QuantTensor | tuple[jax.Array, jax.Array],
+                                w: QuantTensor | tuple[jax.Array, jax.Array], block_expert: jax.Array, *,
+                                out_dtype: jax.typing.DTypeLike = jnp.bfloat16,
                                 x_use_tma_aligned_col_major_sf: bool = False,
                                 implementation: str | None = None) -> jax.Array:
   """``dx[r] = dy[r] · w[block_expert[r // 128]]``: the input gradient of :func:`fp8_grouped_gemm`.
@@ -361,7 +364,9 @@ def _check_wgrad(dy_t, x_t, block_expert, num_experts):
   return dy_t, x_t, block_expert
 
 
-def fp8_grouped_gemm_weight_grad(dy_t, x_t, block_expert, *, num_experts: int, out_dtype=jnp.float32,
+def fp8_grouped_gemm_weight_grad(dy_t: QuantTensor | tuple[jax.Array, jax.Array],
+                                 x_t: QuantTensor | tuple[jax.Array, jax.Array], block_expert: jax.Array, *,
+                                 num_experts: int, out_dtype: jax.typing.DTypeLike = jnp.float32,
                                  implementation: str | None = None) -> jax.Array:
   """``dw[e] = Σ_{r in blocks of e} dy[r]ᵀ · x[r]``: the weight gradient of :func:`fp8_grouped_gemm`.
 

@@ -857,8 +857,9 @@ def column_major_x_scales(sf, m, kb, x_use_tma_aligned_col_major_sf):
   return rq.sf_to_float(sf, m, kb).T
 
 
-def fp8_grouped_gemm(x, w, block_expert, *, out_dtype=jnp.bfloat16, x_use_tma_aligned_col_major_sf: bool = False,
-                     implementation: str | None = None) -> jax.Array:
+def fp8_grouped_gemm(x: QuantTensor | tuple[jax.Array, jax.Array], w: QuantTensor | tuple[jax.Array, jax.Array],
+                     block_expert: jax.Array, *, out_dtype: jax.typing.DTypeLike = jnp.bfloat16,
+                     x_use_tma_aligned_col_major_sf: bool = False, implementation: str | None = None) -> jax.Array:
   """FP8 grouped GEMM on the fused MoE layout: ``out[r, :] = x[r, :] · w[block_expert[r // 128]]ᵀ``.
 
   Args:

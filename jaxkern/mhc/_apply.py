@@ -45,7 +45,8 @@ def _check(x, mix):
   return x, mix, lead, m, h
 
 
-def pre_apply_mix_bwd(o_grad, x, mix, x_grad_acc=None, *, implementation: str | None = None) -> PreApplyMixGrads:
+def pre_apply_mix_bwd(o_grad: jax.Array, x: jax.Array, mix: jax.Array, x_grad_acc: jax.Array | None = None, *,
+                      implementation: str | None = None) -> PreApplyMixGrads:
   """Backward of :func:`pre_apply_mix` (docs/mhc.md, "pre_apply_mix"), optionally accumulated onto a residual gradient.
 
   ``x_grad[m, h] = bf16(f32(x_grad_acc[m, h]) + mix[m]·f32(og[h]))`` (without ``x_grad_acc``:
@@ -131,7 +132,7 @@ def _apply_bwd(implementation, residuals, og):
 _apply.defvjp(_apply_fwd, _apply_bwd)
 
 
-def pre_apply_mix(x, mix, *, implementation: str | None = None) -> jax.Array:
+def pre_apply_mix(x: jax.Array, mix: jax.Array, *, implementation: str | None = None) -> jax.Array:
   """``out[..., h] = bf16(Σ_m mix[..., m, 0]·f32(x[..., m, h]))`` (float32, ``m = 0..M-1`` in order).
 
   Args:

@@ -30,7 +30,7 @@ def _unsupported(name, dtype, m_name, m):
   return None
 
 
-def expand_to_mhc_bwd(out_grad, *, implementation: str | None = None) -> jax.Array:
+def expand_to_mhc_bwd(out_grad: jax.Array, *, implementation: str | None = None) -> jax.Array:
   """Backward of :func:`expand_to_mhc`: ``bf16(Σ_m f32(out_grad[..., m, :]))`` (m in order, one rounding).
 
   Args:
@@ -93,7 +93,7 @@ def _expand_bwd(mhc_mult, implementation, _, g):
 _expand.defvjp(_expand_fwd, _expand_bwd)
 
 
-def expand_to_mhc(hidden, *, mhc_mult: int, implementation: str | None = None) -> jax.Array:
+def expand_to_mhc(hidden: jax.Array, *, mhc_mult: int, implementation: str | None = None) -> jax.Array:
   """``(..., H)`` -> ``(..., M, H)`` with ``out[..., m, :] = hidden`` for every ``m`` (exact copy).
 
   Args:

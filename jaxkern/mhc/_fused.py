@@ -40,9 +40,10 @@ RECOMPUTE_ADVICE = ("it rebuilds activations for checkpointing; differentiate th
                     "(jaxkern.mhc.pre_apply_mix, jaxkern.mhc.post)")
 
 
-def pre_big_fuse(residual, fn, mhc_scale, mhc_base, norm_weight=None, *, rms_eps: float = 1e-6,
-                 mhc_pre_eps: float = 1e-6, mhc_sinkhorn_eps: float = 1e-6, mhc_post_mult_value: float = 1.0,
-                 sinkhorn_repeat: int = 10, n_splits: int = 16, implementation: str | None = None) -> PreBigFuse:
+def pre_big_fuse(residual: jax.Array, fn: jax.Array, mhc_scale: jax.Array, mhc_base: jax.Array,
+                 norm_weight: jax.Array | None = None, *, rms_eps: float = 1e-6, mhc_pre_eps: float = 1e-6,
+                 mhc_sinkhorn_eps: float = 1e-6, mhc_post_mult_value: float = 1.0, sinkhorn_repeat: int = 10,
+                 n_splits: int = 16, implementation: str | None = None) -> PreBigFuse:
   """The fused mHC pre-processing of the inference path (docs/mhc.md, "pre_big_fuse"): mixes, Sinkhorn and sublayer input.
 
   Exactly :func:`pre_norm_fn` -> :func:`pre_split_mixes` -> :func:`sinkhorn_normalize` (comb logits) ->
@@ -142,7 +143,9 @@ def _pre_apply_mix_is_kernel(impl, r, pre) -> bool:
   return d.path in ("pallas", "interpret")
 
 
-def multilayer_recompute(initial_residual, pre_mix_list, layer_output_list, post_mix_list, comb_mix_list, *,
+def multilayer_recompute(initial_residual: jax.Array, pre_mix_list: Sequence[jax.Array],
+                         layer_output_list: Sequence[jax.Array], post_mix_list: Sequence[jax.Array],
+                         comb_mix_list: Sequence[jax.Array], *,
                          implementation: str | None = None) -> MultilayerRecompute:
   """Rebuild the sublayer inputs and residuals of ``L`` mHC layers from the first residual (docs/mhc.md, "multilayer_recompute").
 

@@ -36,8 +36,9 @@ def _check_split(input_mixes, mhc_scale, mhc_base, mhc_mult):
   return z, scale, base, mhc_mult
 
 
-def pre_split_mixes_bwd(pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_grad, input_mixes, post_layer_mix,
-                        mhc_scale, mhc_base, *, mhc_mult: int, mhc_post_mult_value: float,
+def pre_split_mixes_bwd(pre_layer_mix_grad: jax.Array, post_layer_mix_grad: jax.Array, comb_res_mix_grad: jax.Array,
+                        input_mixes: jax.Array, post_layer_mix: jax.Array, mhc_scale: jax.Array, mhc_base: jax.Array, *,
+                        mhc_mult: int, mhc_post_mult_value: float,
                         implementation: str | None = None) -> PreSplitMixesGrads:
   """Backward of :func:`pre_split_mixes` (docs/mhc.md, "pre_split_mixes"), XLA code (see the module docstring).
 
@@ -103,8 +104,9 @@ def _split_bwd(m, pmv, pre_eps, implementation, res, g):
 _split.defvjp(_split_fwd, _split_bwd)
 
 
-def pre_split_mixes(input_mixes, mhc_scale, mhc_base, *, mhc_mult: int, mhc_post_mult_value: float = 1.0,
-                    mhc_pre_eps: float = 1e-6, implementation: str | None = None) -> PreSplitMixes:
+def pre_split_mixes(input_mixes: jax.Array, mhc_scale: jax.Array, mhc_base: jax.Array, *, mhc_mult: int,
+                    mhc_post_mult_value: float = 1.0, mhc_pre_eps: float = 1e-6,
+                    implementation: str | None = None) -> PreSplitMixes:
   """Split the ``J = M·(M+2)`` logits per token into the pre, post and comb mixes (docs/mhc.md, "pre_split_mixes").
 
   ``a_j = z_j·scale[min(2, j // M)] + base_j``; ``pre = σ(a[:M]) + mhc_pre_eps``,
@@ -148,7 +150,7 @@ def _check_head(input_mix, mhc_scale, mhc_base):
   return z, scale, base
 
 
-def head_compute_mix_bwd(output_mix_grad, input_mix, mhc_scale, mhc_base, *,
+def head_compute_mix_bwd(output_mix_grad: jax.Array, input_mix: jax.Array, mhc_scale: jax.Array, mhc_base: jax.Array, *,
                          implementation: str | None = None) -> HeadComputeMixGrads:
   """Backward of :func:`head_compute_mix` (docs/mhc.md, "head_compute_mix"), XLA code: ``dz = go·σ(1-σ)`` (σ recomputed),
   ``input_mix_grad = dz·scale``, ``mhc_scale_grad = Σ dz·z`` ``(1,)``, ``mhc_base_grad = Σ_tokens dz`` ``(M,)``.
@@ -195,7 +197,7 @@ def _head_bwd(pre_eps, implementation, res, g):
 _head.defvjp(_head_fwd, _head_bwd)
 
 
-def head_compute_mix(input_mix, mhc_scale, mhc_base, *, mhc_pre_eps: float = 1e-6,
+def head_compute_mix(input_mix: jax.Array, mhc_scale: jax.Array, mhc_base: jax.Array, *, mhc_pre_eps: float = 1e-6,
                      implementation: str | None = None) -> jax.Array:
   """The head's pre mix ``σ(input_mix·scale + base) + mhc_pre_eps`` (docs/mhc.md, "head_compute_mix"), float32.
 

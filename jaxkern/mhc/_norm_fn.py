@@ -248,7 +248,7 @@ ADVICE = ("it is a building block of pre_norm_fn; differentiate jaxkern.mhc.pre_
           "runs pre_norm_fn_bwd")
 
 
-def round_to_tf32(x, *, implementation: str | None = None) -> jax.Array:
+def round_to_tf32(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
   """``tf32_rna(x) = bitcast_f32((bitcast_u32(x) + 0x1000) & 0xFFFFE000)`` (docs/mhc.md, "pre_norm_fn"), elementwise.
 
   Round to nearest TF32 (10 explicit mantissa bits), ties away from zero, with the low 13 bits cleared
@@ -263,7 +263,7 @@ def round_to_tf32(x, *, implementation: str | None = None) -> jax.Array:
   return ref.round_to_tf32(x)
 
 
-def fn_normw_merge(fn, normw, *, implementation: str | None = None) -> jax.Array:
+def fn_normw_merge(fn: jax.Array, normw: jax.Array, *, implementation: str | None = None) -> jax.Array:
   """``fn * normw`` (docs/mhc.md, "pre_norm_fn"): ``fn (J, K)`` float32 times the RMSNorm weight ``normw (K,)`` on every row.
 
   Plain ``jnp`` (docs/mhc.md, "pre_norm_fn"): autodiff gives upstream's backward ``grad_fn = g·normw``,
@@ -366,7 +366,7 @@ def _bwd_kernel(g, r2, fn, out_mul, sqrsum, *, norm_eps, interpret):
   return xg[:t], fgp[:j] + fgp[j:2 * j]
 
 
-def pre_norm_fn_fwd(residual, fn, *, norm_eps: float = 1e-6, n_splits: int = 16,
+def pre_norm_fn_fwd(residual: jax.Array, fn: jax.Array, *, norm_eps: float = 1e-6, n_splits: int = 16,
                     implementation: str | None = None) -> PreNormFnFwd:
   """The forward of :func:`pre_norm_fn` with the sums its backward needs (docs/mhc.md, "pre_norm_fn").
 
@@ -422,8 +422,8 @@ def _fwd(residual, fn, eps, n_splits, implementation) -> PreNormFnFwd:
                        unsupported=_unsupported(residual, fn))
 
 
-def pre_norm_fn_bwd(grad_mixes, residual, fn, out_mul, sqrsum, *, norm_eps: float = 1e-6,
-                    implementation: str | None = None) -> PreNormFnGrads:
+def pre_norm_fn_bwd(grad_mixes: jax.Array, residual: jax.Array, fn: jax.Array, out_mul: jax.Array, sqrsum: jax.Array, *,
+                    norm_eps: float = 1e-6, implementation: str | None = None) -> PreNormFnGrads:
   """The backward of :func:`pre_norm_fn` (docs/mhc.md, "pre_norm_fn") from :func:`pre_norm_fn_fwd`'s sums.
 
   Per token (float32): ``ρ = rsqrt(sqrsum/K + eps)``, ``q = round_to_tf32(G·ρ)``,
@@ -510,8 +510,8 @@ def _pre_norm_fn_vjp_bwd(eps, n_splits, implementation, res, g):
 _pre_norm_fn.defvjp(_pre_norm_fn_vjp_fwd, _pre_norm_fn_vjp_bwd)
 
 
-def pre_norm_fn(residual, fn, norm_weight=None, *, norm_eps: float = 1e-6, fuse_grad_acc: bool = True,
-                n_splits: int = 16, implementation: str | None = None) -> jax.Array:
+def pre_norm_fn(residual: jax.Array, fn: jax.Array, norm_weight: jax.Array | None = None, *, norm_eps: float = 1e-6,
+                fuse_grad_acc: bool = True, n_splits: int = 16, implementation: str | None = None) -> jax.Array:
   """The mHC mixing logits: ``RMSNorm(vec(R); norm_weight) @ fnᵀ`` per token (docs/mhc.md, "pre_norm_fn"), differentiable.
 
   ``fn_eff = fn * norm_weight`` (:func:`fn_normw_merge`, if given), ``fn_r = round_to_tf32(fn_eff)``;

@@ -44,7 +44,8 @@ def _check(x, residual, post_layer_mix, comb_res_mix):
   return x, residual, post_layer_mix, comb_res_mix, lead, m, h
 
 
-def post_bwd(d_o, x, residual, post_layer_mix, comb_res_mix, *, implementation: str | None = None) -> PostGrads:
+def post_bwd(d_o: jax.Array, x: jax.Array, residual: jax.Array, post_layer_mix: jax.Array, comb_res_mix: jax.Array, *,
+             implementation: str | None = None) -> PostGrads:
   """Backward of :func:`post` (docs/mhc.md, "post").
 
   ``d_residual[m] = bf16(Σ_n comb[m, n]·dO[n])``, ``d_x = bf16(Σ_n post[n]·dO[n])`` (float32, ``n`` in order),
@@ -141,7 +142,8 @@ def _post_bwd(implementation, residuals, d_o):
 _post.defvjp(_post_fwd, _post_bwd)
 
 
-def post(x, residual, post_layer_mix, comb_res_mix, *, implementation: str | None = None) -> jax.Array:
+def post(x: jax.Array, residual: jax.Array, post_layer_mix: jax.Array, comb_res_mix: jax.Array, *,
+         implementation: str | None = None) -> jax.Array:
   """The new residual ``out[..., n, h] = bf16(post[n]·x[h] + Σ_m comb[m, n]·residual[m, h])`` (docs/mhc.md, "post").
 
   float32: the post term first, then ``m = 0..M-1`` in order (input stream ``m`` is the *row* of ``comb``).

@@ -33,7 +33,7 @@ def _unsupported(*arrays):
   return kern.unsupported(arrays[0].shape[-1])
 
 
-def sinkhorn_normalize_bwd(grad_output, x, *, repeat: int = 10, eps: float = 1e-6,
+def sinkhorn_normalize_bwd(grad_output: jax.Array, x: jax.Array, *, repeat: int = 10, eps: float = 1e-6,
                            implementation: str | None = None) -> jax.Array:
   """Backward of :func:`sinkhorn_normalize` for the logits ``x`` (docs/mhc.md, "sinkhorn_normalize"): the chain is recomputed from
   ``x`` and walked backwards (``t = Σ g·X_i / (Σ_i + eps)``, ``g = (g - t) / (Σ_i + eps)`` per normalisation,
@@ -107,7 +107,8 @@ def _sinkhorn_bwd(repeat, eps, implementation, x, g):
 _sinkhorn.defvjp(_sinkhorn_fwd, _sinkhorn_bwd)
 
 
-def sinkhorn_normalize(x, *, repeat: int = 10, eps: float = 1e-6, implementation: str | None = None) -> jax.Array:
+def sinkhorn_normalize(x: jax.Array, *, repeat: int = 10, eps: float = 1e-6,
+                       implementation: str | None = None) -> jax.Array:
   """Sinkhorn-Knopp normalisation of per-token ``M x M`` logits (docs/mhc.md, "sinkhorn_normalize").
 
   Softmax over the last axis, ``+ eps``, a column normalisation ``X / (Σ_m X + eps)``, then ``repeat - 1``

@@ -67,7 +67,7 @@ def _linear_vjp(implementation, weight_layout):
   return f
 
 
-def fp8_grouped_linear(x, w, block_expert, *, weight_layout: str = "nk",
+def fp8_grouped_linear(x: jax.Array, w: jax.Array | QuantTensor, block_expert: jax.Array, *, weight_layout: str = "nk",
                        implementation: str | None = None) -> jax.Array:
   """``y[r] = x[r] · w[block_expert[r // 128]]ᵀ`` (``weight_layout="nk"``) or ``x[r] · w[block_expert[r // 128]]``
   (``"kn"``) in FP8, trainable: the expert matmul of an FP8 MoE layer.

@@ -52,8 +52,9 @@ def _swiglu_vjp(npc: int, clamp, implementation, weighted: bool, out_fmt: str):
   return f
 
 
-def swiglu(x, pos_to_token_topk=None, topk_weights=None, *, num_per_channels: int = 128,
-           swiglu_clamp_value: float | None = None, implementation: str | None = None) -> jax.Array:
+def swiglu(x: jax.Array, pos_to_token_topk: jax.Array | None = None, topk_weights: jax.Array | None = None, *,
+           num_per_channels: int = 128, swiglu_clamp_value: float | None = None,
+           implementation: str | None = None) -> jax.Array:
   """SwiGLU ``silu(left) · right · w`` of ``x = [left | right]`` with FP8 e4m3 numerics, trainable.
 
   Forward: :func:`jaxkern.quant.swiglu_forward_and_per_token_cast` (float32 ``silu(l') · r'``, times the row's

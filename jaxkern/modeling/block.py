@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxkern import _config, engram, moe
 from jaxkern.modeling.engram import engram_gate
@@ -267,7 +267,7 @@ def _cast_experts(params, dtype):
   return params._replace(**{n: getattr(params, n).astype(dtype) for n in names})
 
 
-def moe_ffn_ep(params, x: jax.Array, *, config: MoeConfig, mesh_axis: str,
+def moe_ffn_ep(params: Any, x: jax.Array, *, config: MoeConfig, mesh_axis: str,
                implementation: str | None = None) -> jax.Array:
   """The expert-parallel MoE FFN of a layer (call inside ``jax.shard_map``, as :func:`model_apply`'s ``moe_fn``
   with ``mesh_axis`` bound): :func:`jaxkern.modeling.sharding.moe_layer_ep` with the expert weights cast to
@@ -356,7 +356,7 @@ class StepResult(NamedTuple):
   load: jax.Array | None  # (L, E) int32 routed tokens per expert (with config.router_bias_rate), else None
 
 
-def train_step(params: BlockParams, opt_state, batch: Batch, *, config: BlockConfig,
+def train_step(params: BlockParams, opt_state: Any, batch: Batch, *, config: BlockConfig,
                optimizer: GradientTransformation, implementation: str | None = None,
                moe_fn: MoeFn | None = None) -> StepResult:
   """One optimiser step: ``jax.value_and_grad`` of :func:`loss_fn`, ``optimizer.update``, the updates added;
@@ -419,10 +419,10 @@ def block_param_specs(params: BlockParams, expert_axis: str | None) -> BlockPara
   return specs._replace(layers=layers)
 
 
-def sharded_train_step(config: BlockConfig, optimizer: GradientTransformation, mesh, *, expert_axis: str,
-                       batch_axes=None, implementation: str | None = None, check_vma: bool = False,
-                       grad_reduce_dtype=None, shard_replicated: str | None = None,
-                       shard_optimizer: str | None = None):
+def sharded_train_step(config: BlockConfig, optimizer: GradientTransformation, mesh: Mesh, *, expert_axis: str,
+                       batch_axes: str | Sequence[str] | None = None, implementation: str | None = None,
+                       check_vma: bool = False, grad_reduce_dtype: jax.typing.DTypeLike | None = None,
+                       shard_replicated: str | None = None, shard_optimizer: str | None = None):
   """:func:`train_step` under ``mesh``: a jitted ``step(params, opt_state, batch) -> StepResult``.
 
   One ``jax.shard_map`` (:func:`jaxkern.modeling.sharding.make_sharded_train_step`) runs :func:`loss_fn` and its

@@ -64,8 +64,8 @@ def _gate_bwd(clamp_value, eps, implementation, residuals, grad_out):
 _gate.defvjp(_gate_fwd, _gate_bwd)
 
 
-def engram_gate(hidden_states, k, v, weight_hidden, weight_embed, *, clamp_value: float, eps: float,
-                implementation: str | None = None) -> jax.Array:
+def engram_gate(hidden_states: jax.Array, k: jax.Array, v: jax.Array, weight_hidden: jax.Array, weight_embed: jax.Array,
+                *, clamp_value: float, eps: float, implementation: str | None = None) -> jax.Array:
   """The Engram gate ``x + σ(signed_sqrt(<RMSNorm(x; w_h), RMSNorm(k; w_e)>/sqrt(D)))·v``, differentiable.
 
   Args:

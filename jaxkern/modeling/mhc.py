@@ -52,7 +52,7 @@ class _Cfg(NamedTuple):
   n_splits: int
 
 
-def expand_from_embedding(x, mhc_mult: int = 4, *, implementation: str | None = None) -> jax.Array:
+def expand_from_embedding(x: jax.Array, mhc_mult: int = 4, *, implementation: str | None = None) -> jax.Array:
   """``(..., H)`` -> ``(..., M, H)``: ``M`` copies of the embedding (:func:`jaxkern.mhc.expand_to_mhc`).
 
   Differentiation: ``expand_to_mhc``'s custom_vjp (the cotangent is the float32 stream sum, rounded once).
@@ -61,7 +61,8 @@ def expand_from_embedding(x, mhc_mult: int = 4, *, implementation: str | None = 
   return mhc.expand_to_mhc(x, mhc_mult=mhc_mult, implementation=implementation)
 
 
-def mhc_post(x, residual, post_layer_mix, comb_res_mix, *, implementation: str | None = None) -> jax.Array:
+def mhc_post(x: jax.Array, residual: jax.Array, post_layer_mix: jax.Array, comb_res_mix: jax.Array, *,
+             implementation: str | None = None) -> jax.Array:
   """The new residual after a sublayer: :func:`jaxkern.mhc.post` (docs/mhc.md, "post"); differentiable (its
   custom_vjp). Raises ValueError as :func:`jaxkern.mhc.post`."""
   return mhc.post(x, residual, post_layer_mix, comb_res_mix, implementation=implementation)
@@ -152,10 +153,10 @@ def _pre_bwd(cfg, impl, res, g):
 _pre.defvjp(_pre_fwd, _pre_bwd)
 
 
-def mhc_pre(residual, fn, scale, base, *, norm_weight=None, norm_eps: float = 1e-6, mhc_mult: int = 4,
-            post_mult_value: float = 1.0, pre_eps: float = 1e-6, sinkhorn_eps: float = 1e-6,
-            sinkhorn_repeat: int = 10, n_splits: int = 16,
-            implementation: str | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+def mhc_pre(residual: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, *,
+            norm_weight: jax.Array | None = None, norm_eps: float = 1e-6, mhc_mult: int = 4,
+            post_mult_value: float = 1.0, pre_eps: float = 1e-6, sinkhorn_eps: float = 1e-6, sinkhorn_repeat: int = 10,
+            n_splits: int = 16, implementation: str | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
   """mHC pre-processing of one sublayer (docs/modeling.md, "mHC layers"): the sublayer input and the mixes for :func:`mhc_post`.
 
   ``mixes = pre_norm_fn(residual, fn, norm_weight)``; ``pre, post, comb_logits = pre_split_mixes(mixes, scale,
@@ -188,8 +189,9 @@ def mhc_pre(residual, fn, scale, base, *, norm_weight=None, norm_eps: float = 1e
   return _pre(residual, fn, scale, base, norm_weight, cfg, _config.get_implementation(implementation))
 
 
-def mhc_head(residual, fn, scale, base, *, norm_weight=None, norm_eps: float = 1e-6, mhc_mult: int = 4,
-             pre_eps: float = 1e-6, n_splits: int = 16, implementation: str | None = None) -> jax.Array:
+def mhc_head(residual: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array, *,
+             norm_weight: jax.Array | None = None, norm_eps: float = 1e-6, mhc_mult: int = 4, pre_eps: float = 1e-6,
+             n_splits: int = 16, implementation: str | None = None) -> jax.Array:
   """mHC head (docs/modeling.md, "mHC layers"): the streams mixed into one hidden state for the LM head.
 
   ``fn (M, M·H)`` is zero-padded to ``(J, M·H)`` for :func:`jaxkern.mhc.pre_norm_fn`; the first ``M`` mixes go
@@ -258,9 +260,10 @@ def _block_bwd(sublayer, cfg, impl, saved, d_out):
 _block.defvjp(_block_fwd, _block_bwd)
 
 
-def mhc_block(residual, fn, scale, base, sublayer: Callable[[Any, jax.Array], jax.Array], params, *,
-              norm_weight=None, norm_eps: float = 1e-6, mhc_mult: int = 4, post_mult_value: float = 1.0,
-              pre_eps: float = 1e-6, sinkhorn_eps: float = 1e-6, sinkhorn_repeat: int = 10, n_splits: int = 16,
+def mhc_block(residual: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array,
+              sublayer: Callable[[Any, jax.Array], jax.Array], params: Any, *, norm_weight: jax.Array | None = None,
+              norm_eps: float = 1e-6, mhc_mult: int = 4, post_mult_value: float = 1.0, pre_eps: float = 1e-6,
+              sinkhorn_eps: float = 1e-6, sinkhorn_repeat: int = 10, n_splits: int = 16,
               implementation: str | None = None) -> jax.Array:
   """One mHC-wrapped sublayer: ``x, (post, comb) = mhc_pre(residual, ...)``, ``y = sublayer(params, x)``,
   ``mhc_post(y, residual, post, comb)``, as one ``jax.custom_vjp`` with the fused residual gradient

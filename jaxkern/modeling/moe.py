@@ -162,7 +162,7 @@ class MoeParams(NamedTuple):
 
 
 def init_moe_params(key: jax.Array, config: MoeConfig, hidden: int, intermediate: int,
-                    dtype=jnp.bfloat16) -> MoeParams:
+                    dtype: jax.typing.DTypeLike = jnp.bfloat16) -> MoeParams:
   """Random :class:`MoeParams`: normal weights scaled by ``1/sqrt(fan_in)`` (router float32, experts
   ``dtype``), zero bias. ``hidden`` must be a multiple of 256 for :func:`jaxkern.moe.reduce_fused`."""
   k_router, k_gate, k_up, k_down = jax.random.split(key, 4)

@@ -681,7 +681,8 @@ def shard_params(params: Any, mesh: Mesh, param_specs: Any) -> Any:
   return jax.tree.map(lambda p, spec: jax.device_put(p, NamedSharding(mesh, spec)), params, param_specs)
 
 
-def init_optimizer_state(optimizer, params: Any, mesh: Mesh, *, shard_over: str | None = None) -> Any:
+def init_optimizer_state(optimizer: Any, params: Any, mesh: Mesh, *,
+                         shard_over: str | None = None) -> Any:
   """``optimizer.init(params)`` placed as the sharded step returns it, so that chained steps compile once.
 
   ``optimizer.init`` leaves some leaves off the mesh (optax's step count: a fresh single-device scalar), while the
@@ -712,10 +713,10 @@ def init_optimizer_state(optimizer, params: Any, mesh: Mesh, *, shard_over: str 
   return jax.tree.map(place, optimizer.init(params))
 
 
-def make_sharded_train_step(loss_fn: Callable[[Any, Any], jax.Array], optimizer, mesh: Mesh, param_specs: Any, *,
-                            batch_axes: str | Sequence[str] | None = None, batch_specs: Any = None,
-                            check_vma: bool = True, grad_reduce_dtype: Any = None,
-                            shard_replicated: str | None = None, shard_optimizer: str | None = None) -> Callable:
+def make_sharded_train_step(loss_fn: Callable[[Any, Any], jax.Array], optimizer: Any, mesh: Mesh,
+                            param_specs: Any, *, batch_axes: str | Sequence[str] | None = None, batch_specs: Any = None,
+                            check_vma: bool = True, grad_reduce_dtype: Any = None, shard_replicated: str | None = None,
+                            shard_optimizer: str | None = None) -> Callable:
   """A jitted ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
 
   The loss and gradients come from :func:`sharded_value_and_grad` (one ``jax.shard_map``), then

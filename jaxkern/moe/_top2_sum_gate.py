@@ -375,7 +375,8 @@ def _debug_check_fixed_ids(fix_routing_mask, mask, unmapped_topk_idx, num_expert
 
 def top2_sum_gate(logits: jax.Array, bias: jax.Array, num_topk: int, *, scoring_func: str, num_topk_groups: int = 0,
                   num_groups: int = 0, use_shared_as_routed: bool = False, num_shared_experts: int = 0,
-                  routed_scaling_factor=1.0, ep_rank=0, num_ep_ranks: int = 1, tp_rank=0, num_tp_ranks: int = 1,
+                  routed_scaling_factor: float | jax.Array = 1.0, ep_rank: int | jax.Array = 0, num_ep_ranks: int = 1,
+                  tp_rank: int | jax.Array = 0, num_tp_ranks: int = 1,
                   mask: jax.Array | None = None, fix_routing_mask: jax.Array | None = None,
                   to_physical_map: jax.Array | None = None, logical_count: jax.Array | None = None,
                   unmapped_topk_idx: jax.Array | None = None,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -46,26 +47,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _autodiff, _checks, _config, _dispatch
 from jaxkern._layouts import row_layout
+from jaxkern.quant import _e5m6
 from jaxkern.quant import _tiling as tiling
 from jaxkern.quant import _validate as validate
+from jaxkern.quant._sf_read import _sf_decode, _sf_raw
 from jaxkern.reference import quant as ref
 from jaxkern.types import QuantTensor
-
-
-def _sf_raw(sf_g, mode, s, idx, layout=None):
-  """Stored sf of segment ``s`` for view rows ``idx`` (a ``pl.ds``, loaded as a vector in ``layout``)
-  or for one block row ``idx`` (a scalar). ``mode``: ``"rows"`` (float32 ``(segments, R)``),
-  ``"cols"`` (layout A ``(R, segments)``: a strided load) or ``"packed"`` (layout C int32 words
-  ``(ceil(segments/4), R)``)."""
-  at = {"rows": (s, idx), "cols": (idx, s), "packed": (s // 4, idx)}[mode]
-  return sf_g[at] if layout is None else plgpu.load(sf_g.at[at], layout=layout, optimized=False)
-
-
-def _sf_decode(v, mode, s):
-  """Stored sf vector -> float32 (a UE8M0 byte ``b`` of a packed word decodes as ``float(b << 23)``)."""
-  if mode != "packed":
-    return v
-  return lax.bitcast_convert_type((lax.shift_right_logical(v, 8 * (s % 4)) & 0xFF) << 23, jnp.float32)
 
 
 # Columns per CTA (at most) of the column-tiled view (e4m3 blocks narrower than K with a block sf, a
@@ -382,9 +369,7 @@ def _cast_back_unsupported(q, k: int, block_size) -> str | None:
 def _cast_back(op, x, fmt, x_block_size, x_special_fmt, col_major, implementation):
   """Checks, then one dispatch: the per-channel, TMA-store or row kernel (chosen as measured), or XLA."""
   if x_special_fmt == "e5m6":
-    from jaxkern.quant._e5m6 import cast_back_e5m6  # that module imports this one
-
-    return cast_back_e5m6(x, fmt, x_block_size, x_use_tma_aligned_col_major_sf=col_major,
+    return _e5m6.cast_back_e5m6(x, fmt, x_block_size, x_use_tma_aligned_col_major_sf=col_major,
                           implementation=implementation)
   if x_special_fmt is not None:
     raise ValueError(f"x_special_fmt must be None or 'e5m6', got {x_special_fmt!r}")
@@ -416,7 +401,8 @@ def _cast_back(op, x, fmt, x_block_size, x_special_fmt, col_major, implementatio
       unsupported=_cast_back_unsupported(q, k, block), empty=q.size == 0)
 
 
-def cast_back(x, fmt: str, x_block_size, *, x_special_fmt=None, x_use_tma_aligned_col_major_sf: bool = False,
+def cast_back(x: QuantTensor | tuple[jax.Array, jax.Array], fmt: str, x_block_size: tuple[int, int], *,
+              x_special_fmt: Literal["e5m6"] | None = None, x_use_tma_aligned_col_major_sf: bool = False,
               implementation: str | None = None) -> jax.Array:
   """Dequantises a QuantTensor ``(q, sf)`` with blocks ``x_block_size``: ``RN(f32(q)·sf)`` in float32,
   then one rounding to bf16 for ``fmt="bf16"``.
@@ -461,8 +447,9 @@ def cast_back(x, fmt: str, x_block_size, *, x_special_fmt=None, x_use_tma_aligne
                     implementation)
 
 
-def per_token_cast_back(x, fmt: str, num_per_channels: int, *, x_special_fmt=None,
-                        x_use_tma_aligned_col_major_sf: bool = False, implementation: str | None = None) -> jax.Array:
+def per_token_cast_back(x: QuantTensor | tuple[jax.Array, jax.Array], fmt: str, num_per_channels: int, *,
+                        x_special_fmt: Literal["e5m6"] | None = None, x_use_tma_aligned_col_major_sf: bool = False,
+                        implementation: str | None = None) -> jax.Array:
   """:func:`cast_back` with blocks ``(1, num_per_channels)``: one scale per row and group of
   ``num_per_channels`` columns (``num_per_channels >= K``: one scale per row).
 
@@ -476,7 +463,8 @@ def per_token_cast_back(x, fmt: str, num_per_channels: int, *, x_special_fmt=Non
                     x_use_tma_aligned_col_major_sf, implementation)
 
 
-def unpack_from_e2m1fn_x2(x, *, out_dtype=jnp.float32, implementation: str | None = None) -> jax.Array:
+def unpack_from_e2m1fn_x2(x: jax.typing.ArrayLike, *, out_dtype: jax.typing.DTypeLike = jnp.float32,
+                          implementation: str | None = None) -> jax.Array:
   """Decodes packed e2m1 bytes.
 
   Args:

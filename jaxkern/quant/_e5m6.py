@@ -59,7 +59,7 @@ from jaxkern import _autodiff, _checks, _config, _dispatch, _ieee
 from jaxkern._layouts import NO_AUTO_BARRIERS, flat_chunks, flat_layout, group_layout, group_vectors_layout
 from jaxkern.quant import _tiling as tiling
 from jaxkern.quant import _validate as validate
-from jaxkern.quant._cast_back import _sf_decode, _sf_raw
+from jaxkern.quant._sf_read import _sf_decode, _sf_raw
 from jaxkern.quant._nan import abs_key, gpu_nan, key_value
 from jaxkern.reference import quant as ref
 from jaxkern.types import QuantTensor
@@ -536,9 +536,9 @@ def _check_cast(x, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use
   return x
 
 
-def per_token_cast_to_e5m6(x, num_per_channels: int, *, use_tma_aligned_col_major_sf: bool = False,
-                           round_sf: bool = False, use_packed_ue8m0: bool = False,
-                           implementation: str | None = None) -> QuantTensor:
+def per_token_cast_to_e5m6(x: jax.typing.ArrayLike, num_per_channels: int, *,
+                           use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
+                           use_packed_ue8m0: bool = False, implementation: str | None = None) -> QuantTensor:
   """Row-wise cast to packed 12-bit E5M6, one scale per row (docs/quant.md, "Casts"); also reached as
   ``per_token_cast(x, "e5m6", K, ...)``.
 
@@ -603,8 +603,8 @@ def _check_back(x, fmt, x_block_size, col_major):
   return QuantTensor(q, sf), k
 
 
-def cast_back_e5m6(x, fmt: str, x_block_size, *, x_use_tma_aligned_col_major_sf: bool = False,
-                   implementation: str | None = None) -> jax.Array:
+def cast_back_e5m6(x: QuantTensor | tuple[jax.Array, jax.Array], fmt: str, x_block_size: tuple[int, int], *,
+                   x_use_tma_aligned_col_major_sf: bool = False, implementation: str | None = None) -> jax.Array:
   """Dequantises packed E5M6 ``(q, sf)`` (docs/quant.md, "Cast-backs"): ``RN(decode(code) · sf)`` in float32, then one
   rounding to bf16 for ``fmt="bf16"``; also reached as ``cast_back(x, fmt, x_block_size, x_special_fmt="e5m6")``.
 

@@ -576,8 +576,9 @@ def _check(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packe
   return x, tuple(block_size)
 
 
-def per_block_cast(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
-                   use_packed_ue8m0: bool = False, implementation: str | None = None) -> QuantTensor:
+def per_block_cast(x: jax.typing.ArrayLike, fmt: str, block_size: tuple[int, int], *,
+                   use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False, use_packed_ue8m0: bool = False,
+                   implementation: str | None = None) -> QuantTensor:
   """Blockwise cast to FP8 e4m3 or packed FP4 e2m1, one scale per ``bm × bk`` block (docs/quant.md, "Casts").
 
   Args:
@@ -624,9 +625,9 @@ def per_block_cast(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: boo
                        xla=lambda: ref.per_block_cast(x, fmt, block_size, **flags), empty=x.shape[0] == 0)
 
 
-def per_block_cast_with_sf_only(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: bool = False,
-                                round_sf: bool = False, use_packed_ue8m0: bool = False,
-                                implementation: str | None = None) -> jax.Array:
+def per_block_cast_with_sf_only(x: jax.typing.ArrayLike, fmt: str, block_size: tuple[int, int], *,
+                                use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
+                                use_packed_ue8m0: bool = False, implementation: str | None = None) -> jax.Array:
   """The ``sf`` of :func:`per_block_cast`, bit-identical, without writing the data (docs/quant.md, "Casts").
   Arguments, layouts, errors, XLA cases and non-finite inputs as :func:`per_block_cast`.
 
@@ -645,9 +646,9 @@ def per_block_cast_with_sf_only(x, fmt: str, block_size, *, use_tma_aligned_col_
                        xla=lambda: ref.per_block_cast_with_sf_only(x, fmt, block_size, **flags), empty=x.shape[0] == 0)
 
 
-def per_block_cast_with_precomputed_sf(x, fmt: str, block_size, sf, *, use_tma_aligned_col_major_sf: bool = False,
-                                       round_sf: bool = False, use_packed_ue8m0: bool = False,
-                                       implementation: str | None = None) -> jax.Array:
+def per_block_cast_with_precomputed_sf(x: jax.typing.ArrayLike, fmt: str, block_size: tuple[int, int], sf: jax.Array, *,
+                                       use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
+                                       use_packed_ue8m0: bool = False, implementation: str | None = None) -> jax.Array:
   """Quantises ``x`` with a caller-given sf per block (docs/quant.md, "Casts").
 
   ``sf``: float32 layout A ``(ceil(M/bm), ceil(K/bk))``; ``sf_inv = RN(1 / sf)``, ``data = encode(x ·
@@ -675,7 +676,8 @@ def per_block_cast_with_precomputed_sf(x, fmt: str, block_size, sf, *, use_tma_a
                        xla=lambda: ref.per_block_cast_with_precomputed_sf(x, fmt, block_size, sf), empty=m == 0)
 
 
-def per_block_cast_lossless(x, fmt: str, x_block_size, out_block_size, *, use_tma_aligned_col_major_sf: bool = False,
+def per_block_cast_lossless(x: QuantTensor | tuple[jax.Array, jax.Array], fmt: str, x_block_size: tuple[int, int],
+                            out_block_size: tuple[int, int], *, use_tma_aligned_col_major_sf: bool = False,
                             round_sf: bool = False, use_packed_ue8m0: bool = False,
                             x_use_tma_aligned_col_major_sf: bool = False,
                             implementation: str | None = None) -> QuantTensor:

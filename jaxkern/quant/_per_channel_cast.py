@@ -326,8 +326,9 @@ def _check_positions(pos_to_token, num_rows: int) -> None:
       % num_rows, first, pos_to_token[first])
 
 
-def per_channel_cast_fused(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False, num_per_channels=None,
-                           pos_to_token=None, implementation: str | None = None) -> QuantTensor:
+def per_channel_cast_fused(x: jax.typing.ArrayLike | QuantTensor, fmt: str, num_per_tokens: int, *,
+                           round_sf: bool = False, num_per_channels: int | None = None,
+                           pos_to_token: jax.Array | None = None, implementation: str | None = None) -> QuantTensor:
   """Per-channel e4m3 cast (blocks of 128 rows x 1 column) with an optional row gather and a
   dequantised QuantTensor input.
 
@@ -428,7 +429,7 @@ def _check_plain(x, fmt, num_per_tokens, allowed, dtypes):
   return x
 
 
-def per_channel_cast(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False,
+def per_channel_cast(x: jax.typing.ArrayLike, fmt: str, num_per_tokens: int, *, round_sf: bool = False,
                      implementation: str | None = None) -> QuantTensor:
   """Per-channel e4m3 cast: one scale per column and block of ``num_per_tokens`` rows.
 
@@ -474,7 +475,7 @@ def _plain_kernel(x, round_sf, interpret):
   return _kernel(x, npt=128, round_sf=round_sf, interpret=interpret)
 
 
-def per_channel_cast_and_transpose(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False,
+def per_channel_cast_and_transpose(x: jax.typing.ArrayLike, fmt: str, num_per_tokens: int, *, round_sf: bool = False,
                                    implementation: str | None = None) -> QuantTensor:
   """:func:`per_channel_cast` of bf16 ``x`` with the data transposed (one pass: the transposed store
   is fused).

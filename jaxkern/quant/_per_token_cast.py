@@ -63,7 +63,7 @@ from jaxkern._layouts import row_layout
 from jaxkern.quant import _tiling as tiling
 from jaxkern.quant import _validate as validate
 from jaxkern.quant._encode import encode_e2m1
-from jaxkern.quant._cast_back import _sf_decode, _sf_raw
+from jaxkern.quant._sf_read import _sf_decode, _sf_raw
 from jaxkern.quant._e5m6 import per_token_cast_to_e5m6
 from jaxkern.quant._nan import abs_key, gpu_nan, key_value
 from jaxkern.reference import quant as ref
@@ -112,7 +112,7 @@ def _load_pairs(x_g, rows, c, sw, layout):
 class QuantIn(NamedTuple):
   """A QuantTensor input of :func:`row_kernel`: ``kind`` of the data view (``"e4m3"`` bytes, ``"e4m3x2"``
   int16 words of two e4m3 bytes, ``"e2m1"`` packed bytes), the caller's ``sf`` array read in the kernel
-  as ``mode`` (see :func:`jaxkern.quant.cast_back._sf_raw`), its blocks ``bm`` rows × ``bk`` view
+  as ``mode`` (see :func:`jaxkern.quant._sf_read._sf_raw`), its blocks ``bm`` rows × ``bk`` view
   columns, ``num_blocks`` block rows, and the ``itemsize`` that sizes the register vectors
   (:func:`jaxkern._layouts.row_layout`)."""
 
@@ -447,9 +447,10 @@ def _run_kernel(x, fmt, npc, interpret, *, sf_in=None, round_sf=False, col_major
                  write_data=write_data, compute_sf=compute_sf, interpret=_config.mosaic_interpret(interpret))
 
 
-def per_token_cast(x, fmt: str, num_per_channels: int, *, x_block_size=None,
-                   use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False, use_packed_ue8m0: bool = False,
-                   x_use_tma_aligned_col_major_sf: bool = False, implementation: str | None = None) -> QuantTensor:
+def per_token_cast(x: jax.typing.ArrayLike | QuantTensor | tuple[jax.Array, jax.Array], fmt: str, num_per_channels: int,
+                   *, x_block_size: tuple[int, int] | None = None, use_tma_aligned_col_major_sf: bool = False,
+                   round_sf: bool = False, use_packed_ue8m0: bool = False, x_use_tma_aligned_col_major_sf: bool = False,
+                   implementation: str | None = None) -> QuantTensor:
   """Row-wise cast to FP8 e4m3 or packed FP4 e2m1, one scale per ``num_per_channels`` columns (quant.md §5.1).
 
   Args:
@@ -542,9 +543,10 @@ def _plain_only(x, x_block_size):
     raise ValueError("x must be a plain (M, K) array and x_block_size None (no QuantTensor input)")
 
 
-def per_token_cast_with_sf_only(x, fmt: str, num_per_channels: int, *, x_block_size=None,
-                                use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
-                                use_packed_ue8m0: bool = False, implementation: str | None = None) -> jax.Array:
+def per_token_cast_with_sf_only(x: jax.typing.ArrayLike, fmt: str, num_per_channels: int, *,
+                                x_block_size: tuple[int, int] | None = None, use_tma_aligned_col_major_sf: bool = False,
+                                round_sf: bool = False, use_packed_ue8m0: bool = False,
+                                implementation: str | None = None) -> jax.Array:
   """The ``sf`` of :func:`per_token_cast` for a plain ``(M, K)`` bfloat16 / float32 ``x``, bit-identical,
   without writing the data (quant.md §5.2). Arguments, layouts, errors, XLA cases and non-finite inputs as
   :func:`per_token_cast` (``x_block_size`` must be None: no QuantTensor input).
@@ -565,7 +567,8 @@ def per_token_cast_with_sf_only(x, fmt: str, num_per_channels: int, *, x_block_s
                        unsupported=_plain_unsupported(x, num_per_channels), empty=x.shape[0] == 0)
 
 
-def per_token_cast_with_precomputed_sf(x, fmt: str, num_per_channels: int, sf, *, x_block_size=None,
+def per_token_cast_with_precomputed_sf(x: jax.typing.ArrayLike, fmt: str, num_per_channels: int, sf: jax.Array, *,
+                                       x_block_size: tuple[int, int] | None = None,
                                        use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
                                        use_packed_ue8m0: bool = False, implementation: str | None = None) -> jax.Array:
   """Quantises a plain ``(M, K)`` bfloat16 / float32 ``x`` with a caller-given sf (quant.md §5.3).

@@ -248,12 +248,13 @@ def _check(x, fmt, npc, pos_to_token_topk, topk_weights, pos_to_expert, clamp, c
   return x, *(arrays.get(n) for n in ("pos_to_token_topk", "topk_weights", "pos_to_expert", "clamped_count"))
 
 
-def swiglu_forward_and_per_token_cast(x, fmt: str, num_per_channels: int, pos_to_token_topk=None, topk_weights=None,
-                                      pos_to_expert=None, *, use_tma_aligned_col_major_sf: bool = False,
-                                      round_sf: bool = False, use_packed_ue8m0: bool = False,
-                                      swiglu_clamp_value: float | None = None, clamped_count=None,
-                                      sf_clamp_min: float | None = None, implementation: str | None = None
-                                      ) -> QuantTensor | QuantTensorWithClampedCount:
+def swiglu_forward_and_per_token_cast(x: jax.typing.ArrayLike, fmt: str, num_per_channels: int,
+                                      pos_to_token_topk: jax.Array | None = None, topk_weights: jax.Array | None = None,
+                                      pos_to_expert: jax.Array | None = None, *,
+                                      use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
+                                      use_packed_ue8m0: bool = False, swiglu_clamp_value: float | None = None,
+                                      clamped_count: jax.Array | None = None, sf_clamp_min: float | None = None,
+                                      implementation: str | None = None) -> QuantTensor | QuantTensorWithClampedCount:
   """SwiGLU forward of ``x = [left | right]`` fused with a per-token e4m3 cast (quant.md §8.1).
 
   Per row ``p`` (float32, each step one IEEE rounding): with a clamp ``C``, ``l = min(left, C)``,

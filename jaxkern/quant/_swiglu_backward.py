@@ -258,7 +258,8 @@ def _check(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, npc):
   return q, sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos
 
 
-def swiglu_backward_and_per_token_cast(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos,
+def swiglu_backward_and_per_token_cast(x: jax.typing.ArrayLike, grad_out: jax.Array, weight: jax.Array,
+                                       pos_to_token_topk: jax.Array, token_topk_to_pos: jax.Array,
                                        num_per_channels: int, *, round_sf: bool = False,
                                        swiglu_clamp_value: float | None = None,
                                        implementation: str | None = None) -> SwigluBackward:

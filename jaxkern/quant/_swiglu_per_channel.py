@@ -157,8 +157,8 @@ def _check(x, fmt, num_per_tokens):
   return x
 
 
-def swiglu_forward_and_per_channel_cast_and_transpose(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False,
-                                                      without_transpose: bool = False,
+def swiglu_forward_and_per_channel_cast_and_transpose(x: jax.typing.ArrayLike, fmt: str, num_per_tokens: int, *,
+                                                      round_sf: bool = False, without_transpose: bool = False,
                                                       swiglu_clamp_value: float | None = None,
                                                       implementation: str | None = None) -> QuantTensor:
   """SwiGLU forward of ``x = [left | right]``, rounded to bf16, fused with a per-channel e4m3 cast whose data come

@@ -39,7 +39,7 @@ DEFAULT_NUM_PARTIALS = 132  # P of engram_gate_bwd off a GPU: the SMs of an H100
 # ----------------------------------------------------------------------------------------------
 # Hashing on uint32 word pairs.
 
-def make_offsets(vocab_sizes):
+def make_offsets(vocab_sizes: jax.typing.ArrayLike):
   """``(L, N-1, E)`` int32 table sizes -> ``(L, (N-1)·E)`` int32 exclusive prefix sums per layer
   (order-major, table-minor; int32 wrap-around)."""
   s = jnp.asarray(vocab_sizes).astype(jnp.int32)
@@ -48,7 +48,7 @@ def make_offsets(vocab_sizes):
                          axis=1)
 
 
-def split_multipliers(multipliers):
+def split_multipliers(multipliers: jax.typing.ArrayLike):
   """int64 multipliers ``(L, N)`` -> ``(L, N, 2)`` uint32 ``[lo, hi]`` words of their two's complement.
 
   Accepts: a numpy integer array or nested lists of Python ints (converted exactly on the host; values
@@ -82,7 +82,7 @@ def split_multipliers(multipliers):
   raise ValueError(f"multipliers must be integers, got dtype {m.dtype}")
 
 
-def mul_hi(a, b):
+def mul_hi(a: jax.Array, b: jax.Array):
   """High word of the 64-bit product of uint32 ``a``, ``b`` (16-bit pieces; no intermediate overflows)."""
   a0, a1 = a & 0xFFFF, a >> 16
   b0, b1 = b & 0xFFFF, b >> 16
@@ -92,7 +92,7 @@ def mul_hi(a, b):
   return a1 * b1 + (u >> 16) + (w >> 16)
 
 
-def mul_wide(x, m_lo, m_hi):
+def mul_wide(x: jax.Array, m_lo: jax.Array, m_hi: jax.Array):
   """``int64(x) * m`` mod 2^64 as ``(hi, lo)`` uint32, for int32 ``x`` (sign-extended) and ``m = (m_hi, m_lo)``."""
   a = lax.bitcast_convert_type(x, jnp.uint32)
   neg = lax.bitcast_convert_type(x >> 31, jnp.uint32)  # 0 or 0xFFFFFFFF: the high word of int64(x)
@@ -100,7 +100,7 @@ def mul_wide(x, m_lo, m_hi):
   return hi, a * m_lo
 
 
-def floor_mod(hi, lo, size):
+def floor_mod(hi: jax.Array, lo: jax.Array, size: jax.Array):
   """``h mod size`` (floor modulo, in ``[0, size)``) of the signed 64-bit ``h = (hi, lo)`` and an int32
   ``size >= 1``, as int32. A negative ``h`` uses ``h mod V = V - 1 - ((~h) mod V)`` (``~h = -h - 1 >= 0``);
   the unsigned remainder is a bit-serial long division (63 steps: ``~h`` and a non-negative ``h`` have
@@ -118,7 +118,8 @@ def floor_mod(hi, lo, size):
   return lax.bitcast_convert_type(r, jnp.int32)
 
 
-def engram_hash(ngram_token_ids, multipliers, vocab_sizes, offsets):
+def engram_hash(ngram_token_ids: jax.Array, multipliers: jax.typing.ArrayLike, vocab_sizes: jax.typing.ArrayLike,
+                offsets: jax.Array):
   """N-gram hash indices (docs/engram.md, "Hash"): ``(T, N)`` int32 ids, int64 ``(L, N)`` multipliers (any form
   :func:`split_multipliers` accepts), ``(L, N-1, E)`` int32 sizes, ``(L, (N-1)E)`` int32 offsets ->
   ``(L, T, (N-1)E)`` int32: ``int32(h_n mod V[l, n-1, j]) + offsets[l, (n-1)E + j]`` with
@@ -147,7 +148,7 @@ def _compute_dtype(x):
   return jnp.promote_types(x.dtype, jnp.float32)
 
 
-def fused_weight(weight_hidden, weight_embed):
+def fused_weight(weight_hidden: jax.Array, weight_embed: jax.Array):
   """``f32(w_h) · f32(w_e)`` (docs/engram.md, "Gate"; exact for bf16 weights); float64 weights give float64."""
   dt = jnp.promote_types(jnp.promote_types(weight_hidden.dtype, weight_embed.dtype), jnp.float32)
   return weight_hidden.astype(dt) * weight_embed.astype(dt)
@@ -157,13 +158,14 @@ def _scalar(d, dt):
   return jnp.asarray(np.float64(d) ** -0.5, dt)
 
 
-def signed_sqrt(d, clamp_value):
+def signed_sqrt(d: jax.Array, clamp_value: float):
   """``sqrt(max(|d|, c))·sign(d)``: upstream's reference (0 at ``d = 0``); the clamp as ``where(|d| >= c, ...)``."""
   a = jnp.abs(d)
   return jnp.sqrt(jnp.where(a >= clamp_value, a, jnp.asarray(clamp_value, d.dtype))) * jnp.sign(d)
 
 
-def engram_gate_fwd(hidden_states, k, v, weight_fused, *, eps, clamp_value, save_for_backward=True):
+def engram_gate_fwd(hidden_states: jax.Array, k: jax.Array, v: jax.Array, weight_fused: jax.Array, *, eps: float,
+                    clamp_value: float, save_for_backward: bool = True):
   """Gate forward (docs/engram.md, "Gate") on ``(T, M, D)`` x, k, ``(T, D)`` v and ``(M, D)`` weight_fused -> EngramGateOutput."""
   dt = _compute_dtype(hidden_states)
   d = hidden_states.shape[-1]
@@ -179,7 +181,8 @@ def engram_gate_fwd(hidden_states, k, v, weight_fused, *, eps, clamp_value, save
   return EngramGateOutput(out, raw, gate, rstd_x, rstd_k)
 
 
-def gate_factor(dldg, dot, gate_score, rstd_x, rstd_k, clamp_value, d):
+def gate_factor(dldg: jax.Array, dot: jax.Array, gate_score: jax.Array, rstd_x: jax.Array, rstd_k: jax.Array,
+                clamp_value: float, d: int):
   """``G = (∂L/∂d)·s·rx·rk`` (docs/engram.md, "Gate"), 0 where ``|raw|·s·rx·rk < c`` (no division by zero at ``raw = 0``)."""
   dt = dldg.dtype
   sc = _scalar(d, dt) * rstd_x * rstd_k
@@ -194,8 +197,9 @@ def token_ranges(num_tokens: int, num_partials: int):
   return -(-num_tokens // num_partials) if num_tokens else 0, num_partials
 
 
-def engram_gate_bwd(grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k, *, clamp_value,
-                    num_partials=None):
+def engram_gate_bwd(grad_out: jax.Array, hidden_states: jax.Array, k: jax.Array, v: jax.Array, weight_fused: jax.Array,
+                    dot: jax.Array, gate_score: jax.Array, rstd_x: jax.Array, rstd_k: jax.Array, *, clamp_value: float,
+                    num_partials: int | None = None):
   """Gate backward (docs/engram.md, "Gate") -> EngramGateGrads; ``grad_w_partial`` has ``num_partials`` rows (default 132),
   row ``p`` the token range of :func:`token_ranges`."""
   p = DEFAULT_NUM_PARTIALS if num_partials is None else num_partials
@@ -222,7 +226,8 @@ def engram_gate_bwd(grad_out, hidden_states, k, v, weight_fused, dot, gate_score
   return EngramGateGrads(grad_x, grad_k, grad_v.astype(v.dtype), partial)
 
 
-def grad_w_reduce(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed):
+def grad_w_reduce(grad_w_partial: jax.Array, weight_hidden: jax.Array, weight_embed: jax.Array,
+                  grad_weight_hidden: jax.Array, grad_weight_embed: jax.Array):
   """``gwf = Σ_p partial[p]``; returns ``(acc_h + gwf·w_e, acc_e + gwf·w_h)`` (functional; docs/engram.md, "Gate")."""
   dt = grad_weight_hidden.dtype
   gwf = jnp.sum(grad_w_partial.astype(dt), axis=0)
@@ -230,7 +235,8 @@ def grad_w_reduce(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidde
                            grad_weight_embed + gwf * weight_hidden.astype(dt))
 
 
-def engram_gate(hidden_states, k, v, weight_hidden, weight_embed, *, clamp_value, eps):
+def engram_gate(hidden_states: jax.Array, k: jax.Array, v: jax.Array, weight_hidden: jax.Array, weight_embed: jax.Array,
+                *, clamp_value: float, eps: float):
   """The gate (docs/engram.md, "The trainable gate"; upstream ``engram_gate_ref``) on ``[*, M, D]`` x, k and ``[*, D]`` v, written for
   plain autodiff: ``x + σ(signed_sqrt(<x·w_h, k·w_e>·rx·rk·s))·v``, computed in
   ``promote(x.dtype, float32)``, returned in ``x.dtype``."""

@@ -23,7 +23,7 @@ BLOCK = 128
 _HI = lax.Precision.HIGHEST
 
 
-def x_scales(sf, m: int, kb: int, *, x_use_tma_aligned_col_major_sf: bool = False):
+def x_scales(sf: jax.Array, m: int, kb: int, *, x_use_tma_aligned_col_major_sf: bool = False):
   """Per-token sf of ``x`` in layout A / B / C -> the logical ``(M, K/128)`` float32 matrix."""
   return rq.sf_to_float(sf, m, kb, use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
 
@@ -45,7 +45,9 @@ def _block_products(xb, wb, sx, sw):
   return acc
 
 
-def fp8_grouped_gemm(x, w, block_expert, *, out_dtype=jnp.bfloat16, x_use_tma_aligned_col_major_sf: bool = False):
+def fp8_grouped_gemm(x: QuantTensor | tuple[jax.Array, jax.Array], w: QuantTensor | tuple[jax.Array, jax.Array],
+                     block_expert: jax.Array, *, out_dtype: jax.typing.DTypeLike = jnp.bfloat16,
+                     x_use_tma_aligned_col_major_sf: bool = False):
   """Reference of :func:`jaxkern.gemm.fp8_grouped_gemm`: ``out[r] = x[r] · w[e]ᵀ`` with the DeepGEMM
   promotion (module docstring), ``e = block_expert[r // 128]``; rows of a block whose id is outside
   ``[0, G)`` are zero."""
@@ -70,7 +72,8 @@ def fp8_grouped_gemm(x, w, block_expert, *, out_dtype=jnp.bfloat16, x_use_tma_al
   return out.reshape(m, n).astype(out_dtype)
 
 
-def dequantized_product(x, w, block_expert, *, x_use_tma_aligned_col_major_sf: bool = False):
+def dequantized_product(x: QuantTensor | tuple[jax.Array, jax.Array], w: QuantTensor | tuple[jax.Array, jax.Array],
+                        block_expert: jax.Array, *, x_use_tma_aligned_col_major_sf: bool = False):
   """The float32 product of the dequantised inputs (``f32(q) · sf`` expanded per element), per block's
   expert: the accuracy yardstick of the GPU tests (≤ 0.5% max-relative). Zero rows for
   skipped blocks."""
@@ -92,7 +95,9 @@ def dequantized_product(x, w, block_expert, *, x_use_tma_aligned_col_major_sf: b
   return lax.map(block, (xd.reshape(m // BLOCK, BLOCK, k), e, valid)).reshape(m, n)
 
 
-def fp8_grouped_gemm_input_grad(dy, w, block_expert, *, out_dtype=jnp.bfloat16,
+def fp8_grouped_gemm_input_grad(dy: QuantTensor | tuple[jax.Array, jax.Array],
+                                w: QuantTensor | tuple[jax.Array, jax.Array], block_expert: jax.Array, *,
+                                out_dtype: jax.typing.DTypeLike = jnp.bfloat16,
                                 x_use_tma_aligned_col_major_sf: bool = False):
   """Reference of :func:`jaxkern.gemm.fp8_grouped_gemm_input_grad`: :func:`fp8_grouped_gemm` of ``dy`` ``(M, N)``
   with the weights transposed to ``(G, K, N)`` (sf ``(G, K/128, N/128)``): promotion per 128-deep step of N."""
@@ -102,7 +107,9 @@ def fp8_grouped_gemm_input_grad(dy, w, block_expert, *, out_dtype=jnp.bfloat16,
                           x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
 
 
-def fp8_grouped_gemm_weight_grad(dy_t, x_t, block_expert, *, num_experts: int, out_dtype=jnp.float32):
+def fp8_grouped_gemm_weight_grad(dy_t: QuantTensor | tuple[jax.Array, jax.Array],
+                                 x_t: QuantTensor | tuple[jax.Array, jax.Array], block_expert: jax.Array, *,
+                                 num_experts: int, out_dtype: jax.typing.DTypeLike = jnp.float32):
   """Reference of :func:`jaxkern.gemm.fp8_grouped_gemm_weight_grad`: ``dw[e] += (dy_bᵀ x_b) · (sf_dy[b, n] ·
   sf_x[b, k])`` for every 128-row block ``b`` of expert ``e`` in block order (float32 products, promoted per
   block); blocks with ids outside ``[0, G)`` skipped. Returns ``(G, N, K)`` ``out_dtype`` (the float32 sums
@@ -131,7 +138,7 @@ def fp8_grouped_gemm_weight_grad(dy_t, x_t, block_expert, *, num_experts: int, o
   return lax.fori_loop(0, m // BLOCK, step, dw).astype(out_dtype)
 
 
-def transpose_weights(w) -> QuantTensor:
+def transpose_weights(w: QuantTensor | tuple[jax.Array, jax.Array]) -> QuantTensor:
   """Reference of :func:`jaxkern.gemm.transpose_weights`: ``(G, N, K)`` data and ``(G, N/128, K/128)`` sf with
   their last two axes swapped."""
   wq, wsf = w

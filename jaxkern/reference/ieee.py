@@ -20,7 +20,7 @@ from jax import lax
 
 
 @jax.custom_jvp
-def div(a, b):
+def div(a: jax.Array, b: jax.Array):
   """IEEE ``a / b`` in float32 (round to nearest even) for float32 operands; broadcasts."""
   with jax.enable_x64(True):
     a, b = (jnp.asarray(v, jnp.float32).astype(jnp.float64) for v in (a, b))
@@ -36,7 +36,7 @@ def _div_jvp(primals, tangents):
 
 
 @jax.custom_jvp
-def sqrt(x):
+def sqrt(x: jax.Array):
   """IEEE ``sqrt(x)`` in float32 for float32 ``x >= 0`` (round to nearest even)."""
   with jax.enable_x64(True):
     x = jnp.asarray(x, jnp.float32).astype(jnp.float64)
@@ -57,7 +57,7 @@ def _sqrt_jvp(primals, tangents):
   return r, jnp.asarray(dx, jnp.float32) / (2 * r)
 
 
-def round_quotient(q, a, b):
+def round_quotient(q: jax.Array, a: jax.Array, b: jax.Array):
   """float32 ``RN(a / b)`` from a float64 quotient ``q`` of widened float32 ``a``, ``b``.
 
   ``q`` may be off by a few float64 ulps: its float32 rounding ``q32`` can then only be wrong
@@ -89,7 +89,7 @@ def _pick(v, other, beyond, tie, mid):
 
 
 @jax.custom_jvp
-def fma(a, b, c):
+def fma(a: jax.Array, b: jax.Array, c: jax.Array):
   """Single-rounding float32 ``a*b + c``, exact on every backend.
 
   The product of two float32 values is exact in float64; the float64 sum is made

@@ -18,6 +18,8 @@ recompute (docs/mhc.md, "multilayer_recompute") are written here as the composit
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 
@@ -39,13 +41,13 @@ def _sigmoid(z):
 # ----------------------------------------------------------------------------------------------
 # M1 expand (docs/mhc.md, "expand_to_mhc")
 
-def expand_to_mhc(hidden, *, mhc_mult: int) -> jax.Array:
+def expand_to_mhc(hidden: jax.Array, *, mhc_mult: int) -> jax.Array:
   """``(..., H)`` -> ``(..., M, H)``: ``M`` exact copies of each row."""
   hidden = jnp.asarray(hidden)
   return jnp.broadcast_to(hidden[..., None, :], (*hidden.shape[:-1], mhc_mult, hidden.shape[-1]))
 
 
-def expand_to_mhc_bwd(out_grad):
+def expand_to_mhc_bwd(out_grad: jax.Array):
   """``(..., M, H)`` -> ``(..., H)``: ``Σ_m grad[..., m, :]`` in float32 (m in order), rounded once."""
   g = jnp.asarray(out_grad)
   (w,) = _wide(g)
@@ -64,8 +66,8 @@ def _scale_per_mix(mhc_scale, mhc_mult):
                           jnp.broadcast_to(mhc_scale[2], (m * m,))])
 
 
-def pre_split_mixes(input_mixes, mhc_scale, mhc_base, *, mhc_mult: int, mhc_post_mult_value: float = 1.0,
-                    mhc_pre_eps: float = 1e-6) -> PreSplitMixes:
+def pre_split_mixes(input_mixes: jax.Array, mhc_scale: jax.Array, mhc_base: jax.Array, *, mhc_mult: int,
+                    mhc_post_mult_value: float = 1.0, mhc_pre_eps: float = 1e-6) -> PreSplitMixes:
   """``(..., J)`` logits -> ``(pre (..., M, 1), post (..., M, 1), comb (..., M, M))`` with
   ``a = z·scale[grp] + base``, ``pre = σ(a) + pre_eps``, ``post = σ(a)·post_mult_value``, ``comb = a``."""
   z, scale, base = _wide(input_mixes, mhc_scale, mhc_base)
@@ -78,8 +80,9 @@ def pre_split_mixes(input_mixes, mhc_scale, mhc_base, *, mhc_mult: int, mhc_post
   return PreSplitMixes(pre[..., None], post[..., None], comb)
 
 
-def pre_split_mixes_bwd(pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_grad, input_mixes, post_layer_mix,
-                        mhc_scale, mhc_base, *, mhc_mult: int, mhc_post_mult_value: float) -> PreSplitMixesGrads:
+def pre_split_mixes_bwd(pre_layer_mix_grad: jax.Array, post_layer_mix_grad: jax.Array, comb_res_mix_grad: jax.Array,
+                        input_mixes: jax.Array, post_layer_mix: jax.Array, mhc_scale: jax.Array, mhc_base: jax.Array, *,
+                        mhc_mult: int, mhc_post_mult_value: float) -> PreSplitMixesGrads:
   """docs/mhc.md, "pre_split_mixes" backward: ``da_pre = g·σ(1-σ)`` (σ recomputed), ``da_post = g·post·(1 - post/pmv)`` (from the
   saved ``post``), ``da_comb = g``; ``grad_base = Σ_tokens da``, ``grad_scale[g] = Σ_tokens Σ_{j in g} da·z``,
   ``grad_z = da·scale[grp]``."""
@@ -102,7 +105,7 @@ def pre_split_mixes_bwd(pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_gr
 # ----------------------------------------------------------------------------------------------
 # M5 Sinkhorn (docs/mhc.md, "sinkhorn_normalize")
 
-def sinkhorn_normalize(x, *, repeat: int = 10, eps: float = 1e-6):
+def sinkhorn_normalize(x: jax.Array, *, repeat: int = 10, eps: float = 1e-6):
   """``(..., M, M)`` logits -> softmax over the last axis, ``+ eps``, a column normalisation, then
   ``repeat - 1`` (row, column) normalisation pairs; every denominator is ``sum + eps``."""
   (x,) = _wide(x)
@@ -114,7 +117,7 @@ def sinkhorn_normalize(x, *, repeat: int = 10, eps: float = 1e-6):
   return x
 
 
-def sinkhorn_normalize_bwd(grad_output, x, *, repeat: int = 10, eps: float = 1e-6):
+def sinkhorn_normalize_bwd(grad_output: jax.Array, x: jax.Array, *, repeat: int = 10, eps: float = 1e-6):
   """docs/mhc.md, "sinkhorn_normalize" backward: recompute the chain (softmax ``P``; the input ``X_i`` and sum ``Σ_i`` of each of the
   ``2·repeat - 1`` normalisations), then walk it backwards; finally the softmax backward."""
   g, x = _wide(grad_output, x)
@@ -135,7 +138,7 @@ def sinkhorn_normalize_bwd(grad_output, x, *, repeat: int = 10, eps: float = 1e-
 # ----------------------------------------------------------------------------------------------
 # M6 apply mix (docs/mhc.md, "pre_apply_mix")
 
-def pre_apply_mix(x, mix):
+def pre_apply_mix(x: jax.Array, mix: jax.Array):
   """``x (..., M, H)``, ``mix (..., M, 1)`` -> ``(..., H)`` in ``x``'s dtype: ``Σ_m mix[m]·x[m]`` (m in order)."""
   x = jnp.asarray(x)
   xw, mw = _wide(x, mix)
@@ -145,7 +148,8 @@ def pre_apply_mix(x, mix):
   return acc.astype(x.dtype)
 
 
-def pre_apply_mix_bwd(o_grad, x, mix, x_grad_acc=None) -> PreApplyMixGrads:
+def pre_apply_mix_bwd(o_grad: jax.Array, x: jax.Array, mix: jax.Array,
+                      x_grad_acc: jax.Array | None = None) -> PreApplyMixGrads:
   """docs/mhc.md, "pre_apply_mix" backward: ``x_grad[m] = (x_grad_acc[m] +) mix[m]·og`` (rounded once to ``x``'s dtype),
   ``mix_grad[m] = Σ_h og·x[m]`` (float32)."""
   x = jnp.asarray(x)
@@ -161,7 +165,7 @@ def pre_apply_mix_bwd(o_grad, x, mix, x_grad_acc=None) -> PreApplyMixGrads:
 # ----------------------------------------------------------------------------------------------
 # M7 post (docs/mhc.md, "post")
 
-def post(x, residual, post_layer_mix, comb_res_mix):
+def post(x: jax.Array, residual: jax.Array, post_layer_mix: jax.Array, comb_res_mix: jax.Array):
   """``out[n] = post[n]·x + Σ_m comb[m, n]·residual[m]`` (float32, post term first, then m in order),
   rounded once to ``residual``'s dtype. ``x (..., H)``, ``residual (..., M, H)``, ``post (..., M, 1)``,
   ``comb (..., M, M)`` (row ``m`` = input stream)."""
@@ -177,7 +181,8 @@ def post(x, residual, post_layer_mix, comb_res_mix):
   return jnp.stack(outs, axis=-2).astype(residual.dtype)
 
 
-def post_bwd(d_o, x, residual, post_layer_mix, comb_res_mix) -> PostGrads:
+def post_bwd(d_o: jax.Array, x: jax.Array, residual: jax.Array, post_layer_mix: jax.Array,
+             comb_res_mix: jax.Array) -> PostGrads:
   """docs/mhc.md, "post" backward: ``d_residual[m] = Σ_n comb[m, n]·dO[n]``, ``d_x = Σ_n post[n]·dO[n]`` (n in order,
   rounded once), ``d_comb[m, n] = Σ_h residual[m]·dO[n]``, ``d_post[n] = Σ_h x·dO[n]`` (float32)."""
   x, residual = jnp.asarray(x), jnp.asarray(residual)
@@ -200,13 +205,14 @@ def post_bwd(d_o, x, residual, post_layer_mix, comb_res_mix) -> PostGrads:
 # ----------------------------------------------------------------------------------------------
 # M8 head mix (docs/mhc.md, "head_compute_mix")
 
-def head_compute_mix(input_mix, mhc_scale, mhc_base, *, mhc_pre_eps: float = 1e-6):
+def head_compute_mix(input_mix: jax.Array, mhc_scale: jax.Array, mhc_base: jax.Array, *, mhc_pre_eps: float = 1e-6):
   """``(..., M)`` -> ``σ(z·scale + base) + pre_eps`` (``scale (1,)``, ``base (M,)``)."""
   z, scale, base = _wide(input_mix, mhc_scale, mhc_base)
   return _sigmoid(z * scale[0] + base) + mhc_pre_eps
 
 
-def head_compute_mix_bwd(output_mix_grad, input_mix, mhc_scale, mhc_base) -> HeadComputeMixGrads:
+def head_compute_mix_bwd(output_mix_grad: jax.Array, input_mix: jax.Array, mhc_scale: jax.Array,
+                         mhc_base: jax.Array) -> HeadComputeMixGrads:
   """docs/mhc.md, "head_compute_mix" backward: ``dz = go·σ(1-σ)``; ``grad_input = dz·scale``, ``grad_scale = Σ dz·z``,
   ``grad_base = Σ_tokens dz``."""
   go, z, scale, base = _wide(output_mix_grad, input_mix, mhc_scale, mhc_base)
@@ -219,9 +225,10 @@ def head_compute_mix_bwd(output_mix_grad, input_mix, mhc_scale, mhc_base) -> Hea
 # ----------------------------------------------------------------------------------------------
 # M9 fused inference path (docs/mhc.md, "pre_big_fuse")
 
-def pre_big_fuse(residual, fn, mhc_scale, mhc_base, norm_weight=None, *, rms_eps: float = 1e-6,
-                 mhc_pre_eps: float = 1e-6, mhc_sinkhorn_eps: float = 1e-6, mhc_post_mult_value: float = 1.0,
-                 sinkhorn_repeat: int = 10, n_splits: int = 16) -> PreBigFuse:
+def pre_big_fuse(residual: jax.Array, fn: jax.Array, mhc_scale: jax.Array, mhc_base: jax.Array,
+                 norm_weight: jax.Array | None = None, *, rms_eps: float = 1e-6, mhc_pre_eps: float = 1e-6,
+                 mhc_sinkhorn_eps: float = 1e-6, mhc_post_mult_value: float = 1.0, sinkhorn_repeat: int = 10,
+                 n_splits: int = 16) -> PreBigFuse:
   """``pre_norm_fn`` (``norm_weight`` merged into ``fn`` if given, docs/mhc.md, "pre_big_fuse") -> ``pre_split_mixes`` ->
   ``sinkhorn_normalize`` of the comb logits -> ``pre_apply_mix`` with the pre mix, as
   ``PreBigFuse(post_mix (…, M, 1), comb_mix (…, M, M), layer_input (…, H))``. ``n_splits`` is ignored."""
@@ -238,8 +245,9 @@ def pre_big_fuse(residual, fn, mhc_scale, mhc_base, norm_weight=None, *, rms_eps
 # ----------------------------------------------------------------------------------------------
 # M10 multilayer recompute (docs/mhc.md, "multilayer_recompute")
 
-def multilayer_recompute(initial_residual, pre_mix_list, layer_output_list, post_mix_list,
-                         comb_mix_list) -> MultilayerRecompute:
+def multilayer_recompute(initial_residual: jax.Array, pre_mix_list: Sequence[jax.Array],
+                         layer_output_list: Sequence[jax.Array], post_mix_list: Sequence[jax.Array],
+                         comb_mix_list: Sequence[jax.Array]) -> MultilayerRecompute:
   """``R_0 = initial_residual``; for ``i < L``: ``layer_input[i] = pre_apply_mix(R_i, pre_mix[i])`` and, for
   ``i < Lp``, ``R_{i+1} = post(layer_output[i], R_i, post_mix[i], comb_mix[i])`` (each residual rounded to
   the residual's dtype before the next layer reads it). Returns

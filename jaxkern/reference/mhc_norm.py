@@ -25,7 +25,7 @@ from jaxkern.types import PreNormFnFwd, PreNormFnGrads
 HIGHEST = lax.Precision.HIGHEST
 
 
-def round_to_tf32(x) -> jax.Array:
+def round_to_tf32(x: jax.Array) -> jax.Array:
   """``tf32_rna`` of a float32 array (docs/mhc.md, "pre_norm_fn"); other dtypes are returned unchanged.
 
   Differentiable as the identity (straight-through): upstream passes the weight gradient through the
@@ -49,7 +49,7 @@ def _tf32_jvp(primals, tangents):
   return _tf32(primals[0]), tangents[0]
 
 
-def fn_normw_merge(fn, normw) -> jax.Array:
+def fn_normw_merge(fn: jax.Array, normw: jax.Array) -> jax.Array:
   """``fn (J, K) * normw (K,)`` broadcast over rows (docs/mhc.md, "pre_norm_fn")."""
   return fn * normw[None, :]
 
@@ -63,7 +63,7 @@ def _compute_dtype(residual, fn):
   return jnp.promote_types(jnp.promote_types(residual.dtype, fn.dtype), jnp.float32)
 
 
-def pre_norm_fn_fwd(residual, fn, *, norm_eps: float = 1e-6, n_splits: int = 16) -> PreNormFnFwd:
+def pre_norm_fn_fwd(residual: jax.Array, fn: jax.Array, *, norm_eps: float = 1e-6, n_splits: int = 16) -> PreNormFnFwd:
   """``residual (…, M, H)``, merged ``fn (J, M·H)`` -> ``PreNormFnFwd(mixes (…, J), out_mul (…, J), sqrsum (…,))``.
 
   ``fn`` is rounded with :func:`round_to_tf32` here (idempotent, so an already rounded weight is fine).
@@ -81,8 +81,8 @@ def pre_norm_fn_fwd(residual, fn, *, norm_eps: float = 1e-6, n_splits: int = 16)
   return PreNormFnFwd(mixes.reshape(*lead, j), out_mul.reshape(*lead, j), sqrsum.reshape(lead))
 
 
-def pre_norm_fn(residual, fn, norm_weight=None, *, norm_eps: float = 1e-6, fuse_grad_acc: bool = True,
-                n_splits: int = 16) -> jax.Array:
+def pre_norm_fn(residual: jax.Array, fn: jax.Array, norm_weight: jax.Array | None = None, *, norm_eps: float = 1e-6,
+                fuse_grad_acc: bool = True, n_splits: int = 16) -> jax.Array:
   """Upstream ``mhc_pre_norm_fn_ref`` with the TF32 rounding of the merged weight: ``(…, M, H)`` -> ``(…, J)``.
 
   Differentiable by plain autodiff (the rounding passes gradients unchanged; float64 inputs skip it and give
@@ -95,7 +95,8 @@ def pre_norm_fn(residual, fn, norm_weight=None, *, norm_eps: float = 1e-6, fuse_
   return pre_norm_fn_fwd(residual, fn, norm_eps=norm_eps).mixes
 
 
-def pre_norm_fn_bwd(grad_mixes, residual, fn, out_mul, sqrsum, *, norm_eps: float = 1e-6) -> PreNormFnGrads:
+def pre_norm_fn_bwd(grad_mixes: jax.Array, residual: jax.Array, fn: jax.Array, out_mul: jax.Array, sqrsum: jax.Array, *,
+                    norm_eps: float = 1e-6) -> PreNormFnGrads:
   """The backward of docs/mhc.md, "pre_norm_fn" -> ``PreNormFnGrads(grad_residual (residual's shape and dtype), grad_fn (J, K))``.
 
   ``fn`` is the merged weight (rounded here); ``grad_fn`` is the gradient w.r.t. it (the rounding is passed

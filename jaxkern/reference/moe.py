@@ -129,7 +129,7 @@ def group_limited_topk(b: jax.Array, num_topk: int, num_groups: int, num_topk_gr
   return stable_topk(b, num_topk)
 
 
-def normalized_weights(u_sel: jax.Array, routed_scaling_factor) -> jax.Array:
+def normalized_weights(u_sel: jax.Array, routed_scaling_factor: float | jax.Array) -> jax.Array:
   """``u / s * rsf`` with ``s`` summed sequentially from 1e-20 in slot order (docs/moe.md, "top2_sum_gate", step 5)."""
   s = jnp.full(u_sel.shape[:1], _WEIGHT_EPS, jnp.float32)
   for k in range(u_sel.shape[1]):
@@ -137,7 +137,7 @@ def normalized_weights(u_sel: jax.Array, routed_scaling_factor) -> jax.Array:
   return ieee.div(u_sel, s[:, None]) * jnp.float32(routed_scaling_factor)
 
 
-def mask_by_tp(p: jax.Array, experts_per_rank: int, tp_rank, num_tp_ranks: int) -> jax.Array:
+def mask_by_tp(p: jax.Array, experts_per_rank: int, tp_rank: int | jax.Array, num_tp_ranks: int) -> jax.Array:
   """EP/TP masking and local renumbering of int32 global ids (docs/moe.md, "top2_sum_gate"); negatives -> -1.
 
   Truncating divisions (equal to floor division for the kept ``p >= 0``), so the Mosaic GPU and
@@ -149,7 +149,8 @@ def mask_by_tp(p: jax.Array, experts_per_rank: int, tp_rank, num_tp_ranks: int) 
   return jnp.where((p >= 0) & (lax.rem(q, tp) == tp_rank), local, jnp.int32(-1))
 
 
-def to_physical(idx: jax.Array, to_physical_map: jax.Array, logical_count: jax.Array, ep_rank) -> jax.Array:
+def to_physical(idx: jax.Array, to_physical_map: jax.Array, logical_count: jax.Array,
+                ep_rank: int | jax.Array) -> jax.Array:
   """Replica choice ``map[l, (t * 23333 + ep_rank) mod count[l]]``, exact in int32 (docs/moe.md, "top2_sum_gate").
 
   Floor modulo, so any ``ep_rank`` picks a live replica; a negative id (a dropped slot) stays -1.
@@ -162,8 +163,9 @@ def to_physical(idx: jax.Array, to_physical_map: jax.Array, logical_count: jax.A
   return jnp.where(ok, to_physical_map[safe, d], -1)
 
 
-def finish_gate(idx, weights, *, num_experts, num_shared, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks,
-                mask, to_physical_map, logical_count):
+def finish_gate(idx: jax.Array, weights: jax.Array, *, num_experts: int, num_shared: int, ep_rank: int | jax.Array,
+                num_ep_ranks: int, tp_rank: int | jax.Array, num_tp_ranks: int, mask: jax.Array,
+                to_physical_map: jax.Array, logical_count: jax.Array):
   """Steps 6-8 of docs/moe.md, "top2_sum_gate" and the token mask on the routed slots: shared slots, replicas, EP/TP masking, token mask."""
   t = idx.shape[0]
   if num_shared:
@@ -181,10 +183,13 @@ def finish_gate(idx, weights, *, num_experts, num_shared, ep_rank, num_ep_ranks,
   return idx, weights
 
 
-def top2_sum_gate(logits, bias, num_topk, *, scoring_func, num_topk_groups=0, num_groups=0,
-                  use_shared_as_routed=False, num_shared_experts=0, routed_scaling_factor=1.0, ep_rank=0,
-                  num_ep_ranks=1, tp_rank=0, num_tp_ranks=1, mask=None, fix_routing_mask=None, to_physical_map=None,
-                  logical_count=None, unmapped_topk_idx=None) -> TopkRouting | TopkRoutingWithUnmapped:
+def top2_sum_gate(logits: jax.Array, bias: jax.Array, num_topk: int, *, scoring_func: str, num_topk_groups: int = 0,
+                  num_groups: int = 0, use_shared_as_routed: bool = False, num_shared_experts: int = 0,
+                  routed_scaling_factor: float | jax.Array = 1.0, ep_rank: int | jax.Array = 0, num_ep_ranks: int = 1,
+                  tp_rank: int | jax.Array = 0, num_tp_ranks: int = 1, mask: jax.Array | None = None,
+                  fix_routing_mask: jax.Array | None = None, to_physical_map: jax.Array | None = None,
+                  logical_count: jax.Array | None = None,
+                  unmapped_topk_idx: jax.Array | None = None) -> TopkRouting | TopkRoutingWithUnmapped:
   """The DeepSeek router (docs/moe.md, "top2_sum_gate"); arguments, results and the handling of fixed-routing ids outside
   ``[0, E)`` as :func:`jaxkern.moe.top2_sum_gate` (validated there).
 
@@ -215,8 +220,10 @@ def _top2_sum_gate(logits, bias, routed_scaling_factor, ep_rank, tp_rank, mask, 
                         mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)
 
 
-def route_selected(u, idx, routed_scaling_factor, num_shared, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, mask,
-                   fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx):
+def route_selected(u: jax.Array, idx: jax.Array, routed_scaling_factor: float | jax.Array, num_shared: int,
+                   ep_rank: int | jax.Array, num_ep_ranks: int, tp_rank: int | jax.Array, num_tp_ranks: int,
+                   mask: jax.Array, fix_routing_mask: jax.Array, to_physical_map: jax.Array, logical_count: jax.Array,
+                   unmapped_topk_idx: jax.Array):
   """Everything after the selection: fixed rows, weights, shared slots, replicas, masking.
 
   A fixed-routing id outside ``[0, E)`` drops its slot: id -1 (also in the unmapped output), weight
@@ -255,7 +262,7 @@ def upper_bound_rows(num_tokens: int, num_topk: int, num_experts: int, alignment
   return (num_tokens * num_topk + (alignment - 1) * num_experts) // alignment * alignment
 
 
-def get_fused_mapping(topk_idx, num_experts: int, num_expanded_tokens: int, alignment: int, *,
+def get_fused_mapping(topk_idx: jax.Array, num_experts: int, num_expanded_tokens: int, alignment: int, *,
                       force_no_sync: bool = False) -> FusedMapping:
   """The fused layout of :func:`jaxkern.moe.get_fused_mapping` (same arguments and result).
 
@@ -275,7 +282,7 @@ def get_fused_mapping(topk_idx, num_experts: int, num_expanded_tokens: int, alig
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def fused_mapping(topk_idx, num_experts: int, num_expanded_tokens: int, alignment: int):
+def fused_mapping(topk_idx: jax.Array, num_experts: int, num_expanded_tokens: int, alignment: int):
   """The first seven fields of :func:`get_fused_mapping` with exactly ``num_expanded_tokens`` rows.
 
   Entries outside ``[0, num_experts)`` are treated as empty slots; rows past ``num_expanded_tokens``
@@ -305,7 +312,7 @@ def fused_mapping(topk_idx, num_experts: int, num_expanded_tokens: int, alignmen
           token_topk_to_pos.reshape(num_tokens, num_topk), start, start + aligned, aligned)
 
 
-def expand_to_fused(x, token_topk_to_pos, pos_to_expert) -> jax.Array:
+def expand_to_fused(x: jax.Array, token_topk_to_pos: jax.Array, pos_to_expert: jax.Array) -> jax.Array:
   """``out[p] = x[t]`` for every ``token_topk_to_pos[t, k] = p`` in ``[0, N)`` (other entries are
   unused slots); every other row is zero. Of several slots naming one row, one wins (XLA's scatter
   order, unspecified)."""
@@ -317,8 +324,8 @@ def expand_to_fused(x, token_topk_to_pos, pos_to_expert) -> jax.Array:
       rows, mode="drop")
 
 
-def expand_to_fused_with_sf(x, num_per_channels: int, token_topk_to_pos, pos_to_expert, *,
-                            use_tma_aligned_col_major_sf: bool = False) -> QuantTensor:
+def expand_to_fused_with_sf(x: jax.Array, num_per_channels: int, token_topk_to_pos: jax.Array, pos_to_expert: jax.Array,
+                            *, use_tma_aligned_col_major_sf: bool = False) -> QuantTensor:
   """:func:`expand_to_fused` of ``x = (x_data, x_sf)``; the scale rows travel with the data rows.
 
   ``out_sf`` is ``(N, Hs)``, or with ``use_tma_aligned_col_major_sf`` the physical
@@ -330,7 +337,8 @@ def expand_to_fused_with_sf(x, num_per_channels: int, token_topk_to_pos, pos_to_
   return QuantTensor(out, expand_sf(x_sf, token_topk_to_pos, pos_to_expert, use_tma_aligned_col_major_sf))
 
 
-def expand_sf(x_sf, token_topk_to_pos, pos_to_expert, use_tma_aligned_col_major_sf: bool):
+def expand_sf(x_sf: jax.Array, token_topk_to_pos: jax.Array, pos_to_expert: jax.Array,
+              use_tma_aligned_col_major_sf: bool):
   """The ``out_sf`` of :func:`expand_to_fused_with_sf`."""
   out_sf = expand_to_fused(x_sf, token_topk_to_pos, pos_to_expert)
   if use_tma_aligned_col_major_sf:
@@ -341,7 +349,8 @@ def expand_sf(x_sf, token_topk_to_pos, pos_to_expert, use_tma_aligned_col_major_
 fma = ieee.fma  # single-rounding float32 a*b + c (moved to jaxkern.reference.ieee, shared with quant)
 
 
-def reduce_fused(x, topk_weights, token_topk_to_pos, *, fp8_format: str = "", sf=None) -> jax.Array:
+def reduce_fused(x: jax.Array, topk_weights: jax.Array, token_topk_to_pos: jax.Array, *, fp8_format: str = "",
+                 sf: jax.Array | None = None) -> jax.Array:
   """``out[t] = cast(sf * sum_k fma-accumulated x[p_k] * w[t, k] * x_sf[p_k])`` in fp32 (docs/moe.md, "Reduce");
   slots with ``p_k`` outside ``[0, N)`` are skipped, repeated positions are summed like any other."""
   x, x_sf = x if isinstance(x, tuple) else (x, None)
@@ -364,7 +373,7 @@ def reduce_fused(x, topk_weights, token_topk_to_pos, *, fp8_format: str = "", sf
   return acc.astype(x.dtype)
 
 
-def normalize_weight(topk_weights) -> NormalizedWeights:
+def normalize_weight(topk_weights: jax.Array) -> NormalizedWeights:
   """``(d, w / d[:, None])`` with ``d = ((1e-20 + w[:, 0]) + w[:, 1]) + ...`` and IEEE division;
   differentiable by plain autodiff (:func:`ieee.div` has the derivative of ``a / b``)."""
   d = jnp.full(topk_weights.shape[:1], 1e-20, jnp.float32)
@@ -373,7 +382,7 @@ def normalize_weight(topk_weights) -> NormalizedWeights:
   return NormalizedWeights(d, ieee.div(topk_weights, d[:, None]))
 
 
-def aux_fi(topk_idx, num_experts: int, num_aux_topk: int) -> jax.Array:
+def aux_fi(topk_idx: jax.Array, num_experts: int, num_aux_topk: int) -> jax.Array:
   """``fi[e] = (float(count_e) * E) / float(T * num_aux_topk)``; zeros when ``T = 0``."""
   num_tokens = topk_idx.shape[0]
   if num_tokens == 0:
@@ -382,19 +391,20 @@ def aux_fi(topk_idx, num_experts: int, num_aux_topk: int) -> jax.Array:
   return ieee.div(counts * jnp.float32(num_experts), jnp.float32(num_tokens * num_aux_topk))
 
 
-def group_count(group_idx, num_groups: int) -> jax.Array:
+def group_count(group_idx: jax.Array, num_groups: int) -> jax.Array:
   """int32 histogram of the entries in ``[0, num_groups)``; other values are ignored."""
   flat = group_idx.reshape(-1).astype(jnp.int32)
   key = jnp.where((flat >= 0) & (flat < num_groups), flat, num_groups)
   return jnp.zeros((num_groups + 1,), jnp.int32).at[key].add(1)[:num_groups]
 
 
-def mask_indices_by_tp(indices, n: int, num_ep_ranks: int, tp_rank, num_tp_ranks: int) -> jax.Array:
+def mask_indices_by_tp(indices: jax.Array, n: int, num_ep_ranks: int, tp_rank: int | jax.Array,
+                       num_tp_ranks: int) -> jax.Array:
   """EP/TP masking and local renumbering (docs/moe.md, "Helpers"); negatives become -1."""
   return mask_by_tp(indices.astype(jnp.int32), n // num_ep_ranks, tp_rank, num_tp_ranks).astype(indices.dtype)
 
 
-def unique_group_indices(group_indices, num_groups: int) -> jax.Array:
+def unique_group_indices(group_indices: jax.Array, num_groups: int) -> jax.Array:
   """Repeated non-negative values of a row, after their first occurrence, become -1."""
   del num_groups
   num_topk = group_indices.shape[1]

@@ -21,6 +21,10 @@ per three little-endian uint32 words, returned as bytes ``(M, 3K/2)`` uint8.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Literal
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -49,7 +53,8 @@ def _float(u):
   return lax.bitcast_convert_type(u, jnp.float32)
 
 
-def scale_factors(amax, max_value, fmt: str, round_sf: bool, div=ieee.div, clamp_min=None):
+def scale_factors(amax: jax.Array, max_value: float, fmt: str, round_sf: bool, div: Callable = ieee.div,
+                  clamp_min: float | None = None):
   """``(sf, sf_inv)`` from a group's absolute maximum (docs/quant.md, "Scale factors").
 
   ``max_value`` is the format's largest value (a float or an array shaped like ``amax``). ``div`` is
@@ -69,7 +74,7 @@ def scale_factors(amax, max_value, fmt: str, round_sf: bool, div=ieee.div, clamp
 CANONICAL_NAN = 0x7FFFFFFF  # the float32 NaN that NVIDIA GPUs return from every arithmetic instruction
 
 
-def canonical_nan(v):
+def canonical_nan(v: jax.Array):
   """float32 ``v`` with every NaN replaced by the canonical NaN (:data:`CANONICAL_NAN`, positive).
 
   The GPU makes that NaN for every NaN result, while x86 CPUs keep an operand's NaN (its sign and
@@ -79,7 +84,7 @@ def canonical_nan(v):
   return jnp.where(jnp.isnan(v), _float(jnp.int32(CANONICAL_NAN)), v)
 
 
-def abs_max(x, axis):
+def abs_max(x: jax.Array, axis: int):
   """``max |x|`` along ``axis``, NaN-propagating: a NaN anywhere gives NaN (the largest sign-cleared NaN
   pattern), else +inf if there is one, else the finite maximum.
 
@@ -92,12 +97,12 @@ def abs_max(x, axis):
   return _float(jnp.max(_bits(x) & 0x7FFFFFFF, axis=axis))
 
 
-def encode_e4m3(q):
+def encode_e4m3(q: jax.Array):
   """float32 -> float8_e4m3fn with saturation to ±448 (round to nearest even)."""
   return jnp.clip(q, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
 
 
-def encode_e2m1(q):
+def encode_e2m1(q: jax.Array):
   """float32 -> e2m1 nibble (int32 in 0..15): round to nearest even, saturate at ±6, keep the sign
   (docs/quant.md, "Number formats")."""
   u = _bits(q)
@@ -116,7 +121,7 @@ def encode_e2m1(q):
   return (sign << 3) | jnp.minimum(code, 7)
 
 
-def decode_e2m1(n):
+def decode_e2m1(n: jax.Array):
   """e2m1 nibble (int32 in 0..15) -> float32 with integer operations (also used inside the kernels):
   a magnitude ``m >= 2`` is the float32 pattern ``(m << 22) + (126 << 23)``, 1 is 0.5, 0 is 0; the
   sign bit 3 moves to bit 31 (nibble 8 is -0.0)."""
@@ -125,7 +130,7 @@ def decode_e2m1(n):
   return _float(mag | ((n & 8) << 28))
 
 
-def pack_e2m1(nibbles):
+def pack_e2m1(nibbles: jax.Array):
   """``(..., 2L)`` nibbles -> ``(..., L)`` int8, column ``2j`` in the low nibble of byte ``j``."""
   n = nibbles.reshape(*nibbles.shape[:-1], nibbles.shape[-1] // 2, 2)
   return (n[..., 0] | (n[..., 1] << 4)).astype(jnp.uint8).astype(jnp.int8)
@@ -138,12 +143,12 @@ def _decode(q):
   return unpack_from_e2m1fn_x2(q)
 
 
-def sf_exponent_bytes(sf):
+def sf_exponent_bytes(sf: jax.Array):
   """Biased exponent field (the UE8M0 byte) of a float32 power-of-two sf."""
   return (_bits(sf) >> 23) & 0xFF
 
 
-def format_sf(sf, use_tma_aligned_col_major_sf: bool = False, use_packed_ue8m0: bool = False):
+def format_sf(sf: jax.Array, use_tma_aligned_col_major_sf: bool = False, use_packed_ue8m0: bool = False):
   """Logical ``(Mb, Kb)`` float32 sf -> layout A, B or C (see the module docstring)."""
   if not use_tma_aligned_col_major_sf:
     return sf
@@ -157,7 +162,7 @@ def format_sf(sf, use_tma_aligned_col_major_sf: bool = False, use_packed_ue8m0: 
   return words.T
 
 
-def sf_to_float(sf, num_rows: int, num_cols: int, *, use_tma_aligned_col_major_sf: bool = False):
+def sf_to_float(sf: jax.Array, num_rows: int, num_cols: int, *, use_tma_aligned_col_major_sf: bool = False):
   """Any sf layout -> the decoded logical ``(num_rows, num_cols)`` float32 matrix (docs/quant.md, "Scale layouts").
 
   An int32 sf is layout C; a float32 sf is layout B with ``use_tma_aligned_col_major_sf``, else A.
@@ -172,7 +177,7 @@ def sf_to_float(sf, num_rows: int, num_cols: int, *, use_tma_aligned_col_major_s
   return sf
 
 
-def sf_logical(sf, num_rows: int, *, use_tma_aligned_col_major_sf: bool, use_packed_ue8m0: bool = False):
+def sf_logical(sf: jax.Array, num_rows: int, *, use_tma_aligned_col_major_sf: bool, use_packed_ue8m0: bool = False):
   """Layout B / C physical buffer -> the logical view (``(Mb, Kb)`` float32 or ``(Mb, words)`` int32)."""
   if use_tma_aligned_col_major_sf or use_packed_ue8m0:
     return sf.T[:num_rows]
@@ -203,7 +208,8 @@ def _encode(q, fmt: str):
   return pack_e2m1(encode_e2m1(q))
 
 
-def cast(x, fmt: str, block_size, *, x_block_size=None, sf=None, round_sf: bool = False,
+def cast(x: jax.Array | QuantTensor | tuple[jax.Array, jax.Array], fmt: str, block_size: tuple[int, int], *,
+         x_block_size: tuple[int, int] | None = None, sf: jax.Array | None = None, round_sf: bool = False,
          use_tma_aligned_col_major_sf: bool = False, use_packed_ue8m0: bool = False,
          x_use_tma_aligned_col_major_sf: bool = False):
   """Blockwise cast to e4m3 / packed e2m1 (the upstream reference ``cast``).
@@ -245,7 +251,8 @@ def cast(x, fmt: str, block_size, *, x_block_size=None, sf=None, round_sf: bool 
   return _encode(q, fmt), format_sf(canonical_nan(out_sf), use_tma_aligned_col_major_sf, use_packed_ue8m0)
 
 
-def lossless_scales(sf_in, m: int, k: int, x_block_size, out_block_size, x_use_tma_aligned_col_major_sf=False):
+def lossless_scales(sf_in: jax.Array, m: int, k: int, x_block_size: tuple[int, int], out_block_size: tuple[int, int],
+                    x_use_tma_aligned_col_major_sf: bool = False):
   """The exponent bookkeeping of :func:`per_block_cast_lossless` at block granularity.
 
   Returns ``(scale, e_out)``: ``scale`` float32 ``(M, cdiv(K, bk_in))``, the power of two
@@ -265,9 +272,10 @@ def lossless_scales(sf_in, m: int, k: int, x_block_size, out_block_size, x_use_t
 
 # References of the per-token and per-block casts
 
-def per_token_cast(x, fmt: str, num_per_channels: int, *, x_block_size=None,
-                   use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
-                   use_packed_ue8m0: bool = False, x_use_tma_aligned_col_major_sf: bool = False) -> QuantTensor:
+def per_token_cast(x: jax.Array | QuantTensor | tuple[jax.Array, jax.Array], fmt: str, num_per_channels: int, *,
+                   x_block_size: tuple[int, int] | None = None, use_tma_aligned_col_major_sf: bool = False,
+                   round_sf: bool = False, use_packed_ue8m0: bool = False,
+                   x_use_tma_aligned_col_major_sf: bool = False) -> QuantTensor:
   """Reference of :func:`jaxkern.quant.per_token_cast` (docs/quant.md, "Casts"): :func:`cast` with blocks
   ``(1, num_per_channels)``; ``x`` a plain ``(M, K)`` array or a QuantTensor for blocks ``x_block_size``.
 
@@ -289,16 +297,17 @@ def per_token_cast(x, fmt: str, num_per_channels: int, *, x_block_size=None,
                            x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf))
 
 
-def per_token_cast_with_sf_only(x, fmt: str, num_per_channels: int, *, x_block_size=None,
-                                use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
-                                use_packed_ue8m0: bool = False):
+def per_token_cast_with_sf_only(x: jax.Array, fmt: str, num_per_channels: int, *,
+                                x_block_size: tuple[int, int] | None = None, use_tma_aligned_col_major_sf: bool = False,
+                                round_sf: bool = False, use_packed_ue8m0: bool = False):
   """Reference of :func:`jaxkern.quant.per_token_cast_with_sf_only`: the ``sf`` of :func:`per_token_cast`."""
   return per_token_cast(x, fmt, num_per_channels, x_block_size=x_block_size, round_sf=round_sf,
                         use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
                         use_packed_ue8m0=use_packed_ue8m0).sf
 
 
-def per_token_cast_with_precomputed_sf(x, fmt: str, num_per_channels: int, sf, *, x_block_size=None,
+def per_token_cast_with_precomputed_sf(x: jax.Array, fmt: str, num_per_channels: int, sf: jax.Array, *,
+                                       x_block_size: tuple[int, int] | None = None,
                                        use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
                                        use_packed_ue8m0: bool = False):
   """Reference of :func:`jaxkern.quant.per_token_cast_with_precomputed_sf` (docs/quant.md, "Casts"): ``encode(x ·
@@ -307,8 +316,8 @@ def per_token_cast_with_precomputed_sf(x, fmt: str, num_per_channels: int, sf, *
   return cast(x, fmt, (1, num_per_channels), sf=sf)
 
 
-def per_block_cast(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
-                   use_packed_ue8m0: bool = False) -> QuantTensor:
+def per_block_cast(x: jax.Array, fmt: str, block_size: tuple[int, int], *, use_tma_aligned_col_major_sf: bool = False,
+                   round_sf: bool = False, use_packed_ue8m0: bool = False) -> QuantTensor:
   """Reference of :func:`jaxkern.quant.per_block_cast` (docs/quant.md, "Casts"): :func:`cast` with blocks
   ``block_size``; non-finite inputs as in :func:`per_token_cast`, per block."""
   return QuantTensor(*cast(x, fmt, tuple(block_size), round_sf=round_sf,
@@ -316,21 +325,24 @@ def per_block_cast(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: boo
                            use_packed_ue8m0=use_packed_ue8m0))
 
 
-def per_block_cast_with_sf_only(x, fmt: str, block_size, *, use_tma_aligned_col_major_sf: bool = False,
-                                round_sf: bool = False, use_packed_ue8m0: bool = False):
+def per_block_cast_with_sf_only(x: jax.Array, fmt: str, block_size: tuple[int, int], *,
+                                use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
+                                use_packed_ue8m0: bool = False):
   """Reference of :func:`jaxkern.quant.per_block_cast_with_sf_only`: the ``sf`` of :func:`per_block_cast`."""
   return per_block_cast(x, fmt, block_size, use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
                         round_sf=round_sf, use_packed_ue8m0=use_packed_ue8m0).sf
 
 
-def per_block_cast_with_precomputed_sf(x, fmt: str, block_size, sf, *, use_tma_aligned_col_major_sf: bool = False,
-                                       round_sf: bool = False, use_packed_ue8m0: bool = False):
+def per_block_cast_with_precomputed_sf(x: jax.Array, fmt: str, block_size: tuple[int, int], sf: jax.Array, *,
+                                       use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
+                                       use_packed_ue8m0: bool = False):
   """Reference of :func:`jaxkern.quant.per_block_cast_with_precomputed_sf` (docs/quant.md, "Casts"): ``encode(x ·
   RN(1 / sf))`` per block with the layout-A float32 ``sf`` ``(Mb, Kb)``; the flags have no effect here."""
   return cast(x, fmt, tuple(block_size), sf=sf)
 
 
-def per_block_cast_lossless(x, fmt: str, x_block_size, out_block_size, *, use_tma_aligned_col_major_sf: bool = False,
+def per_block_cast_lossless(x: QuantTensor | tuple[jax.Array, jax.Array], fmt: str, x_block_size: tuple[int, int],
+                            out_block_size: tuple[int, int], *, use_tma_aligned_col_major_sf: bool = False,
                             round_sf: bool = False, use_packed_ue8m0: bool = False,
                             x_use_tma_aligned_col_major_sf: bool = False) -> QuantTensor:
   """Reference of :func:`jaxkern.quant.per_block_cast_lossless` (docs/quant.md, "Casts"): exact re-quantisation of a
@@ -358,7 +370,7 @@ def _per_channel(x, fmt: str, num_per_tokens: int, round_sf: bool) -> QuantTenso
   return QuantTensor(_encode(v * _expand(inv, num_per_tokens, 1, m, k), fmt), sf)
 
 
-def per_channel_cast(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False) -> QuantTensor:
+def per_channel_cast(x: jax.Array, fmt: str, num_per_tokens: int, *, round_sf: bool = False) -> QuantTensor:
   """Per-channel cast of ``x`` ``(M, K)`` (bf16 / float32): ``QuantTensor(data (M, K) e4m3, sf
   (ceil(M/num_per_tokens), K) float32)``.
 
@@ -373,15 +385,16 @@ def per_channel_cast(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False
   return _per_channel(x, fmt, num_per_tokens, round_sf)
 
 
-def per_channel_cast_and_transpose(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False) -> QuantTensor:
+def per_channel_cast_and_transpose(x: jax.Array, fmt: str, num_per_tokens: int, *,
+                                   round_sf: bool = False) -> QuantTensor:
   """:func:`per_channel_cast` with the data transposed: ``QuantTensor(data (K, M) e4m3, sf
   (ceil(M/num_per_tokens), K) float32)``."""
   data, sf = _per_channel(x, fmt, num_per_tokens, round_sf)
   return QuantTensor(data.T, sf)
 
 
-def per_channel_cast_fused(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False, num_per_channels=None,
-                           pos_to_token=None) -> QuantTensor:
+def per_channel_cast_fused(x: jax.Array | QuantTensor, fmt: str, num_per_tokens: int, *, round_sf: bool = False,
+                           num_per_channels: int | None = None, pos_to_token: jax.Array | None = None) -> QuantTensor:
   """Per-channel cast (blocks ``(num_per_tokens, 1)``) with an optional row gather.
 
   ``x`` is ``(M, K)`` bf16 / float32, or a QuantTensor ``(q, sf)`` with e4m3 ``q`` and a layout-A
@@ -404,7 +417,8 @@ def per_channel_cast_fused(x, fmt: str, num_per_tokens: int, *, round_sf: bool =
   return _per_channel(v, fmt, num_per_tokens, round_sf)
 
 
-def cast_back(x, fmt: str, x_block_size, *, x_special_fmt=None, x_use_tma_aligned_col_major_sf: bool = False):
+def cast_back(x: QuantTensor | tuple[jax.Array, jax.Array], fmt: str, x_block_size: tuple[int, int], *,
+              x_special_fmt: Literal["e5m6"] | None = None, x_use_tma_aligned_col_major_sf: bool = False):
   """Dequantises ``(q, sf)`` with blocks ``x_block_size`` to ``fmt`` (``"bf16"`` / ``"fp32"``):
   ``RN(f32(q)·sf)`` in float32, then one rounding to bf16. ``q`` is e4m3 ``(M, K)`` or packed e2m1
   ``(M, K/2)``; ``sf`` in layout A, B or C (see the module docstring). NaN / infinite data or scales
@@ -423,14 +437,14 @@ def cast_back(x, fmt: str, x_block_size, *, x_special_fmt=None, x_use_tma_aligne
   return out.astype(jnp.bfloat16 if fmt == "bf16" else jnp.float32)
 
 
-def per_token_cast_back(x, fmt: str, num_per_channels: int, *, x_special_fmt=None,
-                        x_use_tma_aligned_col_major_sf: bool = False):
+def per_token_cast_back(x: QuantTensor | tuple[jax.Array, jax.Array], fmt: str, num_per_channels: int, *,
+                        x_special_fmt: Literal["e5m6"] | None = None, x_use_tma_aligned_col_major_sf: bool = False):
   """:func:`cast_back` with blocks ``(1, num_per_channels)``."""
   return cast_back(x, fmt, (1, num_per_channels), x_special_fmt=x_special_fmt,
                    x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
 
 
-def unpack_from_e2m1fn_x2(x, *, out_dtype=jnp.float32):
+def unpack_from_e2m1fn_x2(x: jax.Array, *, out_dtype: jax.typing.DTypeLike = jnp.float32):
   """Packed e2m1 bytes ``(..., L)`` (int8 / uint8) -> decoded values ``(..., 2L)`` of ``out_dtype``,
   element ``2j`` from the low nibble of byte ``j``."""
   b = x.astype(jnp.uint8).astype(jnp.int32)
@@ -442,7 +456,7 @@ def unpack_from_e2m1fn_x2(x, *, out_dtype=jnp.float32):
 # E5M6 (docs/quant.md, "Number formats", "Casts", "Cast-backs")
 
 
-def fp16_rtz_bits(u):
+def fp16_rtz_bits(u: jax.Array):
   """float32 patterns (int32) -> fp16 patterns rounded toward zero (int32 in 0..0xFFFF), the integer recipe
   of the E5M6 encoding (docs/quant.md, "Number formats"), first step: exponents above the fp16 range (and inf) give ±inf 0x7C00, NaN 0x7FFF."""
   sign = lax.shift_right_logical(u, 16) & 0x8000
@@ -455,7 +469,7 @@ def fp16_rtz_bits(u):
   return sign | mag
 
 
-def encode_e5m6(v):
+def encode_e5m6(v: jax.Array):
   """float32 -> 12-bit E5M6 code (int32 in 0..0xFFF), the E5M6 encoding of docs/quant.md, "Number formats": the fp16 pattern rounded toward
   zero, its top 12 bits, plus one where ``(code & 1) + (low 17 bits of the float32 pattern) > 0x10000`` (round
   to nearest even for fp16-normal magnitudes; the format's literal rule below 2^-14)."""
@@ -464,7 +478,7 @@ def encode_e5m6(v):
   return jnp.where((t & 1) + (u & 0x1FFFF) > 0x10000, t + 1, t) & 0xFFF
 
 
-def e5m6_words(t):
+def e5m6_words(t: jax.Array):
   """Eight E5M6 codes ``t0..t7`` (int32 arrays) -> the three int32 words of their 96-bit big-endian
   concatenation (docs/quant.md, "Number formats")."""
   w0 = (t[0] << 20) | (t[1] << 8) | (t[2] >> 4)
@@ -473,14 +487,14 @@ def e5m6_words(t):
   return w0, w1, w2
 
 
-def e5m6_codes(w0, w1, w2):
+def e5m6_codes(w0: jax.Array, w1: jax.Array, w2: jax.Array):
   """The inverse of :func:`e5m6_words`: three int32 words -> the eight codes (int32 in 0..0xFFF)."""
   srl = lax.shift_right_logical
   return (srl(w0, 20), (w0 >> 8) & 0xFFF, ((w0 & 0xFF) << 4) | srl(w1, 28), (w1 >> 16) & 0xFFF,
           (w1 >> 4) & 0xFFF, ((w1 & 0xF) << 8) | srl(w2, 24), (w2 >> 12) & 0xFFF, w2 & 0xFFF)
 
 
-def pack_e5m6(codes):
+def pack_e5m6(codes: jax.Array):
   """``(M, K)`` codes -> ``(M, 3K/2)`` uint8: per group of 8 columns the words ``w0, w1, w2``, little-endian."""
   m, k = codes.shape
   g = codes.reshape(m, k // 8, 8)
@@ -488,19 +502,19 @@ def pack_e5m6(codes):
   return lax.bitcast_convert_type(words, jnp.uint8).reshape(m, 3 * k // 2)
 
 
-def unpack_e5m6(packed):
+def unpack_e5m6(packed: jax.Array):
   """``(M, 3K/2)`` uint8 -> ``(M, K)`` E5M6 codes (int32)."""
   m, n = packed.shape
   words = lax.bitcast_convert_type(packed.reshape(m, n // 12, 3, 4), jnp.int32)
   return jnp.stack(e5m6_codes(*(words[..., i] for i in range(3))), axis=-1).reshape(m, 2 * n // 3)
 
 
-def decode_e5m6(t):
+def decode_e5m6(t: jax.Array):
   """E5M6 codes (int32) -> float32: the fp16 with pattern ``t << 4``, widened (exact)."""
   return lax.bitcast_convert_type((t << 4).astype(jnp.uint16), jnp.float16).astype(jnp.float32)
 
 
-def per_token_cast_to_e5m6(x, num_per_channels: int, *, use_tma_aligned_col_major_sf: bool = False,
+def per_token_cast_to_e5m6(x: jax.Array, num_per_channels: int, *, use_tma_aligned_col_major_sf: bool = False,
                            round_sf: bool = False, use_packed_ue8m0: bool = False) -> QuantTensor:
   """Reference of :func:`jaxkern.quant.per_token_cast_to_e5m6` (docs/quant.md, "Casts"): ``x`` ``(M, K)`` bf16 / float32,
   one sf per group of ``num_per_channels`` columns (a divisor of ``K``; the op requires ``K``), max value 65024,
@@ -515,7 +529,8 @@ def per_token_cast_to_e5m6(x, num_per_channels: int, *, use_tma_aligned_col_majo
                      format_sf(canonical_nan(sf), use_tma_aligned_col_major_sf, use_packed_ue8m0))
 
 
-def cast_back_e5m6(x, fmt: str, x_block_size, *, x_use_tma_aligned_col_major_sf: bool = False):
+def cast_back_e5m6(x: QuantTensor | tuple[jax.Array, jax.Array], fmt: str, x_block_size: tuple[int, int], *,
+                   x_use_tma_aligned_col_major_sf: bool = False):
   """Reference of :func:`jaxkern.quant.cast_back_e5m6` (docs/quant.md, "Cast-backs"): ``(packed (M, 3K/2) uint8, sf)`` with
   blocks ``x_block_size`` -> ``RN(decode(code) · sf)`` as ``fmt`` (``"bf16"`` / ``"fp32"``); NaN results are
   the canonical NaN (:func:`canonical_nan`)."""
@@ -547,7 +562,7 @@ def _silu_times(left, right):
   return ieee.div(left, 1.0 + jnp.exp(-left)) * right
 
 
-def row_weights(pos_to_token_topk, topk_weights, num_rows: int):
+def row_weights(pos_to_token_topk: jax.Array, topk_weights: jax.Array, num_rows: int):
   """Per-row weight ``(E,)`` float32: ``topk_weights.reshape(-1)[j]`` for ``j = pos_to_token_topk[p] >= 0``,
   else 0 (an index past the end is undefined behaviour: clamped here)."""
   flat = topk_weights.astype(jnp.float32).reshape(-1)
@@ -564,7 +579,8 @@ def _add_counts(clamped_count, flags, rows=None):
   return clamped_count + counts
 
 
-def swiglu_forward(x, pos_to_token_topk=None, topk_weights=None, swiglu_clamp_value=None, clamped_count=None):
+def swiglu_forward(x: jax.Array, pos_to_token_topk: jax.Array | None = None, topk_weights: jax.Array | None = None,
+                   swiglu_clamp_value: float | None = None, clamped_count: jax.Array | None = None):
   """The upstream reference ``swiglu_forward`` (docs/quant.md, "Fused SwiGLU"): ``silu(left) · right`` of ``x`` ``(E, 2h)``
   bf16 / float32 in float32, ``left`` clamped from above and ``right`` to ``[-C, C]`` with a clamp value
   ``C``, then each row times its top-k weight (:func:`row_weights`: 0 for ``pos_to_token_topk < 0``) when
@@ -583,10 +599,12 @@ def swiglu_forward(x, pos_to_token_topk=None, topk_weights=None, swiglu_clamp_va
   return out, clamped_count if flags is None else _add_counts(clamped_count, flags)
 
 
-def swiglu_forward_and_per_token_cast(x, fmt: str, num_per_channels: int, pos_to_token_topk=None, topk_weights=None,
-                                      pos_to_expert=None, *, use_tma_aligned_col_major_sf: bool = False,
-                                      round_sf: bool = False, use_packed_ue8m0: bool = False,
-                                      swiglu_clamp_value=None, clamped_count=None, sf_clamp_min=None):
+def swiglu_forward_and_per_token_cast(x: jax.Array, fmt: str, num_per_channels: int,
+                                      pos_to_token_topk: jax.Array | None = None, topk_weights: jax.Array | None = None,
+                                      pos_to_expert: jax.Array | None = None, *,
+                                      use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
+                                      use_packed_ue8m0: bool = False, swiglu_clamp_value: float | None = None,
+                                      clamped_count: jax.Array | None = None, sf_clamp_min: float | None = None):
   """Reference of :func:`jaxkern.quant.swiglu_forward_and_per_token_cast` (docs/quant.md, "Fused SwiGLU").
 
   ``a = RN(act · w)`` (:func:`swiglu_forward`; no product without weights), then a per-token e4m3 cast of
@@ -616,8 +634,9 @@ def swiglu_forward_and_per_token_cast(x, fmt: str, num_per_channels: int, pos_to
   return QuantTensorWithClampedCount(data, sf, counts)
 
 
-def swiglu_forward_and_per_channel_cast_and_transpose(x, fmt: str, num_per_tokens: int, *, round_sf: bool = False,
-                                                      without_transpose: bool = False, swiglu_clamp_value=None):
+def swiglu_forward_and_per_channel_cast_and_transpose(x: jax.Array, fmt: str, num_per_tokens: int, *,
+                                                      round_sf: bool = False, without_transpose: bool = False,
+                                                      swiglu_clamp_value: float | None = None):
   """Reference of :func:`jaxkern.quant.swiglu_forward_and_per_channel_cast_and_transpose` (docs/quant.md, "Fused SwiGLU").
 
   ``act`` of ``x`` ``(M, 2h)`` bf16 as :func:`swiglu_forward` (float32, clamp in float32, no weights), rounded to
@@ -631,7 +650,7 @@ def swiglu_forward_and_per_channel_cast_and_transpose(x, fmt: str, num_per_token
   return QuantTensor(data if without_transpose else data.T, sf)
 
 
-def swiglu_rows(x, num_per_channels: int):
+def swiglu_rows(x: jax.Array, num_per_channels: int):
   """The float32 rows ``(E, 2h)`` of the SwiGLU backward input: a QuantTensor ``(q, sf)`` (``q`` e4m3
   ``(..., 2h)`` flattened to rows, ``sf`` float32 layout A ``(E, 2h/npc)``) dequantised as
   ``RN(f32(q) · sf)``, or a plain float array ``(..., 2h)`` widened to float32."""
@@ -642,7 +661,7 @@ def swiglu_rows(x, num_per_channels: int):
   return x.reshape(-1, x.shape[-1]).astype(jnp.float32)
 
 
-def scatter_weight_grad(dots, pos_to_token_topk, shape):
+def scatter_weight_grad(dots: jax.Array, pos_to_token_topk: jax.Array, shape: tuple[int, ...]):
   """``weight_grad`` ``shape`` float32: zeros, plus ``dots[p]`` at flat slot ``pos_to_token_topk[p]`` for every
   row with a non-negative slot (rows naming the same slot add up; an index past the end is dropped)."""
   size = int(np.prod(shape))
@@ -651,8 +670,8 @@ def scatter_weight_grad(dots, pos_to_token_topk, shape):
   return jnp.zeros((size,), jnp.float32).at[idx].add(dots.astype(jnp.float32), mode="drop").reshape(shape)
 
 
-def swiglu_backward(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels: int,
-                    swiglu_clamp_value=None):
+def swiglu_backward(x: jax.Array, grad_out: jax.Array, weight: jax.Array, pos_to_token_topk: jax.Array,
+                    token_topk_to_pos: jax.Array, num_per_channels: int, swiglu_clamp_value: float | None = None):
   """The upstream reference ``swiglu_backward`` (docs/quant.md, "Fused SwiGLU"): the SwiGLU backward in float32.
 
   Args:
@@ -698,9 +717,10 @@ def swiglu_backward(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, n
   return act * w, jnp.concatenate([dx, dy], axis=1), weight_grad
 
 
-def swiglu_backward_and_per_token_cast(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos,
+def swiglu_backward_and_per_token_cast(x: jax.Array, grad_out: jax.Array, weight: jax.Array,
+                                       pos_to_token_topk: jax.Array, token_topk_to_pos: jax.Array,
                                        num_per_channels: int, *, round_sf: bool = False,
-                                       swiglu_clamp_value=None) -> SwigluBackward:
+                                       swiglu_clamp_value: float | None = None) -> SwigluBackward:
   """Reference of :func:`jaxkern.quant.swiglu_backward_and_per_token_cast` (docs/quant.md, "Fused SwiGLU"): :func:`swiglu_backward`,
   then ``out`` and ``x_grad`` rounded to bfloat16 and the per-token e4m3 cast (groups of ``num_per_channels``,
   layout A, ``round_sf``) of the float32 ``x_grad``."""
