@@ -9,9 +9,10 @@ Weight gradient ``dw[e] = Σ_{rows r of e} dy[r]ᵀ x[r]`` (:func:`fp8_grouped_g
 contraction runs over each expert's ragged range of 128-row blocks, so both operands come token-major
 -> K-major, i.e. transposed, with per-channel scales (one per column and 128-row block), as
 :func:`jaxkern.quant.per_channel_cast_and_transpose` makes them. Every kernel runs a TMA pipeline over the
-expert's blocks (a dynamic trip count: the blocks of one expert must be contiguous, as in the fused layout) with
-one fresh float32 wgmma accumulator per block, promoted as ``total += p · (sf_dy[b, n] · sf_x[b, k])`` (an outer
-product of the row and column scale vectors). Kernels (:data:`WGRAD_VARIANTS`, :data:`WGRAD_VARIANT` picks; the
+expert's blocks (a dynamic trip count over the expert's run in a block order sorted by expert,
+:func:`expert_block_order`: any block layout, the fused layout's order the identity) with one fresh float32 wgmma
+accumulator per block, promoted as ``total += p · (sf_dy[b, n] · sf_x[b, k])`` (an outer product of the row and
+column scale vectors). Kernels (:data:`WGRAD_VARIANTS`, :data:`WGRAD_VARIANT` picks; the
 figures and the variants tried: docs/gemm.md, "Kernels and performance"):
 
 * ``"xptma_g8b"`` (the default, :func:`_wgrad_xp_kernel`): persistent, warp-specialised, two compute warpgroups of
@@ -78,9 +79,10 @@ def fp8_grouped_gemm_input_grad(dy: QuantTensor | tuple[jax.Array, jax.Array],
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "num_sms", "out_dtype"))
-def _wgrad_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms=None, out_dtype=jnp.float32):
-  """``dyq (N, M)``, ``xq (K, M)`` e4m3, ``sdy (M/128, N)``, ``sx (M/128, K)`` float32, ``starts`` / ``counts``
-  ``(G,)`` int32 (each expert's first block and number of blocks) -> ``(G, N, K)`` ``out_dtype`` (the float32
+def _wgrad_kernel(starts, counts, blocks, dyq, sdy, xq, sx, *, interpret, num_sms=None, out_dtype=jnp.float32):
+  """``dyq (N, M)``, ``xq (K, M)`` e4m3, ``sdy (M/128, N)``, ``sx (M/128, K)`` float32, ``blocks`` ``(M/128,)``
+  int32 (the 128-row blocks sorted by expert), ``starts`` / ``counts`` ``(G,)`` int32 (each expert's first position
+  in ``blocks`` and number of blocks, :func:`expert_block_order`) -> ``(G, N, K)`` ``out_dtype`` (the float32
   total rounded once; ``num_sms`` unused)."""
   del num_sms
   n, m = dyq.shape
@@ -89,7 +91,7 @@ def _wgrad_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms=None, 
 
   @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((g, n, k), out_dtype),
                      grid=(g, n // WN, k // BLOCK), grid_names=("g", "n", "k"), interpret=interpret)
-  def kernel(st_g, ct_g, dy_g, sdy_g, x_g, sx_g, o_g):
+  def kernel(st_g, ct_g, bl_g, dy_g, sdy_g, x_g, sx_g, o_g):
     e, i, j = lax.axis_index("g"), lax.axis_index("n"), lax.axis_index("k")
     start, count = st_g[e], ct_g[e]
     rows, cols = pl.ds(i * WN, WN), pl.ds(j * BLOCK, BLOCK)
@@ -102,7 +104,7 @@ def _wgrad_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms=None, 
     def _compute():
       def body(idx, dy_s, x_s, total):
         (s,) = idx
-        b = start + s
+        b = bl_g[start + s]
 
         def scope(acc):
           plgpu.wgmma(acc, dy_s, x_s.T)
@@ -115,13 +117,13 @@ def _wgrad_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms=None, 
 
       total = plgpu.emit_pipeline(
           body, grid=(count,), max_concurrent_steps=STAGES,
-          in_specs=[plgpu.BlockSpec((WN, BLOCK), lambda s: (0, start + s), transforms=FP8_TILED),
-                    plgpu.BlockSpec((BLOCK, BLOCK), lambda s: (0, start + s), transforms=FP8_TILED)],
+          in_specs=[plgpu.BlockSpec((WN, BLOCK), lambda s: (0, bl_g[start + s]), transforms=FP8_TILED),
+                    plgpu.BlockSpec((BLOCK, BLOCK), lambda s: (0, bl_g[start + s]), transforms=FP8_TILED)],
           init_carry=plgpu.layout_cast(jnp.zeros((WN, BLOCK), jnp.float32), WG),
       )(dy_g.at[rows, :], x_g.at[cols, :])
       o_g[e, rows, cols] = total.astype(out_dtype)
 
-  return kernel(starts, counts, dyq, sdy, xq, sx)
+  return kernel(starts, counts, blocks, dyq, sdy, xq, sx)
 
 
 def _wgrad_item(lin, order_g, *, n_iters, k_iters, gk):
@@ -189,7 +191,7 @@ def _wgrad_plan(dyq, xq, starts, *, stages, kpair, group_k, out_dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "num_sms", "stages", "kpair", "group_k", "out_dtype"))
-def _wgrad_xp_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, stages=3, kpair=2, group_k=8,
+def _wgrad_xp_kernel(starts, counts, blocks, dyq, sdy, xq, sx, *, interpret, num_sms, stages=3, kpair=2, group_k=8,
                      out_dtype=jnp.float32):
   """A persistent, warp-specialised weight-gradient kernel (arguments as :func:`_wgrad_kernel`): one CTA per SM loops
   over the (expert, 128 rows of N, 128 columns of K) items; two compute warpgroups of 64 rows of N and a memory
@@ -222,7 +224,7 @@ def _wgrad_xp_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, st
   grid = min(num_sms, items)
   order = jnp.argsort(-counts, stable=True).astype(jnp.int32)
 
-  def body(ord_g, st_g, ct_g, dy_g, sdy_g, x_g, sx_g, o_g):
+  def body(ord_g, st_g, ct_g, bl_g, dy_g, sdy_g, x_g, sx_g, o_g):
     wg, sm = lax.axis_index("wg"), lax.axis_index("sm")
     mine = (items - sm + grid - 1) // grid  # this CTA's items: sm, sm + grid, ...
 
@@ -255,7 +257,7 @@ def _wgrad_xp_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, st
               plgpu.barrier_wait(consumed.at[slot])
 
             for j in range(kp):
-              b = start + jnp.minimum(s * kp + j, count - 1)
+              b = bl_g[start + jnp.minimum(s * kp + j, count - 1)]
               bar = produced.at[slot]
               plgpu.copy_gmem_to_smem(dy_g.at[pl.ds(ni * BLOCK, BLOCK), pl.ds(b * BLOCK, BLOCK)], dy_s.at[slot, j],
                                       bar)
@@ -306,7 +308,7 @@ def _wgrad_xp_kernel(starts, counts, dyq, sdy, xq, sx, *, interpret, num_sms, st
                         num_threads=3, thread_name="wg",
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
                         interpret=interpret)
-  return kernel(order, starts, counts, dyq, sdy, xq, sx)
+  return kernel(order, starts, counts, blocks, dyq, sdy, xq, sx)
 
 
 # Weight-gradient kernels (read at trace time): the default and the tests' independent check. The figures of the
@@ -322,14 +324,18 @@ WGRAD_VARIANTS = {"xptma_g8b": _wgrad_xp_kernel, "simple": _wgrad_kernel}
 WGRAD_VARIANT = "xptma_g8b"
 
 
-def expert_block_ranges(block_expert, num_experts: int):
-  """``(starts, counts)`` ``(G,)`` int32: each expert's first 128-row block and its number of blocks
-  (the blocks of one expert contiguous; ids outside ``[0, G)`` belong to none)."""
-  ids = jnp.arange(num_experts, dtype=jnp.int32)
-  hit = block_expert[None, :] == ids[:, None]
-  counts = jnp.sum(hit, axis=1, dtype=jnp.int32)
-  starts = jnp.where(counts > 0, jnp.argmax(hit, axis=1).astype(jnp.int32), 0)
-  return starts, counts
+def expert_block_order(block_expert, num_experts: int):
+  """``(blocks, starts, counts)``: ``blocks`` ``(M/128,)`` int32, the 128-row blocks sorted by expert (a stable
+  sort: each expert's blocks in block order, ids outside ``[0, G)`` last; the identity for the fused layout), and
+  ``starts`` / ``counts`` ``(G,)`` int32, each expert's first position in ``blocks`` and its number of blocks.
+  Any layout: the blocks of one expert need not be contiguous."""
+  g = num_experts
+  valid = (block_expert >= 0) & (block_expert < g)
+  blocks = jnp.argsort(jnp.where(valid, block_expert, g), stable=True).astype(jnp.int32)
+  ids = jnp.arange(g, dtype=jnp.int32)
+  counts = jnp.sum(block_expert[None, :] == ids[:, None], axis=1, dtype=jnp.int32)
+  starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)
+  return blocks, starts, counts
 
 
 def _check_wgrad(dy_t, x_t, block_expert, num_experts):
@@ -357,10 +363,6 @@ def _check_wgrad(dy_t, x_t, block_expert, num_experts):
     if be.min() < -1 or be.max() >= num_experts:
       raise ValueError(f"block_expert entries must be -1 (skip) or expert ids in [0, {num_experts}), "
                        f"got values in [{be.min()}, {be.max()}]")
-    for e in np.unique(be[be >= 0]):
-      pos = np.flatnonzero(be == e)
-      if pos[-1] - pos[0] + 1 != pos.size:
-        raise ValueError(f"block_expert: the blocks of expert {e} must be contiguous (the fused layout)")
   return dy_t, x_t, block_expert
 
 
@@ -375,9 +377,9 @@ def fp8_grouped_gemm_weight_grad(dy_t: QuantTensor | tuple[jax.Array, jax.Array]
       one scale per column and 128-row block (:func:`jaxkern.quant.per_channel_cast_and_transpose` of the
       bf16 ``(M, N)`` gradient with ``num_per_tokens=128``).
     x_t: QuantTensor ``(data (K, M) float8_e4m3fn, sf (M/128, K) float32)``: the forward input, cast the same way.
-    block_expert: ``(M/128,)`` int32 as in :func:`fp8_grouped_gemm`; the blocks of each expert must be contiguous
-      (the fused layout; checked for concrete values); blocks of -1 (or, traced, outside ``[0, G)``) contribute
-      nothing.
+    block_expert: ``(M/128,)`` int32 as in :func:`fp8_grouped_gemm`, any layout (the blocks of one expert need not
+      be contiguous: the kernel walks them in a block order sorted by expert, :func:`expert_block_order`); blocks
+      of -1 (or, traced, outside ``[0, G)``) contribute nothing.
     num_experts: ``G`` (a Python int).
     out_dtype: float32 (default) or bfloat16 (for bfloat16 weights: the kernel writes half the bytes and no
       separate cast runs; the same values as a float32 result cast to bfloat16).
@@ -391,8 +393,8 @@ def fp8_grouped_gemm_weight_grad(dy_t: QuantTensor | tuple[jax.Array, jax.Array]
   (:func:`jaxkern.reference.gemm.fp8_grouped_gemm_weight_grad`).
 
   Raises ValueError for non-e4m3 data, dims not multiples of 128, other sf shapes or dtypes, different M,
-  ``block_expert`` not ``(M/128,)`` int32, (concrete) out of range or not contiguous per expert, a bad
-  ``num_experts``, another ``out_dtype``. XLA cases: ``M == 0`` (zeros). Not differentiable (quantised inputs).
+  ``block_expert`` not ``(M/128,)`` int32 or (concrete) out of range, a bad ``num_experts``, another
+  ``out_dtype``. XLA cases: ``M == 0`` (zeros). Not differentiable (quantised inputs).
   """
   dy_t, x_t, block_expert = _check_wgrad(dy_t, x_t, block_expert, num_experts)
   if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
@@ -407,8 +409,8 @@ def fp8_grouped_gemm_weight_grad(dy_t: QuantTensor | tuple[jax.Array, jax.Array]
     return ref.fp8_grouped_gemm_weight_grad(dy_t, x_t, block_expert, num_experts=num_experts, out_dtype=out_dtype)
 
   def kernel(interpret):
-    starts, counts = expert_block_ranges(block_expert, num_experts)
-    return WGRAD_VARIANTS[WGRAD_VARIANT](starts, counts, dy_t.data, dy_t.sf, x_t.data, x_t.sf,
+    blocks, starts, counts = expert_block_order(block_expert, num_experts)
+    return WGRAD_VARIANTS[WGRAD_VARIANT](starts, counts, blocks, dy_t.data, dy_t.sf, x_t.data, x_t.sf,
                                          interpret=_config.mosaic_interpret(interpret), num_sms=_config.num_sms(),
                                          out_dtype=out_dtype)
 
