@@ -118,13 +118,26 @@ def _sigmoid(u):
 
 def unsupported(d: int, m: int, x_dtype, wf_dtype, backward: bool) -> str | None:
   """Why the gate kernels cannot run these arguments, or None."""
-  if x_dtype != jnp.bfloat16 or wf_dtype != jnp.float32:
-    return f"the kernels take bfloat16 x, k, v (got {jnp.dtype(x_dtype).name}) and a float32 weight_fused " \
-           f"(got {jnp.dtype(wf_dtype).name})"
+  wrong = []
+  if x_dtype != jnp.bfloat16:
+    names = "grad_out, hidden_states, k, v" if backward else "hidden_states, k, v"
+    wrong.append(f"{names} are {jnp.dtype(x_dtype).name} (the kernels take bfloat16)")
+  if wf_dtype != jnp.float32:
+    wrong.append(f"weight_fused is {jnp.dtype(wf_dtype).name} (the kernels take float32)")
+  if wrong:
+    return "; ".join(wrong)
   if d % 256:
     return f"hidden_size {d} is not a multiple of 256"
   if backward and m > MAX_STREAMS:
     return f"hc_mult {m} > {MAX_STREAMS}: the column pass keeps M·(2 + 3·TOKENS_PER_STEP) row pieces in registers"
+  return None
+
+
+def _unsupported_saved(**saved) -> str | None:
+  """Why the backward kernel cannot take the saved intermediates (each must be float32), or None."""
+  wrong = [f"{name} is {a.dtype.name}" for name, a in saved.items() if a.dtype != jnp.float32]
+  if wrong:
+    return f"{', '.join(wrong)} (the kernel takes float32 dot, gate_score, rstd_x, rstd_k)"
   return None
 
 
@@ -653,8 +666,8 @@ def engram_gate_bwd(grad_out: jax.Array, hidden_states: jax.Array, k: jax.Array,
   p = int(p)
   go, x, k, v, wf, dot, gate, rx, rk = _autodiff.guard("engram_gate_bwd", ADVICE, go, x, k, v, wf, dot, gate, rx, rk)
   bad = unsupported(d, m, x.dtype, wf.dtype, backward=True)
-  if bad is None and any(a.dtype != jnp.float32 for a in (dot, gate, rx, rk)):
-    bad = "the saved intermediates must be float32"
+  if bad is None:
+    bad = _unsupported_saved(dot=dot, gate_score=gate, rstd_x=rx, rstd_k=rk)
 
   def kernel(interpret):
     return EngramGateGrads(*gate_bwd_kernel(go, x, k, v, wf, dot, gate, rx, rk, clamp_value=clamp_value,

@@ -28,7 +28,8 @@ with masked loads. The kernel
 5. takes the given ids on fixed-routing rows (an id outside ``[0, E)`` drops its slot: id -1,
    weight 0, nothing read at it); on a ``(rows, K+S)`` slot tile (one slot per lane),
    recomputes the picked experts' scores from their logits (one gathered load per slot: same
-   formula, same bits), sums them sequentially from 1e-20 and forms the weights ``u / s * rsf``;
+   formula, same bits), sums them sequentially from 1e-20 and forms the weights ``u / s * rsf``
+   (NaN on rows holding a non-finite logit, as the reference: see :func:`top2_sum_gate`);
 6. appends the shared slots, maps logical to physical ids (replica hash, ``ep_rank`` taken as a
    floor modulo), applies the EP/TP masking and the token mask, and stores ``(rows, K+S)`` tiles.
 
@@ -129,10 +130,21 @@ def _softmax_denominator(x_ref, row_ok, m, cfg: _Config):
 def _unbiased(x, m, z, cfg: _Config):
   """Elementwise scores ``u`` of logits ``x`` (``m``, ``z``: the softmax row max and denominator)."""
   if cfg.scoring_func == "sigmoid":
-    return _ieee.triton_div(jnp.ones_like(x), 1.0 + _exp(-x, cfg.interpret), cfg.interpret)
+    u = _ieee.triton_div(jnp.ones_like(x), 1.0 + _exp(-x, cfg.interpret), cfg.interpret)
+    return _ieee_at_non_finite(u, x, 1.0, cfg.interpret)
   if cfg.scoring_func == "sqrtsoftplus":
-    return _ieee.triton_sqrt(jnp.where(x > 20.0, x, jnp.log1p(_exp(x, cfg.interpret))), cfg.interpret)
+    u = _ieee.triton_sqrt(jnp.where(x > 20.0, x, jnp.log1p(_exp(x, cfg.interpret))), cfg.interpret)
+    return _ieee_at_non_finite(u, x, jnp.inf, cfg.interpret)
   return _ieee.triton_div(_exp(x - m, cfg.interpret), z, cfg.interpret)
+
+
+def _ieee_at_non_finite(u, x, at_inf, interpret):
+  """In interpret mode, the IEEE scores at non-finite logits ``x`` (NaN; ``at_inf`` at +Inf; 0 at -Inf), which
+  the GPU's ``div.rn``/``sqrt.rn`` give and :mod:`jaxkern._ieee`'s integer emulation (finite operands) does not."""
+  if not interpret:
+    return u
+  u = jnp.where(x == jnp.inf, jnp.float32(at_inf), jnp.where(x == -jnp.inf, 0.0, u))
+  return jnp.where(x != x, jnp.nan, u)
 
 
 def _scores(x, x_ref, row_ok, ok, cfg: _Config):
@@ -158,6 +170,12 @@ def _drop_groups(b, ok, cfg: _Config):
   beats = ((sh > sg) | (sh == sg) & (h < g)) & (h < cfg.num_groups)
   kept = jnp.sum(beats.astype(jnp.int32), axis=2) < cfg.num_topk_groups
   return jnp.where(kept[:, :, None], order_key(b), _KEY_NEG_INF)
+
+
+def _non_finite_rows(x, ok):
+  """Rows of the ``(rows, groups, experts)`` logits ``x`` holding a NaN or an infinity among the ``ok`` experts."""
+  bad = jnp.where(ok & ~(jnp.abs(x) < jnp.inf), 1, 0)
+  return jnp.sum(jnp.sum(bad, axis=2), axis=1) > 0
 
 
 def _kernel(*refs, cfg: _Config):
@@ -218,6 +236,7 @@ def _kernel(*refs, cfg: _Config):
   if cfg.has_fix:
     wtile = jnp.where(hit, wtile, 0.0)
   wtile = jnp.where(slot < k, wtile, 1.0)
+  wtile = jnp.where(_non_finite_rows(x, ok)[:, None] & (slot < k), jnp.nan, wtile)
   tile = jnp.where(slot < k, utile, e + slot - k)
   extra = 0
   if cfg.num_extra >= 0:
@@ -296,8 +315,6 @@ def _is_int(v) -> bool:
 
 def _check_static(e, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
                   num_ep_ranks, num_tp_ranks, ep_rank, tp_rank, scoring_func):
-  if e % 4:
-    raise ValueError(f"logits.shape[1] must be a multiple of 4, got {e}")
   if not _is_int(num_topk) or not 1 <= num_topk <= e:
     raise ValueError(f"num_topk must be an int in [1, {e}] (the number of experts), got {num_topk!r}")
   if (num_groups == 0) != (num_topk_groups == 0) or num_groups < 0 or num_topk_groups > num_groups:
@@ -373,6 +390,19 @@ def _debug_check_fixed_ids(fix_routing_mask, mask, unmapped_topk_idx, num_expert
       row=first // k, slot=first % k, value=unmapped_topk_idx.reshape(-1)[first])
 
 
+def _debug_check_finite_logits(logits, mask) -> None:
+  """Under ``checkify.checkify(..., errors=checkify.user_checks)``, reports the first non-finite logit of an
+  unmasked row; otherwise XLA drops it (dead code)."""
+  if not logits.size:
+    return
+  e = logits.shape[1]
+  bad = ~jnp.isfinite(logits) if mask is None else mask[:, None] & ~jnp.isfinite(logits)
+  first = jnp.argmax(bad.reshape(-1))
+  checkify.debug_check(
+      ~jnp.any(bad), "top2_sum_gate: logits[{row}, {expert}] = {value} is not finite (the row's routed weights "
+      "are NaN)", row=first // e, expert=first % e, value=logits.reshape(-1)[first])
+
+
 def top2_sum_gate(logits: jax.Array, bias: jax.Array, num_topk: int, *, scoring_func: str, num_topk_groups: int = 0,
                   num_groups: int = 0, use_shared_as_routed: bool = False, num_shared_experts: int = 0,
                   routed_scaling_factor: float | jax.Array = 1.0, ep_rank: int | jax.Array = 0, num_ep_ranks: int = 1,
@@ -387,7 +417,8 @@ def top2_sum_gate(logits: jax.Array, bias: jax.Array, num_topk: int, *, scoring_
   ``use_shared_as_routed`` else 0, ``X + 1`` replica columns of ``to_physical_map``.
 
   Args:
-    logits: ``(T, E)`` float32 router logits (finite on unmasked rows); ``E % 4 == 0``.
+    logits: ``(T, E)`` float32 router logits (see "Non-finite logits" below); the kernel takes ``E % 4 == 0``,
+      the XLA path any ``E``.
     bias: ``(E,)`` float32; shifts the ranking only.
     num_topk: routed slots ``K``, ``1 <= K <= E`` (static).
     scoring_func: ``"sigmoid"``, ``"sqrtsoftplus"`` or ``"softmax"`` (case-insensitive); required.
@@ -425,12 +456,19 @@ def top2_sum_gate(logits: jax.Array, bias: jax.Array, num_topk: int, *, scoring_
   call in ``checkify.checkify(f, errors=checkify.user_checks)`` to have the first such id reported
   (``jax.experimental.checkify.debug_check``; without checkify it compiles to nothing).
 
+  Non-finite logits: on an unmasked row holding a NaN, +Inf or -Inf logit, the ``K`` routed weights
+  are NaN (shared slots keep 1.0); the ids are still ranked, NaN ranking as ``-inf``. Kernel and
+  reference give the same bits. Masked rows keep ids -1 and weights 0 whatever their logits. Under
+  ``checkify.checkify(f, errors=checkify.user_checks)`` the first such logit is reported
+  (``jax.experimental.checkify.debug_check``; without checkify it compiles to nothing).
+
   Raises:
     ValueError: a non-array argument (lists are converted), a wrong rank, shape or dtype (bool
       logits included), or an option outside the ranges above.
+    KernelUnavailableError: ``implementation="pallas"`` or ``"interpret"`` with ``E % 4 != 0``.
 
-  XLA instead of a kernel: ``T == 0`` (empty outputs). The Pallas-Triton kernel runs every other
-  case (``"auto"`` off a GPU runs the reference).
+  XLA instead of a kernel: ``T == 0`` (empty outputs), and under ``"auto"`` ``E % 4 != 0``. The
+  Pallas-Triton kernel runs every other case (``"auto"`` off a GPU runs the reference).
 
   Differentiation: ``topk_weights`` is differentiable (``jax.custom_vjp``) w.r.t. ``logits`` and
   ``routed_scaling_factor`` (a Python float is a constant), with the selected experts held constant. Routed
@@ -464,6 +502,7 @@ def top2_sum_gate(logits: jax.Array, bias: jax.Array, num_topk: int, *, scoring_
                 unmapped_topk_idx)
   if fix_routing_mask is not None:
     _debug_check_fixed_ids(fix_routing_mask, mask, unmapped_topk_idx, e)
+  _debug_check_finite_logits(logits, mask)
   static = _Static(num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts, num_ep_ranks,
                    num_tp_ranks, scoring_func.lower(), _config.get_implementation(implementation))
   constants = _NonDifferentiable(ep_rank, tp_rank, mask, fix_routing_mask, to_physical_map, logical_count,
@@ -520,7 +559,16 @@ def _route(static: _Static, logits, bias, rsf, constants: _NonDifferentiable) ->
         num_ep_ranks=static.num_ep_ranks, tp_rank=tp_rank, num_tp_ranks=static.num_tp_ranks, mask=mask,
         fix_routing_mask=fix, to_physical_map=pmap, logical_count=count, unmapped_topk_idx=unmapped)
 
-  return _dispatch.run("top2_sum_gate", static.implementation, kernel=kernel, xla=xla, empty=logits.shape[0] == 0)
+  return _dispatch.run("top2_sum_gate", static.implementation, kernel=kernel, xla=xla,
+                       unsupported=_unsupported(logits.shape[1]), empty=logits.shape[0] == 0)
+
+
+def _unsupported(num_experts: int) -> str | None:
+  """Why the kernel cannot take ``num_experts`` (``logits.shape[1]``), or None."""
+  if num_experts % 4:
+    return (f"num_experts (logits.shape[1]) = {num_experts}; the kernel takes a multiple of 4 "
+            "(implementation='xla' / 'auto' run any number of experts)")
+  return None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -216,8 +216,17 @@ def _top2_sum_gate(logits, bias, routed_scaling_factor, ep_rank, tp_rank, mask, 
     logits = jnp.where(mask[:, None], logits, 0.0)
   u = gate_scores(logits, scoring_func)
   idx = group_limited_topk(ranking_scores(logits, u, bias, scoring_func), num_topk, num_groups, num_topk_groups)
-  return route_selected(u, idx, routed_scaling_factor, num_shared, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks,
-                        mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)
+  out = route_selected(u, idx, routed_scaling_factor, num_shared, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks,
+                       mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)
+  return out._replace(topk_weights=nan_weights_of_non_finite_rows(out.topk_weights, logits, num_topk))
+
+
+def nan_weights_of_non_finite_rows(weights: jax.Array, logits: jax.Array, num_topk: int) -> jax.Array:
+  """``weights`` with the ``num_topk`` routed slots of every row holding a non-finite logit set to NaN
+  (docs/moe.md, "top2_sum_gate", "Non-finite logits"); masked rows' logits are zeros by then."""
+  finite = jnp.all(jnp.isfinite(logits), axis=1, keepdims=True)
+  routed = jnp.arange(weights.shape[1]) < num_topk
+  return jnp.where(finite | ~routed, weights, jnp.nan)
 
 
 def route_selected(u: jax.Array, idx: jax.Array, routed_scaling_factor: float | jax.Array, num_shared: int,

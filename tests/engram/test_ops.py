@@ -2,6 +2,7 @@
 else the spec's calc_diff tolerances), H100 lowering, argument checks, zero tokens."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -237,6 +238,27 @@ def test_gate_unsupported_runs_xla():
   x9, s9 = jnp.zeros((2, 9, 256), jnp.bfloat16), jnp.zeros((2, 9))
   with pytest.raises(jaxkern.KernelUnavailableError, match="hc_mult 9 > 8"):
     engram.engram_gate_bwd(x9, x9, x9, x9[:, 0], jnp.ones((9, 256)), s9, s9, s9, s9, clamp_value=1e-6,
+                           implementation="interpret")
+
+
+@pytest.mark.parametrize("x_dtype, wf_dtype, says", [
+    (jnp.float32, jnp.float32, ": hidden_states, k, v are float32 (the kernels take bfloat16). Use"),
+    (jnp.bfloat16, jnp.bfloat16, ": weight_fused is bfloat16 (the kernels take float32). Use"),
+    (jnp.float16, jnp.bfloat16, ": hidden_states, k, v are float16 (the kernels take bfloat16); weight_fused is bfloat16"),
+])
+def test_gate_unsupported_dtypes_name_the_arguments(x_dtype, wf_dtype, says):
+  x, wf, s = jnp.zeros((2, 4, 256), x_dtype), jnp.ones((4, 256), wf_dtype), jnp.zeros((2, 4))
+  with pytest.raises(jaxkern.KernelUnavailableError, match=re.escape(says)):
+    engram.engram_gate_fwd(x, x, x[:, 0], wf, eps=0.0, clamp_value=1e-6, implementation="interpret")
+  says_bwd = says.replace(": hidden_states", ": grad_out, hidden_states")  # grad_out has the dtype of x
+  with pytest.raises(jaxkern.KernelUnavailableError, match=re.escape(says_bwd)):
+    engram.engram_gate_bwd(x, x, x, x[:, 0], wf, s, s, s, s, clamp_value=1e-6, implementation="interpret")
+
+
+def test_gate_bwd_unsupported_saved_dtype_names_it():
+  x, s = jnp.zeros((2, 4, 256), jnp.bfloat16), jnp.zeros((2, 4))
+  with pytest.raises(jaxkern.KernelUnavailableError, match=re.escape("rstd_x is bfloat16 (the kernel takes float32")):
+    engram.engram_gate_bwd(x, x, x, x[:, 0], jnp.ones((4, 256)), s, s, s.astype(jnp.bfloat16), s, clamp_value=1e-6,
                            implementation="interpret")
 
 

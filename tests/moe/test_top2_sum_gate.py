@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental import checkify
 
+import jaxkern
 from jaxkern.moe import _top2_sum_gate, top2_sum_gate
 from jaxkern.reference import moe as ref
 from jaxkern.testing import assert_bitwise_equal, lower_for_h100
@@ -157,7 +158,6 @@ def _bad(**kw):
 
 @pytest.mark.parametrize("kw, match", [
     (_bad(logits=jnp.ones((8, 16), jnp.bfloat16)), "logits must have dtype"),
-    (_bad(logits=jnp.ones((8, 18), jnp.float32), bias=jnp.ones((18,), jnp.float32)), "multiple of 4"),
     (_bad(bias=jnp.ones((8,), jnp.float32)), "bias must have shape"),
     (_bad(k=17), "num_topk"),
     (_bad(g=3, ntg=2), "num_groups"),
@@ -179,6 +179,55 @@ def _bad(**kw):
 def test_bad_input(kw, match):
   with pytest.raises(ValueError, match=match):
     _gate(**kw)
+
+
+@pytest.mark.parametrize("implementation", ["interpret", "pallas"])
+def test_experts_not_a_multiple_of_4_name_the_argument(implementation):
+  logits, bias = jnp.ones((8, 6), jnp.float32), jnp.ones((6,), jnp.float32)
+  with pytest.raises(jaxkern.KernelUnavailableError,
+                     match=re.escape("num_experts (logits.shape[1]) = 6; the kernel takes a multiple of 4")):
+    _gate(logits, bias, k=2, implementation=implementation)
+
+
+@pytest.mark.parametrize("implementation", ["auto", "xla"])
+def test_experts_not_a_multiple_of_4_run_xla(key, implementation):
+  logits, bias = _inputs(key, 8, 6)
+  got = _gate(logits, bias, k=2, func="softmax", implementation=implementation)
+  _check(got, _gate(logits, bias, k=2, func="softmax", implementation="reference"))
+
+
+def _non_finite_logits(key):
+  """Rows 1-3: one NaN / +Inf / -Inf; 4-6: all NaN / +Inf / -Inf; 7: +Inf and NaN; 0: finite."""
+  logits, bias = _inputs(key, 8, 16)
+  logits = (logits.at[1, 3].set(jnp.nan).at[2, 5].set(jnp.inf).at[3, 7].set(-jnp.inf).at[4].set(jnp.nan)
+            .at[5].set(jnp.inf).at[6].set(-jnp.inf).at[7, 2].set(jnp.inf).at[7, 9].set(jnp.nan))
+  return logits, bias
+
+
+@pytest.mark.parametrize("func", FUNCS)
+@pytest.mark.parametrize("grouped", [False, True])
+def test_non_finite_logits_give_nan_weights(key, func, grouped):
+  """Kernel and reference: NaN routed weights on rows with a non-finite logit, ids ranked with NaN as -inf."""
+  logits, bias = _non_finite_logits(key)
+  kw = dict(k=4, g=4 if grouped else 0, ntg=2 if grouped else 0, s=1, func=func, tp_rank=0, tp=1, ep=1)
+  pmap, count = _identity_map(16, 1)
+  mask = jnp.arange(8) != 4  # a masked row keeps weights 0 whatever its logits
+  got = _gate(logits, bias, mask=mask, pmap=pmap, count=count, **kw)
+  _check(got, _gate(logits, bias, mask=mask, pmap=pmap, count=count, implementation="reference", **kw))
+  w = np.asarray(got.topk_weights)
+  assert np.isnan(w[[1, 2, 3, 5, 6, 7], :4]).all() and (w[:, 4] == np.where(np.asarray(mask), 1.0, 0.0)).all()
+  assert np.isfinite(w[0]).all() and (w[4] == 0).all()
+
+
+def test_checkify_reports_the_first_non_finite_logit(key):
+  logits, bias = _non_finite_logits(key)
+  f = functools.partial(_gate, k=4)
+  checked = jax.jit(checkify.checkify(f, errors=checkify.user_checks))
+  err, out = checked(logits, bias)
+  assert "logits[1, 3] = nan is not finite" in err.get()
+  _check(out, f(logits, bias))  # without checkify the op runs, same result
+  err, _ = checked(logits, bias, mask=jnp.arange(8) == 0)  # masked rows are not checked
+  assert err.get() is None
 
 
 @pytest.mark.parametrize("e, g, ntg, k, func, options", [
@@ -287,6 +336,7 @@ def test_debug_check_compiles_to_nothing(key, monkeypatch):
   t, e, k = 64, 16, 4
   logits, bias = _inputs(key, t, e)
   args = (logits, bias, jnp.ones((t,), bool), jnp.zeros((t, k), jnp.int32))
+  monkeypatch.setattr(_top2_sum_gate, "_debug_check_finite_logits", lambda *a: None)  # its own test below
   lower = lambda: jax.jit(lambda l, b, fix, u: _gate(l, b, k=k, fix=fix, unmapped=u)).lower(*args)  # a new trace
   checked = lower()
   assert "argmax" in checked.as_text()  # the debug check's operands are traced ...
@@ -294,6 +344,17 @@ def test_debug_check_compiles_to_nothing(key, monkeypatch):
   plain = lower()
   assert "argmax" not in plain.as_text()
   assert _hlo_ops(checked.compile().as_text()) == _hlo_ops(plain.compile().as_text())  # ... and XLA drops them
+
+
+def test_finite_logits_check_compiles_to_nothing(key, monkeypatch):
+  """Without checkify, the compiled kernel path is the same with and without the non-finite logits check."""
+  logits, bias = _inputs(key, 64, 16)
+  lower = lambda: jax.jit(lambda l, b: _gate(l, b, k=4)).lower(logits, bias)  # a new trace
+  checked = lower()
+  monkeypatch.setattr(_top2_sum_gate, "_debug_check_finite_logits", lambda *a: None)
+  plain = lower()
+  assert checked.as_text().count("is_finite") > plain.as_text().count("is_finite")
+  assert _hlo_ops(checked.compile().as_text()) == _hlo_ops(plain.compile().as_text())
 
 
 def _hlo_ops(hlo: str) -> str:
