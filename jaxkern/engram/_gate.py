@@ -184,6 +184,12 @@ def _gate_of(raw, sxx, skk, *, d, eps, clamp_value):
   return _sigmoid(_signed_sqrt(raw * rx * rk * s, c)), rx, rk
 
 
+def _fwd_out_type(t, m, d, save):
+  """The forward kernels' outputs: ``out`` ``(T, M, D)`` bf16, then with ``save`` ``dot``, ``gate``, ``rstd_x``,
+  ``rstd_k`` ``(T, M)`` float32."""
+  return (jax.ShapeDtypeStruct((t, m, d), jnp.bfloat16),) + (jax.ShapeDtypeStruct((t, m), jnp.float32),) * (4 * save)
+
+
 @functools.partial(jax.jit, static_argnames=("eps", "clamp_value", "save", "interpret"))
 def gate_fwd_rows_kernel(x, k, v, wf, *, eps, clamp_value, save, interpret):
   """The forward with one warp per stream (:func:`stream_rows_layout`, ``M % 4 == 0``), one token per CTA (grid
@@ -193,11 +199,9 @@ def gate_fwd_rows_kernel(x, k, v, wf, *, eps, clamp_value, save, interpret):
   t, m, d = x.shape
   lay = stream_rows_layout()
   rows, row_v = _tiled(lay), _tiled(lay.reduce((0,)))
-  out_type = [jax.ShapeDtypeStruct((t, m, d), jnp.bfloat16)]
-  if save:
-    out_type += [jax.ShapeDtypeStruct((t, m), jnp.float32)] * 4
+  out_type = _fwd_out_type(t, m, d, save)
 
-  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(t,), grid_names=("t",), interpret=interpret,
+  @functools.partial(plgpu.kernel, out_type=out_type, grid=(t,), grid_names=("t",), interpret=interpret,
                      compiler_params=NO_AUTO_BARRIERS)
   def kernel(x_g, k_g, v_g, w_g, o_g, *saved):
     i = lax.axis_index("t")
@@ -224,11 +228,9 @@ def gate_fwd_flat_kernel(x, k, v, wf, *, eps, clamp_value, save, interpret):
   chunks = [(off, n, flat_layout(vec)) for off, n, vec in flat_chunks(d, 2)]
   inv_d, s = float(np.float32(1.0 / d)), float(np.float32(np.float64(d) ** -0.5))
   eps32, c = float(np.float32(eps)), float(np.float32(clamp_value))
-  out_type = [jax.ShapeDtypeStruct((t, m, d), jnp.bfloat16)]
-  if save:
-    out_type += [jax.ShapeDtypeStruct((t, m), jnp.float32)] * 4
+  out_type = _fwd_out_type(t, m, d, save)
 
-  @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(t,), grid_names=("t",), interpret=interpret,
+  @functools.partial(plgpu.kernel, out_type=out_type, grid=(t,), grid_names=("t",), interpret=interpret,
                      compiler_params=NO_AUTO_BARRIERS)
   def kernel(x_g, k_g, v_g, w_g, o_g, *saved):
     i = lax.axis_index("t")

@@ -456,6 +456,45 @@ def _ring_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_
   return call(block_expert, xq, sfx_t, wq, wsf)
 
 
+def _wide_tile(e, c0, r0, t0, *, wg, wm, bn, ks, stages, first_cols_cases, x_s, w_s, sx_s, sfw_g, produced,
+               consumed, out_s, o_g, out_dtype, interpret):
+  """One compute warpgroup's ``(wm, bn)`` tile of the 192-column kernels (:func:`_wide_kernel`,
+  :func:`_pair_mc_kernel`) for expert ``e >= 0``: the K loop over the pipeline's slots from ``t0`` (wgmma, then the
+  per-step promotion with the two column blocks' weight scales, loaded two steps ahead), then the TMA-store
+  epilogue. The tile's split between two weight-scale blocks (``first_cols``) is a compile-time constant per case."""
+  scale_block = c0 // BLOCK
+
+  def w_scales(s):  # the weight scales of the tile's two column blocks at step s
+    s = jnp.minimum(s, ks - 1)
+    return sfw_g[e, scale_block, s], sfw_g[e, scale_block + 1, s]
+
+  def k_loop(first_cols, acc):
+    def step(s, carry):
+      total, (w0, w1), w_next = carry
+      slot = lax.rem(t0 + s, stages)
+      plgpu.barrier_wait(produced.at[slot])
+      _zero_acc(acc, interpret)
+      plgpu.wgmma(acc, x_s.at[slot, pl.ds(wg * wm, wm)], w_s.at[slot].T)
+      part = plgpu.wgmma_accumulator_load(acc, wait_n=0)
+      sx = plgpu.load(sx_s.at[slot, pl.ds(wg * wm, wm)], layout=WG.reduce(1), optimized=False)
+      plgpu.barrier_arrive(consumed.at[slot])
+      promoted = jnp.concatenate([part[:, :first_cols] * (sx * w0)[:, None],
+                                  part[:, first_cols:] * (sx * w1)[:, None]], axis=1)
+      return total + promoted, w_next, w_scales(s + 2)
+
+    zero = plgpu.layout_cast(jnp.zeros((wm, bn), jnp.float32), WG)
+    return lax.fori_loop(0, ks, step, (zero, w_scales(0), w_scales(1)))[0]
+
+  for first_cols in first_cols_cases:
+    @pl.when((e >= 0) & (c0 % BLOCK == BLOCK - first_cols))
+    def _run():
+      total = pl.run_scoped(functools.partial(k_loop, first_cols), plgpu.ACC((wm, bn), jnp.float32))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read out_s
+      out_s[wg] = total.astype(out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_s.at[wg], o_g.at[pl.ds(pl.multiple_of(r0, wm), wm), pl.ds(c0, bn)])
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "bn", "stages"))
 def _wide_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, bn=192, stages=5):
   """The SMEM ring of :func:`_ring_kernel` with ``bn``-column tiles, ``128 < bn < 256`` a multiple of
@@ -529,37 +568,9 @@ def _wide_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_
         e_next = expert_of(lin + ctas)
         mi, c0 = coords(lin)
         r0 = mi * BLOCK + wg * wm
-        scale_block = c0 // BLOCK
-
-        def w_scales(s):  # the weight scales of the tile's two column blocks at step s
-          s = jnp.minimum(s, ks - 1)
-          return sfw_g[e, scale_block, s], sfw_g[e, scale_block + 1, s]
-
-        def k_loop(first_cols, acc):
-          def step(s, carry):
-            total, (w0, w1), w_next = carry
-            slot = lax.rem(t0 + s, stages)
-            plgpu.barrier_wait(produced.at[slot])
-            _zero_acc(acc, interpret)
-            plgpu.wgmma(acc, x_s.at[slot, pl.ds(wg * wm, wm)], w_s.at[slot].T)
-            part = plgpu.wgmma_accumulator_load(acc, wait_n=0)
-            sx = plgpu.load(sx_s.at[slot, pl.ds(wg * wm, wm)], layout=WG.reduce(1), optimized=False)
-            plgpu.barrier_arrive(consumed.at[slot])
-            promoted = jnp.concatenate([part[:, :first_cols] * (sx * w0)[:, None],
-                                        part[:, first_cols:] * (sx * w1)[:, None]], axis=1)
-            return total + promoted, w_next, w_scales(s + 2)
-
-          zero = plgpu.layout_cast(jnp.zeros((wm, bn), jnp.float32), WG)
-          return lax.fori_loop(0, ks, step, (zero, w_scales(0), w_scales(1)))[0]
-
-        for first_cols in first_cols_cases:
-          @pl.when((e >= 0) & (c0 % BLOCK == BLOCK - first_cols))
-          def _run():
-            total = pl.run_scoped(functools.partial(k_loop, first_cols), plgpu.ACC((wm, bn), jnp.float32))
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read out_s
-            out_s[wg] = total.astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_s.at[wg], o_g.at[pl.ds(pl.multiple_of(r0, wm), wm), pl.ds(c0, bn)])
+        _wide_tile(e, c0, r0, t0, wg=wg, wm=wm, bn=bn, ks=ks, stages=stages, first_cols_cases=first_cols_cases,
+                   x_s=x_s, w_s=w_s, sx_s=sx_s, sfw_g=sfw_g, produced=produced, consumed=consumed, out_s=out_s,
+                   o_g=o_g, out_dtype=out_dtype, interpret=interpret)
 
         @pl.when(e < 0)
         def _skip():
@@ -677,37 +688,9 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
         e_next, code_next = experts_of(lin + ctas)
         mi, c0 = coords(lin)
         r0 = mi * BLOCK + wg * wm
-        scale_block = c0 // BLOCK
-
-        def w_scales(s):  # the weight scales of the tile's two column blocks at step s
-          s = jnp.minimum(s, ks - 1)
-          return sfw_g[e, scale_block, s], sfw_g[e, scale_block + 1, s]
-
-        def k_loop(first_cols, acc):
-          def step(s, carry):
-            total, (w0, w1), w_next = carry
-            slot = lax.rem(t0 + s, stages)
-            plgpu.barrier_wait(produced.at[slot])
-            _zero_acc(acc, interpret)
-            plgpu.wgmma(acc, x_s.at[slot, pl.ds(wg * wm, wm)], w_s.at[slot].T)
-            part = plgpu.wgmma_accumulator_load(acc, wait_n=0)
-            sx = plgpu.load(sx_s.at[slot, pl.ds(wg * wm, wm)], layout=WG.reduce(1), optimized=False)
-            plgpu.barrier_arrive(consumed.at[slot])
-            promoted = jnp.concatenate([part[:, :first_cols] * (sx * w0)[:, None],
-                                        part[:, first_cols:] * (sx * w1)[:, None]], axis=1)
-            return total + promoted, w_next, w_scales(s + 2)
-
-          zero = plgpu.layout_cast(jnp.zeros((wm, bn), jnp.float32), WG)
-          return lax.fori_loop(0, ks, step, (zero, w_scales(0), w_scales(1)))[0]
-
-        for first_cols in first_cols_cases:
-          @pl.when((e >= 0) & (c0 % BLOCK == BLOCK - first_cols))
-          def _run():
-            total = pl.run_scoped(functools.partial(k_loop, first_cols), plgpu.ACC((wm, bn), jnp.float32))
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has read out_s
-            out_s[wg] = total.astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_s.at[wg], o_g.at[pl.ds(pl.multiple_of(r0, wm), wm), pl.ds(c0, bn)])
+        _wide_tile(e, c0, r0, t0, wg=wg, wm=wm, bn=bn, ks=ks, stages=stages, first_cols_cases=first_cols_cases,
+                   x_s=x_s, w_s=w_s, sx_s=sx_s, sfw_g=sfw_g, produced=produced, consumed=consumed, out_s=out_s,
+                   o_g=o_g, out_dtype=out_dtype, interpret=interpret)
 
         @pl.when((e < 0) & (code >= 0))
         def _peer_only():  # this block is skipped, its peer's is not: release each slot the pair's loads fill

@@ -148,19 +148,7 @@ def backward_kernel(q, sf, grad, weight, *, npc, round_sf, clamp, interpret):
       col = j * npc
       xv = xq.astype(jnp.float32) * sx[:, None]
       yv = yq.astype(jnp.float32) * sy[:, None]
-      g = g.astype(jnp.float32)
-      if c is not None:
-        cx, cy = xv > c, jnp.abs(yv) > c  # |y| > C: y > C or y < -C (finite inputs)
-        xv = jnp.where(cx, c, xv)
-        yv = jnp.minimum(jnp.maximum(yv, -c), c)
-      q, s = swish(xv, 1.0 + jnp.exp(-xv))  # x / (1 + exp(-x)) and 1 / (1 + exp(-x))
-      act = q * yv
-      gw = (g * w) * s
-      dx = (gw * yv) * (xv * (1.0 - s) + 1.0)  # fma: the multiply's only use is the add (module docstring)
-      dy = gw * xv
-      if c is not None:
-        dx = jnp.where(cx, 0.0, dx)
-        dy = jnp.where(cy, 0.0, dy)
+      act, dx, dy = steps.swiglu_grads(xv, yv, g.astype(jnp.float32), w, c, swish)
       out_g[rows, pl.ds(col, npc)] = (act * w).astype(jnp.bfloat16)
       for half, v in ((0, dx), (1, dy)):
         cols = pl.ds(half * h + col, npc)

@@ -44,6 +44,25 @@ STEP_GROUPS = 4
 STEP_CHUNK_COLS = 2048  # gate columns per CTA, as the grouped kernel's CHUNK_COLS
 
 
+
+def swiglu_grads(xv, yv, g, w, c, swish):
+  """The element-wise SwiGLU backward of both backward kernels, float32: the clamp (``c`` or None) of the gate
+  ``xv`` and the up value ``yv``, then ``act = silu(x)·y``, ``dx``, ``dy`` for the row weight ``w`` and the output
+  gradient ``g``; ``swish(x, 1 + exp(-x))`` gives ``x / (1 + exp(-x))`` and ``1 / (1 + exp(-x))``."""
+  if c is not None:
+    cx, cy = xv > c, jnp.abs(yv) > c  # |y| > C: y > C or y < -C (finite inputs)
+    xv = jnp.where(cx, c, xv)
+    yv = jnp.minimum(jnp.maximum(yv, -c), c)
+  q, s = swish(xv, 1.0 + jnp.exp(-xv))
+  act = q * yv
+  gw = (g * w) * s
+  dx = (gw * yv) * (xv * (1.0 - s) + 1.0)  # fma: the multiply's only use is the add (module docstring)
+  dy = gw * xv
+  if c is not None:
+    dx = jnp.where(cx, 0.0, dx)
+    dy = jnp.where(cy, 0.0, dy)
+  return act, dx, dy
+
 def output_types(r, h, nseg, num_chunks):
   """The backward kernels' outputs for ``r`` rows, ``h`` gate columns in ``nseg`` groups and ``num_chunks`` column
   chunks: ``out``, ``x_grad``, ``x_grad_q``, ``x_grad_sf`` (layout A) and the row sums of each chunk."""
@@ -159,19 +178,7 @@ def backward_kernel(q, sf, grad, weight, *, npc, round_sf, clamp, interpret):
       col = t * width
       xv = xq.astype(jnp.float32) * _expand(sx, nd)
       yv = yq.astype(jnp.float32) * _expand(sy, nd)
-      g = g.astype(jnp.float32)
-      if c is not None:
-        cx, cy = xv > c, jnp.abs(yv) > c  # |y| > C: y > C or y < -C (finite inputs)
-        xv = jnp.where(cx, c, xv)
-        yv = jnp.minimum(jnp.maximum(yv, -c), c)
-      qv, s = swish(xv, 1.0 + jnp.exp(-xv))  # x / (1 + exp(-x)) and 1 / (1 + exp(-x))
-      act = qv * yv
-      gw = (g * w) * s
-      dx = (gw * yv) * (xv * (1.0 - s) + 1.0)  # fma: the multiply's only use is the add (module docstring)
-      dy = gw * xv
-      if c is not None:
-        dx = jnp.where(cx, 0.0, dx)
-        dy = jnp.where(cy, 0.0, dy)
+      act, dx, dy = swiglu_grads(xv, yv, g.astype(jnp.float32), w, c, swish)
       store(out_g, col, (act * w).astype(jnp.bfloat16))
       for half, v in ((0, dx), (1, dy)):
         store(xg_g, half * h + col, v.astype(jnp.bfloat16))

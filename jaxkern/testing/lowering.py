@@ -23,17 +23,18 @@ def lower_for_h100(f, *args):
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
 
 
-def capture_mosaic_modules(monkeypatch) -> list[str]:
-  """The text of every Mosaic GPU module serialised for the compiler while the test runs (appended to the returned
-  list), e.g. to check which multiplies feed adds (FMA contraction) after :func:`lower_for_h100`."""
+def capture_mosaic_modules(monkeypatch, keep=str) -> list:
+  """``keep(module)`` (default: its text) of every Mosaic GPU module serialised for the compiler while the test runs
+  (appended to the returned list), e.g. to check which multiplies feed adds (FMA contraction) after
+  :func:`lower_for_h100`."""
   import jax.experimental.mosaic.gpu.core as mgpu_core
 
-  modules: list[str] = []
+  modules = []
   serde = mgpu_core._run_serde_pass
 
   def spy(module, serialize, ir_version):
     if serialize:
-      modules.append(str(module))
+      modules.append(keep(module))
     return serde(module, serialize=serialize, ir_version=ir_version)
 
   monkeypatch.setattr(mgpu_core, "_run_serde_pass", spy)

@@ -12,7 +12,7 @@ import pytest
 import jaxkern
 from jaxkern import quant
 from jaxkern.reference import quant as ref
-from jaxkern.testing import assert_bitwise_equal, lower_for_h100
+from jaxkern.testing import assert_bitwise_equal, capture_mosaic_modules, lower_for_h100
 from jaxkern.types import QuantTensor, QuantTensorWithClampedCount
 
 FLAGS = {"A": {}, "A-round": dict(round_sf=True), "B": dict(use_tma_aligned_col_major_sf=True),
@@ -224,17 +224,7 @@ def _unreconciled_casts(module) -> list[str]:
 @pytest.fixture
 def cast_check(monkeypatch):
   """The :func:`_unreconciled_casts` of every Mosaic GPU module lowered while the test runs (a list per module)."""
-  import jax.experimental.mosaic.gpu.core as mgpu_core
-
-  found, serde = [], mgpu_core._run_serde_pass
-
-  def spy(module, serialize, ir_version):
-    if serialize:
-      found.append(_unreconciled_casts(module))
-    return serde(module, serialize=serialize, ir_version=ir_version)
-
-  monkeypatch.setattr(mgpu_core, "_run_serde_pass", spy)
-  return found
+  return capture_mosaic_modules(monkeypatch, keep=_unreconciled_casts)
 
 
 def test_cast_check_finds_a_broadcast_fed_to_inline_ptx(cast_check):
