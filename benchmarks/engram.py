@@ -1,4 +1,4 @@
-"""Engram ops on the spec's benchmark grid (engram_mhc.md §6.3): T in {4001, 8001}, M = 4,
+"""Engram ops on upstream's benchmark grid: T in {4001, 8001}, M = 4,
 D in {2048, 2560, 3072, 4096, 6144, 7168}; hash N = 3, L = 2, E = 8. Byte counts as the spec sums them:
 
 * ``engram_hash``: ``140·T + 304``;
@@ -13,7 +13,7 @@ D in {2048, 2560, 3072, 4096, 6144, 7168}; hash N = 3, L = 2, E = 8. Byte counts
   with ``|d| < 1e-3`` (:func:`conditioned_grad_out`): there ``G ∝ |d|^-1/2`` amplifies the float32
   rounding of either forward's ``raw`` (``δG/G = δraw/(2·raw)``), so two correct float32 pipelines differ
   by more than the tolerance (one such row of randn data gave ``calc_diff`` 4.6e-6 of grad_k between the
-  float32 and the float64 reference at ``T = 1000``); the spec's backward test avoids it by feeding the
+  float32 and the float64 reference at ``T = 1000``); upstream's backward test avoids it by feeding the
   kernel the reference's intermediates, which ``engram_gate_bwd``'s rows do.
 
 ``fused_weight`` and ``grad_w_reduce`` are XLA code (no kernel), so they have no rows. Checks use the
@@ -80,7 +80,7 @@ def _bwd_case(t, d, p=None):
 
 
 def _bwd_check(out, expected):
-  """grad_x, grad_k, grad_v, and the weight gradient ``Σ_p grad_w_partial[p]`` at the spec's 1e-8."""
+  """grad_x, grad_k, grad_v, and the weight gradient ``Σ_p grad_w_partial[p]`` at upstream's 1e-8."""
   for a, b in zip(out[:3], expected[:3], strict=True):
     assert_diff_below(a, b, 1e-8)
   assert_diff_below(jnp.sum(out[3], axis=0), jnp.sum(expected[3], axis=0), 1e-8)

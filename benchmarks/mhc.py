@@ -1,9 +1,9 @@
-"""mHC mix ops (engram_mhc.md §4.1, §4.4-§4.8) on the spec's test grids (§6.2: upstream has no mHC benchmark
-except multilayer_recompute) plus the target shape T = 8192, H = 7168, M = 4.
+"""mHC mix ops (docs/mhc.md) on upstream's test grids (upstream has no mHC benchmark except
+multilayer_recompute) plus the target shape T = 8192, H = 7168, M = 4.
 
 Byte counts: every input read and output written once (``count_bytes``), ``T`` tokens, ``M`` streams, bf16
 streams / hidden rows and float32 mixes, e.g. ``post``: ``x 2TH + residual 2TMH + post 4TM + comb 4TM² + out
-2TMH`` (the spec's ``io_post``, §6.4). Checks use the spec's tolerances (§6.2); the expand forward is bitwise.
+2TMH`` (upstream's ``io_post``). Checks use upstream's test tolerances; the expand forward is bitwise.
 ``pre_split_mixes`` and ``head_compute_mix`` are XLA code (no kernel), so they have no rows. ``pre_big_fuse`` and
 ``mhc_pre->mhc_post:fwd+bwd`` (end of the module) say their own shapes and byte counts.
 """
@@ -69,7 +69,7 @@ register(BenchOp("expand_to_mhc_bwd", mhc.expand_to_mhc_bwd, ref.expand_to_mhc_b
 # pre_apply_mix -------------------------------------------------------------------------------
 
 def _apply(t, h):
-  # The spec's test data (engram_mhc.md §6.2: x = sigmoid(randn) bf16, mix = softmax over M), for which its
+  # Upstream's test data (x = sigmoid(randn) bf16, mix = softmax over M), for which its
   # tolerance (atol 1e-2, rtol 1e-3) is made: with x ~ N(0, 1) (until 2026-11-26) |out| reaches 4, where one
   # bf16 ulp (2^-6 at |out| >= 2) exceeds atol 1e-2, and the kernel's FMA-contracted sums (GPU compiler)
   # round to the other bf16 neighbour of XLA's unfused sums on ~1e-4 of the outputs: "wrong" on 2 of 8 shapes
@@ -148,7 +148,7 @@ register(BenchOp("sinkhorn_normalize_bwd", mhc.sinkhorn_normalize_bwd, ref.sinkh
                  check=tol_check(1.3e-6, 1e-5)))
 
 
-# pre_big_fuse (§4.9) -------------------------------------------------------------------------
+# pre_big_fuse ------------------------------------------------------------------------------
 # Shapes: upstream's test grid T ∈ {512, 1024, 2048, 8192} × H ∈ {1280, 2560, 4096} plus the target shape
 # T = 8192, H = 7168 (M = 4, J = 24, K = 4H; no norm weight, all eps 1e-6, post_mult_value 1, repeat 10).
 # Bytes (count_bytes: each array once): residual 2TK + fn 4JK + scale 12 + base 4J + post_mix 4TM + comb_mix 4TM²
@@ -191,7 +191,7 @@ register(BenchOp("pre_big_fuse", _big_fuse, ref.pre_big_fuse, lambda: [_fuse_cas
                  lambda: [_fuse_case(5, 1024), _fuse_case(70, 64)], check=_fuse_check))
 
 
-# mhc_pre -> mhc_post: forward + backward (§4.12) ---------------------------------------------
+# mhc_pre -> mhc_post: forward + backward ---------------------------------------------------
 # jax.value_and_grad (w.r.t. residual, fn, scale, base) of sum(mhc_post(layer_input, R, post, comb) · G) with
 # (layer_input, (post, comb)) = mhc_pre(R, fn, scale, base) (the sublayer is the identity), against the same of the
 # jnp reference composition compiled by XLA. Bytes: the I/O of an ideal fused forward + backward: R read by the

@@ -1,4 +1,4 @@
-"""mHC ``pre_norm_fn`` (engram_mhc.md §4.3): forward, backward, and forward + backward.
+"""mHC ``pre_norm_fn`` (docs/mhc.md): forward, backward, and forward + backward.
 
 Shapes: upstream's correctness grid ``T ∈ {4096, 8192} × H ∈ {1280, 2560, 7168}`` and its split-K grid
 ``T ∈ {13, 48, 512} × H ∈ {1280, 2560, 4096, 7168}`` (``M = 4``, ``J = 24``, ``K = 4H``; no norm weight: it is
@@ -8,7 +8,7 @@ once): forward ``2TK + 4JK + 4TJ`` (residual, fn, mixes); ``pre_norm_fn_bwd`` ``
 ``pre_norm_fn:fwd+bwd`` (``jax.value_and_grad`` w.r.t. residual and fn) the forward with its saved sums
 (``+4TJ + 4T``) plus the backward. The XLA columns time the ``jnp`` references compiled by XLA (for the
 backward rows: the hand backward reference; for fwd+bwd: ``jax.value_and_grad`` of the forward reference).
-Checks use the spec's tolerances (mixes ``1e-3``; gradients relative to their scale).
+Checks use upstream's tolerances (mixes ``1e-3``; gradients relative to their scale).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""``multilayer_recompute`` (engram_mhc.md §4.10) on upstream's own benchmark grid (§6.2 / §6.4): the one mHC
+"""``multilayer_recompute`` (docs/mhc.md) on upstream's own benchmark grid: the one mHC
 op TileKernels benchmarks, so these rows compare directly with its published cases.
 
 Shapes: ``(L, Lp) ∈ {(10, 9), (10, 10)} × H ∈ {2560, 4096, 7168, 8192}``, ``B = 1``, ``S = 8192`` tokens,
 ``M = 4``; mixes are random normal (not activations), as upstream's test draws them. Bytes: upstream's
-``io_fused = 2nMH + L(4nM + 2nH) + Lp(2nH + 4nM + 4nM² + 2nMH)`` (§6.4), the I/O of a kernel that keeps the
+``io_fused = 2nMH + L(4nM + 2nH) + Lp(2nH + 4nM + 4nM² + 2nMH)``, the I/O of a kernel that keeps the
 running residual on chip, which is what jaxkern's ``multilayer_recompute`` runs on a GPU (one fused Mosaic GPU
 kernel, :mod:`jaxkern.mhc._recompute_kernel`; the layer-by-layer composition of ``pre_apply_mix`` and ``post``
 would move ``io_ref = L·io_pre + Lp·io_post`` bytes). The XLA column times the reference's loop compiled by XLA.
-Check: upstream's ``calc_diff < 1e-6`` per output (a global, scale-free similarity, §6.1). Exact equality holds
+Check: upstream's ``calc_diff < 1e-6`` per output (a global, scale-free similarity). Exact equality holds
 only against jaxkern's own ops layer by layer (tests/mhc/test_fused.py and test_recompute_kernel.py check that on
 the GPU); XLA's
 reference rounds differently (separate products where the kernels contract to FMAs: ~1e-5 of the outputs of

@@ -1,4 +1,4 @@
-"""MoE gating ops on the spec's benchmark grids (moe_transpose.md §4). Byte counts follow the spec
+"""MoE gating ops on upstream's benchmark grids. Byte counts follow upstream's
 (int64 index outputs upstream, so 8 bytes per index although jaxkern writes int32)."""
 
 import dataclasses

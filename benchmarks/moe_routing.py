@@ -1,4 +1,4 @@
-"""MoE routing ops on the spec's shapes (moe_transpose.md §5, §6): every op's full benchmark grid.
+"""MoE routing ops on upstream's benchmark shapes: every op's full benchmark grid.
 
 Grid sizes: get_fused_mapping 12, expand_to_fused 84, expand_to_fused_with_sf 4 x 84,
 reduce_fused 4 x 36, normalize_weight 12, aux_fi 24, group_count 12, mask_indices_by_tp 36,

@@ -1,4 +1,4 @@
-"""jaxkern.quant casts on the spec's benchmark shapes (quant.md §11).
+"""jaxkern.quant casts on upstream's benchmark shapes.
 
 Static arguments cannot travel through ``make_args``, so each group width is its own benchmark op
 (``npc=K`` derives the width from the input). Byte counts are the logical sizes (input, data, sf).
@@ -15,7 +15,7 @@ T, npc 128, no weights; the clamp is a case kwarg, counters returned with a clam
 swiglu_forward_and_per_channel_cast_and_transpose (one op per npt 32 / 128 over tokens {4096, 8064} x 7 hidden sizes
 as h; without_transpose, round_sf and the clamp None / 0.5 are case kwargs). The
 T, npc 128, no weights; the clamp is a case kwarg, counters returned with a clamp),
-swiglu_backward_and_per_token_cast (the 12 MoE configs x h in {2048, 4096, 7168} (a subset of the spec's 6 hidden
+swiglu_backward_and_per_token_cast (the 12 MoE configs x h in {2048, 4096, 7168} (a subset of upstream's 6 hidden
 sizes, to keep the grid at 144 shapes) x npc {32, 128} x clamp 0.5 / None, round_sf=True). The
 inputs whose ops fall back to the jnp reference (fewer rows than one register layout block, cast_back
 of e2m1 data with (bm, 1) blocks) are outside these grids.
@@ -206,7 +206,7 @@ register(BenchOp(
 
 
 def _gather_rows(experts, ranks):
-  """``(T, pos_to_token)`` of the spec's MoE config (4001 tokens sent per rank, alignment 128), as
+  """``(T, pos_to_token)`` of upstream's MoE config (4001 tokens sent per rank, alignment 128), as
   NumPy; ``experts == 0``: 4096 plain tokens, no mapping."""
   if not experts:
     return 4096, None
@@ -245,11 +245,11 @@ register(BenchOp(
              for k in hidden_sizes(128)],
     lambda: [_fused_case(0, 0, 256, True)]))
 
-_E5M6_FLAGS = {"round": dict(round_sf=True), "packed": _PACKED}  # the spec's flag sets (F, T, F) and (T, T, T)
+_E5M6_FLAGS = {"round": dict(round_sf=True), "packed": _PACKED}  # upstream's flag sets (F, T, F) and (T, T, T)
 
 
 def _e5m6_case(m, k, dtype_name, flags):
-  """Random input only (quant.md §11); bytes: x, packed data (1.5 bytes per value), sf (4 or 1 byte per row)."""
+  """Random input only (as upstream's benchmark); bytes: x, packed data (1.5 bytes per value), sf (4 or 1 byte per row)."""
   nbytes = m * k * jnp.dtype(_DTYPES[dtype_name]).itemsize + m * k * 3 // 2 + m * (1 if flags == "packed" else 4)
   return Case(f"M={m} K={k} {dtype_name} {flags}", lambda key: (randn(key, (m, k), _DTYPES[dtype_name]),), nbytes,
               _E5M6_FLAGS[flags])
@@ -302,7 +302,7 @@ def _moe_mapping(send_tokens, num_topk, experts, ranks, alignment):
 def _swiglu_case(send_tokens, num_topk, experts, ranks, h, with_mapping, clamp):
   """Upstream's SwiGLU benchmark input: ``expand_to_fused`` of a bf16 ``randn`` ``(T, 2h)`` over the fused
   mapping of the MoE config (alignment 16, padding rows zero); ``pos_to_expert`` passed or not; flags T, T, T,
-  so npc 128 and no weights. Bytes: x, out, the logical packed sf (mappings not counted, quant.md §11)."""
+  so npc 128 and no weights. Bytes: x, out, the logical packed sf (mappings not counted, as upstream counts them)."""
   idx, n, mapping = _moe_mapping(send_tokens, num_topk, experts, ranks, 16)
   pos_to_token, pos_to_expert = (np.asarray(a) for a in (mapping.pos_to_token, mapping.pos_to_expert))
   nbytes = n * 2 * h * 2 + n * h + n * (-(-h // 512)) * 4
@@ -334,7 +334,7 @@ register(BenchOp(
 
 
 def _swiglu_channel_case(m, h, npt, without_transpose, round_sf, clamp):
-  """bf16 ``randn`` ``(M, 2h)``; bytes: x, out, sf (quant.md §11)."""
+  """bf16 ``randn`` ``(M, 2h)``; bytes: x, out, sf."""
   label = (f"M={m} h={h}{' no-transpose' if without_transpose else ''}{' round' if round_sf else ''} "
            f"clamp={clamp}")
   return Case(label, lambda key: (randn(key, (m, 2 * h), jnp.bfloat16),), m * 2 * h * 2 + m * h + m // npt * h * 4,
@@ -356,7 +356,7 @@ for _npt in (32, 128):
 def _swiglu_backward_case(send_tokens, num_topk, experts, ranks, h, npc, clamp):
   """Upstream's SwiGLU-backward benchmark input: ``per_token_cast(expand_to_fused(bf16 randn (T, 2h)), 'e4m3', npc)``
   over the fused mapping of the MoE config (alignment ``npc``), a bf16 ``randn`` gradient, ``uniform [0, 1)`` top-k
-  weights; ``round_sf=True``. Bytes (quant.md §11): x data and sf, grad_out, weights, both mappings, out, x_grad_q,
+  weights; ``round_sf=True``. Bytes (as upstream counts them): x data and sf, grad_out, weights, both mappings, out, x_grad_q,
   x_grad_sf, x_grad, weight_grad."""
   idx, n, mapping = _moe_mapping(send_tokens, num_topk, experts, ranks, npc)
   t = idx.shape[0]
@@ -385,7 +385,7 @@ def _swiglu_backward(op):
 
 
 def _swiglu_backward_check(out, expected):
-  """Bitwise, except ``weight_grad`` (summed in another order): ``atol = rtol = 1e-4`` (quant.md §10.2) or, where
+  """Bitwise, except ``weight_grad`` (summed in another order): ``atol = rtol = 1e-4`` (upstream's test) or, where
   a slot's sum cancels, a few float32 ulps of the largest slot (the runner has no inputs here to bound each slot by
   the sum of its terms' magnitudes, as tests/quant/test_swiglu_backward.py does): ``2^-20 · max |weight_grad|``."""
   bitwise_check(tuple(out)[:3], tuple(expected)[:3])

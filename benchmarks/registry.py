@@ -13,7 +13,7 @@ from jaxkern.testing import assert_bitwise_equal
 @dataclasses.dataclass(frozen=True)
 class Case:
   """One benchmark shape: ``make_args(key)`` builds the array inputs, ``kwargs`` are the op's static
-  keyword arguments; ``nbytes`` counts each input read and each output written once (the spec's
+  keyword arguments; ``nbytes`` counts each input read and each output written once (upstream's
   byte count); ``flops`` (GEMMs) the arithmetic, reported as TF/s when non-zero."""
 
   label: str
@@ -31,7 +31,7 @@ def bitwise_check(out, expected) -> None:
 @dataclasses.dataclass(frozen=True)
 class BenchOp:
   """``fn`` is the public jaxkern op (it follows the implementation switch), ``reference`` the
-  ``jnp`` reference; ``cases()`` gives the spec's benchmark shapes and ``small_cases()`` the
+  ``jnp`` reference; ``cases()`` gives upstream's benchmark shapes and ``small_cases()`` the
   shapes of the CPU correctness pass; ``check(out, expected)`` raises on a mismatch."""
 
   name: str

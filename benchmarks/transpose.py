@@ -1,4 +1,4 @@
-"""transpose / batched_transpose on the spec's shapes (moe_transpose.md §7.1)."""
+"""transpose / batched_transpose on upstream's benchmark shapes."""
 
 import itertools
 

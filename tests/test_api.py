@@ -19,7 +19,7 @@ AREAS = {"engram": (engram, reference.engram), "gemm": (gemm, reference.gemm), "
          "quant": (quant, reference.quant), "transpose": (transpose, reference.transpose)}
 # Public utilities that are not ops (no kernel, no implementation switch).
 NOT_OPS = {"sf_logical", "sf_to_float", "split_multipliers"}
-# Flags whose upstream default is True (kept: the spec's signature).
+# Flags whose upstream default is True (kept: upstream's signature).
 TRUE_FLAGS = {("engram_gate_fwd", "save_for_backward"), ("pre_norm_fn", "fuse_grad_acc")}
 OPS = [(area, name) for area, (mod, _) in AREAS.items() for name in mod.__all__
        if callable(getattr(mod, name)) and not isinstance(getattr(mod, name), type) and name not in NOT_OPS]

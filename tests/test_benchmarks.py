@@ -61,7 +61,7 @@ SWIGLU_CHANNEL = "swiglu_forward_and_per_channel_cast_and_transpose_npt"
 
 
 def test_swiglu_per_channel_grid():
-  """quant.md §11: tokens {4096, 8064} x 7 h x without_transpose x round_sf x clamp {None, 0.5}, per npt."""
+  """Upstream's benchmark grid: tokens {4096, 8064} x 7 h x without_transpose x round_sf x clamp {None, 0.5}, per npt."""
   for npt in (32, 128):
     cases = REGISTRY[f"{SWIGLU_CHANNEL}{npt}"].cases()
     assert len(cases) == 2 * 7 * 2 * 2 * 2 and len({c.label for c in cases}) == len(cases)
@@ -129,7 +129,7 @@ def test_mhc_grid_and_byte_counts():
   post = REGISTRY["post"].cases()
   assert len(post) == 8 and post[-1].label == "T=8192 H=7168"
   t, h, m = 8192, 7168, 4
-  assert post[-1].nbytes == 2 * t * h + 2 * t * m * h + 4 * t * m + 4 * t * m * m + 2 * t * m * h  # io_post, §6.4
+  assert post[-1].nbytes == 2 * t * h + 2 * t * m * h + 4 * t * m + 4 * t * m * m + 2 * t * m * h  # the bytes post reads and writes
   assert REGISTRY["post_bwd"].cases()[-1].nbytes == 2 * t * m * h + 2 * post[-1].nbytes
   assert REGISTRY["sinkhorn_normalize"].cases()[-1].nbytes == 2 * 4 * t * m * m
 

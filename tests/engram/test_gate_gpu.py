@@ -1,9 +1,9 @@
-"""Engram gate backward on the GPU at the spec's largest shapes, every output leaf compared on its own (the
+"""Engram gate backward on the GPU at upstream's largest shapes, every output leaf compared on its own (the
 benchmark's fwd+bwd check failed at T=8001 D=7168 with calc_diff 3.4e-5 without saying which leaf).
 
 * ``engram_gate_bwd`` fed the reference forward's intermediates (upstream's bwd test): grad_x, grad_k,
   grad_v, the weight-fused gradient ``Σ_p grad_w_partial[p]``, and grad_w_reduce's grad_wh, grad_we, each
-  at the spec's ``calc_diff < 1e-8``.
+  at upstream's ``calc_diff < 1e-8``.
 * ``jax.vjp(modeling.engram_gate)`` vs ``jax.vjp`` of the ``jnp`` composite: the output at 2e-10 and each
   cotangent at ``VJP_GRAD_TOL`` (below), with the cotangent zeroed on the ill-conditioned (token, stream) rows
   (``|d| < 1e-3``, :func:`benchmarks.engram.conditioned_grad_out`). The unconditioned cotangent's diffs are
@@ -27,7 +27,7 @@ from tests.engram.test_reference import gate_inputs
 EPS, CLAMP = 1e-20, 1e-6
 # End to end, the backward reads the kernel forward's own saved dot / rstd (within the forward's 2e-10 of the
 # reference's), not the reference's as upstream's bwd test does, so the cotangents differ a little more than the
-# spec's 1e-8: grad_k at T=8001 D=2560 measured 2.8e-8 on an H100 (2026-11-26), every other leaf below 3e-9.
+# upstream's 1e-8: grad_k at T=8001 D=2560 measured 2.8e-8 on an H100 (2026-11-26), every other leaf below 3e-9.
 VJP_GRAD_TOL = 1e-7
 SHAPES = [(8001, 7168), (8001, 2560)]  # the two-pass backward (7168 in 16-byte vectors, 2560 in 8-byte ones)
 BWD_SHAPES = SHAPES + [(8001, 3072)]  # the fused backward (one pass) at its widest D

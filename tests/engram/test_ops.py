@@ -1,5 +1,5 @@
-"""jaxkern.engram ops: kernels in interpret mode vs the references (bitwise where the spec says upstream is exact,
-else the spec's calc_diff tolerances), H100 lowering, argument checks, zero tokens."""
+"""jaxkern.engram ops: kernels in interpret mode vs the references (bitwise where upstream is exact,
+else upstream's calc_diff tolerances), H100 lowering, argument checks, zero tokens."""
 
 import functools
 import re

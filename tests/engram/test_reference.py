@@ -1,5 +1,5 @@
 """jaxkern.reference.engram checked independently: the hash against Python-int arithmetic, the gate against a
-numpy float64 transcription of the spec's formulas (engram_mhc.md §3), the hand-written backward against
+numpy float64 transcription of the formulas (docs/engram.md), the hand-written backward against
 autodiff of the composite reference in float64."""
 
 import jax
@@ -11,7 +11,7 @@ from jaxkern.reference import engram as ref
 
 
 def python_hash(ids, mult, sizes, offsets):
-  """§3.2 with Python ints: int64 wrap-around products and XOR, floor modulo, int32 offset add."""
+  """The hash (docs/engram.md) with Python ints: int64 wrap-around products and XOR, floor modulo, int32 offset add."""
   num_layers, n1, e = sizes.shape
   out = np.zeros((num_layers, ids.shape[0], n1 * e), np.int64)
   for l in range(num_layers):

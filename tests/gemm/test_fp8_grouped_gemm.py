@@ -223,7 +223,7 @@ def test_lowers_for_h100_packed_sf():
 @pytest.mark.gpu
 @pytest.mark.parametrize("g, rows, n, k", [(8, 512, 4096, 7168), (8, 512, 7168, 2048)])
 def test_gpu_accuracy(key, g, rows, n, k):
-  """The spec's bound: ≤ 0.5% max-relative against the float32 product of the dequantised inputs."""
+  """Upstream's bound: ≤ 0.5% max-relative against the float32 product of the dequantised inputs."""
   m = g * rows
   x, w = make_inputs(key, g, m, n, k)
   be = jnp.repeat(jnp.arange(g, dtype=jnp.int32), rows // 128).at[-1].set(-1)

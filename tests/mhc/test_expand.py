@@ -1,4 +1,4 @@
-"""jaxkern.mhc.expand_to_mhc (engram_mhc.md §4.1): bitwise forward, float32-summed backward, lowering, checks."""
+"""jaxkern.mhc.expand_to_mhc (docs/mhc.md): bitwise forward, float32-summed backward, lowering, checks."""
 
 import functools
 

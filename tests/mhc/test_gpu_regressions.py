@@ -8,7 +8,7 @@ Every test prints its per-output errors (run with ``-s``); all are skipped witho
 2. ``pre_apply_mix`` forward (2 of 8 shapes failed): diagnosed as one-bf16-ulp differences on rare outputs
    (the kernel's multiply-adds are FMA-contracted by the GPU compiler, XLA's reference rounds each product),
    which the benchmark's ``atol 1e-2`` flags only where ``|out| >= 2`` (one bf16 ulp = 2^-6 there): the
-   benchmark drew ``x`` from N(0, 1), the spec's test draws ``sigmoid(randn)`` (``|out| < 1``).
+   benchmark drew ``x`` from N(0, 1), upstream's test draws ``sigmoid(randn)`` (``|out| < 1``).
    ``test_pre_apply_mix_benchmark_data_within_one_bf16_ulp`` checks that diagnosis (any real indexing or
    race bug gives errors of many ulps) and prints which FMA order the kernel matches.
 """
@@ -112,7 +112,7 @@ def test_pre_norm_fn_fwd_bwd_benchmark_shapes(t, h):
 # ---------------------------------------------------------------------------------------------- pre_apply_mix
 
 def _mix_args(key, t, h, spec_data):
-  """benchmarks/mhc.py ``_apply`` (x ~ N(0, 1)) or the spec's test data (x = sigmoid(randn)); mix = softmax."""
+  """benchmarks/mhc.py ``_apply`` (x ~ N(0, 1)) or upstream's test data (x = sigmoid(randn)); mix = softmax."""
   k1, k2 = jax.random.split(key)
   z = jax.random.normal(k1, (t, 4, h))
   x = (jax.nn.sigmoid(z) if spec_data else z).astype(jnp.bfloat16)
@@ -168,7 +168,7 @@ def test_pre_apply_mix_benchmark_data_within_rounding_order(t, h):
 
 @pytest.mark.parametrize("t, h", MIX_SHAPES)
 def test_pre_apply_mix_spec_data_spec_tolerance(t, h):
-  """The spec's test (engram_mhc.md §6.2: x = sigmoid(randn) bf16, mix = softmax, atol 1e-2 rtol 1e-3), which
+  """Upstream's test (x = sigmoid(randn) bf16, mix = softmax, atol 1e-2 rtol 1e-3), which
   the benchmark now uses too."""
   x, mix = _mix_args(_key("mixspec", t, h), t, h, spec_data=True)
   print(f"\npre_apply_mix T={t} H={h} (spec data, sigmoid x)")

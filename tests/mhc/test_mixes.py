@@ -1,5 +1,5 @@
-"""jaxkern.mhc.pre_split_mixes and head_compute_mix (engram_mhc.md §4.4, §4.8): XLA code; values, custom_vjp
-gradients vs autodiff of the reference at the spec's tolerances, float64 check_grads, zero tokens, checks."""
+"""jaxkern.mhc.pre_split_mixes and head_compute_mix (docs/mhc.md): XLA code; values, custom_vjp
+gradients vs autodiff of the reference at upstream's tolerances, float64 check_grads, zero tokens, checks."""
 
 import functools
 

@@ -1,6 +1,6 @@
 """jaxkern.mhc.pre_norm_fn (+ round_to_tf32, fn_normw_merge, pre_norm_fn_fwd / _bwd): references vs numpy float64
-transcriptions, hand backward vs autodiff (float64), kernels in interpret mode vs the references at the spec's
-tolerances (engram_mhc.md §6.2), H100 lowering, argument checks, zero tokens; spec shapes on a GPU."""
+transcriptions, hand backward vs autodiff (float64), kernels in interpret mode vs the references at upstream's
+tolerances, H100 lowering, argument checks, zero tokens; upstream's shapes on a GPU."""
 
 import functools
 
@@ -135,7 +135,7 @@ def test_forward_interpret_vs_reference(key, lead, h, normw, n_splits):
   got = jax.jit(functools.partial(mhc.pre_norm_fn, norm_eps=1e-6, n_splits=n_splits, implementation="interpret"))(x, fn, w)
   want = ref.pre_norm_fn(x, fn, w, norm_eps=1e-6)
   assert got.shape == (*lead, 24) and got.dtype == jnp.float32
-  close(got, want, atol=1e-3, rtol=1e-3)  # the spec's tolerance
+  close(got, want, atol=1e-3, rtol=1e-3)  # upstream's tolerance
   close(got, want, atol=1e-6 * float(jnp.max(jnp.abs(want))), rtol=1e-5)  # only the summation order differs
   fn_eff = fn if w is None else ref.fn_normw_merge(fn, w)
   parts = jax.jit(functools.partial(mhc.pre_norm_fn_fwd, norm_eps=1e-6, n_splits=n_splits, implementation="interpret"))(x, fn_eff)
@@ -164,7 +164,7 @@ def test_backward_interpret_vs_reference(key, lead, h, normw):
   close(val, wval, atol=1e-3, rtol=1e-3)
   assert grads[0].dtype == jnp.bfloat16 and grads[1].dtype == jnp.float32
   close(grads[0], wgrads[0], atol=1e-5, rtol=1.6e-2)  # bf16 defaults
-  close(grads[1], wgrads[1], atol=3e-2, rtol=1e-3)  # the spec's fn tolerance
+  close(grads[1], wgrads[1], atol=3e-2, rtol=1e-3)  # upstream's fn tolerance
   scale = float(jnp.max(jnp.abs(wgrads[1])))
   close(grads[1], wgrads[1], atol=1e-5 * scale, rtol=1e-4)  # much tighter in fact
   if w is not None:

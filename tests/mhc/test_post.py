@@ -1,5 +1,5 @@
-"""jaxkern.mhc.post and pre_apply_mix (engram_mhc.md §4.6, §4.7): kernels in interpret mode vs the references at
-the spec's tolerances, backward kernels (custom_vjp) vs autodiff of the reference, accumulation into a residual
+"""jaxkern.mhc.post and pre_apply_mix (docs/mhc.md): kernels in interpret mode vs the references at
+upstream's tolerances, backward kernels (custom_vjp) vs autodiff of the reference, accumulation into a residual
 gradient, H100 lowering, argument checks, zero tokens, leading dims."""
 
 import functools

@@ -1,5 +1,5 @@
-"""jaxkern.reference.mhc checked independently: forwards against a numpy float64 transcription of the spec's
-formulas (engram_mhc.md §4.1, §4.4-§4.8), the hand-written backward formulas against jax.vjp of the forward
+"""jaxkern.reference.mhc checked independently: forwards against a numpy float64 transcription of upstream's
+formulas (docs/mhc.md), the hand-written backward formulas against jax.vjp of the forward
 references in float64, and check_grads of the references."""
 
 import jax

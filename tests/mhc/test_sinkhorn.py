@@ -1,4 +1,4 @@
-"""jaxkern.mhc.sinkhorn_normalize (engram_mhc.md §4.5): kernel (interpret) vs the reference, column sums,
+"""jaxkern.mhc.sinkhorn_normalize (docs/mhc.md): kernel (interpret) vs the reference, column sums,
 backward kernel vs autodiff, lowering, checks."""
 
 import functools
@@ -77,8 +77,8 @@ def test_spec_grid(key, n0, n1):
 
 @pytest.mark.parametrize("repeat", [3])  # repeat = 10 against the reference: test_forward_and_backward
 def test_linear_backward_equals_recompute(key, repeat):
-  # The saved-iterate backward (reciprocal multiplies) and the O(repeat²) form (the spec's divisions) agree to a
-  # few ulps, and both meet the spec's tolerance against the reference.
+  # The saved-iterate backward (reciprocal multiplies) and the O(repeat²) form (upstream's divisions) agree to a
+  # few ulps, and both meet upstream's tolerance against the reference.
   from jaxkern import _config
   from jaxkern.mhc import _sinkhorn_kernel as kern
   x = jax.random.normal(key, (130, 4, 4)) * 2

@@ -1,5 +1,5 @@
 """jaxkern.modeling.engram_gate: the custom_vjp's gradients vs jax.grad of the jnp composite (float64 tight with
-the references inside the custom_vjp; bf16 with the kernels in interpret mode at the spec's tolerance), with the
+the references inside the custom_vjp; bf16 with the kernels in interpret mode at upstream's tolerance), with the
 clamp active for part of the tokens; check_grads; leading dims, zero tokens, jit / grad / vmap."""
 
 import jax

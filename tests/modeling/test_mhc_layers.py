@@ -1,6 +1,6 @@
-"""jaxkern.modeling mHC layers (engram_mhc.md §4.12, §8, §9): mhc_pre's two forwards agree bit for bit, backward
+"""jaxkern.modeling mHC layers (docs/modeling.md): mhc_pre's two forwards agree bit for bit, backward
 passes vs jax.grad of the reference composition (float64 through implementation="reference") and
-jax.test_util.check_grads, the fused block gradient (§9.5), mhc_head's backward (§8.4), and a 4-layer stack
+jax.test_util.check_grads, the fused block gradient, mhc_head's backward, and a 4-layer stack
 that trains with optax.
 
 Implementations: the float64 gradient checks run "reference" (the custom_vjps with the jnp references inside);

@@ -13,7 +13,7 @@ from jaxkern.reference import moe as ref
 from jaxkern.testing import align, assert_bitwise_equal, moe_topk_idx
 from jaxkern.types import FusedMapping
 
-# (local experts, EP ranks): the spec's 72/256/288/384 experts split over ranks, scaled for CPU.
+# (local experts, EP ranks): upstream's 72/256/288/384 experts split over ranks, scaled for CPU.
 EXPERT_SPLITS = [(9, 8), (32, 8), (4, 64), (72, 1), (256, 1), (288, 1), (384, 1), (1, 1)]
 
 

@@ -167,7 +167,7 @@ def test_spec_shapes_fma_bit_exact_gpu(key, num_topk, experts, ranks, in_dtype, 
 
 def test_lowered_accumulation_is_contractable(monkeypatch):
   """The Mosaic GPU module multiplies and accumulates with ``fastmath<contract>`` (LLVM fuses
-  these into ``fma.rn.f32``): the single-rounding FMA the spec needs. Checked on the MLIR
+  these into ``fma.rn.f32``): the single-rounding FMA upstream's numerics need. Checked on the MLIR
   handed to the Mosaic GPU compiler; the ``gpu`` test checks the resulting bits."""
   import re
 

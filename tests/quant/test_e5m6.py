@@ -1,4 +1,4 @@
-"""E5M6: the reference against an independent numpy transcription of quant.md §4.6, the kernels against the
+"""E5M6: the reference against an independent numpy transcription of the format (docs/quant.md, Number formats), the kernels against the
 reference (interpret mode), lowering for an H100, argument checks and differentiation."""
 
 import jax
@@ -21,7 +21,7 @@ def _flags(name):
   return dict(use_tma_aligned_col_major_sf=col, round_sf=rnd, use_packed_ue8m0=packed)
 
 
-# An independent numpy / Python transcription of the spec's recipe (the oracle of the reference).
+# An independent numpy / Python transcription of upstream's recipe (the oracle of the reference).
 
 def _np_fp16_rtz(u: int) -> int:
   sign, e, f = (u >> 16) & 0x8000, (u >> 23) & 0xFF, u & 0x7FFFFF
@@ -83,7 +83,7 @@ def test_encoder_is_round_to_nearest_even_in_the_normal_range():
   v = np.array([1 + 2.0**-7, 1 + 3 * 2.0**-7, 1 + 2.0**-7 + 2.0**-23, -0.0, 65024.0, 2.0**-14, 1.5 * 2.0**-20],
                np.float32)
   codes = np.asarray(ref.encode_e5m6(jnp.asarray(v)))
-  assert codes.tolist() == [0x3C0, 0x3C2, 0x3C1, 0x800, 0x7BF, 0x040, 0x001]  # the last: the spec's quirk
+  assert codes.tolist() == [0x3C0, 0x3C2, 0x3C1, 0x800, 0x7BF, 0x040, 0x001]  # the last: upstream's quirk
 
 
 def test_kernel_encoder_matches_reference_encoder():
@@ -217,7 +217,7 @@ def test_pack_unpack_and_decode_match_numpy():
 
 
 def _inputs(key, m, k, dtype):
-  """``randn`` rows, then the spec's constant rows (2^-20, (63/64)·2^-14, 2^-14, last column 65024) and a row of
+  """``randn`` rows, then upstream's constant rows (2^-20, (63/64)·2^-14, 2^-14, last column 65024) and a row of
   special values (signed zeros, rounding boundaries)."""
   x = randn(key, (m, k), jnp.float32)
   consts = [2.0**-20, (63 / 64) * 2.0**-14, 2.0**-14]

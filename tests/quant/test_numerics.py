@@ -1,4 +1,4 @@
-"""The shared encoders against independent oracles (ml_dtypes, the spec's tables)."""
+"""The shared encoders against independent oracles (ml_dtypes, upstream's tables)."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""per_token_cast of a QuantTensor (already quantised data and its sf, re-cast; quant.md §4.3, §5.1)."""
+"""per_token_cast of a QuantTensor (already quantised data and its sf, re-cast; docs/quant.md, Casts)."""
 
 import chex
 import jax

@@ -1,4 +1,4 @@
-"""swiglu_forward_and_per_token_cast (quant.md §8.1): kernel vs reference bit for bit on the same backend, the
+"""swiglu_forward_and_per_token_cast (docs/quant.md, Fused SwiGLU): kernel vs reference bit for bit on the same backend, the
 reference vs a float64 numpy formulation, argument checks, lowering for an H100."""
 
 import functools

@@ -1,8 +1,8 @@
 """swiglu_backward_and_per_token_cast (docs/quant.md, "Fused SwiGLU"): both kernels (the grouped one for
 npc = 128, the step one for npc = 32; interpret mode, inside jit) vs reference bit for bit on the same backend
-(weight_grad within atol = rtol = 1e-4), the reference vs numpy (float64 semantics, and the spec's float32 step
+(weight_grad within atol = rtol = 1e-4), the reference vs numpy (float64 semantics, and upstream's float32 step
 sequence with its one fma), argument checks, the fma in the lowered kernel, lowering for an
-H100, and a GPU subset of the spec grid."""
+H100, and a GPU subset of upstream's grid."""
 
 import functools
 import re
@@ -54,8 +54,8 @@ def _run(x, g, w, pos, t2p, *, npc, round_sf, clamp, implementation):
 
 
 def weight_grad_tolerance(x, g, pos, want, npc, clamp):
-  """The spec's ``atol = rtol = 1e-4`` plus ``2^-20 · Σ_c |g · act|``: a float32 sum of ``h`` terms in another
-  order (unspecified by the spec) differs by up to a few ulps of the sum of the terms' magnitudes, which exceeds
+  """Upstream's ``atol = rtol = 1e-4`` plus ``2^-20 · Σ_c |g · act|``: a float32 sum of ``h`` terms in another
+  order (unspecified upstream) differs by up to a few ulps of the sum of the terms' magnitudes, which exceeds
   1e-4 where a slot's terms (up to ~2000 in total at h = 7168) cancel to a small sum (seen on an H100)."""
   v = np.asarray(ref.swiglu_rows(x, npc), np.float64)
   h = v.shape[1] // 2
@@ -153,7 +153,7 @@ def _numpy_backward(v, g, row_w, clamp):
 
 @pytest.mark.parametrize("clamp", [None, 0.5])
 def test_reference_against_numpy(key, clamp):
-  """Semantics in float64, and bit for bit the spec's float32 sequence (numpy float32 arithmetic, exp taken from
+  """Semantics in float64, and bit for bit upstream's float32 sequence (numpy float32 arithmetic, exp taken from
   XLA, the fma of ``x·(1 - s) + 1`` as one rounding of the exact float64 value)."""
   x, g, w, pos, t2p = _inputs(key, 64, 256, 128)
   out, xg, wg = jax.jit(functools.partial(ref.swiglu_backward, num_per_channels=128, swiglu_clamp_value=clamp))(
@@ -258,7 +258,7 @@ def test_not_differentiable(key):
                                                      (6144, 32, True, 10.0), (2112, 32, True, None),
                                                      (2080, 32, False, 0.5)])
 def test_lowers_for_h100(h, npc, round_sf, clamp):
-  """The spec's shapes, and for npc = 32 steps of 2 groups (h = 2112: 66 groups) and of 1 group (2080: 65)."""
+  """Upstream's shapes, and for npc = 32 steps of 2 groups (h = 2112: 66 groups) and of 1 group (2080: 65)."""
   e = 32016  # 4001 tokens, top-k 8, padded per expert
   s = jax.ShapeDtypeStruct
   f = lambda q, sf, g, w, p, t: OP((q, sf), g, w, p, t, npc, round_sf=round_sf, swiglu_clamp_value=clamp,

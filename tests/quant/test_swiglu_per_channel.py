@@ -55,7 +55,7 @@ def _run(m, h, npt, without_transpose, round_sf, clamp, key, implementation):
     (128, 64, 128, False, False, 0.5),  # one 64-column tile
     (384, 128, 32, False, True, 0.5),  # 3 row blocks
     (128, 320, 128, True, False, None),  # h = 64·5
-    (128, 128, 32, True, True, 0.3),  # a clamp that is not a bf16 value: applied in float32 (quant.md §12.14)
+    (128, 128, 32, True, True, 0.3),  # a clamp that is not a bf16 value: applied in float32 (docs/quant.md, Fused SwiGLU)
 ])
 def test_kernel_bit_exact(key, m, h, npt, without_transpose, round_sf, clamp):
   x, got, want = _run(m, h, npt, without_transpose, round_sf, clamp, key, "interpret")
