@@ -310,9 +310,10 @@ def _check_residual_fn(residual, fn):
 
 def _unsupported(residual, fn) -> str | None:
   k = fn.shape[1]
-  if residual.dtype != jnp.bfloat16 or fn.dtype != jnp.float32:
-    return (f"the kernels take a bfloat16 residual (got {residual.dtype.name}) and a float32 fn "
-            f"(got {fn.dtype.name})")
+  if residual.dtype != jnp.bfloat16:
+    return f"the kernels take a bfloat16 residual, got {residual.dtype.name}"
+  if fn.dtype != jnp.float32:
+    return f"the kernels take a float32 fn, got {fn.dtype.name}"
   if k % 256:
     return f"K = mhc_mult·hidden = {k} is not a multiple of 256 (hidden % 64 != 0)"
   return None
