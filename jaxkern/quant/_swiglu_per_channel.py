@@ -141,7 +141,7 @@ def _kernel(x, *, npt, round_sf, transpose_out, clamp, interpret):
           v = plgpu.load(x_s.at[pl.ds(h, chunk)], layout=lay)
           o_g[pl.ds(i * r + h, chunk), cols] = pcc._e4m3(v.astype(jnp.float32) * inv, interpret)
 
-  return kernel(x, jnp.full((c,), ref.FP8_MAX, jnp.float32))
+  return kernel(x, pcc._max_values(c))
 
 
 def _check(x, fmt, num_per_tokens):
