@@ -1,15 +1,20 @@
 """Trace-time argument checks shared by the public ops; each raises ``ValueError`` naming the argument.
 
 Checks chex covers (rank) go through chex; its ``AssertionError`` becomes the ``ValueError`` here. chex's
-``dtype`` check takes one dtype, not a set, and it has no divisibility check: those two stay plain."""
+``dtype`` check takes one dtype, not a set, and it has no divisibility check: those two stay plain.
+
+Value checks (ranges, finiteness) come in pairs: a ``ValueError`` for a concrete array and a
+``checkify.debug_check`` for a traced one (reported under ``checkify.user_checks``, free otherwise)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 
 def check_rank(name: str, x, ndim: int) -> None:
@@ -59,3 +64,75 @@ def check_float(name: str, value, *, nonzero: bool = False, nonnegative: bool = 
     cond = "finite" + (" and non-zero" if nonzero else "") + (" and >= 0" if nonnegative else "")
     raise ValueError(f"{name} must be {cond}, got {value}")
   return value
+
+
+# Value checks. A precondition on the values of an array argument is checked twice: on the host when the array is
+# concrete (``ValueError`` naming the argument, the allowed values and the first bad entry), and, when it is traced,
+# by a ``checkify.debug_check`` that ``checkify.checkify(f, errors=checkify.user_checks)`` reports and that is
+# dropped otherwise (XLA removes its now unused predicate). docs/usage.md, "Bad values under jit", lists the ops.
+
+
+def is_traced(x) -> bool:
+  """Whether ``x`` is traced (under ``jit`` / ``vmap`` / ``checkify``): its values are not known now."""
+  return isinstance(x, jax.core.Tracer)
+
+
+def _entry(name: str, index) -> str:
+  return f"{name}[{', '.join(str(int(i)) for i in index)}]" if len(index) else name
+
+
+def check_entries(name: str, x, bad, requirement: str) -> None:
+  """Raises ``ValueError`` if a concrete ``x`` has an entry where ``bad(values)`` (a numpy predicate) holds:
+  ``"{name} must hold {requirement}; {name}[i, j] = v is not (the first such entry)"``. Traced ``x``: no-op."""
+  if is_traced(x) or not x.size:
+    return
+  v = np.asarray(x)
+  flags = np.asarray(bad(v))
+  if flags.any():
+    index = np.unravel_index(int(np.argmax(flags.reshape(-1))), v.shape)
+    raise ValueError(f"{name} must hold {requirement}; {_entry(name, index)} = {v[index]} is not "
+                     "(the first such entry)")
+
+
+def debug_check_entries(op: str, name: str, x, bad, requirement: str) -> None:
+  """The traced counterpart of :func:`check_entries`: under ``checkify.checkify(f,
+  errors=checkify.user_checks)`` reports ``"{op}: {name}[i, j] = v is not {requirement}"`` for the first entry (in
+  flat order) where ``bad(x)`` (a ``jnp`` predicate) holds. Without checkify the check is dropped and costs nothing
+  in a compiled program. Concrete ``x``: no-op (:func:`check_entries` covers it)."""
+  if not is_traced(x) or not x.size:
+    return
+  flags = jnp.asarray(bad(x)).reshape(-1)
+  i = jnp.argmax(flags)
+  index = jnp.unravel_index(i, x.shape)
+  where = f"{name}[{', '.join('{}' for _ in x.shape)}]" if x.ndim else name
+  requirement = requirement.replace("{", "{{").replace("}", "}}")
+  checkify.debug_check(~flags[i], f"{op}: {where} = {{}} is not {requirement} (the first such entry)",
+                       *index, x.reshape(-1)[i])
+
+
+def check_and_debug_check(op: str, name: str, x, bad, requirement: str) -> None:
+  """:func:`check_entries` for a concrete ``x``, :func:`debug_check_entries` for a traced one; ``bad`` must work
+  on numpy and jax arrays alike."""
+  check_entries(name, x, bad, requirement)
+  debug_check_entries(op, name, x, bad, requirement)
+
+
+def check_ids(op: str, name: str, x, limit: int, what: str = "ids") -> None:
+  """``x`` holds -1 or ``what`` in ``[0, limit)``: concrete ``ValueError`` / traced checkify report."""
+  check_and_debug_check(op, name, x, lambda v: (v < -1) | (v >= limit), f"-1 or {what} in [0, {limit})")
+
+
+def zero_or_not_finite(v):
+  """Elementwise ``v == 0 or v is inf / NaN``, for numpy and jax arrays alike."""
+  return (v == 0) | ~(abs(v) < np.inf)
+
+
+def not_power_of_two(v):
+  """Elementwise ``v`` is not a positive power of two (zero, negative, inf and NaN included), for numpy and jax
+  arrays alike (numpy's ``frexp`` on the host: XLA on a CPU may flush subnormals)."""
+  return (np if isinstance(v, np.ndarray) else jnp).frexp(v)[0] != 0.5
+
+
+def debug_check_nan(op: str, name: str, x, consequence: str) -> None:
+  """Under checkify, reports the first NaN of a traced float ``x`` (``consequence``: what the op does with it)."""
+  debug_check_entries(op, name, x, jnp.isnan, f"a number ({consequence})")

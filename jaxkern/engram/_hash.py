@@ -72,7 +72,9 @@ def engram_hash(ngram_token_ids: jax.Array, multipliers: jax.typing.ArrayLike, v
 
   The 64-bit arithmetic is emulated on pairs of uint32 words, so the op works with
   ``jax_enable_x64`` off; results are bit-identical to the int64 definition for every id, multiplier and
-  size ``V >= 1`` (sizes ``<= 0`` are out of contract: unspecified result).
+  size ``V >= 1``. Precondition: every size ``>= 1``; a concrete ``vocab_sizes`` with a size ``<= 0`` raises
+  ``ValueError``, a traced one gives unspecified indices and ``checkify.checkify(f,
+  errors=checkify.user_checks)`` reports the first such size (docs/usage.md, "Bad values under jit").
 
   Args:
     ngram_token_ids: ``(T, N)`` int32, ``N >= 2`` (column 0 starts every n-gram).
@@ -91,7 +93,7 @@ def engram_hash(ngram_token_ids: jax.Array, multipliers: jax.typing.ArrayLike, v
   Raises:
     ValueError (naming the argument): ranks, dtypes or shapes that do not match, a jax int32 ``(L, N)``
       multiplier array (possibly truncated by x64 being off: pass numpy int64 or the uint32 words), values
-      outside ``[-2^63, 2^64)``.
+      outside ``[-2^63, 2^64)``, a concrete ``vocab_sizes`` entry below 1.
 
   No Pallas kernel: under every implementation but ``"reference"`` the op is XLA code that computes in native
   int64 (``jax.enable_x64`` inside the op only, whatever the caller's setting): one fusion whose
@@ -120,6 +122,8 @@ def engram_hash(ngram_token_ids: jax.Array, multipliers: jax.typing.ArrayLike, v
   if offsets.shape != (num_layers, n1 * e):
     raise ValueError(f"offsets must have shape ({num_layers}, {n1 * e}), got {tuple(offsets.shape)}")
   words = _multiplier_words(multipliers, num_layers, n)
+  _checks.check_and_debug_check("engram_hash", "vocab_sizes", sizes, lambda v: v < 1,
+                                "a table size >= 1 (the hash is taken modulo it)")
 
   def reference():
     return ref.engram_hash(ids, words, sizes, offsets)

@@ -68,8 +68,8 @@ def fp8_grouped_gemm_input_grad(dy: QuantTensor | tuple[jax.Array, jax.Array],
     block_expert, out_dtype, x_use_tma_aligned_col_major_sf (the layout of ``dy.sf``), implementation: as
       :func:`fp8_grouped_gemm`.
 
-  Returns ``(M, K)`` ``out_dtype``. Numerics, errors, XLA cases, differentiation: :func:`fp8_grouped_gemm`
-  (promotion per 128-deep step of N with ``sf_dy[r, step] · sf_w[e, step, k // 128]``).
+  Returns ``(M, K)`` ``out_dtype``. Numerics, errors, preconditions, XLA cases, differentiation:
+  :func:`fp8_grouped_gemm` (promotion per 128-deep step of N with ``sf_dy[r, step] · sf_w[e, step, k // 128]``).
   """
   w = _grouped._quant("w", w)
   _checks.check_rank("w.data", w.data, 3)
@@ -363,6 +363,9 @@ def _check_wgrad(dy_t, x_t, block_expert, num_experts):
     if be.min() < -1 or be.max() >= num_experts:
       raise ValueError(f"block_expert entries must be -1 (skip) or expert ids in [0, {num_experts}), "
                        f"got values in [{be.min()}, {be.max()}]")
+  _checks.debug_check_entries("fp8_grouped_gemm_weight_grad", "block_expert", block_expert,
+                              lambda v: (v < -1) | (v >= num_experts),
+                              f"-1 (skip) or an expert id in [0, {num_experts}) (num_experts; treated as -1)")
   return dy_t, x_t, block_expert
 
 
@@ -379,7 +382,9 @@ def fp8_grouped_gemm_weight_grad(dy_t: QuantTensor | tuple[jax.Array, jax.Array]
     x_t: QuantTensor ``(data (K, M) float8_e4m3fn, sf (M/128, K) float32)``: the forward input, cast the same way.
     block_expert: ``(M/128,)`` int32 as in :func:`fp8_grouped_gemm`, any layout (the blocks of one expert need not
       be contiguous: the kernel walks them in a block order sorted by expert, :func:`expert_block_order`); blocks
-      of -1 (or, traced, outside ``[0, G)``) contribute nothing.
+      of -1 (or, traced, outside ``[0, G)``) contribute nothing. Preconditions: entries in ``{-1} ∪ [0, G)``;
+      concrete values outside raise ``ValueError``, traced ones are reported by ``checkify.checkify(f,
+      errors=checkify.user_checks)`` (docs/usage.md, "Bad values under jit").
     num_experts: ``G`` (a Python int).
     out_dtype: float32 (default) or bfloat16 (for bfloat16 weights: the kernel writes half the bytes and no
       separate cast runs; the same values as a float32 result cast to bfloat16).

@@ -826,6 +826,8 @@ def check_args(x, w, block_expert, out_dtype, x_use_tma_aligned_col_major_sf):
     if be.size and (be.min() < -1 or be.max() >= g):
       raise ValueError(f"block_expert entries must be -1 (skip) or expert ids in [0, {g}), "
                        f"got values in [{be.min()}, {be.max()}]")
+  _checks.debug_check_entries("fp8_grouped_gemm", "block_expert", block_expert, lambda v: (v < -1) | (v >= g),
+                              f"-1 (skip) or an expert id in [0, {g}) (G = w.data.shape[0]; treated as -1)")
   if jnp.dtype(out_dtype) not in tuple(jnp.dtype(d) for d in OUT_DTYPES):
     raise ValueError(f"out_dtype must be bfloat16 or float32, got {jnp.dtype(out_dtype).name}")
   return x, w, block_expert, jnp.dtype(out_dtype)
@@ -857,8 +859,10 @@ def fp8_grouped_gemm(x: QuantTensor | tuple[jax.Array, jax.Array], w: QuantTenso
       :func:`jaxkern.quant.per_block_cast` ``(..., "e4m3", (128, 128))``).
     block_expert: ``(M/128,)`` int32, the expert of each 128-row block (``pos_to_expert[::128]`` of a
       :func:`jaxkern.moe.get_fused_mapping` with ``alignment=128``); ``-1`` marks a skipped block (e.g.
-      past the last segment): its output rows are zero. Concrete values outside ``[-1, G)`` raise; traced
-      ones outside ``[0, G)`` are treated as ``-1``.
+      past the last segment): its output rows are zero. Preconditions: entries in ``{-1} ∪ [0, G)``. Concrete
+      values outside raise ``ValueError``; traced ones outside ``[0, G)`` are treated as ``-1`` (kernel and
+      reference alike), and ``checkify.checkify(f, errors=checkify.user_checks)`` reports the first of them
+      (docs/usage.md, "Bad values under jit").
     out_dtype: bfloat16 (default) or float32.
     x_use_tma_aligned_col_major_sf: the layout of ``x.sf`` (see ``x``).
     implementation: see :mod:`jaxkern._dispatch`.

@@ -79,6 +79,10 @@ def pre_big_fuse(residual: jax.Array, fn: jax.Array, mhc_scale: jax.Array, mhc_b
 
   Numerics: those of the parts; bit-identical to the unfused chain of jaxkern ops.
 
+  Non-finite values: a token whose mixes are not finite (:func:`pre_norm_fn_fwd`: a residual element not finite,
+  or a float32 overflow) gets unspecified outputs: a NaN mix in one and a ±inf one in the other go through
+  Sinkhorn differently (e.g. NaN against 0). Checkify reports the first such mixes entry.
+
   Differentiation: none (the inference path): :class:`jaxkern.NotDifferentiableError`;
   :func:`jaxkern.modeling.mhc_pre` is the differentiable form (same forward values).
   """

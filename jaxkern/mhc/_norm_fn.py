@@ -398,6 +398,13 @@ def pre_norm_fn_fwd(residual: jax.Array, fn: jax.Array, *, norm_eps: float = 1e-
 
   Numerics: equal to the reference up to float32 summation order (the tests' tolerance ``atol = rtol = 1e-3``).
 
+  Non-finite values: a token whose residual holds ±inf or NaN, or whose products or sums overflow float32, gets
+  non-finite ``out_mul`` and ``mixes`` in kernel and reference alike, NaN or ±inf, not always the same in both (the
+  kernels' exact split ``fn_r = hi + lo`` multiplies an infinity by a zero ``lo``, giving NaN where the reference
+  has ±inf, and sums of infinities differ in order). Under ``checkify.checkify(f,
+  errors=checkify.user_checks)`` the first non-finite ``mixes`` entry is reported (docs/usage.md, "Bad values under
+  jit").
+
   Differentiation: none (building block); ``jax.grad`` raises :class:`jaxkern.NotDifferentiableError`.
   """
   residual, fn = _check_residual_fn(residual, fn)
@@ -419,8 +426,11 @@ def _fwd(residual, fn, eps, n_splits, implementation) -> PreNormFnFwd:
   def reference():
     return ref.pre_norm_fn_fwd(residual, fn, norm_eps=eps)
 
-  return _dispatch.run("pre_norm_fn_fwd", implementation, kernel=kernel, xla=reference, empty=t == 0,
-                       unsupported=_unsupported(residual, fn))
+  out = _dispatch.run("pre_norm_fn_fwd", implementation, kernel=kernel, xla=reference, empty=t == 0,
+                      unsupported=_unsupported(residual, fn))
+  _checks.debug_check_entries("pre_norm_fn", "mixes", out.mixes, lambda v: ~jnp.isfinite(v),
+                              "finite (a residual element not finite, or r @ fn_rᵀ or Σ r² overflowing float32)")
+  return out
 
 
 def pre_norm_fn_bwd(grad_mixes: jax.Array, residual: jax.Array, fn: jax.Array, out_mul: jax.Array, sqrsum: jax.Array, *,
@@ -542,6 +552,9 @@ def pre_norm_fn(residual: jax.Array, fn: jax.Array, norm_weight: jax.Array | Non
 
   Numerics: the tests' tolerances: mixes ``atol = rtol = 1e-3``; residual gradient bf16 (``rtol 1.6e-2``); fn
   gradient ``atol 3e-2, rtol 1e-3``.
+
+  Non-finite values: as :func:`pre_norm_fn_fwd` (non-finite mixes, NaN or ±inf, not always the same in kernel and
+  reference; reported under checkify); such a token's gradients are non-finite too.
 
   Differentiation: ``jax.custom_vjp``; residuals ``residual, fn_eff, out_mul, sqrsum``; backward
   :func:`pre_norm_fn_bwd` (kernels), then the product rule of the merge. Cotangents come back in the

@@ -98,7 +98,9 @@ def fp8_grouped_linear(x: jax.Array, w: jax.Array | QuantTensor, block_expert: j
       products, possibly summed in another order by the wgmma). No bf16 / float32 transpose of the weights or
       their gradients either way.
     block_expert: ``(M/128,)`` int32 expert of each 128-row block, -1 to skip (zero output rows and zero ``dx``
-      rows); any layout, concrete or traced (the blocks of one expert need not be contiguous).
+      rows); any layout, concrete or traced (the blocks of one expert need not be contiguous). Precondition:
+      entries in ``{-1} ∪ [0, G)``, checked as in :func:`jaxkern.gemm.fp8_grouped_gemm` (concrete: ``ValueError``;
+      traced: treated as -1, reported under ``checkify.checkify(f, errors=checkify.user_checks)``).
     weight_layout: ``"nk"`` (default) or ``"kn"``, the layout of ``w`` (above).
     implementation: passed to every jaxkern op inside (see :mod:`jaxkern._dispatch`).
 

@@ -41,8 +41,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import checkify
 
-from jaxkern import _config, moe, quant
+from jaxkern import _checks, _config, moe, quant
 from jaxkern.modeling._fp8_linear import fp8_grouped_linear
 from jaxkern.modeling._grouped_matmul import grouped_matmul
 from jaxkern.modeling._swiglu import swiglu
@@ -266,6 +267,22 @@ def _fp8_experts(xf, params, block_expert, fp8_swiglu, implementation):
   return out.astype(xf.dtype)
 
 
+def _check_group_sizes(group_sizes, num_rows: int, *, aligned: bool) -> None:
+  """The preconditions of :func:`swiglu_experts` on ``group_sizes`` (see there)."""
+  op = "swiglu_experts"
+  _checks.check_and_debug_check(op, "group_sizes", group_sizes, lambda v: v < 0, "a row count >= 0")
+  if aligned and group_sizes.shape[0] > 1:
+    _checks.check_and_debug_check(
+        op, "group_sizes", group_sizes[:-1], lambda v: v % FP8_GEMM_BLOCK != 0,
+        f"a multiple of {FP8_GEMM_BLOCK} (every segment but the last; fp8_gemm derives block_expert from them)")
+  total = jnp.sum(group_sizes)
+  want = f"group_sizes must sum to N = xf.shape[0] = {num_rows}"
+  if _checks.is_traced(group_sizes):
+    checkify.debug_check(total == num_rows, f"{op}: {want}, got {{}}", total)
+  elif int(total) != num_rows:
+    raise ValueError(f"{want}, got {int(total)}")
+
+
 def swiglu_experts(xf: jax.Array, params: MoeParams, group_sizes: jax.Array, *, fp8_swiglu: bool = False,
                    fp8_gemm: bool = False, block_expert: jax.Array | None = None,
                    implementation: str | None = None) -> jax.Array:
@@ -291,11 +308,19 @@ def swiglu_experts(xf: jax.Array, params: MoeParams, group_sizes: jax.Array, *, 
   Returns:
     ``(N, H)`` of ``xf.dtype``.
 
+  Preconditions: ``group_sizes`` non-negative and summing to ``N``; with ``fp8_gemm`` and no ``block_expert``,
+  every size but the last a multiple of 128. Concrete sizes that break one raise ``ValueError``; traced ones
+  give rows computed with the wrong expert's weights (or none), and ``checkify.checkify(f,
+  errors=checkify.user_checks)`` reports them (docs/usage.md, "Bad values under jit").
+
   Raises:
-    ValueError: with ``fp8_gemm``, ``N``, ``H`` or ``I`` not multiples of 128.
+    ValueError: with ``fp8_gemm``, ``N``, ``H`` or ``I`` not multiples of 128; concrete ``group_sizes`` outside the
+      preconditions.
   """
   if fp8_gemm:
     _check_fp8_gemm_widths(xf, params)
+  _check_group_sizes(group_sizes, xf.shape[0], aligned=fp8_gemm and block_expert is None)
+  if fp8_gemm:
     if block_expert is None:
       block_expert = _block_experts_from_sizes(group_sizes, xf.shape[0])
     return _fp8_experts(xf, params, block_expert, fp8_swiglu, implementation)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkern import _dispatch
+from jaxkern import _checks, _dispatch
 from jaxkern.moe import _routing
 from jaxkern.reference import ieee
 from jaxkern.reference import moe as ref
@@ -22,8 +22,9 @@ def aux_fi(topk_idx: jax.Array, num_experts: int, num_aux_topk: int, *,
 
   Args:
     topk_idx: ``(T, K)`` int32 or int64 array (or nested list) of expert ids in
-      ``{-1} ∪ [0, num_experts)``. Concrete arrays are range-checked; under ``jit`` ids outside
-      that range are ignored (not counted).
+      ``{-1} ∪ [0, num_experts)`` (precondition). Concrete arrays are range-checked; under ``jit`` ids
+      outside that range are ignored (not counted), and ``checkify.checkify(f, errors=checkify.user_checks)``
+      reports the first of them (docs/usage.md, "Bad values under jit").
     num_experts: ``E`` (static, positive).
     num_aux_topk: normaliser (static, positive; need not equal ``K``).
     implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``
@@ -45,6 +46,8 @@ def aux_fi(topk_idx: jax.Array, num_experts: int, num_aux_topk: int, *,
   if num_aux_topk < 1:
     raise ValueError(f"num_aux_topk must be positive, got {num_aux_topk}")
   _routing.check_values_below("topk_idx", topk_idx, num_experts)
+  _checks.debug_check_entries("aux_fi", "topk_idx", topk_idx, lambda v: (v < -1) | (v >= num_experts),
+                              f"-1 or an expert id in [0, {num_experts}) (num_experts; not counted)")
 
   def xla():
     if topk_idx.shape[0] == 0:

@@ -50,6 +50,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -243,6 +244,23 @@ def _check(x, token_topk_to_pos, pos_to_expert, x_name="x"):
   return x, token_topk_to_pos, pos_to_expert
 
 
+def _check_distinct_rows(token_topk_to_pos, n: int) -> None:
+  """Raises if a concrete ``token_topk_to_pos`` names one fused row from two slots (the rows' stores would race)."""
+  if not _routing.is_concrete(token_topk_to_pos) or not token_topk_to_pos.size:
+    return
+  flat = np.asarray(token_topk_to_pos).reshape(-1)
+  slots = np.flatnonzero((flat >= 0) & (flat < n))
+  _, first = np.unique(flat[slots], return_index=True)
+  repeated = np.setdiff1d(np.arange(slots.size), first)
+  if repeated.size:
+    k = token_topk_to_pos.shape[1]
+    slot = int(slots[repeated[0]])
+    earlier = int(slots[np.flatnonzero(flat[slots] == flat[slot])[0]])
+    raise ValueError(f"token_topk_to_pos must name each fused row at most once; token_topk_to_pos[{slot // k}, "
+                     f"{slot % k}] = {flat[slot]} repeats the row of slot [{earlier // k}, {earlier % k}] "
+                     "(the first such entry)")
+
+
 def _unsupported(x) -> str | None:
   """Why the expand kernel cannot move the rows of ``x``, or None."""
   if x.dtype == jnp.bool_:
@@ -268,14 +286,15 @@ def expand_to_fused(x: jax.Array, token_topk_to_pos: jax.Array, pos_to_expert: j
 
   Raises:
     ValueError: a rank, dtype or shape above not met (``token_topk_to_pos`` needs ``T`` rows), or a
-      concrete ``token_topk_to_pos`` holding a value below -1 or ``>= N``.
+      concrete ``token_topk_to_pos`` holding a value below -1 or ``>= N`` or naming one fused row twice.
     KernelUnavailableError: ``implementation="pallas"`` / ``"interpret"`` with bool data.
 
   XLA instead of a kernel: bool data and zero-size problems (``T = 0`` or ``N = 0``).
 
   Bad mappings (identical in the kernel, interpret mode included, and the reference, under ``jit``):
   an entry of ``token_topk_to_pos`` outside ``[0, N)`` is an unused slot, exactly like -1 (concrete,
-  non-traced arrays are range-checked instead: ``ValueError``). Several slots naming one fused row:
+  non-traced arrays are range-checked instead: ``ValueError``). Several slots naming one fused row
+  (concrete arrays: ``ValueError``):
   the reference and interpret mode store one of their tokens' rows whole (which one is unspecified);
   on a GPU the TMA stores of those tokens race, and the row may mix pieces of their rows (no
   guarantee beyond that). A fused row that no slot names and that ``pos_to_expert`` does not mark as
@@ -297,6 +316,7 @@ def expand_to_fused(x: jax.Array, token_topk_to_pos: jax.Array, pos_to_expert: j
   """
   x, token_topk_to_pos, pos_to_expert = _check(x, token_topk_to_pos, pos_to_expert)
   n = pos_to_expert.shape[0]
+  _check_distinct_rows(token_topk_to_pos, n)
   _routing.debug_check_positions("expand_to_fused", token_topk_to_pos, n)
   implementation = _config.get_implementation(implementation)
   if jnp.issubdtype(x.dtype, jnp.inexact):
@@ -384,6 +404,7 @@ def expand_to_fused_with_sf(x: QuantTensor | tuple[jax.Array, jax.Array], num_pe
   _routing.check_shape("x.sf", x_sf, (x_data.shape[0], hs))
   if x_sf.dtype == jnp.int32 and not use_tma_aligned_col_major_sf:
     raise ValueError("x.sf holding packed UE8M0 (int32) requires use_tma_aligned_col_major_sf=True")
+  _check_distinct_rows(token_topk_to_pos, pos_to_expert.shape[0])
   _routing.debug_check_positions("expand_to_fused_with_sf", token_topk_to_pos, pos_to_expert.shape[0])
   return QuantTensor(*_expand_with_sf_vjp(x_data, x_sf, token_topk_to_pos, pos_to_expert, num_per_channels,
                                           use_tma_aligned_col_major_sf, _config.get_implementation(implementation)))

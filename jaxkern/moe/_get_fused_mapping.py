@@ -18,8 +18,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
-from jaxkern import _dispatch
+from jaxkern import _checks, _dispatch
 from jaxkern.moe import _routing
 from jaxkern.reference import moe as ref
 from jaxkern.types import FusedMapping
@@ -57,6 +58,16 @@ def _sort_free_mapping(topk_idx, num_experts: int, num_rows: int, alignment: int
   return pos_to_expert, pos_to_token, pos_to_token_topk, pos.reshape(t, k), start, start + aligned, aligned
 
 
+def _debug_check_rows(topk_idx, num_experts: int, alignment: int, num_expanded_tokens: int) -> None:
+  """Under checkify, reports a traced ``topk_idx`` whose layout needs more than ``num_expanded_tokens`` rows."""
+  counts = _routing.histogram(topk_idx, num_experts)
+  needed = jnp.sum((counts + alignment - 1) // alignment * alignment)
+  checkify.debug_check(
+      needed <= num_expanded_tokens, f"get_fused_mapping: num_expanded_tokens = {num_expanded_tokens} is below the "
+      "{} rows the layout of topk_idx needs (the sum of its aligned expert counts); the rows past it are dropped",
+      needed)
+
+
 def get_fused_mapping(topk_idx: jax.Array, num_experts: int, num_expanded_tokens: int, alignment: int, *,
                       force_no_sync: bool = False, implementation: str | None = None) -> FusedMapping:
   """Builds the fused layout: expert ``e`` owns rows ``[expert_start[e], expert_end[e])``.
@@ -69,8 +80,9 @@ def get_fused_mapping(topk_idx: jax.Array, num_experts: int, num_expanded_tokens
 
   Args:
     topk_idx: ``(T, K)`` int32 or int64 array (or nested list) of expert ids in
-      ``{-1} ∪ [0, num_experts)``. Concrete arrays are range-checked; under ``jit`` ids outside
-      that range are treated as -1 (the slot is unused).
+      ``{-1} ∪ [0, num_experts)`` (precondition). Concrete arrays are range-checked; under ``jit`` ids
+      outside that range are treated as -1 (the slot is unused), and ``checkify.checkify(f,
+      errors=checkify.user_checks)`` reports the first of them (docs/usage.md, "Bad values under jit").
     num_experts: local expert count ``E`` (static, positive).
     num_expanded_tokens: rows ``N`` of the fused layout (static). ``0`` sizes the layout: with
       ``force_no_sync=False`` it returns exactly ``sum(n_e)`` rows, which needs concrete
@@ -78,7 +90,8 @@ def get_fused_mapping(topk_idx: jax.Array, num_experts: int, num_expanded_tokens
       ``floor((T*K + (a-1)*E) / a) * a``. A positive ``N`` must be at least the rows the layout
       needs (the sum of the aligned counts): checked for concrete ``topk_idx``; under ``jit`` the
       rows past ``N`` are dropped (those slots keep positions ``>= N`` in ``token_topk_to_pos``,
-      which :func:`expand_to_fused` and :func:`reduce_fused` skip as unused slots).
+      which :func:`expand_to_fused` and :func:`reduce_fused` skip as unused slots), and checkify reports
+      the shortfall.
     alignment: segment alignment ``a >= 1`` (static).
     force_no_sync: with ``num_expanded_tokens=0``, allocate the upper bound instead of syncing.
     implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``
@@ -118,6 +131,10 @@ def get_fused_mapping(topk_idx: jax.Array, num_experts: int, num_expanded_tokens
     if num_expanded_tokens < needed:
       raise ValueError(f"num_expanded_tokens={num_expanded_tokens} is below the {needed} rows the layout of "
                        f"topk_idx needs (the sum of its aligned expert counts); pass 0 to size it")
+  _checks.debug_check_entries("get_fused_mapping", "topk_idx", topk_idx, lambda v: (v < -1) | (v >= num_experts),
+                              f"-1 or an expert id in [0, {num_experts}) (num_experts; treated as -1)")
+  if num_expanded_tokens and _checks.is_traced(topk_idx):
+    _debug_check_rows(topk_idx, num_experts, alignment, num_expanded_tokens)
   n = num_expanded_tokens or ref.upper_bound_rows(t, k, num_experts, alignment)
 
   def xla():

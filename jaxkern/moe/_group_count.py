@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxkern import _dispatch
+from jaxkern import _checks, _dispatch
 from jaxkern.moe import _routing
 from jaxkern.reference import moe as ref
 
@@ -19,8 +19,9 @@ def group_count(group_idx: jax.Array, num_groups: int, *, implementation: str | 
 
   Args:
     group_idx: ``(T, K)`` int32 or int64 array (or nested list), entries in
-      ``{-1} ∪ [0, num_groups)``. Concrete arrays are range-checked; under ``jit`` entries outside
-      that range are ignored (not counted).
+      ``{-1} ∪ [0, num_groups)`` (precondition). Concrete arrays are range-checked; under ``jit``
+      entries outside that range are ignored (not counted), and ``checkify.checkify(f,
+      errors=checkify.user_checks)`` reports the first of them (docs/usage.md, "Bad values under jit").
     num_groups: number of buckets (static, positive).
     implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``
       (see :mod:`jaxkern._config`): every one but ``"reference"`` (the reference's scatter-add; also
@@ -39,6 +40,8 @@ def group_count(group_idx: jax.Array, num_groups: int, *, implementation: str | 
   if num_groups < 1:
     raise ValueError(f"num_groups must be positive, got {num_groups}")
   _routing.check_values_below("group_idx", group_idx, num_groups)
+  _checks.debug_check_entries("group_count", "group_idx", group_idx, lambda v: (v < -1) | (v >= num_groups),
+                              f"-1 or a group in [0, {num_groups}) (num_groups; not counted)")
   return _dispatch.run("group_count", implementation, kernel=None,
                        xla=lambda: _routing.histogram(group_idx, num_groups),
                        reference=lambda: ref.group_count(group_idx, num_groups))

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxkern import _config, _dispatch
+from jaxkern import _checks, _config, _dispatch
 from jaxkern._layouts import NO_AUTO_BARRIERS
 from jaxkern.moe import _routing
 from jaxkern.reference import moe as ref
@@ -94,11 +94,14 @@ def mask_indices_by_tp(indices: jax.Array, n: int, num_ep_ranks: int, tp_rank: i
   kept, else -1; negative entries become -1.
 
   Args:
-    indices: ``(T, K)`` int32 or int64 array (or nested list) of global expert ids.
+    indices: ``(T, K)`` int32 or int64 array (or nested list) of global expert ids. Precondition: every entry
+      below ``n``. A concrete array with an entry ``>= n`` raises; a traced one gets the formula above (no
+      meaningful id), and ``checkify.checkify(f,
+      errors=checkify.user_checks)`` reports the first such entry (docs/usage.md, "Bad values under jit").
     n: total experts over all EP ranks (static).
     num_ep_ranks: static EP rank count in ``[1, n]``.
     tp_rank: this TP rank: a Python int in ``[0, num_tp_ranks)`` (baked into the kernel) or a traced
-      int32 scalar (read by the kernel; out of range, nothing is kept).
+      int32 scalar (read by the kernel; out of range, nothing is kept, and checkify reports it).
     num_tp_ranks: static TP rank count (positive).
     implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``
       (see :mod:`jaxkern._config`).
@@ -108,7 +111,7 @@ def mask_indices_by_tp(indices: jax.Array, n: int, num_ep_ranks: int, tp_rank: i
 
   Raises:
     ValueError: ``indices`` not of rank 2 or of another dtype (bool included); ``num_ep_ranks``,
-      ``num_tp_ranks`` or a Python-int ``tp_rank`` out of range.
+      ``num_tp_ranks`` or a Python-int ``tp_rank`` out of range; a concrete ``indices`` entry ``>= n``.
     KernelUnavailableError: ``implementation="pallas"`` / ``"interpret"`` with int64 indices.
 
   XLA instead of a kernel: int64 indices, zero-size arrays and, under ``"auto"`` on a GPU, the
@@ -123,6 +126,12 @@ def mask_indices_by_tp(indices: jax.Array, n: int, num_ep_ranks: int, tp_rank: i
   static = isinstance(tp_rank, (int, np.integer))
   if static and not 0 <= tp_rank < num_tp_ranks:
     raise ValueError(f"tp_rank must be in [0, {num_tp_ranks}), got {tp_rank}")
+  _checks.check_and_debug_check("mask_indices_by_tp", "indices", indices, lambda v: v >= n,
+                                f"a negative value (unused) or an expert id in [0, {n}) (n)")
+  if not static:
+    _checks.debug_check_entries("mask_indices_by_tp", "tp_rank", jnp.asarray(tp_rank),
+                                lambda v: (v < 0) | (v >= num_tp_ranks),
+                                f"a TP rank in [0, {num_tp_ranks}) (num_tp_ranks; otherwise nothing is kept)")
   r = n // num_ep_ranks
 
   def kernel(interpret):

@@ -419,7 +419,9 @@ def top2_sum_gate(logits: jax.Array, bias: jax.Array, num_topk: int, *, scoring_
   Args:
     logits: ``(T, E)`` float32 router logits (see "Non-finite logits" below); the kernel takes ``E % 4 == 0``,
       the XLA path any ``E``.
-    bias: ``(E,)`` float32; shifts the ranking only.
+    bias: ``(E,)`` float32; shifts the ranking only. Expected finite: a NaN / inf bias ranks (in kernel and
+      reference alike) as the sum says, and the weights look valid; under ``checkify.checkify(f,
+      errors=checkify.user_checks)`` the first non-finite bias is reported.
     num_topk: routed slots ``K``, ``1 <= K <= E`` (static).
     scoring_func: ``"sigmoid"``, ``"sqrtsoftplus"`` or ``"softmax"`` (case-insensitive); required.
     num_topk_groups, num_groups: both 0 (no grouping, the default) or ``0 < num_topk_groups <=
@@ -431,13 +433,15 @@ def top2_sum_gate(logits: jax.Array, bias: jax.Array, num_topk: int, *, scoring_
     ep_rank, tp_rank: ints or traced int32 scalars. A Python int outside ``[0, num_ep_ranks)`` /
       ``[0, num_tp_ranks)`` raises. A traced ``ep_rank`` is used as is: it only enters the replica hash
       ``(t * 23333 + ep_rank) mod count`` (floor modulo), so any value picks a live replica; a traced
-      ``tp_rank`` outside ``[0, num_tp_ranks)`` matches no TP rank, so every slot gets id -1.
+      ``tp_rank`` outside ``[0, num_tp_ranks)`` matches no TP rank, so every slot gets id -1 (checkify reports it).
     num_ep_ranks, num_tp_ranks: ``>= 1`` (static; default 1: no EP/TP split).
     mask: optional ``(T,)`` bool; False rows get ids -1 and weights 0 (and unmapped ids -1).
     fix_routing_mask: optional ``(T,)`` bool; True rows (with a True ``mask``) take their ``K`` ids from
       ``unmapped_topk_idx`` as given (no sorting, no de-duplication, no group check).
     to_physical_map, logical_count: optional ``(E+S, X+1)`` / ``(E+S,)`` int32 replica tables, given
-      together; ``1 <= logical_count <= X + 1``.
+      together; ``1 <= logical_count <= X + 1`` (precondition: a concrete count outside raises
+      ``ValueError``; a traced one gives unspecified ids, the kernel may read outside the row, and checkify
+      reports the first such count; docs/usage.md, "Bad values under jit").
     unmapped_topk_idx: optional ``(T, K)`` int32 (or int64) logical ids, read on fixed-routing rows;
       required with ``fix_routing_mask``.
     implementation: see :mod:`jaxkern._config`.
@@ -464,7 +468,8 @@ def top2_sum_gate(logits: jax.Array, bias: jax.Array, num_topk: int, *, scoring_
 
   Raises:
     ValueError: a non-array argument (lists are converted), a wrong rank, shape or dtype (bool
-      logits included), or an option outside the ranges above.
+      logits included), an option outside the ranges above, or a concrete ``logical_count`` outside
+      ``[1, X + 1]``.
     KernelUnavailableError: ``implementation="pallas"`` or ``"interpret"`` with ``E % 4 != 0``.
 
   XLA instead of a kernel: ``T == 0`` (empty outputs), and under ``"auto"`` ``E % 4 != 0``. The
@@ -500,9 +505,20 @@ def top2_sum_gate(logits: jax.Array, bias: jax.Array, num_topk: int, *, scoring_
   num_shared = num_shared_experts if use_shared_as_routed else 0
   _check_arrays(logits, bias, num_topk, num_shared, mask, fix_routing_mask, to_physical_map, logical_count,
                 unmapped_topk_idx)
+  if not _is_int(tp_rank):
+    _checks.debug_check_entries("top2_sum_gate", "tp_rank", jnp.asarray(tp_rank),
+                                lambda v: (v < 0) | (v >= num_tp_ranks),
+                                f"a TP rank in [0, {num_tp_ranks}) (num_tp_ranks; otherwise every slot gets id -1)")
+  if logical_count is not None:
+    replicas = to_physical_map.shape[1]
+    _checks.check_and_debug_check("top2_sum_gate", "logical_count", logical_count,
+                                  lambda v: (v < 1) | (v > replicas),
+                                  f"a replica count in [1, {replicas}] (to_physical_map.shape[1])")
   if fix_routing_mask is not None:
     _debug_check_fixed_ids(fix_routing_mask, mask, unmapped_topk_idx, e)
   _debug_check_finite_logits(logits, mask)
+  _checks.debug_check_entries("top2_sum_gate", "bias", bias, lambda v: ~jnp.isfinite(v),
+                              "finite (a NaN or inf bias moves the ranking; the weights would look valid)")
   static = _Static(num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts, num_ep_ranks,
                    num_tp_ranks, scoring_func.lower(), _config.get_implementation(implementation))
   constants = _NonDifferentiable(ep_rank, tp_rank, mask, fix_routing_mask, to_physical_map, logical_count,

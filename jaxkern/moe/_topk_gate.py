@@ -123,6 +123,10 @@ def topk_gate(scores: jax.Array, num_topk: int, *, implementation: str | None = 
     ``(T, num_topk)`` int32 (int64 upstream; docs/moe.md, "Conventions"). NaN ranks as ``-inf`` and ``-0.0`` as
     ``+0.0``; rows with fewer than ``num_topk`` finite scores still get distinct indices.
 
+  Non-finite scores: ``±inf`` rank as values (``-inf`` is the usual way to exclude an expert); a NaN ranks as
+  ``-inf`` in kernel and reference alike, so its row's indices look valid: under ``checkify.checkify(f,
+  errors=checkify.user_checks)`` the first NaN score is reported (docs/usage.md, "Bad values under jit").
+
   Raises:
     ValueError: ``scores`` not a rank-2 float32 array (bool included), or ``num_topk`` out of range.
 
@@ -137,6 +141,7 @@ def topk_gate(scores: jax.Array, num_topk: int, *, implementation: str | None = 
   t, e = scores.shape
   if not 1 <= num_topk <= e:
     raise ValueError(f"num_topk must be in [1, {e}] (the number of experts), got {num_topk}")
+  _checks.debug_check_nan("topk_gate", "scores", scores, "NaN ranks as -inf; the indices would look valid")
   scores = jax.lax.stop_gradient(scores)  # piecewise-constant indices: a zero derivative, no kernel JVP
 
   def kernel(interpret):

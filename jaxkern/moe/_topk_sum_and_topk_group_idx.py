@@ -46,7 +46,9 @@ def topk_sum_and_topk_group_idx(scores: jax.Array, num_topk_sum: int, num_topk_g
   """The ``num_topk_groups`` best expert groups of each token, best first.
 
   A group's score is its best value (``num_topk_sum = 1``) or the fp32 sum of its two
-  best values (``= 2``); NaN ranks as ``-inf``; ties go to the smaller group index.
+  best values (``= 2``); NaN ranks as ``-inf`` (kernel and reference alike; under ``checkify.checkify(f,
+  errors=checkify.user_checks)`` the first NaN score is reported, since the indices would look valid;
+  docs/usage.md, "Bad values under jit"); ties go to the smaller group index.
 
   Args:
     scores: ``(T, G, Epg)`` float32 (an array or a nested list).
@@ -73,6 +75,8 @@ def topk_sum_and_topk_group_idx(scores: jax.Array, num_topk_sum: int, num_topk_g
     raise ValueError(f"num_topk_sum must be 1 or 2 and at most scores.shape[2] = {epg}, got {num_topk_sum}")
   if not 1 <= num_topk_groups <= g:
     raise ValueError(f"num_topk_groups must be in [1, {g}] (scores.shape[1]), got {num_topk_groups}")
+  _checks.debug_check_nan("topk_sum_and_topk_group_idx", "scores", scores,
+                          "NaN ranks as -inf; the group indices would look valid")
   scores = jax.lax.stop_gradient(scores)  # piecewise-constant indices: a zero derivative, no kernel JVP
 
   def kernel(interpret):

@@ -655,8 +655,10 @@ def per_block_cast_with_precomputed_sf(x: jax.typing.ArrayLike, fmt: str, block_
   sf_inv)`` with the e4m3 clamp to ±448. ``round_sf`` has no effect. Returns ``data`` only: ``(M, K)``
   float8_e4m3fn or ``(M, K/2)`` int8 packed e2m1. Raises ValueError as :func:`per_block_cast`, and for an
   ``sf`` of another shape or dtype or ``use_tma_aligned_col_major_sf`` / ``use_packed_ue8m0`` set. XLA
-  instead of the kernel for zero rows only. Non-finite ``x`` encode as in :func:`per_block_cast`; a zero
-  or non-finite ``sf`` is outside the contract.
+  instead of the kernel for zero rows only. Non-finite ``x`` encode as in :func:`per_block_cast`.
+  Preconditions: every ``sf`` finite and non-zero; a concrete ``sf`` with a zero, inf or NaN raises ``ValueError``,
+  a traced one gives unspecified data and ``checkify.checkify(f, errors=checkify.user_checks)`` reports the first
+  such scale (docs/usage.md, "Bad values under jit").
 
   Differentiation: not differentiable in ``x`` or ``sf``, as :func:`per_block_cast` (raises
   :class:`jaxkern.NotDifferentiableError`).
@@ -667,6 +669,8 @@ def per_block_cast_with_precomputed_sf(x: jax.typing.ArrayLike, fmt: str, block_
   m, k = x.shape
   sf = _checks.as_array("sf", sf)
   validate.check_sf("sf", sf, (ref.cdiv(m, block_size[0]), ref.cdiv(k, block_size[1])), jnp.float32)
+  _checks.check_and_debug_check("per_block_cast_with_precomputed_sf", "sf", sf, _checks.zero_or_not_finite,
+                                "a finite non-zero scale (1 / sf would be inf or 0: the data would look valid)")
   x, sf = validate.guard("per_block_cast_with_precomputed_sf", x, sf)
 
   def kernel(interpret):
@@ -701,11 +705,14 @@ def per_block_cast_lossless(x: QuantTensor | tuple[jax.Array, jax.Array], fmt: s
 
   Raises:
     ValueError: e4m3 data, a logical ``K % 32 != 0``, another ``fmt``, block sizes as above violated, an
-      input sf of the wrong shape or dtype, packed without column-major.
+      input sf of the wrong shape or dtype, packed without column-major, a concrete float32 input sf that is not
+      a power of two.
 
-  Precondition (not checked inside ``jit``): within one output block the input sf span at most 2^11;
-  otherwise the values round or flush in the e4m3 conversion. The block exponents are computed by XLA
-  (one value per input block), the data by the e2m1 cast-back row kernel with a saturating e4m3 output.
+  Preconditions: a float32 input sf holds positive powers of two (only their exponents are read): a concrete
+  sf that does not raises ``ValueError``, a traced one is reported under ``checkify.checkify(f,
+  errors=checkify.user_checks)`` (docs/usage.md, "Bad values under jit"). Within one output block the input sf
+  span at most 2^11 (not checked); otherwise the values round or flush in the e4m3 conversion. The block
+  exponents are computed by XLA (one value per input block), the data by the e2m1 cast-back row kernel with a saturating e4m3 output.
   XLA (the reference) instead of the kernel: zero rows only.
 
   Differentiation: not differentiable (its input is quantised data): ``jax.grad`` / ``jax.jvp`` through the
@@ -728,6 +735,11 @@ def per_block_cast_lossless(x: QuantTensor | tuple[jax.Array, jax.Array], fmt: s
   if ibk & (ibk - 1) or obk & (obk - 1) or obm % ibm or obk % ibk:
     raise ValueError(f"out_block_size {out_block_size} must be a multiple of x_block_size {x_block_size} "
                      "with power-of-two widths")
+  if x.sf.dtype == jnp.float32:  # the logical scales: layout B's padding columns past M/128 hold anything
+    mb = validate.cdiv(x.data.shape[0], ibm)
+    logical = x.sf[:, :mb] if x_use_tma_aligned_col_major_sf else x.sf
+    _checks.check_and_debug_check("per_block_cast_lossless", "x.sf", logical, _checks.not_power_of_two,
+                                  "a positive power of two (only its exponent is read)")
   x = validate.guard("per_block_cast_lossless", x)
   flags = dict(use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0,
                x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)

@@ -576,10 +576,14 @@ def per_token_cast_with_precomputed_sf(x: jax.typing.ArrayLike, fmt: str, num_pe
   ``sf``: float32 layout A ``(M, ceil(K / num_per_channels))`` (a dequantisation sf, e.g. the ``sf`` of
   :func:`per_token_cast`); ``sf_inv = RN(1 / sf)``, ``data = encode(x · sf_inv)`` with the e4m3 clamp to
   ±448 (it can bite here). ``round_sf`` has no effect. Returns ``data`` only: ``(M, K)`` float8_e4m3fn or
-  ``(M, K/2)`` int8 packed e2m1. Non-finite ``x`` encode as in :func:`per_token_cast`; a zero or
-  non-finite ``sf`` is outside the contract.
+  ``(M, K/2)`` int8 packed e2m1. Non-finite ``x`` encode as in :func:`per_token_cast`.
 
-  Raises ValueError as :func:`per_token_cast`, and for an ``sf`` of another shape or dtype, a QuantTensor
+  Preconditions: every ``sf`` finite and non-zero. A concrete ``sf`` with a zero, inf or NaN raises
+  ``ValueError``; a traced one gives unspecified data, and ``checkify.checkify(f, errors=checkify.user_checks)``
+  reports the first such scale (docs/usage.md, "Bad values under jit").
+
+  Raises ValueError as :func:`per_token_cast`, and for an ``sf`` of another shape or dtype or (concrete) values
+  outside the preconditions, a QuantTensor
   ``x``, ``x_block_size`` given, or ``use_tma_aligned_col_major_sf`` / ``use_packed_ue8m0`` set.
   KernelUnavailableError and XLA cases (zero rows, a partial last group and more than 16 groups per row) as
   :func:`per_token_cast` for a plain input.
@@ -594,6 +598,8 @@ def per_token_cast_with_precomputed_sf(x: jax.typing.ArrayLike, fmt: str, num_pe
   m, k = x.shape
   sf = _checks.as_array("sf", sf)
   validate.check_sf("sf", sf, (m, ref.cdiv(k, num_per_channels)), jnp.float32)
+  _checks.check_and_debug_check("per_token_cast_with_precomputed_sf", "sf", sf, _checks.zero_or_not_finite,
+                                "a finite non-zero scale (1 / sf would be inf or 0: the data would look valid)")
   x, sf = validate.guard("per_token_cast_with_precomputed_sf", x, sf)
 
   def kernel(interpret):

@@ -267,8 +267,10 @@ def swiglu_forward_and_per_token_cast(x: jax.typing.ArrayLike, fmt: str, num_per
     fmt: ``"e4m3"``.
     num_per_channels: 128 or ``h`` (one scale per row).
     pos_to_token_topk: ``(E,)`` int32, with ``topk_weights`` ``(T, k)`` float32 (both or neither): row ``p``
-      is scaled by ``topk_weights.reshape(-1)[pos_to_token_topk[p]]``, or by 0 where the index is negative
-      (an index ``>= T·k`` is undefined behaviour).
+      is scaled by ``topk_weights.reshape(-1)[pos_to_token_topk[p]]``, or by 0 where the index is negative.
+      Precondition: every index below ``T·k``. A concrete index ``>= T·k`` raises ``ValueError``; a traced one
+      takes the last weight (kernel and reference alike: the gather runs in XLA, clamped) and
+      ``checkify.checkify(f, errors=checkify.user_checks)`` reports it (docs/usage.md, "Bad values under jit").
     pos_to_expert: ``(E,)`` int32 or None: rows with a negative entry are skipped (e4m3 zeros, sf 0.0 /
       UE8M0 byte 0, not counted).
     use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0: sf layout B / power-of-two sf / packed UE8M0
@@ -289,7 +291,7 @@ def swiglu_forward_and_per_token_cast(x: jax.typing.ArrayLike, fmt: str, num_per
     ValueError (naming the argument): another rank, dtype or shape, ``h % 128 != 0``, ``fmt != "e4m3"``,
       ``num_per_channels`` not 128 / ``h``, column-major with ``num_per_channels == h``, packed without
       column-major and ``round_sf``, only one of ``pos_to_token_topk`` / ``topk_weights``, ``clamped_count``
-      without ``swiglu_clamp_value``.
+      without ``swiglu_clamp_value``, a concrete ``pos_to_token_topk`` entry ``>= T·k``.
 
   XLA (the reference) instead of the kernel: zero rows (``E = 0``) only. The top-k weight gather and the final
   sum of the clamp counters run in XLA around the kernel (see :mod:`jaxkern.quant._swiglu`).
@@ -304,6 +306,11 @@ def swiglu_forward_and_per_token_cast(x: jax.typing.ArrayLike, fmt: str, num_per
   npc = num_per_channels
   x, pos_to_token_topk, topk_weights, pos_to_expert, clamped_count = _check(
       x, fmt, npc, pos_to_token_topk, topk_weights, pos_to_expert, swiglu_clamp_value, clamped_count, flags)
+  if pos_to_token_topk is not None:
+    _checks.check_and_debug_check(
+        "swiglu_forward_and_per_token_cast", "pos_to_token_topk", pos_to_token_topk,
+        lambda v: v >= topk_weights.size, f"a negative value (padding) or a slot in [0, {topk_weights.size}) "
+        "(T·k = topk_weights.size)")
   x = validate.guard("swiglu_forward_and_per_token_cast", x)
   if topk_weights is not None:
     topk_weights = validate.guard("swiglu_forward_and_per_token_cast", topk_weights)

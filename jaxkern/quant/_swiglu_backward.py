@@ -267,7 +267,9 @@ def swiglu_backward_and_per_token_cast(x: jax.typing.ArrayLike, grad_out: jax.Ar
     grad_out: bfloat16 ``(E, h)`` (or ``q``'s leading shape by ``h``): the cotangent of the weighted activation.
     weight: float32 ``(T, k)`` top-k weights; row ``p`` uses ``weight.reshape(-1)[pos_to_token_topk[p]]``.
     pos_to_token_topk: int32 ``(E,)``: each row's flat slot, negative for padding rows (weight 0, no
-      ``weight_grad``). An index ``>= T·k`` is undefined behaviour (the reference drops it).
+      ``weight_grad``). Precondition: every index below ``T·k``. A concrete index ``>= T·k`` raises
+      ``ValueError``; a traced one gives an unspecified result (the reference drops its ``weight_grad``), and
+      ``checkify.checkify(f, errors=checkify.user_checks)`` reports it (docs/usage.md, "Bad values under jit").
     token_topk_to_pos: int32 ``(T, k)``: only its shape is used (with ``pos_to_token_topk`` a mutually inverse
       pair, as :func:`jaxkern.moe.get_fused_mapping` makes them).
     num_per_channels: 32 or 128, dividing ``h``: the group width of ``x``'s sf and of the output cast.
@@ -286,7 +288,8 @@ def swiglu_backward_and_per_token_cast(x: jax.typing.ArrayLike, grad_out: jax.Ar
   Raises:
     ValueError (naming the argument): ``x`` not a QuantTensor of e4m3 data of rank 2 or 3 and a float32 layout-A
     sf of the matching shape, ``num_per_channels`` not 32 / 128 or not dividing ``h``, ``grad_out`` not bf16 with
-    ``E`` rows of ``h``, ``weight`` / ``token_topk_to_pos`` / ``pos_to_token_topk`` of another rank, dtype or shape.
+    ``E`` rows of ``h``, ``weight`` / ``token_topk_to_pos`` / ``pos_to_token_topk`` of another rank, dtype or shape,
+    a concrete ``pos_to_token_topk`` entry ``>= T·k``.
 
   XLA (the reference) instead of the kernel: zero rows (``E = 0``) only. The top-k weight gather, the
   ``weight_grad`` chunk sums and scatter run in XLA around the kernel (see
@@ -305,6 +308,8 @@ def swiglu_backward_and_per_token_cast(x: jax.typing.ArrayLike, grad_out: jax.Ar
   q, sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos = _check(x, grad_out, weight, pos_to_token_topk,
                                                                          token_topk_to_pos, npc)
   op = "swiglu_backward_and_per_token_cast"
+  _checks.check_and_debug_check(op, "pos_to_token_topk", pos_to_token_topk, lambda v: v >= weight.size,
+                                f"a negative value (padding) or a slot in [0, {weight.size}) (T·k = weight.size)")
   q, sf, grad_out, weight = validate.guard(op, q, sf, grad_out, weight)
   e = q.shape[0]
 
