@@ -1,4 +1,4 @@
-"""Mosaic GPU kernels of the memory-bound mHC stream ops: expand (§4.1), pre_apply_mix (§4.6), post (§4.7),
+"""Mosaic GPU kernels of the memory-bound mHC stream ops: expand, pre_apply_mix, post,
 forward and backward, for every hidden size ``H``: the ``(8, 128)``-tile kernels (first version, below) where
 ``H`` is a multiple of 128 of at least 1024, the row kernels (second version, further below) for every ``H``.
 

@@ -1,4 +1,4 @@
-"""Dequantisation: ``cast_back``, ``per_token_cast_back`` and ``unpack_from_e2m1fn_x2`` (quant.md §9); E5M6 data
+"""Dequantisation: ``cast_back``, ``per_token_cast_back`` and ``unpack_from_e2m1fn_x2`` (docs/quant.md, "Cast-backs"); E5M6 data
 (``x_special_fmt="e5m6"``) go to :mod:`jaxkern.quant._e5m6`.
 
 ``out = RN(f32(q) · sf)`` in float32, then one rounding to bf16 for ``fmt="bf16"``.

@@ -1,4 +1,4 @@
-"""Fused SwiGLU forward and per-token e4m3 cast (quant.md §8.1).
+"""Fused SwiGLU forward and per-token e4m3 cast (docs/quant.md, "Fused SwiGLU").
 
 Mosaic GPU kernel built like the per-token cast's column-segment path
 (:func:`jaxkern.quant._per_token_cast.row_kernel`): straight GMEM -> registers -> GMEM, no SMEM or TMA. Each CTA
@@ -66,7 +66,7 @@ def rn_div(a, b, layout):
 
 
 def _silu_times(left, right, clamp, count, div=_ieee.newton_div):
-  """``(act, flags if count else None)`` of one group's float32 halves (quant.md §8): ``flags`` are the
+  """``(act, flags if count else None)`` of one group's float32 halves (docs/quant.md, "Fused SwiGLU"): ``flags`` are the
   elementwise 0 / 1 float32 indicators of ``left > C``, ``right > C``, ``right < -C``, which the caller sums
   elementwise over its groups and reduces along the row once (a row reduction per group and counter cost
   cross-lane shuffles). ``div``: the correctly rounded division of ``l / (1 + exp(-l))``
@@ -212,7 +212,7 @@ def _kernel(x, weight, pos_to_expert, *, npc, round_sf, col_major, packed, clamp
 
 
 def _check(x, fmt, npc, pos_to_token_topk, topk_weights, pos_to_expert, clamp, clamped_count, flags):
-  """Argument checks (quant.md §8.1); returns the arrays."""
+  """Argument checks; returns the arrays."""
   x = _checks.as_array("x", x)
   _checks.check_rank("x", x, 2)
   _checks.check_dtype("x", x, (jnp.bfloat16, jnp.float32))
@@ -255,7 +255,7 @@ def swiglu_forward_and_per_token_cast(x: jax.typing.ArrayLike, fmt: str, num_per
                                       use_packed_ue8m0: bool = False, swiglu_clamp_value: float | None = None,
                                       clamped_count: jax.Array | None = None, sf_clamp_min: float | None = None,
                                       implementation: str | None = None) -> QuantTensor | QuantTensorWithClampedCount:
-  """SwiGLU forward of ``x = [left | right]`` fused with a per-token e4m3 cast (quant.md §8.1).
+  """SwiGLU forward of ``x = [left | right]`` fused with a per-token e4m3 cast (docs/quant.md, "Fused SwiGLU").
 
   Per row ``p`` (float32, each step one IEEE rounding): with a clamp ``C``, ``l = min(left, C)``,
   ``r = clip(right, -C, C)``; ``act = (l / (1 + exp(-l))) · r``; times the row weight ``w`` when weights are

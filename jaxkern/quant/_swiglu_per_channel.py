@@ -1,4 +1,4 @@
-"""Fused SwiGLU forward and per-channel e4m3 cast (quant.md §8.2).
+"""Fused SwiGLU forward and per-channel e4m3 cast (docs/quant.md, "Fused SwiGLU").
 
 Mosaic GPU kernel (:func:`_kernel`), one warpgroup per CTA of 128 rows and 64 columns. The gate tile
 ``x[rows, 64j:64j+64]`` and the value tile ``x[rows, h+64j:h+64j+64]`` are TMA-loaded into SMEM and read in 32-row
@@ -51,7 +51,7 @@ _COLS = 64  # columns per CTA (128 measured slower on an H200, 2026-11-28; modul
 
 
 def _act_rows(load, clamp, layout, interpret):
-  """The SwiGLU activation (quant.md §8, :func:`jaxkern.quant._swiglu._silu_times`) of the gate and value rows
+  """The SwiGLU activation (:func:`jaxkern.quant._swiglu._silu_times`) of the gate and value rows
   that ``load(0)`` / ``load(1)`` return in ``layout``, rounded to bf16."""
   left, right = (load(half).astype(jnp.float32) for half in (0, 1))
   div = _ieee.newton_div if interpret else functools.partial(rn_div, layout=layout)
@@ -162,7 +162,7 @@ def swiglu_forward_and_per_channel_cast_and_transpose(x: jax.typing.ArrayLike, f
                                                       swiglu_clamp_value: float | None = None,
                                                       implementation: str | None = None) -> QuantTensor:
   """SwiGLU forward of ``x = [left | right]``, rounded to bf16, fused with a per-channel e4m3 cast whose data come
-  back transposed (quant.md §8.2).
+  back transposed.
 
   Per element (float32, each step one IEEE rounding): with a clamp ``C``, ``l = min(left, C)``,
   ``r = clip(right, -C, C)``; ``act = (l / (1 + exp(-l))) · r``; ``b = bf16(act)`` (round to nearest even). Then
@@ -178,7 +178,7 @@ def swiglu_forward_and_per_channel_cast_and_transpose(x: jax.typing.ArrayLike, f
     without_transpose: return the data ``(M, h)`` instead of ``(h, M)``.
     swiglu_clamp_value: the clamp ``C`` (a float, taken as float32) or None. The clamp is applied in float32
       (upstream clamps the bf16 inputs; the same for every ``C`` exactly representable in bf16, such as the tested
-      10.0 and 0.5: quant.md §12.14).
+      10.0 and 0.5).
     implementation: ``"auto"`` (default), ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"``.
 
   Returns:
