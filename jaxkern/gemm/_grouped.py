@@ -3,13 +3,14 @@
 Mosaic GPU kernels (:func:`default_variant` picks one per K and N; :data:`VARIANT` forces one at trace time; the
 figures and the variants tried: docs/gemm.md, "Kernels and performance"):
 
-* ``"pair192"`` (:func:`_pair_mc_kernel`, the default where 192-column tiles fit N, from ``GROUPED_RASTER_MIN_K``):
-  DeepGEMM's schedule, persistent 128 x 192 CTA tiles (64 x 192 per compute warpgroup), one SMEM ring of 128-deep
-  steps through all items of a CTA, the weight tile TMA-multicast to a 2-CTA cluster on a pair of row blocks of one
-  expert, 16 row blocks per raster group (rows fastest); ``"pair192_r32"`` (the default below
-  ``GROUPED_RASTER_MIN_K``) 32 row blocks per group. H200: 1239-1301 TF/s at the DeepSeek-V3 expert shapes.
-* ``"wide192"`` (:func:`_wide_kernel`, what ``"pair192"`` runs for an odd number of row blocks): the same ring and
-  tiles without clusters, column tiles fastest.
+* ``"wide192"`` (:func:`_wide_kernel`, the default where 192-column tiles fit N): persistent 64 x 192 tiles per
+  compute warpgroup, one SMEM ring of 128-deep steps through all items of a CTA, column tiles fastest.
+* ``"pair192"`` / ``"pair192_r32"`` (:func:`_pair_mc_kernel`, not a default): DeepGEMM's schedule, 128 x 192 CTA
+  tiles, the weight tile TMA-multicast to a 2-CTA cluster on a pair of row blocks of one expert, 16 / 32 row blocks
+  per raster group (rows fastest). H200: 1239-1301 TF/s at the DeepSeek-V3 expert shapes, 1-3% above
+  ``"wide192"``, but not deterministic where a pair holds a skipped (-1) row block: in the training step's fused
+  layout (H200, 2026-11-29, 8 runs of one executable) one 64 x 192 tile in the last row blocks differed from run
+  to run, and ``"wide192"`` gave the same bits every run. Kept for the fix (benchmarks/NOTES.md).
 * ``"k2tma_gh"`` (:func:`_raster_kernel`, the default for ``K > SMEM_SCALES_MAX_K`` where 192-column tiles do not
   fit): persistent and warp-specialised, with deferred promotion (2 x 128 of K per pipeline step into two wgmma
   accumulators, the first promoted while the second runs; 3 stages), an SMEM + TMA-store epilogue overlapped with
@@ -720,10 +721,12 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
 # attribute read at trace time). The figures of the variants tried and dropped: docs/gemm.md and benchmarks/NOTES.md.
 VARIANTS = {
     # DeepGEMM's schedule (:func:`_pair_mc_kernel`): 128 x 192 CTA tiles, weight tiles multicast to 2-CTA clusters
-    # on row-block pairs; 16 / 32 row blocks per raster group (rows fastest)
+    # on row-block pairs; 16 / 32 row blocks per raster group (rows fastest). Not a default: they race where a pair
+    # holds a skipped row block (module docstring)
     "pair192": functools.partial(_pair_mc_kernel, bn=WIDE_TILE),
     "pair192_r32": functools.partial(_pair_mc_kernel, bn=WIDE_TILE, row_group=32),
-    # :func:`_pair_mc_kernel`'s fallback for an odd number of row blocks (:func:`_wide_kernel`: 64 x 192 tiles)
+    # the default where 192-column tiles fit (:func:`_wide_kernel`: 64 x 192 tiles); also :func:`_pair_mc_kernel`'s
+    # fallback for an odd number of row blocks
     "wide192": functools.partial(_wide_kernel, bn=WIDE_TILE),
     # deferred promotion over 2 x 128 of K per step, grouped column tiles (:func:`_raster_kernel`); "_ss": the
     # scales through the pipeline's SMEM
@@ -734,7 +737,8 @@ VARIANTS = {
     # one CTA per (64-row, 128-column) tile, a plain TMA pipeline: the tests' independent check
     "simple": _simple_kernel}
 VARIANT = None  # a VARIANTS key forces that kernel (tests, timing scripts); None: default_variant(K, N)
-# Where the 192-column tile fits (below), DeepGEMM's schedule. H200, 2026-11-29, CUPTI cold L2, two runs of 10,
+# Where the 192-column tile fits, "wide192" (the clustered kernels race on pairs with a skipped row block; module
+# docstring). Their figures, H200, 2026-11-29, CUPTI cold L2, two runs of 10,
 # M = 32768, TF/s (bit-identical results), G = 4 / G = 8: N = 4096, K = 7168 "pair192" 1248.6-1260.6 / 1247.7-1250.2
 # against "k2tma_gh" 1204.0-1207.9 / 1173.8-1195.6 ("pair192_r32" 1223-1233); N = 2048, K = 7168 "pair192"
 # 1239.4-1241.4 against "k2tma_gh" 1195.3-1202.3 ("pair192_r32" 1223.0-1225.7); N = 7168, K = 4096 "pair192"
@@ -767,13 +771,13 @@ def wide_tile_extra(n: int, bn: int = WIDE_TILE) -> float:
 
 def default_variant(k: int, n: int) -> str:
   """The forward kernel for a contraction of ``k`` and ``n`` output columns. Where the 192-column tile's overlapping
-  last tile adds at most :data:`WIDE_TILE_MAX_EXTRA` of the work: DeepGEMM's schedule, ``"pair192"`` (16 row blocks
-  per raster group) from :data:`GROUPED_RASTER_MIN_K`, ``"pair192_r32"`` (32) below it. Elsewhere, from
+  last tile adds at most :data:`WIDE_TILE_MAX_EXTRA` of the work: ``"wide192"`` (the clustered ``"pair192"``
+  kernels are faster by 1-3% but race on pairs holding a skipped row block). Elsewhere, from
   :data:`GROUPED_RASTER_MIN_K`: ``"k2tma_gh_ss"`` (deferred promotion, TMA-store epilogue, grouped column tiles, the
   scales through the pipeline's SMEM) up to :data:`SMEM_SCALES_MAX_K`, ``"k2tma_gh"`` (the same with GMEM scale
   loads) above it; below it ``"ring_nodefer"`` (one SMEM ring through all items, 64 x 128 tiles)."""
   if n >= WIDE_TILE and wide_tile_extra(n) <= WIDE_TILE_MAX_EXTRA:
-    return "pair192" if k >= GROUPED_RASTER_MIN_K else "pair192_r32"
+    return "wide192"
   if k >= GROUPED_RASTER_MIN_K:
     return "k2tma_gh_ss" if k <= SMEM_SCALES_MAX_K else "k2tma_gh"
   return "ring_nodefer"

@@ -232,17 +232,16 @@ def test_gpu_accuracy(key, g, rows, n, k):
   assert rel_err(got, want) <= 5e-3
 
 
-@pytest.mark.parametrize("variant, k", [("k2tma_gh", 512), ("k2tma_gh", 768), ("k2tma_gh_ss", 768),
-                                        ("ring_nodefer", 384), ("ring_nodefer", 768), ("wide192", 768),
-                                        ("pair192", 768)],
+@pytest.mark.parametrize("variant, k", [("k2tma_gh", 768), ("k2tma_gh_ss", 768), ("ring_nodefer", 768),
+                                        ("wide192", 768), ("pair192", 768)],
                          indirect=["variant"])
 def test_persistent_kernel_loops_over_items(key, variant, k, monkeypatch):
   """3 CTAs for 8 work items: each CTA runs several pipelines in turn (barrier phases carried over, a skipped
   block in between; with the TMA epilogue, each item's store still in flight while the next one runs), as every
   CTA does at the real shapes. k=768: 3 pipeline steps of 2 x 128. The ring kernels keep one ring of slots across
-  a CTA's items: 6-9 steps per CTA over 5 slots, so slots are reused across items and mid-item; wide192: two column
-  tiles of 192 per row block, the second starting inside a weight-scale block; pair192: one cluster of 2 CTAs (3 SMs)
-  walks the row-block pairs (1, -1) and (0, 2)."""
+  a CTA's items: 6 steps of 128 per item over 5 slots, so slots are reused mid-item and across items; wide192: two
+  column tiles of 192 per row block, the second starting inside a weight-scale block; pair192: one cluster of 2 CTAs
+  (3 SMs) walks the row-block pairs (1, -1) and (0, 2)."""
   from jaxkern import _config
   monkeypatch.setattr(_config, "num_sms", lambda: 3)
   g, m, n = 3, 512, 256
@@ -293,16 +292,16 @@ def test_pair_kernel_falls_back_for_odd_row_blocks(key, monkeypatch):
 
 def test_default_variant_by_contraction():
   assert _grouped.VARIANT is None  # the shipped default picks per K and N
-  # where the 192-column tile adds at most 1/32 of the columns: DeepGEMM's schedule, 32 row blocks per group below
-  # K = 4096
-  assert _grouped.default_variant(7168, 4096) == "pair192" and _grouped.default_variant(7168, 2048) == "pair192"
-  assert _grouped.default_variant(4096, 7168) == "pair192" and _grouped.default_variant(2048, 7168) == "pair192_r32"
-  assert _grouped.default_variant(2048, 1536) == "pair192_r32"  # 8 tiles, no overlap
+  # where the 192-column tile adds at most 1/32 of the columns: the 192-column ring without clusters (the clustered
+  # kernels are not defaults: they race where a pair of row blocks holds a skipped one)
+  assert _grouped.default_variant(7168, 4096) == "wide192" and _grouped.default_variant(7168, 2048) == "wide192"
+  assert _grouped.default_variant(4096, 7168) == "wide192" and _grouped.default_variant(2048, 7168) == "wide192"
+  assert _grouped.default_variant(2048, 1536) == "wide192"  # 8 tiles, no overlap
   # elsewhere: the scales through SMEM up to K = 4096, GMEM above, the 128-column ring below
   assert _grouped.default_variant(5120, 1024) == "k2tma_gh" and _grouped.default_variant(4096, 1024) == "k2tma_gh_ss"
   assert _grouped.default_variant(2048, 1024) == "ring_nodefer"  # 6 tiles of 192: 1/8 extra
   assert _grouped.default_variant(128, 128) == "ring_nodefer"  # narrower than one wide tile
   assert _grouped.wide_tile_extra(7168) == 128 / 7168 and _grouped.wide_tile_extra(384) == 0
   assert {_grouped.default_variant(k, n) for k in (2048, 4096, 7168) for n in (128, 1024, 2048, 4096, 7168)} \
-      | {"wide192", "simple"} == set(_grouped.VARIANTS)
+      | {"simple", "pair192", "pair192_r32"} == set(_grouped.VARIANTS)  # the clustered kernels: kept for their fix
   assert [_grouped.half_row_group(t) for t in (1, 8, 16, 32, 56, 57, 59)] == [1, 8, 16, 16, 28, 19, 59]
