@@ -582,9 +582,15 @@ def engram_gate_fwd(hidden_states: jax.Array, k: jax.Array, v: jax.Array, weight
   (``"pallas"`` raises :class:`jaxkern.KernelUnavailableError` for those).
 
   Numerics: float32 sums in another order than the reference's, ``rsqrt`` / ``sqrt`` / ``exp`` of the
-  device; within ``calc_diff < 2e-10`` of it (the tests' tolerance). At ``d = ±0`` (``raw = ±0``) the kernel's
+  device; within ``calc_diff < 2e-10`` of it (the tests' tolerance). At ``d = ±0`` (``raw = ±0``, an ``rstd`` of 0 from an
+  infinite ``Σx²`` or ``Σk²``, or a product ``raw·rx·rk·s`` that underflows) the kernel's
   ``copysign`` gives the gate ``σ(±sqrt(c))``, the reference's ``sign`` 0.5 (docs/engram.md, "Gate"). Other float
-  dtypes run the reference in ``promote(dtype, float32)``.
+  dtypes run the reference in ``promote(dtype, float32)``. Where a (token, stream)'s sum reaches float32's range
+  (``Σ|x·wf·k|`` of the finite terms at FLT_MAX or beyond; ``Σx²`` or ``Σk²`` within rounding of it), its result
+  depends on the summation order: a partial sum may overflow in one order and not in the other, so ``dot`` may be
+  NaN, ±inf or finite in kernel and reference (an H200 found NaN against inf, 2026-11-29), and that stream's
+  ``dot``, ``gate_score`` and ``output`` (``rstd_x`` / ``rstd_k`` for their sums) are unspecified. Elsewhere
+  non-finite inputs propagate alike (IEEE: a NaN or ±inf term gives the same sum in any order).
 
   Differentiation: none (a building block): differentiate :func:`jaxkern.modeling.engram_gate`;
   ``jax.grad`` through this op raises :class:`jaxkern.NotDifferentiableError`.

@@ -151,7 +151,11 @@ def pre_apply_mix(x: jax.Array, mix: jax.Array, *, implementation: str | None = 
   Kernel (any ``H``): Mosaic GPU (see :mod:`jaxkern.mhc._stream_kernels`), bandwidth-bound; the products are summed
   as ``mix[0]·x[0] + mix[1]·x[1] + ...`` (the GPU contracts each add into an FMA). XLA on a GPU does not
   contract, so there the kernel and the XLA path round to different bf16 neighbours on about 1e-4 of the
-  outputs (one bf16 ulp; XLA on CPU contracts like the kernel).
+  outputs (one bf16 ulp; XLA on CPU contracts like the kernel). Where a product ``mix[m]·x[m]`` of finite factors
+  overflows float32, the output element is unspecified: the FMA does not round the product on its own, so the
+  kernel may give ±inf or a finite value where XLA's separately rounded product gives ±inf, and NaN there from
+  ``inf + (-inf)`` may be ±inf in the kernel (an H200 found -inf against NaN, 2026-11-29). Elsewhere non-finite
+  inputs propagate alike (IEEE: NaN in, NaN out; ``inf - inf`` and ``inf·0`` NaN).
 
   Differentiation: ``jax.custom_vjp``; residuals ``x, mix``; backward :func:`pre_apply_mix_bwd` (a kernel)
   with the same implementation.

@@ -186,6 +186,10 @@ def multilayer_recompute(initial_residual: jax.Array, pre_mix_list: Sequence[jax
   residual and layer outputs with float32 mixes and ``M > 4`` (where the per-layer kernels do not run either),
   and ``H`` not a multiple of 128 (the fused kernel's constraint; the per-layer kernels take any ``H``).
 
+  Non-finite results: as :func:`pre_apply_mix` and :func:`post`, a column ``h`` in which a product of finite
+  factors overflows float32 is unspecified from that layer on (in that layer's input, and in every later layer
+  input and residual: the streams mix per column).
+
   Differentiation: none (activation recompute): :class:`jaxkern.NotDifferentiableError`.
   """
   r, lead, m, h = _common.streams("initial_residual", initial_residual)

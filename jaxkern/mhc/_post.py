@@ -165,7 +165,12 @@ def post(x: jax.Array, residual: jax.Array, post_layer_mix: jax.Array, comb_res_
   XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also dtypes other than bfloat16
   ``x`` / ``residual`` with float32 mixes and ``M > 4`` (upstream's backward supports only 4). Kernel (any
   ``H``): Mosaic GPU (see :mod:`jaxkern.mhc._stream_kernels`),
-  bandwidth-bound (``2·H·(2M+1)`` bytes per token).
+  bandwidth-bound (``2·H·(2M+1)`` bytes per token). The GPU contracts each add into an FMA (as in
+  :func:`pre_apply_mix`). Where a product (``post[n]·x`` or
+  ``comb[m, n]·residual[m]``) of finite factors overflows float32, that column ``h`` of every output stream is
+  unspecified: the FMA's unrounded product may give ±inf or a finite value where XLA's rounded one gives ±inf,
+  or ±inf where XLA gives NaN from ``inf + (-inf)`` (an H200 found inf against NaN, 2026-11-29). Elsewhere
+  non-finite inputs propagate alike (IEEE).
 
   Differentiation: ``jax.custom_vjp``; residuals ``x, residual, post_layer_mix, comb_res_mix``; backward
   :func:`post_bwd` (a kernel) with the same implementation, on the output's cotangent rounded to the residual's

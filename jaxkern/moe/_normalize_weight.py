@@ -20,11 +20,16 @@ H200 (CUPTI, cold L2, benchmark grid, median of 30), XLA reference in brackets: 
 with the reciprocal scheme alone 2.24-5.74, with SMEM staging alone 2.05-2.91. Rows wider than
 ``MAX_KERNEL_TOPK`` (beyond the tested sizes; the kernel is unrolled over ``K``) run the XLA reference.
 
-The division is exact for normal, finite quotients and row sums (the tests' inputs: weights in [0, 1));
-checked bitwise on the H200 against the reference on 2^19 x 8 and 2^19 x 9 weights (uniform, spread
-over 2^-40..2^4, and signed normal). A quotient or residual outside the normal float32 range (only
-with cancelling negative weights or a weight below ``2^-126`` of its row sum) may differ from IEEE
-division by an ulp.
+The division is exact for normal, finite weights and row sums up to ``2^126`` whose quotients are zero or at
+least ``2^-102`` in magnitude (the tests' inputs: weights in [0, 1)); checked bitwise on the H200 against the
+reference on 2^19 x 8 and 2^19 x 9 weights (uniform, spread over 2^-40..2^4, and signed normal). A quotient
+below ``2^-102`` in magnitude may be an ulp off: its correction ``(w - q·d)·y`` (about half an ulp of ``q``) is
+subnormal (an H200 gave ``2^-122·(1 + 2^-23)`` for ``2^-122``, 2026-11-29). Outside the normal range (a
+subnormal weight or quotient, cancelling negative weights, a row sum beyond ``2^126`` whose reciprocal is
+subnormal) interpret mode is within an ulp of IEEE division; on a GPU, whose compiled float32 arithmetic may
+flush subnormal operands and results to zero, a row with a subnormal weight, quotient or row sum, or a row sum
+beyond ``2^126``, has unspecified quotients (an H200 gave 170 weights more than an ulp off in such rows,
+2026-11-29); a subnormal row sum is itself unspecified.
 """
 
 from __future__ import annotations
@@ -99,7 +104,7 @@ def normalize_weight(topk_weights: jax.Array, *, implementation: str | None = No
   Returns:
     :class:`jaxkern.types.NormalizedWeights` ``(denominator, normalized_weights)``: ``(T,)`` and
     ``(T, K)`` float32, bit-exact (IEEE division; see the module docstring for the kernel's range
-    condition).
+    condition: quotients below ``2^-102`` within an ulp, subnormals on a GPU unspecified).
 
   Raises:
     ValueError: ``topk_weights`` not a rank-2 float32 array (bool included).

@@ -22,6 +22,15 @@ from jaxkern.moe._topk_gate import pad_rows_and_cols
 from jaxkern.reference import moe as ref
 
 
+def _unsupported(num_groups: int) -> str | None:
+  """Why the kernel cannot run, or None. One group has the constant rank 0, whose splat register array
+  Mosaic GPU (jax 0.11.2) cannot store as a 64-row block ("Arrays with the splat layout can only be stored
+  when they have a single element or a multiple of 128 elements")."""
+  if num_groups == 1:
+    return "one group (scores.shape[1] == 1): every index is 0, nothing to rank"
+  return None
+
+
 @functools.partial(jax.jit, static_argnames=("num_groups", "group_size", "num_topk_sum", "num_topk_groups",
                                              "interpret"))
 def _kernel(x: jax.Array, num_groups: int, group_size: int, num_topk_sum: int, num_topk_groups: int,
@@ -62,8 +71,9 @@ def topk_sum_and_topk_group_idx(scores: jax.Array, num_topk_sum: int, num_topk_g
   Raises:
     ValueError: ``scores`` not a rank-3 float32 array (bool included), or an option out of range.
 
-  XLA instead of a kernel: ``T == 0`` (an empty result). The Mosaic GPU kernel runs every other
-  case (``"auto"`` off a GPU runs the reference).
+  XLA instead of a kernel: ``T == 0`` (an empty result) and ``G == 1`` (nothing to rank: every index is 0;
+  ``"pallas"`` / ``"interpret"`` raise :class:`jaxkern.KernelUnavailableError`). The Mosaic GPU kernel runs
+  every other case (``"auto"`` off a GPU runs the reference).
 
   Differentiation: indices only; the scores get a zero cotangent (as the indices of ``jax.lax.top_k``).
   """
@@ -86,4 +96,4 @@ def topk_sum_and_topk_group_idx(scores: jax.Array, num_topk_sum: int, num_topk_g
 
   return _dispatch.run("topk_sum_and_topk_group_idx", implementation, kernel=kernel,
                        xla=lambda: ref.topk_sum_and_topk_group_idx(scores, num_topk_sum, num_topk_groups),
-                       empty=t == 0)
+                       unsupported=_unsupported(g), empty=t == 0)

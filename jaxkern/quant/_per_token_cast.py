@@ -12,7 +12,7 @@ last group is partial or the sf is column-major (then a second grid axis gives e
 quantises and stores. The last CTA's block is shifted back to end at the last row (its overlap with
 the previous block is written twice with equal values).
 
-Exact numerics (quant.md §3.3/§4.8): ``sf = a / 448``, ``sf_inv = 448 / a`` and ``1 / sf`` are
+Exact numerics (docs/quant.md, "Scale factors"): ``sf = a / 448``, ``sf_inv = 448 / a`` and ``1 / sf`` are
 correctly rounded with :func:`jaxkern._ieee.exact_div` (the GPU's ``/`` is approximate; the
 divisor 448 is loaded from memory so that XLA cannot fold it in interpret mode), checked against
 numpy by a ``gpu`` test. The e4m3 conversion saturates on the GPU (``cvt.rn.satfinite``); the
@@ -23,7 +23,7 @@ UE8M0 layout C, padding rows zeroed by the last row of CTAs; XLA reformats them 
 fewer rows than one layout block. The format's largest value reaches the kernel as a one-element
 host constant (an XLA splat would cost a broadcast kernel).
 
-FP4 e2m1 (same kernel, quant.md §4.4): Hopper has no FP4 conversion, so the rounding (nearest even,
+FP4 e2m1 (same kernel, docs/quant.md, "Number formats"): Hopper has no FP4 conversion, so the rounding (nearest even,
 saturating at ±6, sign kept) and the packing (column ``2j`` in the low nibble) are bit operations
 (:func:`jaxkern.quant._encode.encode_e2m1`), bit-exact with :func:`jaxkern.reference.quant.encode_e2m1`.
 Each pair of columns is read together: a bf16 pair as one int32 word (a free bitcast of the input; ``word << 16`` and
@@ -79,7 +79,7 @@ SEGMENT_LANES = 8
 
 
 def to_e4m3(q, interpret):
-  """float32 -> e4m3, saturating at ±448 (quant.md §2.1): on the GPU the conversion itself saturates
+  """float32 -> e4m3, saturating at ±448 (docs/quant.md, "Number formats"): on the GPU the conversion itself saturates
   (``cvt.rn.satfinite``; an explicit clip would cost a min and a max per value), in interpret mode XLA's
   conversion would send ±inf and ``|q| >= 464`` to NaN, so it clips first
   (:func:`jaxkern.reference.quant.encode_e4m3`)."""
@@ -154,7 +154,7 @@ def row_kernel(x, sf_in, *, segs, lanes, fmt, round_sf, write_data, compute_sf, 
 
   ``quant_in``: a :class:`QuantIn` whose data ``x`` (``(R, W)``, one view row per row) is decoded in
   registers and multiplied by its block's sf: the amax uses ``RN(d·s)`` (as ``RN(max|d|·s)``), the data
-  ``RN(d·RN(s·sf_inv))`` (quant.md §4.3). ``e4m3x2`` and ``e2m1`` views are pair views (``segs`` in
+  ``RN(d·RN(s·sf_inv))`` (docs/quant.md, "Casts"). ``e4m3x2`` and ``e2m1`` views are pair views (``segs`` in
   pairs); an e4m3 output from a pair view is int16 words of two e4m3 bytes. A group wider than an input
   block runs as parts of ``bk`` view columns. Blocks taller than one row need tiles of at most ``bm``
   rows (two scalar sf loads and a select per part, as in :mod:`jaxkern.quant._cast_back`).
@@ -451,7 +451,7 @@ def per_token_cast(x: jax.typing.ArrayLike | QuantTensor | tuple[jax.Array, jax.
                    *, x_block_size: tuple[int, int] | None = None, use_tma_aligned_col_major_sf: bool = False,
                    round_sf: bool = False, use_packed_ue8m0: bool = False, x_use_tma_aligned_col_major_sf: bool = False,
                    implementation: str | None = None) -> QuantTensor:
-  """Row-wise cast to FP8 e4m3 or packed FP4 e2m1, one scale per ``num_per_channels`` columns (quant.md §5.1).
+  """Row-wise cast to FP8 e4m3 or packed FP4 e2m1, one scale per ``num_per_channels`` columns (docs/quant.md, "Casts").
 
   Args:
     x: ``(M, K)`` bfloat16 / float32 array (or nested list), or a QuantTensor ``(data, sf)``: e4m3
@@ -485,11 +485,14 @@ def per_token_cast(x: jax.typing.ArrayLike | QuantTensor | tuple[jax.Array, jax.
   partial last group and more than 16 groups (:func:`jaxkern.explain` names the reason). Everything else
   runs the kernel; its figures are in the module docstring.
 
-  Non-finite inputs (NaN, ±inf; outside upstream's contract, quant.md §12.6) give the same bits from the
-  kernel (compiled or interpreted) and the reference on every backend: the amax is NaN-propagating (a group
-  with a NaN has sf NaN, one with ±inf sf +inf; with ``round_sf`` -0.0 / +inf, UE8M0 bytes 0 / 255), the
-  data are ``encode(x · sf_inv)`` as for finite inputs (±inf saturates), and every NaN result is the GPU's
-  canonical NaN 0x7FFFFFFF (NaN data: e4m3 0x7F, e2m1 +6). Details: :func:`jaxkern.reference.quant.per_token_cast`.
+  Non-finite inputs (NaN, ±inf; outside upstream's contract, docs/quant.md, "Non-finite inputs and edge cases")
+  give the same bits from the kernel (compiled or interpreted) and the reference on every backend: the amax is
+  NaN-propagating (a group with a NaN has sf NaN, one with ±inf sf +inf; with ``round_sf`` -0.0 / +inf, UE8M0
+  bytes 0 / 255), the data are ``encode(x · sf_inv)`` as for finite inputs (±inf saturates), and every NaN result
+  is the GPU's canonical NaN 0x7FFFFFFF (NaN data: e4m3 0x7F, e2m1 +6). A QuantTensor input's amax is ``max|data| · sf_in``
+  per input block within the group, so an infinite input sf gives sf +inf (NaN only where that block's part of
+  the group holds only zeros; the data of such a group are NaN). Details:
+  :func:`jaxkern.reference.quant.per_token_cast`.
 
   Differentiation: not differentiable (data and sf of a QuantTensor input too); ``jax.grad`` / ``jax.jvp``
   through it raise :class:`jaxkern.NotDifferentiableError`. Apply it to ``jax.lax.stop_gradient(x)``, or wrap
@@ -548,7 +551,7 @@ def per_token_cast_with_sf_only(x: jax.typing.ArrayLike, fmt: str, num_per_chann
                                 round_sf: bool = False, use_packed_ue8m0: bool = False,
                                 implementation: str | None = None) -> jax.Array:
   """The ``sf`` of :func:`per_token_cast` for a plain ``(M, K)`` bfloat16 / float32 ``x``, bit-identical,
-  without writing the data (quant.md §5.2). Arguments, layouts, errors, XLA cases and non-finite inputs as
+  without writing the data. Arguments, layouts, errors, XLA cases and non-finite inputs as
   :func:`per_token_cast` (``x_block_size`` must be None: no QuantTensor input).
 
   Differentiation: not differentiable, as :func:`per_token_cast` (raises :class:`jaxkern.NotDifferentiableError`).
@@ -571,7 +574,7 @@ def per_token_cast_with_precomputed_sf(x: jax.typing.ArrayLike, fmt: str, num_pe
                                        x_block_size: tuple[int, int] | None = None,
                                        use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
                                        use_packed_ue8m0: bool = False, implementation: str | None = None) -> jax.Array:
-  """Quantises a plain ``(M, K)`` bfloat16 / float32 ``x`` with a caller-given sf (quant.md §5.3).
+  """Quantises a plain ``(M, K)`` bfloat16 / float32 ``x`` with a caller-given sf.
 
   ``sf``: float32 layout A ``(M, ceil(K / num_per_channels))`` (a dequantisation sf, e.g. the ``sf`` of
   :func:`per_token_cast`); ``sf_inv = RN(1 / sf)``, ``data = encode(x · sf_inv)`` with the e4m3 clamp to

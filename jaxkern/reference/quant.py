@@ -21,6 +21,7 @@ per three little-endian uint32 words, returned as bytes ``(M, 3K/2)`` uint8.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Literal
 
@@ -208,6 +209,20 @@ def _encode(q, fmt: str):
   return pack_e2m1(encode_e2m1(q))
 
 
+def scaled_abs_max(v: jax.Array, sfv_in: jax.Array, block_size: tuple[int, int], x_block_size: tuple[int, int]):
+  """The amax of each ``block_size`` block of the dequantised ``v · sfv_in`` (``(M, K)`` each, ``sfv_in``
+  constant on the ``x_block_size`` blocks), in the kernels' order (and upstream's): per part, the intersection
+  of an output block and an input block, ``max|v|`` times the part's one input scale, then the NaN-propagating
+  maximum over the parts (:func:`abs_max`). The same bits as ``abs_max(v · sfv_in)`` for finite scales (the
+  rounding is monotonic); with a +inf scale a part's amax is +inf, or NaN (``0 · inf``) only where all its data
+  are zero, and a NaN scale gives NaN."""
+  (bm, bk), (ibm, ibk) = block_size, x_block_size
+  pm, pk = math.gcd(bm, ibm), math.gcd(bk, ibk)
+  part_max = abs_max(_blocked(v, pm, pk), axis=(1, 3))
+  part_sf = _blocked(sfv_in, pm, pk)[:, 0, :, 0]  # each part's first element is inside the array
+  return abs_max(_blocked(part_max * part_sf, bm // pm, bk // pk), axis=(1, 3))
+
+
 def cast(x: jax.Array | QuantTensor | tuple[jax.Array, jax.Array], fmt: str, block_size: tuple[int, int], *,
          x_block_size: tuple[int, int] | None = None, sf: jax.Array | None = None, round_sf: bool = False,
          use_tma_aligned_col_major_sf: bool = False, use_packed_ue8m0: bool = False,
@@ -232,15 +247,17 @@ def cast(x: jax.Array | QuantTensor | tuple[jax.Array, jax.Array], fmt: str, blo
     ibm, ibk = x_block_size
     sfv_in = _expand(sf_to_float(sf_in, cdiv(m, ibm), cdiv(k, ibk),
                                  use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf), ibm, ibk, m, k)
-    x_val = v * sfv_in
   else:
-    v = x_val = x.astype(jnp.float32)
+    v = x.astype(jnp.float32)
     sfv_in = None
     m, k = v.shape
   if sf is not None:
     inv = _expand(ieee.div(1.0, sf), bm, bk, m, k)
     return _encode(canonical_nan(v * inv if sfv_in is None else v * (sfv_in * inv)), fmt)
-  amax = abs_max(_blocked(x_val, bm, bk), axis=(1, 3))
+  if sfv_in is None:
+    amax = abs_max(_blocked(v, bm, bk), axis=(1, 3))
+  else:
+    amax = scaled_abs_max(v, sfv_in, (bm, bk), x_block_size)
   out_sf, inv = scale_factors(amax, MAX_VALUE[fmt], fmt, round_sf)
   inv = _expand(inv, bm, bk, m, k)
   # Scales first for a QuantTensor input (the kernels' order, docs/quant.md, "Casts"). As upstream's kernel, an
@@ -283,7 +300,9 @@ def per_token_cast(x: jax.Array | QuantTensor | tuple[jax.Array, jax.Array], fmt
   reference agree bit for bit on every backend): the amax is NaN-propagating (:func:`abs_max`): a group
   with a NaN has amax NaN, else with a ±inf amax +inf. The scale computation (docs/quant.md, "Scale factors") applied to it gives sf = sf_inv = NaN, or
   sf = +inf and sf_inv = 0; with ``round_sf`` the exponent arithmetic on those patterns gives sf = -0.0
-  (UE8M0 byte 0) and sf_inv = -2^127 for NaN, sf = +inf (UE8M0 byte 255) and sf_inv = -inf for inf. The
+  (UE8M0 byte 0) and sf_inv = -2^127 for NaN, sf = +inf (UE8M0 byte 255) and sf_inv = -inf for inf. A
+  QuantTensor input's amax is ``max|data| · sf_in`` per input block within the group (:func:`scaled_abs_max`):
+  an infinite input sf gives +inf, NaN only for a part whose data are all zero. The
   data are ``encode(x · sf_inv)`` as always: ±inf products saturate (e4m3 ±448, e2m1 ±6). Every NaN result
   (sf, products) is the GPU's canonical NaN 0x7FFFFFFF (:func:`canonical_nan`), so NaN data encode as
   e4m3 0x7F and e2m1 +6 (nibble 7), whatever the sign of the input NaN. ``fmt="e5m6"``:

@@ -114,3 +114,19 @@ def test_spec_shapes_gpu(key, t, e, g, s, n):
   x = _scores(key, t, g, e // g)
   f = jax.jit(topk_sum_and_topk_group_idx, static_argnums=(1, 2))
   assert_bitwise_equal(f(x, s, n), ref.topk_sum_and_topk_group_idx(x, s, n))
+
+
+@pytest.mark.parametrize("epg, s", [(3, 1), (8, 2)])
+def test_one_group_runs_xla(key, epg, s):
+  """One group (the fuzz harness's T=130, G=1, Epg=3 crashed the kernel's lowering on an H200, 2026-11-29: a
+  splat rank cannot be stored): every index is 0 through XLA; the kernel declines it."""
+  x = _scores(key, 130, 1, epg)
+  assert_bitwise_equal(topk_sum_and_topk_group_idx(x, s, 1, implementation="auto"), jnp.zeros((130, 1), jnp.int32))
+  with pytest.raises(jaxkern.KernelUnavailableError, match="one group"):
+    topk_sum_and_topk_group_idx(x, s, 1, implementation="pallas")
+
+
+@pytest.mark.parametrize("g", [2, 3])
+def test_two_and_three_groups_lower_for_h100(g):
+  f = functools.partial(topk_sum_and_topk_group_idx, num_topk_sum=1, num_topk_groups=1, implementation="pallas")
+  assert "mosaic_gpu" in lower_for_h100(f, jax.ShapeDtypeStruct((130, g, 3), jnp.float32)).as_text()
