@@ -121,8 +121,11 @@ def test_engram_small_cases_without_gpu(capsys):
   assert "FAILED" not in out and out.count("ok") >= 5
 
 
-MHC_OPS = ("expand_to_mhc,expand_to_mhc_bwd,pre_apply_mix,pre_apply_mix_bwd,post,post_bwd,sinkhorn_normalize,"
-           "sinkhorn_normalize_bwd")
+# In interpret mode here. Not sinkhorn_normalize_bwd nor "mhc_pre->mhc_post:fwd+bwd": their small cases compile the
+# Sinkhorn backward kernel at repeat = 10, a minute or more of CPU each in interpret mode; the runner runs them on
+# the XLA path (test_runner_without_gpu_runs_every_registered_op); the kernel runs in interpret mode at repeat = 10
+# in tests/mhc/test_sinkhorn.py, and inside mhc_pre's backward (repeat = 3) in tests/modeling/test_mhc_layers.py.
+MHC_OPS = "expand_to_mhc,expand_to_mhc_bwd,pre_apply_mix,pre_apply_mix_bwd,post,post_bwd,sinkhorn_normalize"
 
 
 def test_mhc_grid_and_byte_counts():
@@ -138,7 +141,7 @@ def test_mhc_grid_and_byte_counts():
 def test_mhc_small_cases_without_gpu(capsys):
   assert run.main(["--ops", MHC_OPS]) == 0
   out = capsys.readouterr().out
-  assert "FAILED" not in out and out.count("ok") >= 8
+  assert "FAILED" not in out and out.count("ok") >= 7
 def test_pre_norm_fn_grid_and_byte_counts():
   k = 4 * 7168
   fwd = REGISTRY["pre_norm_fn"].cases()
@@ -166,9 +169,9 @@ def test_mhc_fused_grid_and_byte_counts():
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the correctness-only pass is the no-GPU path")
 def test_mhc_fused_small_cases_without_gpu(capsys):
-  assert run.main(["--ops", "pre_big_fuse,mhc_pre->mhc_post:fwd+bwd"]) == 0
+  assert run.main(["--ops", "pre_big_fuse"]) == 0  # not the pair: see MHC_OPS
   out = capsys.readouterr().out
-  assert "FAILED" not in out and out.count("ok") >= 4
+  assert "FAILED" not in out and out.count("ok") >= 2
 
 
 def test_multilayer_recompute_grid_and_byte_counts():
