@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import checkify
 
@@ -275,12 +276,12 @@ def _check_group_sizes(group_sizes, num_rows: int, *, aligned: bool) -> None:
     _checks.check_and_debug_check(
         op, "group_sizes", group_sizes[:-1], lambda v: v % FP8_GEMM_BLOCK != 0,
         f"a multiple of {FP8_GEMM_BLOCK} (every segment but the last; fp8_gemm derives block_expert from them)")
-  total = jnp.sum(group_sizes)
   want = f"group_sizes must sum to N = xf.shape[0] = {num_rows}"
   if _checks.is_traced(group_sizes):
+    total = jnp.sum(group_sizes)
     checkify.debug_check(total == num_rows, f"{op}: {want}, got {{}}", total)
-  elif int(total) != num_rows:
-    raise ValueError(f"{want}, got {int(total)}")
+  elif (total := int(np.asarray(group_sizes).sum())) != num_rows:  # on the host: also inside a jit that closes over it
+    raise ValueError(f"{want}, got {total}")
 
 
 def swiglu_experts(xf: jax.Array, params: MoeParams, group_sizes: jax.Array, *, fp8_swiglu: bool = False,
