@@ -1314,25 +1314,25 @@ def _gemm_dims(rng, size):
   return g, 128 * blocks, n, k, block_expert
 
 
-@register("gemm.fp8_grouped_gemm", compare=_gemm_compare, exact=False)
-def _fp8_grouped_gemm(rng, size):
-  """Finite e4m3 data and scales: the docstring defines no non-finite behaviour for the GEMMs."""
+def _gemm_example(rng, size, input_grad: bool) -> Example:
+  """The forward (``x`` of width K) or the input gradient (``dy`` of width N): finite e4m3 data and scales, the
+  docstrings define no non-finite behaviour for the GEMMs."""
   g, m, n, k, be = _gemm_dims(rng, size)
   layout = str(rng.choice(["A", "B", "C"]))
   out = (BF16, jnp.float32)[rng.integers(2)]
-  return Example((_gemm_operand(rng, m, k, layout), _gemm_weights(rng, g, n, k), be),
+  return Example((_gemm_operand(rng, m, n if input_grad else k, layout), _gemm_weights(rng, g, n, k), be),
                  {"out_dtype": out, "x_use_tma_aligned_col_major_sf": layout != "A"},
                  _desc(G=g, M=m, N=n, K=k, layout=layout, out_dtype=np.dtype(out).name))
+
+
+@register("gemm.fp8_grouped_gemm", compare=_gemm_compare, exact=False)
+def _fp8_grouped_gemm(rng, size):
+  return _gemm_example(rng, size, input_grad=False)
 
 
 @register("gemm.fp8_grouped_gemm_input_grad", compare=_gemm_compare, exact=False)
 def _fp8_grouped_gemm_input_grad(rng, size):
-  g, m, n, k, be = _gemm_dims(rng, size)
-  layout = str(rng.choice(["A", "B", "C"]))
-  out = (BF16, jnp.float32)[rng.integers(2)]
-  return Example((_gemm_operand(rng, m, n, layout), _gemm_weights(rng, g, n, k), be),
-                 {"out_dtype": out, "x_use_tma_aligned_col_major_sf": layout != "A"},
-                 _desc(G=g, M=m, N=n, K=k, layout=layout, out_dtype=np.dtype(out).name))
+  return _gemm_example(rng, size, input_grad=True)
 
 
 @register("gemm.fp8_grouped_gemm_weight_grad", compare=_gemm_compare, exact=False)
