@@ -328,9 +328,14 @@ def expand_to_fused(x: jax.Array, token_topk_to_pos: jax.Array, pos_to_expert: j
   n = pos_to_expert.shape[0]
   num_tokens, num_topk = token_topk_to_pos.shape
   pos = token_topk_to_pos.reshape(-1)
-  rows = jnp.repeat(x, num_topk, axis=0, total_repeat_length=num_tokens * num_topk)
-  return jnp.zeros((n,) + x.shape[1:], x.dtype).at[jnp.where((pos >= 0) & (pos < n), pos, n)].set(
+  # A copy of bits: XLA:CPU may move a bfloat16 scatter through float32 and back, which turns a NaN
+  # with a payload into the canonical NaN; the scatter runs on the bit patterns instead.
+  bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}")) if jnp.issubdtype(
+      x.dtype, jnp.floating) else x
+  rows = jnp.repeat(bits, num_topk, axis=0, total_repeat_length=num_tokens * num_topk)
+  out = jnp.zeros((n,) + x.shape[1:], bits.dtype).at[jnp.where((pos >= 0) & (pos < n), pos, n)].set(
       rows, mode="drop")
+  return lax.bitcast_convert_type(out, x.dtype) if bits.dtype != x.dtype else out
 
 
 def expand_to_fused_with_sf(x: jax.Array, num_per_channels: int, token_topk_to_pos: jax.Array, pos_to_expert: jax.Array,
