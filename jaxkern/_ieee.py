@@ -186,14 +186,23 @@ def div_by_reciprocal(c, d, y):
   """Correctly rounded ``c / d`` from ``y = RN(1 / d)``: ``q = c·y``, then twice
   ``q + (c - q·d)·y`` (two FMAs each; the residual ``c - q·d`` is exact). After the first
   correction ``q`` is within an ulp of ``c / d``, so the second rounds correctly (Markstein's
-  theorem). Weights below ``2^-60`` are scaled by ``2^64`` (exactly) so that residuals stay normal."""
+  theorem). Weights below ``2^-60`` are scaled by ``2^64`` (exactly) so that residuals stay normal; a finite
+  weight whose ``c·y`` overflows is divided as ``c / 4`` and the quotient times 4 (rounding commutes with the
+  scaling, overflow included), and stays ``±inf`` where ``c·y / 4`` overflows too (the quotient is then beyond
+  float32's range). A zero or infinite ``y`` (``d`` infinite or zero) keeps ``c·y``, IEEE's ``c / d`` there
+  (the corrections would make ``inf·0`` NaN)."""
+  inf = jnp.float32(jnp.inf)  # comparisons: Mosaic GPU lowers no is_finite
+  first = c * y
   small = jnp.abs(c) < 2.0**-60
-  cs = c * jnp.where(small, jnp.float32(2.0**64), jnp.float32(1.0))
+  huge = (jnp.abs(first) == inf) & (jnp.abs(c) < inf)
+  one = jnp.float32(1.0)
+  cs = c * jnp.where(small, jnp.float32(2.0**64), jnp.where(huge, jnp.float32(0.25), one))
   q = cs * y
   for _ in range(2):
     q = q + (cs - q * d) * y
-  q = q * jnp.where(small, jnp.float32(2.0**-64), jnp.float32(1.0))
-  return jnp.where(c == 0, c * y, q)  # a zero weight: a signed zero
+  q = q * jnp.where(small, jnp.float32(2.0**-64), jnp.where(huge, jnp.float32(4.0), one))
+  special = (c == 0) | (y == 0) | (jnp.abs(y) == inf) | (huge & (q != q))
+  return jnp.where(special, first, q)  # a zero weight: a signed zero
 
 
 def _asm(op: str, *args):

@@ -20,16 +20,17 @@ H200 (CUPTI, cold L2, benchmark grid, median of 30), XLA reference in brackets: 
 with the reciprocal scheme alone 2.24-5.74, with SMEM staging alone 2.05-2.91. Rows wider than
 ``MAX_KERNEL_TOPK`` (beyond the tested sizes; the kernel is unrolled over ``K``) run the XLA reference.
 
-The division is exact for normal, finite weights and row sums up to ``2^126`` whose quotients are zero or at
-least ``2^-102`` in magnitude (the tests' inputs: weights in [0, 1)); checked bitwise on the H200 against the
-reference on 2^19 x 8 and 2^19 x 9 weights (uniform, spread over 2^-40..2^4, and signed normal). A quotient
+The division is exact for normal, finite weights and row sums whose quotients are zero or at least ``2^-102``
+in magnitude (the tests' inputs: weights in [0, 1)); checked bitwise on the H200 against the reference on 2^19 x 8
+and 2^19 x 9 weights (uniform, spread over 2^-40..2^4, and signed normal). A row sum beyond ``2^126`` (whose
+reciprocal would be subnormal) divides the row by ``d / 4``, the weights by 4 too; a quotient that overflows
+(``c·y`` infinite) is computed from ``c / 4`` and scaled back. A zero or infinite row sum (cancelling or infinite
+weights) gives IEEE's quotients (``±inf``, ``±0``, NaN for ``0/0`` and ``inf/inf``), as the reference. A quotient
 below ``2^-102`` in magnitude may be an ulp off: its correction ``(w - q·d)·y`` (about half an ulp of ``q``) is
-subnormal (an H200 gave ``2^-122·(1 + 2^-23)`` for ``2^-122``, 2026-11-29). Outside the normal range (a
-subnormal weight or quotient, cancelling negative weights, a row sum beyond ``2^126`` whose reciprocal is
-subnormal) interpret mode is within an ulp of IEEE division; on a GPU, whose compiled float32 arithmetic may
-flush subnormal operands and results to zero, a row with a subnormal weight, quotient or row sum, or a row sum
-beyond ``2^126``, has unspecified quotients (an H200 gave 170 weights more than an ulp off in such rows,
-2026-11-29); a subnormal row sum is itself unspecified.
+subnormal (an H200 gave ``2^-122·(1 + 2^-23)`` for ``2^-122``, 2026-11-29). Subnormal weights or quotients:
+interpret mode is within an ulp of IEEE division; on a GPU, whose compiled float32 arithmetic may flush subnormal
+operands and results to zero, a row with a subnormal weight, quotient or row sum has unspecified quotients (an H200
+gave 170 weights more than an ulp off in such rows, 2026-11-29); a subnormal row sum is itself unspecified.
 """
 
 from __future__ import annotations
@@ -76,8 +77,11 @@ def _kernel(w, *, interpret=None):
     for c in cols:
       d = d + c
     d_g[rows] = d
-    y = _ieee.exact_div(1.0, d)
-    out = [_ieee.div_by_reciprocal(c, d, y) for c in cols]
+    # A row sum beyond 2^126 has a subnormal reciprocal: divide by d / 4 (exact) instead, the weights / 4 too.
+    scale = jnp.where(jnp.abs(d) > 2.0**126, jnp.float32(0.25), jnp.float32(1.0))
+    d_scaled = d * scale
+    y = _ieee.exact_div(1.0, d_scaled)
+    out = [_ieee.div_by_reciprocal(c * scale, d_scaled, y) for c in cols]
     if staged:
       _routing.store_staged_rows(o_g, scratch[0], rows, out)
     else:

@@ -79,6 +79,27 @@ def test_division_is_correctly_rounded():
   assert_bitwise_equal(nw, want)
 
 
+def test_extreme_row_sums_and_quotients():
+  """Rows whose sum is zero, infinite, NaN or beyond 2^126, and quotients that overflow: the reference's IEEE
+  quotients (±inf, ±0, NaN, 1.0 for a single dominant weight), bit for bit, never a NaN row in their place."""
+  big = np.float32(np.finfo(np.float32).max)
+  rows = np.array([
+      [big, -big, 0.5, -0.5],          # sum exactly zero (the seed 1e-20 is absorbed): ±inf, NaN for 0/0
+      [np.inf, 1.0, -2.0, 0.0],        # sum +inf: ±0, NaN for inf/inf
+      [-np.inf, 3.0, 0.0, 1.0],        # sum -inf
+      [np.inf, -np.inf, 1.0, 2.0],     # sum NaN
+      [big, 2.0, -3.0, 4.0],           # sum beyond 2^126: 1.0 for the big weight, tiny normal quotients
+      [-big, 2.0**100, 1.0, 0.0],      # the same, negative
+      [big, -big, 1e-3, 2e-3],         # small sum, quotients overflowing to ±inf
+      [2.0**120, 2.0**120, 2.0**126, 2.0**126],   # sum 2^127 + 2^121
+  ] * 3, np.float32)
+  got = moe.normalize_weight(jnp.asarray(rows), implementation="interpret")
+  want = ref.normalize_weight(jnp.asarray(rows))
+  _check(got, want)
+  assert not np.isnan(np.asarray(got.normalized_weights)[4]).any()
+  np.testing.assert_equal(np.asarray(got.normalized_weights)[4, 0], np.float32(1.0))
+
+
 def test_zero_row_and_seed():
   d, nw = moe.normalize_weight(jnp.zeros((2, 3), jnp.float32))
   assert (np.asarray(d).view(np.int32) == 0x1E3CE508).all() and (np.asarray(nw) == 0).all()
