@@ -74,7 +74,8 @@ def pre_apply_mix_bwd(o_grad: jax.Array, x: jax.Array, mix: jax.Array, x_grad_ac
   float32 reductions (register tiles of whole hidden rows of 1-4 tokens where ``H/8`` vectors spread evenly over
   at most 8 per thread and at least one tile of tokens is given, row sums of ``(8, 128)`` tiles where ``H`` is
   another multiple of 128 of at least 1024, else tiles of up to 128 tokens x a divisor of ``H``; then one
-  warpgroup sum); the summation order differs from the reference's (float32 rounding only).
+  warpgroup sum); the summation order differs from the reference's (float32 rounding only; where a partial sum
+  overflows float32, ``mix_grad`` is ±inf or NaN as the order decides, in either).
 
   Differentiation: none (a backward pass): :class:`jaxkern.NotDifferentiableError`.
   """
@@ -151,7 +152,8 @@ def pre_apply_mix(x: jax.Array, mix: jax.Array, *, implementation: str | None = 
   Kernel (any ``H``): Mosaic GPU (see :mod:`jaxkern.mhc._stream_kernels`), bandwidth-bound; the products are summed
   as ``mix[0]·x[0] + mix[1]·x[1] + ...`` (the GPU contracts each add into an FMA). XLA on a GPU does not
   contract, so there the kernel and the XLA path round to different bf16 neighbours on about 1e-4 of the
-  outputs (one bf16 ulp; XLA on CPU contracts like the kernel). Where a product ``mix[m]·x[m]`` of finite factors
+  outputs (one bf16 ulp; XLA on CPU contracts like the kernel); where the products cancel, the float32 sums
+  themselves differ, by at most ``M·2^-23·Σ_m |mix[m]·x[m]|`` (docs/mhc.md). Where a product ``mix[m]·x[m]`` of finite factors
   overflows float32, the output element is unspecified: the FMA does not round the product on its own, so the
   kernel may give ±inf or a finite value where XLA's separately rounded product gives ±inf, and NaN there from
   ``inf + (-inf)`` may be ±inf in the kernel (an H200 found -inf against NaN, 2026-11-29). Elsewhere non-finite

@@ -66,7 +66,9 @@ def post_bwd(d_o: jax.Array, x: jax.Array, residual: jax.Array, post_layer_mix: 
   XLA (the reference) instead of the kernel: zero tokens; under ``"auto"`` also other dtypes and ``M > 4``.
   Kernel (any ``H``): Mosaic GPU, one pass over ``dO``, ``x``, ``residual`` (20 per-token float32 reductions
   for ``M = 4``: row sums of ``(8, 128)`` tiles where ``H`` is a multiple of 128 of at least 1024, else of
-  register tiles of up to 128 tokens x a divisor of ``H``; then one warpgroup sum each).
+  register tiles of up to 128 tokens x a divisor of ``H``; then one warpgroup sum each): the mix gradients'
+  summation order differs from the reference's (float32 rounding only; where a partial sum overflows float32,
+  ±inf or NaN as the order decides, in either).
 
   Differentiation: none (a backward pass): :class:`jaxkern.NotDifferentiableError`.
   """
@@ -166,7 +168,8 @@ def post(x: jax.Array, residual: jax.Array, post_layer_mix: jax.Array, comb_res_
   ``x`` / ``residual`` with float32 mixes and ``M > 4`` (upstream's backward supports only 4). Kernel (any
   ``H``): Mosaic GPU (see :mod:`jaxkern.mhc._stream_kernels`),
   bandwidth-bound (``2·H·(2M+1)`` bytes per token). The GPU contracts each add into an FMA (as in
-  :func:`pre_apply_mix`). Where a product (``post[n]·x`` or
+  :func:`pre_apply_mix`; where the products cancel, the float32 sums of the kernel and XLA on a GPU differ by at
+  most ``(M+1)·2^-23`` of the products' magnitudes, docs/mhc.md). Where a product (``post[n]·x`` or
   ``comb[m, n]·residual[m]``) of finite factors overflows float32, that column ``h`` of every output stream is
   unspecified: the FMA's unrounded product may give ±inf or a finite value where XLA's rounded one gives ±inf,
   or ±inf where XLA gives NaN from ``inf + (-inf)`` (an H200 found inf against NaN, 2026-11-29). Elsewhere
