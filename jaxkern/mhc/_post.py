@@ -68,7 +68,9 @@ def post_bwd(d_o: jax.Array, x: jax.Array, residual: jax.Array, post_layer_mix: 
   for ``M = 4``: row sums of ``(8, 128)`` tiles where ``H`` is a multiple of 128 of at least 1024, else of
   register tiles of up to 128 tokens x a divisor of ``H``; then one warpgroup sum each): the mix gradients'
   summation order differs from the reference's (float32 rounding only; where a partial sum overflows float32,
-  ±inf or NaN as the order decides, in either).
+  ±inf or NaN as the order decides, in either). ``d_x`` and ``d_residual`` contract each add into an FMA, as the
+  forward: where a product ``post[n]·dO[n]`` or ``comb[m, n]·dO[n]`` of finite factors overflows float32, that
+  element is unspecified (±inf, NaN or finite; an H200 gave inf against XLA's NaN, 2026-11-29).
 
   Differentiation: none (a backward pass): :class:`jaxkern.NotDifferentiableError`.
   """
