@@ -328,14 +328,13 @@ def expand_to_fused(x: jax.Array, token_topk_to_pos: jax.Array, pos_to_expert: j
   n = pos_to_expert.shape[0]
   num_tokens, num_topk = token_topk_to_pos.shape
   pos = token_topk_to_pos.reshape(-1)
-  # A copy of bits: XLA:CPU may move a bfloat16 scatter through float32 and back, which turns a NaN
-  # with a payload into the canonical NaN; the scatter runs on the bit patterns instead.
-  bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}")) if jnp.issubdtype(
-      x.dtype, jnp.floating) else x
-  rows = jnp.repeat(bits, num_topk, axis=0, total_repeat_length=num_tokens * num_topk)
-  out = jnp.zeros((n,) + x.shape[1:], bits.dtype).at[jnp.where((pos >= 0) & (pos < n), pos, n)].set(
-      rows, mode="drop")
-  return lax.bitcast_convert_type(out, x.dtype) if bits.dtype != x.dtype else out
+  # Each row's source token by an integer scatter, then a gather: a copy of the bits (XLA:CPU may move a bfloat16
+  # scatter through float32 and back, which turns a NaN with a payload into the canonical NaN).
+  if num_tokens == 0:
+    return jnp.zeros((n,) + x.shape[1:], x.dtype)
+  tokens = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), num_topk, total_repeat_length=num_tokens * num_topk)
+  src = jnp.full((n,), num_tokens, jnp.int32).at[jnp.where((pos >= 0) & (pos < n), pos, n)].set(tokens, mode="drop")
+  return jnp.take(x, src, axis=0, mode="fill", fill_value=0)
 
 
 def expand_to_fused_with_sf(x: jax.Array, num_per_channels: int, token_topk_to_pos: jax.Array, pos_to_expert: jax.Array,
