@@ -3,14 +3,17 @@
 Mosaic GPU kernels (:func:`default_variant` picks one per K and N; :data:`VARIANT` forces one at trace time; the
 figures and the variants tried: docs/gemm.md, "Kernels and performance"):
 
-* ``"wide192"`` (:func:`_wide_kernel`, the default where 192-column tiles fit N): persistent 64 x 192 tiles per
-  compute warpgroup, one SMEM ring of 128-deep steps through all items of a CTA, column tiles fastest.
-* ``"pair192"`` / ``"pair192_r32"`` (:func:`_pair_mc_kernel`, not a default): DeepGEMM's schedule, 128 x 192 CTA
-  tiles, the weight tile TMA-multicast to a 2-CTA cluster on a pair of row blocks of one expert, 16 / 32 row blocks
-  per raster group (rows fastest). H200: 1239-1301 TF/s at the DeepSeek-V3 expert shapes, 1-3% above
-  ``"wide192"``, but not deterministic where a pair holds a skipped (-1) row block: in the training step's fused
-  layout (H200, 2026-11-29, 8 runs of one executable) one 64 x 192 tile in the last row blocks differed from run
-  to run, and ``"wide192"`` gave the same bits every run. Kept for the fix (benchmarks/NOTES.md).
+* ``"pair192"`` (:func:`_pair_mc_kernel`, the default from ``K >= PAIR_MIN_K`` where 192-column tiles fit N):
+  DeepGEMM's schedule, 128 x 192 CTA tiles, the weight tile TMA-multicast to a 2-CTA cluster on a pair of row blocks
+  of one expert, 16 row blocks per raster group (rows fastest); ``"pair192_r32"`` the same with 32 (not a default).
+  H200: 1260-1268 TF/s at N = 4096, K = 7168, 5% above ``"wide192"``. Each compute warpgroup synchronises its four
+  warps before it releases a ring slot to the pair; released by the first warp alone, a slot could be refilled while
+  the other warps still read it, and the results differed from run to run on the training step's fused layout
+  (H200, 2026-11-29; with the warpgroup barrier 40 runs of one executable gave the same bits as ``"wide192"``;
+  benchmarks/NOTES.md).
+* ``"wide192"`` (:func:`_wide_kernel`, the default below ``PAIR_MIN_K`` where 192-column tiles fit N, and
+  ``"pair192"``'s fallback for an odd number of row blocks): persistent 64 x 192 tiles per compute warpgroup, one
+  SMEM ring of 128-deep steps through all items of a CTA, column tiles fastest.
 * ``"k2tma_gh"`` (:func:`_raster_kernel`, the default for ``K > SMEM_SCALES_MAX_K`` where 192-column tiles do not
   fit): persistent and warp-specialised, with deferred promotion (2 x 128 of K per pipeline step into two wgmma
   accumulators, the first promoted while the second runs; 3 stages), an SMEM + TMA-store epilogue overlapped with
@@ -59,7 +62,7 @@ BLOCK = 128  # rows per expert block of the fused layout, K step, weight-scale b
 BM = 64  # rows per CTA (one wgmma M per warpgroup)
 BN = 128  # output columns per CTA
 STAGES = 4  # TMA pipeline depth: 4 x (8 + 16) KiB of SMEM
-WIDE_TILE = 192  # output columns per compute warpgroup of "wide192", the default below GROUPED_RASTER_MIN_K
+WIDE_TILE = 192  # output columns per compute warpgroup of "pair192" and "wide192" (where they fit N)
 SMEM_LIMIT = 232_448  # bytes per CTA on an H100
 OUT_DTYPES = (jnp.bfloat16, jnp.float32)
 WG = plgpu.Layout.WGMMA
@@ -458,11 +461,15 @@ def _ring_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_
 
 
 def _wide_tile(e, c0, r0, t0, *, wg, wm, bn, ks, stages, first_cols_cases, x_s, w_s, sx_s, sfw_g, produced,
-               consumed, out_s, o_g, out_dtype, interpret):
+               consumed, out_s, o_g, out_dtype, interpret, release=None):
   """One compute warpgroup's ``(wm, bn)`` tile of the 192-column kernels (:func:`_wide_kernel`,
   :func:`_pair_mc_kernel`) for expert ``e >= 0``: the K loop over the pipeline's slots from ``t0`` (wgmma, then the
   per-step promotion with the two column blocks' weight scales, loaded two steps ahead), then the TMA-store
-  epilogue. The tile's split between two weight-scale blocks (``first_cols``) is a compile-time constant per case."""
+  epilogue. The tile's split between two weight-scale blocks (``first_cols``) is a compile-time constant per case.
+  A slot is released by ``release(slot)`` once its wgmma has completed and its x scales are in registers (default:
+  every thread's arrival on ``consumed[slot]``)."""
+  if release is None:
+    release = lambda slot: plgpu.barrier_arrive(consumed.at[slot])
   scale_block = c0 // BLOCK
 
   def w_scales(s):  # the weight scales of the tile's two column blocks at step s
@@ -478,7 +485,7 @@ def _wide_tile(e, c0, r0, t0, *, wg, wm, bn, ks, stages, first_cols_cases, x_s, 
       plgpu.wgmma(acc, x_s.at[slot, pl.ds(wg * wm, wm)], w_s.at[slot].T)
       part = plgpu.wgmma_accumulator_load(acc, wait_n=0)
       sx = plgpu.load(sx_s.at[slot, pl.ds(wg * wm, wm)], layout=WG.reduce(1), optimized=False)
-      plgpu.barrier_arrive(consumed.at[slot])
+      release(slot)
       promoted = jnp.concatenate([part[:, :first_cols] * (sx * w0)[:, None],
                                   part[:, first_cols:] * (sx * w1)[:, None]], axis=1)
       return total + promoted, w_next, w_scales(s + 2)
@@ -592,6 +599,23 @@ def row_unit_group(units: int, rows_per_group: int, cluster: int) -> int:
   return max(d for d in range(1, min(cap, units) + 1) if units % d == 0)
 
 
+def pair_load_code(own, peer, g: int):
+  """What the CTA of a row block of expert ``own`` loads beside its pair's block of expert ``peer`` in
+  :func:`_pair_mc_kernel` (integers or arrays, -1 = skipped): -1 nothing (both blocks skipped), else the expert whose
+  weight tile it loads (its own, or its peer's where its own block is skipped), plus ``g`` where both blocks have the
+  same expert and the tile is multicast to the pair. Both CTAs of a pair get -1 together and the multicast together,
+  so they walk the same ring slots and each multicast has both halves issued."""
+  shared = (own == peer) & (own >= 0)
+  return jnp.where((own < 0) & (peer < 0), -1, jnp.where(own >= 0, own, peer) + jnp.where(shared, g, 0))
+
+
+def pair_unit(u, units_per_group: int, n_tiles: int):
+  """Work unit ``u`` of :func:`_pair_mc_kernel` -> (row-block pair, column tile): ``units_per_group`` pairs per
+  raster group, pairs fastest inside a group, then the column tiles, groups slowest."""
+  grp, within = u // (units_per_group * n_tiles), u % (units_per_group * n_tiles)
+  return grp * units_per_group + within % units_per_group, within // units_per_group
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "bn", "stages", "row_group"))
 def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_sms, bn=192, stages=4,
                     row_group=16):
@@ -603,10 +627,21 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
     to the same expert, the weight tile both need is loaded once for the pair by TMA multicast (each CTA's memory
     warpgroup fetches half of it into both CTAs' SMEM): 28 instead of 40 KiB per CTA per K step from L2 at
     ``bn = 192``. Otherwise each CTA loads the weight tile of its own expert (a CTA whose block is skipped loads its
-    peer's, computes nothing and writes zeros, so that both CTAs walk the ring in step). A slot is refilled only when
-    the compute warpgroups of both CTAs have released it (a cluster barrier).
-  * Raster: groups of ``row_group`` row blocks (:func:`row_unit_group`), row blocks fastest inside a group, then the
-    column tiles, groups slowest; the CTAs of one wave share a few weight tiles and ``row_group`` row blocks of ``x``.
+    peer's, computes nothing and writes zeros, so that both CTAs walk the ring in step; :func:`pair_load_code`).
+  * A slot is refilled only when both CTAs are done with it (the peer's multicast writes into it): each compute
+    warpgroup of both CTAs arrives on a cluster barrier (``consumed``) in both CTAs, and the memory warpgroups wait
+    for all four arrivals. Mosaic GPU's cluster-barrier arrival comes from the warpgroup's first warp only, so each
+    release is preceded by ``plgpu.commit_smem()`` (a fence between the generic and async proxies of shared memory,
+    then a warpgroup barrier): all four warps have completed their wgmma and read the step's x scales before the
+    slot is handed to the pair. Without it a slot could be released by one warp while the other warps of the
+    warpgroup still read it: on the training step's fused layout (H200, 2026-11-29, 40 runs of one executable)
+    26 and 39 of the 39 later runs differed from the first at N = 4096, K = 7168 and N = 7168, K = 2048 (64-row
+    tiles of the last row blocks, 8-row runs); with it all 40 gave the same bits as ``"wide192"`` at both shapes.
+    Relaying every thread's CTA-local arrival through the memory warpgroups (no fence, no warpgroup barrier) still
+    differed in 16-39 of 39, so which half of ``commit_smem`` is needed was not separated.
+  * Raster: groups of ``row_group`` row blocks (:func:`row_unit_group`, :func:`pair_unit`), row blocks fastest
+    inside a group, then the column tiles, groups slowest; the CTAs of one wave share a few weight tiles and
+    ``row_group`` row blocks of ``x``.
 
   Same numerics as the other kernels (bit-identical results). Falls back to :func:`_wide_kernel` where ``N < bn`` or
   ``M/128`` is odd.
@@ -643,21 +678,20 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
     cta = lax.axis_index("cl")
 
     def coords(u):  # (this CTA's row block, first column) of unit ``u``
-      grp, within = u // (gp * n_iters), u % (gp * n_iters)
-      unit, j = grp * gp + within % gp, within // gp
+      unit, j = pair_unit(u, gp, n_iters)
       return unit * cluster + cta, pl.multiple_of(jnp.minimum(j * bn, n - bn), 32)
 
     def experts_of(u):  # (own expert, the pair's load code); clamped: a prefetch past the last unit is unused
       mi, _ = coords(jnp.minimum(u, units - 1))
       own = be_g[mi]
-      peer = be_g[mi + 1 - 2 * cta]
-      # load code: -1 nothing (both blocks skipped), else the expert whose weights this CTA loads, + g if multicast
-      shared = (own == peer) & (own >= 0)
-      code = jnp.where((own < 0) & (peer < 0), -1, jnp.where(own >= 0, own, peer) + jnp.where(shared, g, 0))
-      return own, code
+      return own, pair_load_code(own, be_g[mi + 1 - 2 * cta], g)
 
     ctas = lax.axis_size("sm")
     first_own, first_code = experts_of(lax.axis_index("sm"))
+
+    def release_slot(slot):  # a compute warpgroup is done with ``slot``: tell both CTAs of the pair
+      plgpu.commit_smem()  # fence + warpgroup barrier: every warp is done with the slot before warp 0 arrives
+      plgpu.barrier_arrive(consumed.at[slot])
 
     @pl.when(wg == 2)
     def _memory():
@@ -691,7 +725,7 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
         r0 = mi * BLOCK + wg * wm
         _wide_tile(e, c0, r0, t0, wg=wg, wm=wm, bn=bn, ks=ks, stages=stages, first_cols_cases=first_cols_cases,
                    x_s=x_s, w_s=w_s, sx_s=sx_s, sfw_g=sfw_g, produced=produced, consumed=consumed, out_s=out_s,
-                   o_g=o_g, out_dtype=out_dtype, interpret=interpret)
+                   o_g=o_g, out_dtype=out_dtype, interpret=interpret, release=release_slot)
 
         @pl.when((e < 0) & (code >= 0))
         def _peer_only():  # this block is skipped, its peer's is not: release each slot the pair's loads fill
@@ -699,7 +733,7 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
           def _step(s):
             slot = lax.rem(t0 + s, stages)
             plgpu.barrier_wait(produced.at[slot])
-            plgpu.barrier_arrive(consumed.at[slot])
+            release_slot(slot)
 
         @pl.when(e < 0)
         def _skip():
@@ -721,12 +755,12 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
 # attribute read at trace time). The figures of the variants tried and dropped: docs/gemm.md and benchmarks/NOTES.md.
 VARIANTS = {
     # DeepGEMM's schedule (:func:`_pair_mc_kernel`): 128 x 192 CTA tiles, weight tiles multicast to 2-CTA clusters
-    # on row-block pairs; 16 / 32 row blocks per raster group (rows fastest). Not a default: they race where a pair
-    # holds a skipped row block (module docstring)
+    # on row-block pairs; 16 row blocks per raster group (rows fastest), the default from PAIR_MIN_K where 192-column
+    # tiles fit; "_r32": 32 row blocks per group (not a default)
     "pair192": functools.partial(_pair_mc_kernel, bn=WIDE_TILE),
     "pair192_r32": functools.partial(_pair_mc_kernel, bn=WIDE_TILE, row_group=32),
-    # the default where 192-column tiles fit (:func:`_wide_kernel`: 64 x 192 tiles); also :func:`_pair_mc_kernel`'s
-    # fallback for an odd number of row blocks
+    # the default below PAIR_MIN_K where 192-column tiles fit (:func:`_wide_kernel`: 64 x 192 tiles); also
+    # :func:`_pair_mc_kernel`'s fallback for an odd number of row blocks
     "wide192": functools.partial(_wide_kernel, bn=WIDE_TILE),
     # deferred promotion over 2 x 128 of K per step, grouped column tiles (:func:`_raster_kernel`); "_ss": the
     # scales through the pipeline's SMEM
@@ -737,15 +771,21 @@ VARIANTS = {
     # one CTA per (64-row, 128-column) tile, a plain TMA pipeline: the tests' independent check
     "simple": _simple_kernel}
 VARIANT = None  # a VARIANTS key forces that kernel (tests, timing scripts); None: default_variant(K, N)
-# Where the 192-column tile fits, "wide192" (the clustered kernels race on pairs with a skipped row block; module
-# docstring). Their figures, H200, 2026-11-29, CUPTI cold L2, two runs of 10,
-# M = 32768, TF/s (bit-identical results), G = 4 / G = 8: N = 4096, K = 7168 "pair192" 1248.6-1260.6 / 1247.7-1250.2
-# against "k2tma_gh" 1204.0-1207.9 / 1173.8-1195.6 ("pair192_r32" 1223-1233); N = 2048, K = 7168 "pair192"
-# 1239.4-1241.4 against "k2tma_gh" 1195.3-1202.3 ("pair192_r32" 1223.0-1225.7); N = 7168, K = 4096 "pair192"
-# 1289.1-1301.1 / 1293.9-1295.2 ("pair192_r32" 1295.8-1301.2) against "k2tma_gh_ss" 1248.7-1253.4 / 1253.6; N = 7168,
-# K = 2048 "pair192_r32" 1255.2-1256.4 / 1251.2-1252.4 against "pair192" 1241.0-1244.5 and "wide192" 1231.4-1240.9.
-# Elsewhere, from GROUPED_RASTER_MIN_K the grouped raster (L2 reuse of the x rows over a group of column tiles) wins,
-# below it the SMEM ring across items without deferral (short K loops: the gap between items is a larger share).
+# From this K, "pair192" where the 192-column tile fits; below it "wide192". H200, 2026-11-29, CUPTI, L2 flushed,
+# two rounds of 10, M = 32768, TF/s (bit-identical results), G = 4 / G = 8, "pair192" with the warpgroup barrier before
+# each slot release: N = 4096, K = 7168 "pair192" 1266.2-1268.0 / 1260.3-1261.0 against "wide192" 1205.2-1206.3 /
+# 1195.3-1197.0 (+5%; DeepGEMM 1275.2 / 1281.9); N = 7168, K = 2048 "pair192" 1235.9-1237.1 / 1233.9-1235.7 against
+# "wide192" 1244.0-1244.7 / 1234.6-1237.5 (DeepGEMM 1354.3 / 1228.6). Earlier figures of "pair192" with the slot
+# release that raced (H200, 2026-11-29, same method): N = 7168, K = 4096 1289.1-1301.1 / 1293.9-1295.2 against
+# "k2tma_gh_ss" 1248.7-1253.4 / 1253.6; N = 2048, K = 7168 1239.4-1241.4 against "k2tma_gh" 1195.3-1202.3.
+# The input gradient's shapes (this forward on transposed weights; H200, 2026-11-29, runner, one process each, G = 8 /
+# 8 / 32 / 32, M = 32768 / 32768 / 67584 / 67584): K = 4096, N = 7168 "pair192" 1138 / 1041 against "wide192" 1191 /
+# 1100 (-5%); K = 7168, N = 2048 1133 / 1100 against 1154 / 1086 (a wash). So the threshold sits between 4096 (lost)
+# and 7168 (won).
+PAIR_MIN_K = 6144
+# Where the 192-column tile does not fit: from GROUPED_RASTER_MIN_K the grouped raster (L2 reuse of the x rows over a
+# group of column tiles) wins, below it the SMEM ring across items without deferral (short K loops: the gap between
+# items is a larger share).
 # H100, 2026-11-27, CUPTI cold L2, bf16 out, TF/s at K = 7168, N = 4096 (uniform / 32 skewed experts) and K = 2048,
 # N = 7168 (uniform / skewed): "k2tma_g8" 1110 / 1101 and 970 / 955; "ring_nodefer" 1092 / 1063 and 1108 / 1101.
 # The group size: half_row_group.
@@ -771,13 +811,14 @@ def wide_tile_extra(n: int, bn: int = WIDE_TILE) -> float:
 
 def default_variant(k: int, n: int) -> str:
   """The forward kernel for a contraction of ``k`` and ``n`` output columns. Where the 192-column tile's overlapping
-  last tile adds at most :data:`WIDE_TILE_MAX_EXTRA` of the work: ``"wide192"`` (the clustered ``"pair192"``
-  kernels are faster by 1-3% but race on pairs holding a skipped row block). Elsewhere, from
-  :data:`GROUPED_RASTER_MIN_K`: ``"k2tma_gh_ss"`` (deferred promotion, TMA-store epilogue, grouped column tiles, the
-  scales through the pipeline's SMEM) up to :data:`SMEM_SCALES_MAX_K`, ``"k2tma_gh"`` (the same with GMEM scale
-  loads) above it; below it ``"ring_nodefer"`` (one SMEM ring through all items, 64 x 128 tiles)."""
+  last tile adds at most :data:`WIDE_TILE_MAX_EXTRA` of the work: from :data:`PAIR_MIN_K` ``"pair192"`` (DeepGEMM's
+  schedule, weight tiles multicast to 2-CTA clusters), below it ``"wide192"`` (the same tiles and ring without
+  clusters, as fast there). Elsewhere, from :data:`GROUPED_RASTER_MIN_K`: ``"k2tma_gh_ss"`` (deferred promotion,
+  TMA-store epilogue, grouped column tiles, the scales through the pipeline's SMEM) up to :data:`SMEM_SCALES_MAX_K`,
+  ``"k2tma_gh"`` (the same with GMEM scale loads) above it; below it ``"ring_nodefer"`` (one SMEM ring through all
+  items, 64 x 128 tiles)."""
   if n >= WIDE_TILE and wide_tile_extra(n) <= WIDE_TILE_MAX_EXTRA:
-    return "wide192"
+    return "pair192" if k >= PAIR_MIN_K else "wide192"
   if k >= GROUPED_RASTER_MIN_K:
     return "k2tma_gh_ss" if k <= SMEM_SCALES_MAX_K else "k2tma_gh"
   return "ring_nodefer"
