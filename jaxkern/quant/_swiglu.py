@@ -7,11 +7,13 @@ takes a block of rows (the last block shifted back to end at the last row) and a
 row of a group, or the whole row when one scale covers it (``num_per_channels == h``, whole warps per row). Per
 group it loads the gate columns ``[c, c + npc)`` and the value columns ``[h + c, h + c + npc)`` in the same
 :func:`jaxkern._layouts.row_layout`, so every value meets its partner in the same thread, then computes in float32
-registers: the optional clamp and its per-row flag counts, ``e = exp(-l)``, ``d = 1 + e``, ``g = l / d`` correctly
-rounded (the GPU's ``/`` is approximate: PTX ``div.rn.f32``, :func:`rn_div`), ``act = g · r``, ``act · w``, the
-group's NaN-propagating abs-max (row reduction), sf and sf_inv (:func:`jaxkern.reference.quant.scale_factors` with
-``div.rn.f32``), the saturating e4m3 conversion, and stores data and sf (float32 ``(groups, rows)`` turned into
-layout A by the wrapper, or layouts B / C written directly with zeroed padding rows, as the per-token cast does).
+registers: the optional clamp and its per-row flag counts (compiled, on bfloat16 input with a clamp bfloat16
+holds: on the packed bf16 pairs before the widening, :func:`packed_clamp`), ``e = exp(-l)``, ``d = 1 + e``,
+``g = l / d`` correctly rounded (the GPU's ``/`` is approximate: PTX ``div.rn.f32``, :func:`rn_div`),
+``act = g · r``, ``act · w``, the group's NaN-propagating abs-max (row reduction), sf and sf_inv
+(:func:`jaxkern.reference.quant.scale_factors` with ``div.rn.f32``), the saturating e4m3 conversion, and stores
+data and sf (float32 ``(groups, rows)`` turned into layout A by the wrapper, or layouts B / C written directly with
+zeroed padding rows, as the per-token cast does).
 Interpret mode has no inline PTX and divides with :func:`jaxkern._ieee.newton_div` and
 :func:`jaxkern._ieee.exact_div` (the same bits).
 
@@ -20,14 +22,23 @@ alias the input as far as the compilers know, so nothing moves a load above a st
 Pallas's automatic warpgroup barriers around every store (:data:`jaxkern._layouts.NO_AUTO_BARRIERS`: no thread
 reads what another wrote; the cross-warp row reductions of whole-row groups synchronise themselves).
 
+The packed clamp (PTX ``min / max / set .bf16x2`` on pairs of values, the flags summed as int32 masks and decoded
+once per chunk) replaced a float32 clamp with float32 0 / 1 flags per value: NVIDIA H200, 2026-11-29 (CUPTI, cold
+L2, median of 20, bit-exact), E=32x8 K8 N=35952 clamp 0.5, h=1024 82.1 -> 64.3 µs, h=2048 151.7 -> 116.7
+(TileKernels 70.34 / 138.19). Timed only together with the per-CTA atomic counters below (which cost 8-19 µs at
+h=1024 / 2048): h=2048 with ``pos_to_expert`` 155.7 -> 134.6 (138.4), h=3584 257.3 -> 229.7 (414.6), registers
+at h=2048 119 -> 78.
+
 Steps done outside the kernel, by XLA:
 
 * the per-row top-k weight ``topk_weights.reshape(-1)[pos_to_token_topk[p]]``: a data-dependent gather of one
   scalar per row, which a register-layout load cannot express (Mosaic GPU loads whole tiles by static or
   scalar offsets); the wrapper gathers the ``(E,)`` weights (``4·E`` bytes) and the kernel loads them as a
   row vector;
-* the clamp counters' final sum: the kernel writes float32 per-row counts of its chunk (exact, at most ``h``)
-  because Mosaic GPU has no global atomics in Pallas; XLA sums them in int32.
+* the clamp counters' final sum: the kernel writes float32 per-row counts of its chunk (exact, at most ``h``) and
+  XLA sums them in int32. Each CTA adding its chunk's counts into the counters with ``red.global.add`` (inline
+  PTX) was slower: H200, 2026-11-29, E=32x8 K8 clamp 0.5, float32 clamp h=1024 82.1 -> 83.3 µs, h=2048
+  151.7 -> 155.5; with the packed clamp h=1024 64.3 -> 72.4, h=2048 116.7 -> 135.7.
 
 Rows with ``pos_to_expert < 0`` get e4m3 zeros and sf 0 and are not counted. In interpret mode ``exp`` is XLA's
 CPU ``exp`` (not CUDA's ``expf``), so interpret-mode results equal the reference run on the CPU, and compiled
@@ -43,7 +54,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, vector
 
 from jaxkern import _checks, _config, _dispatch, _ieee
 from jaxkern._layouts import NO_AUTO_BARRIERS, row_layout
@@ -77,6 +91,99 @@ def _silu_times(left, right, clamp, count, div=_ieee.newton_div):
   if clamp is not None:
     left, right = jnp.minimum(left, clamp), jnp.minimum(jnp.maximum(right, -clamp), clamp)
   return div(left, 1.0 + jnp.exp(-left)) * right, counts
+
+
+def _bf16_bits(v: float) -> int:
+  """The bfloat16 bit pattern of ``v`` (a bfloat16 value) repeated in both halves of a 32-bit word, as int32."""
+  b = int(np.asarray(v, jnp.bfloat16).view(np.uint16))
+  return int(np.int32(np.uint32((b << 16) | b)))
+
+
+def packs_clamp(dtype, clamp) -> bool:
+  """Whether :func:`packed_clamp` gives the float32 clamp's values and flags: bfloat16 halves and a clamp that
+  bfloat16 holds exactly (then ``min`` / ``max`` / ``>`` against ``±C`` agree between the two types)."""
+  if clamp is None or dtype != jnp.bfloat16:
+    return False
+  c = np.float32(clamp)
+  return bool(np.float32(np.asarray(c, jnp.bfloat16)) == c or np.isnan(c))
+
+
+def packed_clamp(layout, shape, nlocal: int, clamp: float, count: bool):
+  """``f(halves)``: the SwiGLU clamp of ``nlocal`` groups' bfloat16 ``(left, right)`` pairs (``shape`` arrays in
+  the register layout ``layout``) on packed pairs of values, inside a compiled Mosaic GPU kernel (inline PTX, no
+  interpreter): ``min.NaN.bf16x2`` of ``left`` and ``C``, ``min(max(right, -C), C)`` (``C`` a bfloat16 value,
+  :func:`packs_clamp`: the float32 clamp's values, NaN included), and with ``count`` the flags ``left > C``,
+  ``right > C``, ``right < -C`` as ``set.gt / set.lt .u32.bf16x2`` masks (0xFFFF per flagged half) summed in
+  int32 per register of a thread over all the groups. A sum ``S`` of masks with ``A`` low and ``B`` high halves
+  set is ``65535·A - 65536·B`` mod 2^32, so ``U = -S`` gives ``A = U & 0xFFFF``, ``B - A = U >> 16`` (arithmetic)
+  and the count ``A + B``, exact while a register's counts stay below 2^15.
+
+  Returns ``(clamped, counts)``: ``clamped`` the ``nlocal`` bfloat16 ``(left, right)`` pairs, ``counts`` (with
+  ``count``) three float32 ``shape`` arrays holding each register's count in its first element and zeros
+  elsewhere, so that a row sum gives the row's flag count."""
+  bf = plgpu.ShapeDtypeStruct(shape, jnp.bfloat16, layout=layout)
+  f32 = plgpu.ShapeDtypeStruct(shape, jnp.float32, layout=layout)
+  ret = [bf] * (2 * nlocal) + ([f32] * NUM_COUNTERS if count else [])  # flat (the lowering takes a flat list)
+  c_hi, c_lo = _bf16_bits(clamp), _bf16_bits(-clamp)
+
+  @plgpu.inline_mgpu(arg_types=([[layout, layout] for _ in range(nlocal)],), return_type=ret)
+  def clamp_all(_, halves):
+    i32 = ir.IntegerType.get_signless(32)
+    pos = lambda i: ir.DenseI64ArrayAttr.get([i])
+    const = lambda v: arith.constant(i32, v)
+    asm = lambda instr, *a: llvm.inline_asm(i32, list(a), f"{instr} $0, $1, $2;", "=r" + ",r" * len(a))
+    hi, lo = const(c_hi), const(c_lo)
+
+    def words(vec):
+      n = ir.VectorType(vec.type).shape[0] // 2
+      v32 = vector.bitcast(ir.VectorType.get((n,), i32), vec)
+      return [vector.extract(v32, dynamic_position=[], static_position=pos(i)) for i in range(n)]
+
+    def from_words(ws, ty):
+      v = llvm.mlir_undef(ir.VectorType.get((len(ws),), i32))
+      for i, w in enumerate(ws):
+        v = vector.insert(w, v, dynamic_position=[], static_position=pos(i))
+      return vector.bitcast(ty, v)
+
+    sums = [{} for _ in range(NUM_COUNTERS)]
+
+    def add(k, idx, masks):
+      for m in masks:
+        sums[k][idx] = m if idx not in sums[k] else arith.addi(sums[k][idx], m)
+
+    out = []
+    for left, right in halves:
+      lregs, rregs = np.empty_like(left.registers), np.empty_like(right.registers)
+      for idx, lv in np.ndenumerate(left.registers):
+        lw, rw = words(lv), words(right.registers[idx])
+        lregs[idx] = from_words([asm("min.NaN.bf16x2", w, hi) for w in lw], lv.type)
+        rregs[idx] = from_words([asm("min.NaN.bf16x2", asm("max.NaN.bf16x2", w, lo), hi) for w in rw], lv.type)
+        if count:
+          add(0, idx, [asm("set.gt.u32.bf16x2", w, hi) for w in lw])
+          add(1, idx, [asm("set.gt.u32.bf16x2", w, hi) for w in rw])
+          add(2, idx, [asm("set.lt.u32.bf16x2", w, lo) for w in rw])
+      out += [mgpu_fa.FragmentedArray(_registers=r, _layout=left.layout, _is_signed=None) for r in (lregs, rregs)]
+    if count:
+      f32_ty = ir.F32Type.get()
+      vec_ty = ir.VectorType.get(ir.VectorType(halves[0][0].registers.flat[0].type).shape, f32_ty)
+      zeros = arith.constant(vec_ty, ir.DenseElementsAttr.get_splat(vec_ty, ir.FloatAttr.get(f32_ty, 0.0)))
+      totals = []
+      for k in range(NUM_COUNTERS):
+        regs = np.empty_like(halves[0][0].registers)
+        for idx, s in sums[k].items():
+          u = arith.subi(const(0), s)
+          a = arith.andi(u, const(0xFFFF))
+          n = arith.addi(arith.addi(a, a), arith.shrsi(u, const(16)))
+          regs[idx] = vector.insert(arith.sitofp(f32_ty, n), zeros, dynamic_position=[], static_position=pos(0))
+        totals.append(mgpu_fa.FragmentedArray(_registers=regs, _layout=halves[0][0].layout, _is_signed=None))
+      out += totals
+    return out
+
+  def apply(halves):
+    res = clamp_all([list(p) for p in halves])
+    return [tuple(res[2 * t:2 * t + 2]) for t in range(nlocal)], (list(res[2 * nlocal:]) if count else None)
+
+  return apply
 
 
 def _sf_type(sf_layout, nseg, rows):
@@ -125,6 +232,7 @@ def swiglu_kernel(x, weight, pos_to_expert, *, npc, round_sf, sf_layout, clamp, 
     out_type.append(jax.ShapeDtypeStruct((NUM_COUNTERS * num_chunks, r), jnp.float32))
   c = None if clamp is None else float(np.float32(clamp))
   swish_div, sf_div = _divisions(lay, vec, rt, interpret)
+  bf16_clamp = interpret is None and packs_clamp(x.dtype, c)
 
   @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(num_chunks, num_ctas), grid_names=("g", "i"),
                      compiler_params=NO_AUTO_BARRIERS, interpret=interpret)
@@ -145,9 +253,11 @@ def swiglu_kernel(x, weight, pos_to_expert, *, npc, round_sf, sf_layout, clamp, 
       loaded = [[plgpu.load(x_g.at[rows, pl.ds((seg0 + t) * npc + off, npc)], layout=lay, optimized=False)
                  for off in (0, h)] for t in range(nlocal)]
       totals, word = None, None
+      if bf16_clamp:
+        loaded, totals = packed_clamp(lay, (rt, npc), nlocal, c, count)(loaded)
       for t in range(nlocal):
         left, right = (v.astype(jnp.float32) for v in loaded[t])
-        act, counts = _silu_times(left, right, c, count, swish_div)
+        act, counts = _silu_times(left, right, None if bf16_clamp else c, count and not bf16_clamp, swish_div)
         if counts is not None:
           totals = counts if totals is None else [a + b for a, b in zip(totals, counts)]
         if w is not None:

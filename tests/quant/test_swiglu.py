@@ -279,3 +279,21 @@ def test_spec_shapes_gpu(key, h, npc, flags, clamp):
   got = jax.jit(lambda x, c: f(x, pos_to_expert=pte, clamped_count=c, **weights))(x, count)
   want = jax.jit(lambda x, c: g(x, pos_to_expert=pte, clamped_count=c, **weights))(x, count)
   assert_same(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e, h, flags, clamp", [(1001, 640, "C", 0.5), (37, 256, "A", 10.0), (7, 256, "C", 0.5),
+                                                (1001, 384, "B", 0.3)])
+def test_clamp_counts_gpu(key, e, h, flags, clamp):
+  """Compiled kernel vs the reference on the GPU with clamp counters starting at [1, 2, 3] (XLA adds the kernel's
+  counts): the packed bf16 clamp counts over a last block of rows shifted back over the block before (its rows
+  written twice, counted once), over chunks of 4 and 1 groups (h=640), over fewer rows than one layout block
+  (padded), and a clamp bfloat16 does not hold (0.3: the float32 clamp)."""
+  x, ptt, w, pte = _inputs(key, e, h)
+  count = jnp.array([1, 2, 3], jnp.int32)
+  f = functools.partial(OP, fmt="e4m3", num_per_channels=128, **FLAGS[flags], swiglu_clamp_value=clamp)
+  g = functools.partial(ref.swiglu_forward_and_per_token_cast, fmt="e4m3", num_per_channels=128, **FLAGS[flags],
+                        swiglu_clamp_value=clamp)
+  got = jax.jit(lambda x, c: f(x, pos_to_expert=pte, clamped_count=c))(x, count)
+  want = jax.jit(lambda x, c: g(x, pos_to_expert=pte, clamped_count=c))(x, count)
+  assert_same(got, want)
