@@ -30,15 +30,18 @@ is constant. The row's ``|x|`` maximum (a bf16 row's from the threads' packed bf
 :func:`_bf16_row_partials`) gives one sf per row (``num_per_channels == K``, correctly rounded divisions, PTX
 ``div.rn.f32`` where it lowers, :func:`_sf_div`), written in layout A / B / C by the kernel. The decoder reads one sf
 per row (layout A / B float32, or the UE8M0 byte of a packed layout-C word); it touches no SMEM, so it runs without
-Pallas's automatic warpgroup barriers (:data:`jaxkern._layouts.NO_AUTO_BARRIERS`), while the encoder keeps them
-around its SMEM staging. Any row count runs (inputs of fewer rows than one layout block are padded); the last CTA's
-rows are moved back to end at the last row, as in :mod:`jaxkern.quant._per_token_cast`.
+Pallas's automatic warpgroup barriers (:data:`jaxkern._layouts.NO_AUTO_BARRIERS`). The encoder runs without them too:
+its only SMEM is the row maximum's (Mosaic GPU's reduction syncs itself) and the staged words, which the staging pass
+syncs once before they are read back. Any row count runs (inputs of fewer rows than one layout block are padded); the
+last CTA's rows are moved back to end at the last row, as in :mod:`jaxkern.quant._per_token_cast`.
 
-H200 (2026-11-29, CUPTI, cold L2, median of 10; TileKernels' figures in parentheses): the encoder takes 12.37 /
-18.45 µs at 4001 / 8001 x 2048 bf16 (10.10 / 17.54), 30.59 / 57.98 µs at 4001 / 8001 x 7168 bf16 (29.65 / 54.23),
-77.38 µs at 8001 x 7168 float32 (76.71) and 5.04 µs at 4001 x 576 bf16 (6.53). The decoder to bf16 takes 3.78 /
-5.36 µs at 4001 / 8001 x 576 (3.81 / 5.86), to float32 4.37 µs at 4001 x 576 (6.59; with a layout-C sf 4.32, 6.66)
-and 81.25 µs at 8001 x 7168 (119.18).
+NVIDIA H200 (2026-11-29, CUPTI, cold L2, median of 10; TileKernels' figures in parentheses): the encoder
+(``round_sf``) takes 9.68 / 16.72 µs at 4001 / 8001 x 2048 bf16 (10.10 / 17.54), 30.42 / 58.06 µs at 4001 / 8001 x
+7168 bf16 (29.65 / 54.23), 13.95 µs at 4001 x 2048 float32 (14.65), 75.20 µs at 8001 x 7168 float32 (76.71) and
+4.93 µs at 4001 x 576 bf16 (6.53); before its automatic barriers went, its values were widened per group inside the
+rows' branches and the largest value was loaded before the tile: 11.92 / 18.70, 30.58 / 58.03, 15.12, 76.58 and
+5.04 µs. The decoder to bf16 takes 3.78 / 5.36 µs at 4001 / 8001 x 576 (3.81 / 5.86), to float32 4.37 µs at 4001 x
+576 (6.59; with a layout-C sf 4.32, 6.66) and 81.25 µs at 8001 x 7168 (119.18).
 """
 
 from __future__ import annotations
@@ -239,10 +242,21 @@ def _hw_stage_scaled_words(xr, inv, w_s, lay, round_sf):
   def stage(_, a, s, ref):
     src, dst = lay.to_mgpu(), word_lay.to_mgpu()
     i32 = ir.IntegerType.get_signless(32)
-    values = {}  # group offset -> {position in the group: f32 scalar}
+    parts = {}  # group offset -> [(position in the group of the register's first value, register)]
     for idx, off in _register_offsets(src, a.shape).items():
-      for e, v in enumerate(_lane_values(a.registers[idx])):
-        values.setdefault(off // 8, {})[off % 8 + e] = v
+      parts.setdefault(off // 8, []).append((off % 8, a.registers[idx]))
+
+    def widened(off):
+      """The group's eight float32 scalars, widened where the row's branch codes them. Against all values widened
+      up front, before the rows' branches (H200, 2026-11-29, bf16 round_sf, with the other encoder changes of
+      that day off): 4001 x 2048 11.44 against 11.92 µs, 51 against 55 registers; 4001 x 7168 30.99 against
+      30.58, 122 against 127 registers."""
+      values = {}
+      for pos, reg in parts[off]:
+        for e, v in enumerate(_lane_values(reg)):
+          values[pos + e] = v
+      return [values[c] for c in range(8)]
+
     base = mgpu.utils.getelementptr(mgpu.utils.memref_ptr(ref),
                                     [arith.muli(_thread_offset(dst, (rows, groups)), _i32(3))], i32)
     by_row = {}  # the thread's rows -> [(register index, group offset)]
@@ -251,7 +265,7 @@ def _hw_stage_scaled_words(xr, inv, w_s, lay, round_sf):
 
     def emit(regs, scale, fast):
       for _, off in regs:
-        f = [arith.mulf(values[off][c], scale) for c in range(8)]
+        f = [arith.mulf(v, scale) for v in widened(off)]
         if fast:
           words = _lane_pair_words([_lane_pair_bits(f[c], f[c + 1]) for c in range(0, 8, 2)])
         else:
@@ -320,7 +334,11 @@ def _bf16_row_partials(xr, lay):
 
 
 def _tile(m: int, k: int, unit: int):
-  """Rows per CTA and CTAs for ``m`` rows (at least ``unit``) of ``k`` float32-sized values."""
+  """Rows per CTA and CTAs for ``m`` rows (at least ``unit``) of ``k`` float32-sized values: about
+  :data:`jaxkern.quant._tiling.THREAD_BYTES` (128) float32-sized bytes per thread. For the encoder, H200,
+  2026-11-29, bf16 4001 x 2048 round_sf (2 rows per CTA): 9.68 µs against 10.66 at 256 bytes (4 rows, 69
+  registers) and 11.42 at 64 (1 row); 8001 x 2048 16.72 against 17.90 at 256; float32 4001 x 2048 13.95 against
+  14.38 at 256."""
   rt = tiling.tile_rows(m, k, 4, unit)
   return rt, pl.cdiv(m, rt)
 
@@ -363,6 +381,10 @@ def _encode_kernel(x, *, round_sf, col_major, packed, interpret):
   """``x`` ``(M, K)`` bf16 / float32 -> ``(packed (M, 3K/2) uint8, sf in layout A / B / C)``."""
   m, k = x.shape
   g = k // 8
+  # A long row's groups over the lanes and then the warps (group_layout; K=2048: all four warps). Each row on the
+  # lanes of one warp only (its maximum by shuffles, no SMEM) was slower at K=2048 (H200, 2026-11-29, bf16
+  # round_sf, 4001 / 8001 rows: 12.61 / 21.81 µs against 9.68 / 16.72; 138 registers and 16% occupancy against 51
+  # and 45%).
   lay, unit = group_layout(g, 8, x.dtype.itemsize)
   xv = _pad_rows(x.reshape(m, g, 8), unit)
   r = xv.shape[0]
@@ -373,12 +395,15 @@ def _encode_kernel(x, *, round_sf, col_major, packed, interpret):
   scratch = (plgpu.SMEM((rt * g * 3,), jnp.int32),) if lane_level else ()
 
   @functools.partial(plgpu.kernel, out_type=(words_type, sf_type), scratch_types=scratch, grid=(num_ctas,),
-                     grid_names=("i",), interpret=interpret)
+                     grid_names=("i",), interpret=interpret, compiler_params=NO_AUTO_BARRIERS)
   def kernel(x_g, c_g, o_g, sf_g, *w_s):
     row0 = jnp.minimum(lax.axis_index("i") * rt, r - rt)
     rows = pl.ds(row0, rt)
+    # The format's largest value loaded before the tile rather than after the row maximum (H200, 2026-11-29, bf16
+    # 4001 x 2048 round_sf, the other encoder changes of that day off: 9.81 against 11.92 µs).
+    max_value = c_g[0]
     xr = plgpu.load(x_g.at[rows], layout=lay, optimized=False)
-    sf, inv = ref.scale_factors(_row_amax(xr, lay, interpret), c_g[0], "e5m6", round_sf,
+    sf, inv = ref.scale_factors(_row_amax(xr, lay, interpret), max_value, "e5m6", round_sf,
                                 div=_sf_div(lay, rt, interpret))
     sf = gpu_nan(sf, interpret)
     sf_g[0, rows] = (lax.bitcast_convert_type(sf, jnp.int32) >> 23) & 0xFF if packed else sf

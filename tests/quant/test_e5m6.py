@@ -388,27 +388,26 @@ def test_every_exponent_gpu(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-def test_non_finite_and_small_shapes_gpu(key, dtype):
+@pytest.mark.parametrize("m, k, flags, non_finite", [
+    (20, 64, "A", True), (20, 64, "A_round", True), (20, 64, "C", True),
+    (5, 64, "A", False), (37, 576, "C", False), (130, 192, "C", False), (4001, 2048, "A", False),
+    (300, 24, "A", False), (128, 4096, "C", False),
+])
+def test_non_finite_and_small_shapes_gpu(key, m, k, flags, non_finite, dtype):
   """The compiled kernels on NaN / inf / zero rows and on the CPU tests' shapes (every register layout the
-  lane-level code maps: rows per thread, groups per thread, padded and ragged rows)."""
-  x = randn(key, (20, 64), jnp.float32).at[0].set(0.0).at[1].set(-0.0).at[2, 5].set(jnp.nan).at[3, 7].set(-jnp.inf)
-  x = x.at[4, 9].set(jnp.inf).astype(dtype)
-  for flags in ("A", "A_round", "C"):
-    got = quant.per_token_cast_to_e5m6(x, 64, **_flags(flags))
-    assert_bitwise_equal(got, ref.per_token_cast_to_e5m6(x, 64, **_flags(flags)))
-    col = _flags(flags)["use_tma_aligned_col_major_sf"]
-    for fmt in ("bf16", "fp32"):
-      assert_bitwise_equal(quant.cast_back_e5m6(got, fmt, (1, 64), x_use_tma_aligned_col_major_sf=col),
-                           ref.cast_back_e5m6(got, fmt, (1, 64), x_use_tma_aligned_col_major_sf=col))
-  for m, k, flags in [(5, 64, "A"), (37, 576, "C"), (130, 192, "C"), (4001, 2048, "A"), (300, 24, "A"),
-                      (128, 4096, "C")]:
+  lane-level code maps: rows per thread, groups per thread, padded and ragged rows). One case per test, so that
+  parallel workers split the compilations and the eager reference runs."""
+  if non_finite:
+    x = randn(key, (m, k), jnp.float32).at[0].set(0.0).at[1].set(-0.0).at[2, 5].set(jnp.nan).at[3, 7].set(-jnp.inf)
+    x = x.at[4, 9].set(jnp.inf).astype(dtype)
+  else:
     x = _inputs(key, m, k, dtype)
-    got = quant.per_token_cast_to_e5m6(x, k, **_flags(flags))
-    assert_bitwise_equal(got, ref.per_token_cast_to_e5m6(x, k, **_flags(flags)))
-    col = _flags(flags)["use_tma_aligned_col_major_sf"]
-    for fmt in ("bf16", "fp32"):
-      assert_bitwise_equal(quant.cast_back_e5m6(got, fmt, (1, k), x_use_tma_aligned_col_major_sf=col),
-                           ref.cast_back_e5m6(got, fmt, (1, k), x_use_tma_aligned_col_major_sf=col))
+  got = quant.per_token_cast_to_e5m6(x, k, **_flags(flags))
+  assert_bitwise_equal(got, ref.per_token_cast_to_e5m6(x, k, **_flags(flags)))
+  col = _flags(flags)["use_tma_aligned_col_major_sf"]
+  for fmt in ("bf16", "fp32"):
+    assert_bitwise_equal(quant.cast_back_e5m6(got, fmt, (1, k), x_use_tma_aligned_col_major_sf=col),
+                         ref.cast_back_e5m6(got, fmt, (1, k), x_use_tma_aligned_col_major_sf=col))
 
 
 @pytest.mark.gpu
