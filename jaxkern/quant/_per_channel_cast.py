@@ -29,6 +29,15 @@ for step 3, 128-column tiles (a 64-column last one where 128 does not divide ``K
 barriers. H200 (2026-11-29): ``4096x576`` 5.31 µs against 5.66 for the kernel above; from ``K = 2048`` the kernel
 above is faster (10.00 against 10.51 µs at ``4096x2048``).
 
+The Mosaic GPU kernels take the e4m3 maximum as a one-element constant operand, broadcast in registers
+(:func:`_max_operand`): an ``(C,)`` constant became an XLA broadcast kernel before every call. NVIDIA H200 (CUPTI,
+cold L2, 2026-11-29), bf16, µs (TileKernels in brackets): ``4096x576`` 4.62 (4.53), ``4096x2048`` 9.22 (8.73),
+``4096x2560`` 10.82 (10.47), ``4096x3072`` 12.93 (12.27), ``8064x576`` 6.56 (6.30), ``8064x2048`` 15.26 (15.43);
+with the ``(C,)`` operand 5.28 / 9.97 at ``4096x576`` / ``4096x2048`` (the kernel 4.58 / 9.28 plus a 0.67 µs
+broadcast launch). Measured on the same card and dropped: the register kernel with its 128 rows split over two
+warpgroups per CTA (partial maxima through SMEM, no cross-warp reduction by Mosaic GPU) 4.40 at ``4096x576`` but
+7.38 at ``8064x576`` and 9.79 at ``4096x2048``; over four warpgroups 5.25 at ``4096x576``.
+
 With a ``pos_to_token`` gather ``per_channel_cast_fused`` runs a Pallas-Triton kernel instead
 (:func:`_gather_kernel`): Mosaic GPU has no per-row register gather, and feeding the kernel above
 from an XLA gather (0.77-0.85x XLA) or one-row TMA copies (0.66x) was slower than the XLA reference.
@@ -105,10 +114,18 @@ def _transposed_e4m3(q):
   return lax.bitcast_convert_type(w.astype(jnp.int8), jnp.float8_e4m3fn)
 
 
-def _max_values(n: int):
-  """The e4m3 maximum as an ``(n,)`` kernel operand: a numpy constant, which XLA keeps as a constant buffer (a
-  ``jnp.full`` is a broadcast: one more kernel launch, 0.64 µs on the H200 before every per-channel cast)."""
-  return np.full((n,), ref.FP8_MAX, np.float32)
+def _max_operand():
+  """The e4m3 maximum as a kernel operand (the divisor of :func:`jaxkern._ieee.exact_div` must be one XLA cannot
+  fold in interpret mode): a one-element numpy constant, which XLA keeps as a constant buffer. A ``jnp.full`` is
+  a broadcast kernel, and XLA rewrites a uniform constant of more than one element into one too
+  (``loop_broadcast_fusion``, 0.67 µs before every call on an H200, 2026-11-29)."""
+  return np.full((1,), ref.FP8_MAX, np.float32)
+
+
+def _max_vector(c_g, n: int, layout):
+  """The e4m3 maximum as an ``(n,)`` vector in ``layout``, broadcast in registers from the operand ``c_g`` of
+  :func:`_max_operand`."""
+  return plgpu.layout_cast(jnp.broadcast_to(c_g[0], (n,)), layout)
 
 
 @functools.partial(jax.jit, static_argnames=("npt", "round_sf", "transpose_out", "interpret"))
@@ -129,7 +146,7 @@ def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, interpret=Fals
   else:
     out_type = jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn)
     scratch = {}
-  inputs = [x, _max_values(c)]
+  inputs = [x, _max_operand()]
   if sf_in is not None:
     inputs.append(sf_in)
 
@@ -145,7 +162,7 @@ def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, interpret=Fals
     i, j = lax.axis_index("i"), lax.axis_index("j")
     cols = pl.ds(j * c, c)
     plgpu.copy_gmem_to_smem(x_g.at[pl.ds(i * r, r), cols], x_s, bar)
-    maxv = plgpu.load(c_g, layout=per_thread, optimized=False)
+    maxv = _max_vector(c_g, c, per_thread)
     plgpu.barrier_wait(bar)
 
     def rows(r0, n, layout):  # rows r0..r0+n of the tile: bf16 as is, else float32 (dequantised)
@@ -232,7 +249,7 @@ def _direct_kernel(x, *, round_sf, interpret=False):
       a_s[pl.ds(0, w)] = _column_max([jnp.abs(v)], interpret).astype(jnp.float32)
       plgpu.commit_smem()
       per_thread = _per_thread(w)
-      maxv = plgpu.load(c_g.at[pl.ds(0, w)], layout=per_thread, optimized=False)
+      maxv = _max_vector(c_g, w, per_thread)
       sf, inv = ref.scale_factors(plgpu.load(a_s.at[pl.ds(0, w)], layout=per_thread), maxv, "e4m3", round_sf,
                                   div=_ieee.exact_div)
       sf_g[i, cols] = sf
@@ -247,7 +264,7 @@ def _direct_kernel(x, *, round_sf, interpret=False):
       pl.when(j < kt - 1)(lambda: tile(c))
       pl.when(j == kt - 1)(lambda: tile(last))
 
-  return kernel(x, _max_values(c))
+  return kernel(x, _max_operand())
 
 
 _GATHER_WARPS = 4  # warps per program of the gather kernel

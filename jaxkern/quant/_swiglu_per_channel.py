@@ -8,21 +8,31 @@ PTX ``div.rn.f32`` (:func:`jaxkern.quant._swiglu.rn_div`; :func:`jaxkern._ieee.n
 ``act = g · r``), rounds it to bf16 and stores it over the gate tile in SMEM (128-byte swizzled, so the
 WGMMA-layout reads below are free of bank conflicts; each thread overwrites only what it read). The column maxima
 of each group of ``num_per_tokens`` rows (elementwise over the chunks, then one reduction) give the scale factors,
-computed one column per thread through SMEM as :func:`jaxkern.quant.per_channel_cast_and_transpose` computes them.
+computed one column per thread through SMEM as :func:`jaxkern.quant.per_channel_cast_and_transpose` computes them,
+the divisions by PTX ``div.rn.f32`` with the e4m3 maximum a constant in registers (:func:`_sf_div`; in interpret
+mode :func:`jaxkern._ieee.exact_div`, the same bits, with the maximum a one-element kernel operand).
 The second pass reads the bf16 activation back from SMEM and casts it: with ``without_transpose`` in 32-row chunks
 in the row layout, stored straight to GMEM; otherwise in 64-row halves in the WGMMA layout, re-laid out to
 WGMMA_TRANSPOSED as bf16 (one shuffle per two values), cast into SMEM and TMA-stored as ``(h, M)``. No automatic
 warpgroup barriers: a thread overwrites only SMEM it read itself, and ``commit_smem()`` separates every SMEM write
-from other threads' reads.
+from other threads' reads. Without the transpose at npt 32, where :data:`_WIDE_COLS` divides ``h``,
+:func:`_kernel_wide` instead: 32-row x 256-column tiles, one group per CTA, whose column maxima are in-thread up to
+one cross-warp step.
 
-H200 (runner, cold L2, 2026-11-28), M=8064: npt32 h=7168 122.7 µs transposed (TileKernels 100.6) and 111.2 µs
-without the transpose (81.1); npt128 h=7168 93.2 (105.6) / 100.4 (85.3); npt128 h=2048 32.3 (35.5) / 34.3 (30.2);
-npt32 h=2048 41.7 (34.0) / 43.2 (29.3). The previous kernel (the per-channel cast's with a SwiGLU prologue,
-128-column tiles) took 184.0 / 150.0 µs at npt32 h=7168. Measured slower on the same card: 128-column tiles
-(everywhere), loads straight from GMEM instead of TMA (144.4 vs 128.6 µs without the transpose, both with the
-activation kept in registers), the transpose on the e4m3 bytes after the cast (134.8 vs 122.7), automatic warpgroup
-barriers, and keeping the activation in registers between the passes without the transpose (128.6 vs 111.2). A
-64-byte swizzle of the e4m3 output tiles measured a tie.
+NVIDIA H200 (CUPTI, cold L2, 2026-11-29), M=8064, µs (TileKernels in brackets): npt32 h=7168 115.4 transposed
+(100.6) and 86.5 without the transpose (81.1); npt32 h=2048 without the transpose 29.6 (29.3); npt128 h=7168
+90.4 (105.6) / 87.4 (85.3). The scale-factor divisions by :func:`jaxkern._ieee.exact_div` before (a search around
+an approximate quotient, with the e4m3 maximum an ``(n,)`` operand that XLA turned into a broadcast kernel of
+0.7-1.0 µs before every call) took 122.7 / 112.9 at npt32 h=7168 and 93.7 / 90.3 at npt128; the 128-row x 64-column
+kernel without the transpose at npt32 105.5 against 86.5 for the 32 x 256 tiles (32 x 128: 86.8). ncu of that
+earlier kernel at npt32 h=7168 without the transpose: 112.4 µs, DRAM 53.8%, SM busy 64%, IPC 2.65, 72.7 M
+instructions, 71 registers, 8.76 warp cycles per issued instruction. Earlier (H200, 2026-11-28): npt128 h=2048
+32.3 (35.5) / 34.3 (30.2), npt32 h=2048 transposed 41.7 (34.0); the previous kernel (the per-channel cast's with
+a SwiGLU prologue, 128-column tiles) took 184.0 / 150.0 µs at npt32 h=7168. Measured slower on the same card:
+128-column tiles in :func:`_kernel` (everywhere), loads straight from GMEM instead of TMA (144.4 vs 128.6 µs without
+the transpose, both with the activation kept in registers), the transpose on the e4m3 bytes after the cast (134.8
+vs 122.7), automatic warpgroup barriers, and keeping the activation in registers between the passes without the
+transpose (128.6 vs 111.2). A 64-byte swizzle of the e4m3 output tiles measured a tie.
 """
 
 from __future__ import annotations
@@ -48,6 +58,11 @@ from jaxkern.types import QuantTensor
 _ROWS = 128  # rows per CTA: one group of 128 or four of 32
 _CHUNK = 32  # rows per register load in the row layout
 _COLS = 64  # columns per CTA (128 measured slower on an H200, 2026-11-28; module docstring)
+# Columns per CTA of :func:`_kernel_wide` (32-row tiles, one group per CTA), which runs npt 32 without the transpose
+# where it divides h. H200, 2026-11-29, M=8064 h=7168: 86.5 µs against 86.8 with 128 columns and 105.5 for
+# :func:`_kernel` (TileKernels 81.1); h=2048 29.6 (29.3).
+_WIDE_COLS = 256
+_WIDE_STEP_VALUES = 16  # values per thread in each activation / cast step of :func:`_kernel_wide`
 
 
 def _act_rows(load, clamp, layout, interpret):
@@ -69,6 +84,25 @@ def _inv_rows(inv_s, npt, half, c, layout):
                    plgpu.load(inv_s.at[2 * half + 1], layout=col)[None, :])
 
 
+def _sf_div(layout, n, interpret):
+  """The correctly rounded division of ``(n,)`` scale-factor operands held in ``layout``: PTX ``div.rn.f32``, in
+  interpret mode (no PTX there) :func:`jaxkern._ieee.exact_div` (the same bits)."""
+  return _ieee.exact_div if interpret else _ieee.mosaic_ptx("div.rn.f32", layout, (n,))
+
+
+def _max_inputs(interpret):
+  """The kernel operands holding the e4m3 maximum: none on the GPU (a constant in registers, no XLA kernel before
+  the call); in interpret mode the one-element operand of :func:`jaxkern.quant._per_channel_cast._max_operand`
+  (:func:`jaxkern._ieee.exact_div` needs a divisor that XLA cannot fold)."""
+  return (pcc._max_operand(),) if interpret else ()
+
+
+def _max_value(c_g, n, layout):
+  """The e4m3 maximum for :func:`jaxkern.reference.quant.scale_factors`: the float when there is no operand, else
+  an ``(n,)`` vector in ``layout`` from the one-element operand ``c_g``."""
+  return ref.FP8_MAX if c_g is None else pcc._max_vector(c_g, n, layout)
+
+
 @functools.partial(jax.jit, static_argnames=("npt", "round_sf", "transpose_out", "clamp", "interpret"))
 def _kernel(x, *, npt, round_sf, transpose_out, clamp, interpret):
   """``x`` bf16 ``(M, 2h)`` -> ``(data (h, M) e4m3, or (M, h) without transpose_out, sf (M/npt, h) float32)``.
@@ -76,7 +110,7 @@ def _kernel(x, *, npt, round_sf, transpose_out, clamp, interpret):
   One CTA (one warpgroup) per 128 rows and :data:`_COLS` columns, gate and value tiles TMA-loaded into SMEM: the
   activation of 32-row chunks in :func:`jaxkern._layouts.row_layout` (gate and value vectors meet in one thread),
   its column maxima per group (elementwise, then one reduction), the scale factors one column per thread
-  (:func:`jaxkern._ieee.exact_div`) through SMEM, then the cast of the activation, stored over the gate tile in
+  (:func:`_sf_div`) through SMEM, then the cast of the activation, stored over the gate tile in
   the first pass: without the transpose rows straight to GMEM; with it 64-row halves in the WGMMA layout,
   re-laid out transposed, cast into SMEM and TMA-stored."""
   m, k = x.shape[0], x.shape[1] // 2
@@ -99,12 +133,13 @@ def _kernel(x, *, npt, round_sf, transpose_out, clamp, interpret):
       plgpu.kernel, grid=(k // c, m // r), grid_names=("j", "i"), interpret=interpret,
       out_type=(out_type, jax.ShapeDtypeStruct((m // npt, k), jnp.float32)), scratch_types=scratch,
       compiler_params=NO_AUTO_BARRIERS)
-  def kernel(x_g, c_g, o_g, sf_g, x_s, y_s, a_s, inv_s, bar, o_s=None):
+  def kernel(x_g, *gmem, x_s, y_s, a_s, inv_s, bar, o_s=None):
+    c_g, o_g, sf_g = gmem if len(gmem) == 3 else (None, *gmem)
     i, j = lax.axis_index("i"), lax.axis_index("j")
     cols = pl.ds(j * c, c)
     for half, t in enumerate((x_s, y_s)):
       plgpu.copy_gmem_to_smem(x_g.at[pl.ds(i * r, r), pl.ds(half * k + j * c, c)], t, bar)
-    maxv = plgpu.load(c_g, layout=per_thread, optimized=False)
+    maxv = _max_value(c_g, c, per_thread)
     plgpu.barrier_wait(bar)
 
     def act_chunk(r0):
@@ -120,7 +155,7 @@ def _kernel(x, *, npt, round_sf, transpose_out, clamp, interpret):
     plgpu.commit_smem()
     for g in range(groups):  # one column per thread
       sf, inv = ref.scale_factors(plgpu.load(a_s.at[g], layout=per_thread), maxv, "e4m3", round_sf,
-                                  div=_ieee.exact_div)
+                                  div=_sf_div(per_thread, c, interpret))
       sf_g[groups * i + g, cols] = sf
       inv_s[g] = inv
     plgpu.commit_smem()
@@ -141,7 +176,66 @@ def _kernel(x, *, npt, round_sf, transpose_out, clamp, interpret):
           v = plgpu.load(x_s.at[pl.ds(h, chunk)], layout=lay)
           o_g[pl.ds(i * r + h, chunk), cols] = pcc._e4m3(v.astype(jnp.float32) * inv, interpret)
 
-  return kernel(x, pcc._max_values(c))
+  return kernel(x, *_max_inputs(interpret))
+
+
+def _runs_wide(h: int, npt: int, without_transpose: bool) -> bool:
+  """Whether :func:`_kernel_wide` serves the call (npt 32 without the transpose, :data:`_WIDE_COLS` dividing h)."""
+  return without_transpose and npt == 32 and h % _WIDE_COLS == 0
+
+
+@functools.partial(jax.jit, static_argnames=("round_sf", "clamp", "interpret"))
+def _kernel_wide(x, *, round_sf, clamp, interpret):
+  """``x`` bf16 ``(M, 2h)`` -> ``(data (M, h) e4m3, sf (M/32, h) float32)``: npt 32 without the transpose,
+  ``h % 256 == 0``.
+
+  One CTA (one warpgroup) per 32 rows (one group) and :data:`_WIDE_COLS` (256) columns, gate and value tiles
+  TMA-loaded into SMEM and read in steps of :data:`_WIDE_STEP_VALUES` values per thread in
+  :func:`jaxkern._layouts.row_layout` (a warp covers whole 256-column rows, so a column spans 4 threads, one per
+  warp: its maximum is in-thread, then one cross-warp step). The activation is stored over the gate tile; the scale
+  factors one column per thread through SMEM; then the cast of the stored activation, stored straight to GMEM. No
+  automatic warpgroup barriers (as :func:`_kernel`)."""
+  m, k = x.shape[0], x.shape[1] // 2
+  r, c = 32, _WIDE_COLS
+  lay = row_layout(c, x.dtype.itemsize)[0]
+  step = _WIDE_STEP_VALUES * 128 // c  # rows per step
+  per_thread = pcc._per_thread(c)
+  scratch = dict(x_s=plgpu.SMEM((r, c), x.dtype), y_s=plgpu.SMEM((r, c), x.dtype),
+                 a_s=plgpu.SMEM((c,), jnp.float32), inv_s=plgpu.SMEM((c,), jnp.float32),
+                 bar=plgpu.Barrier(num_arrivals=2))
+  interpret = _config.mosaic_interpret(interpret)
+  sf_div = _sf_div(per_thread, c, interpret)
+
+  @functools.partial(
+      plgpu.kernel, grid=(k // c, m // r), grid_names=("j", "i"), interpret=interpret,
+      out_type=(jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m // r, k), jnp.float32)),
+      scratch_types=scratch, compiler_params=NO_AUTO_BARRIERS)
+  def kernel(x_g, *gmem, x_s, y_s, a_s, inv_s, bar):
+    c_g, o_g, sf_g = gmem if len(gmem) == 3 else (None, *gmem)
+    i, j = lax.axis_index("i"), lax.axis_index("j")
+    cols = pl.ds(j * c, c)
+    for half, t in enumerate((x_s, y_s)):
+      plgpu.copy_gmem_to_smem(x_g.at[pl.ds(i * r, r), pl.ds(half * k + j * c, c)], t, bar)
+    maxv = _max_value(c_g, c, per_thread)
+    plgpu.barrier_wait(bar)
+    parts = []
+    for r0 in range(0, r, step):
+      act = _act_rows(lambda half, r0=r0: plgpu.load((x_s, y_s)[half].at[pl.ds(r0, step)], layout=lay), clamp, lay,
+                      interpret)
+      x_s[pl.ds(r0, step)] = act  # over the gate rows this thread read
+      parts.append(jnp.abs(act))
+    a_s[...] = pcc._column_max(parts, interpret).astype(jnp.float32)
+    plgpu.commit_smem()
+    sf, inv = ref.scale_factors(plgpu.load(a_s, layout=per_thread), maxv, "e4m3", round_sf, div=sf_div)
+    sf_g[i, cols] = sf
+    inv_s[...] = inv
+    plgpu.commit_smem()
+    inv = plgpu.load(inv_s, layout=lay.reduce(0), optimized=False)[None, :]
+    for r0 in range(0, r, step):
+      v = plgpu.load(x_s.at[pl.ds(r0, step)], layout=lay)
+      o_g[pl.ds(i * r + r0, step), cols] = pcc._e4m3(v.astype(jnp.float32) * inv, interpret)
+
+  return kernel(x, *_max_inputs(interpret))
 
 
 def _check(x, fmt, num_per_tokens):
@@ -203,6 +297,8 @@ def swiglu_forward_and_per_channel_cast_and_transpose(x: jax.typing.ArrayLike, f
   clamp = None if swiglu_clamp_value is None else float(np.float32(swiglu_clamp_value))
 
   def kernel(interpret):
+    if _runs_wide(x.shape[1] // 2, num_per_tokens, without_transpose):
+      return QuantTensor(*_kernel_wide(x, round_sf=round_sf, clamp=clamp, interpret=interpret))
     return QuantTensor(*_kernel(x, npt=num_per_tokens, round_sf=round_sf, transpose_out=not without_transpose,
                                 clamp=clamp, interpret=interpret))
 

@@ -364,7 +364,10 @@ def test_kernel_choice():
     f = lambda x: quant.per_channel_cast(x, "e4m3", 128, implementation="pallas")
     text = lower_for_h100(f, jax.ShapeDtypeStruct((256, k), dtype)).as_text()
     assert ("_direct_kernel" in text) == direct, (k, dtype)
-    assert "broadcast_in_dim" not in text  # the kernels' constant operand: no XLA kernel before them
+    outside = "\n".join(line for line in text.splitlines() if "mosaic_gpu" not in line)
+    assert "broadcast_in_dim" not in outside  # the kernels' constant operand: no XLA kernel before them
+    # nor a uniform constant of more than one element, which XLA rewrites into a broadcast kernel
+    assert re.findall(r"stablehlo\.constant dense<[^>]*> : tensor<([0-9x]+)xf32>", outside) == ["1"], (k, dtype)
 
 
 # The register kernel of bf16 per_channel_cast: 128-column tiles (K = 256), a 64-column last tile (K = 320, 576),

@@ -50,12 +50,13 @@ def _run(m, h, npt, without_transpose, round_sf, clamp, key, implementation):
 @pytest.mark.parametrize("m, h, npt, without_transpose, round_sf, clamp", [
     (256, 192, 32, False, False, None),  # h = 64·3: 64-column tiles, 2 row blocks, 4 groups per block
     (256, 192, 128, True, True, 0.5),
-    (128, 256, 32, True, False, 10.0),  # 128-column tiles
+    (128, 256, 32, True, False, 10.0),  # without the transpose at npt 32: _kernel_wide, 4 x 1 CTAs of 32 x 256
     (256, 128, 128, False, True, 10.0),
     (128, 64, 128, False, False, 0.5),  # one 64-column tile
     (384, 128, 32, False, True, 0.5),  # 3 row blocks
     (128, 320, 128, True, False, None),  # h = 64·5
     (128, 128, 32, True, True, 0.3),  # a clamp that is not a bf16 value: applied in float32 (docs/quant.md, Fused SwiGLU)
+    (256, 512, 32, True, False, None),  # without the transpose at npt 32: 32 x 256 tiles (_kernel_wide), 8 x 2 CTAs
 ])
 def test_kernel_bit_exact(key, m, h, npt, without_transpose, round_sf, clamp):
   x, got, want = _run(m, h, npt, without_transpose, round_sf, clamp, key, "interpret")
@@ -177,12 +178,14 @@ def test_not_differentiable(key):
 
 @pytest.mark.parametrize("h, npt, without_transpose, round_sf, clamp", [
     (7168, 32, False, False, None), (7168, 128, True, True, 0.5), (576, 32, True, True, 10.0),
-    (576, 128, False, False, 0.5),
+    (576, 128, False, False, 0.5), (2048, 32, True, False, None),  # the last: _kernel_wide
 ])
 def test_lowers_for_h100(h, npt, without_transpose, round_sf, clamp):
   f = lambda x: OP(x, "e4m3", npt, round_sf=round_sf, without_transpose=without_transpose,
                    swiglu_clamp_value=clamp, implementation="pallas")
-  assert "mosaic_gpu" in lower_for_h100(f, jax.ShapeDtypeStruct((8064, 2 * h), jnp.bfloat16)).as_text()
+  text = lower_for_h100(f, jax.ShapeDtypeStruct((8064, 2 * h), jnp.bfloat16)).as_text()
+  assert "mosaic_gpu" in text
+  assert ("_kernel_wide" in text) == (npt == 32 and without_transpose and h % 256 == 0)
 
 
 @pytest.mark.gpu
