@@ -80,6 +80,17 @@ rows the initial params' routing needs on the busiest device, per layer, and so 
 devices' routed partial sums in bfloat16 (half the exchanged bytes, no float32 copy of the fused rows); the label gets
 ``ep_combine=bfloat16``.
 
+``--ep-exchange all_to_all`` (N > 1) sets ``MoeConfig.ep_exchange``: each token goes once to each device holding one of
+its experts, in per-destination buffers of a static capacity (``--ep-capacity-factor``; without it the worst case, every
+token to every device), the partial sums back by the transposed exchange (:mod:`jaxkern.modeling._ep_exchange`);
+``--ep-exchange-chunks N`` splits it into ``N`` chunks that XLA may overlap with the experts. The label gets
+``ep_exchange=all_to_all`` (and ``ep_chunks=N``). The split's communication rows are then ``dispatch`` (the send
+buffers' ``all_to_all``: e4m3 tokens and scales with FP8 dispatch, else bfloat16, plus ids and weights) and
+``combine`` (the partial sums), forward only (the backward moves their transposes, as many bytes but bfloat16 tokens),
+and ``a2a_peak`` (a plain ``all_to_all`` of ``--a2a-peak-mb`` MB per device, ``times`` 0: a reference, not part of the
+step); each gets ``bytes_sent`` (what one device sends to the others per call) and ``gb_per_s`` (DeepEP's measure:
+those bytes per second), printed as they are timed.
+
 ``--grad-reduce-dtype bfloat16`` (N > 1): the replicated params' gradients are all-reduced in bfloat16 (half the
 bytes; :func:`jaxkern.modeling.sharded_value_and_grad`'s ``grad_reduce_dtype``); the label gets
 ``grad_reduce=bfloat16``. Rows record ``XLA_FLAGS`` (e.g. the latency-hiding scheduler) and ``first_call_s`` (the
@@ -138,7 +149,8 @@ import optax
 from jaxkern import moe, quant
 from jaxkern.modeling import block, mhc_head, mhc_post, mhc_pre, expand_from_embedding, MoeConfig
 from jaxkern.modeling import moe as moe_module
-from jaxkern.modeling.moe import EP_COMBINE_DTYPES
+from jaxkern.modeling.moe import EP_COMBINE_DTYPES, EP_EXCHANGES
+from jaxkern.modeling._ep_exchange import exchange_capacity
 from jaxkern.modeling._fp8_linear import fp8_grouped_linear
 from jaxkern.modeling._grouped_matmul import grouped_matmul
 from jaxkern.modeling._swiglu import swiglu
@@ -498,9 +510,47 @@ def compare_grads(loss_n: float, grads_n, loss_1: float, grads_1, *, label: str,
   return ok, "\n".join(lines)
 
 
-def collective_components(mesh, params, batch, config: block.BlockConfig) -> dict:
+EXCHANGE_BYTES: dict = {}  # component -> bytes one device sends to the others per call (set by collective_components)
+
+
+def _all_to_all_components(mesh, t: int, h: int, config: block.BlockConfig, peak_mb: float) -> dict:
+  """The all-to-all exchange's pieces timed alone (module docstring, ``--ep-exchange all_to_all``), forward only, per
+  layer, at the step's capacity ``C`` rows per destination and chunk: ``dispatch`` (the tokens, e4m3 bytes + float32
+  scales with FP8 dispatch, else bfloat16, and their ids and weights), ``combine`` (the partial sums in
+  ``ep_combine_dtype``), and ``a2a_peak``: a plain ``lax.all_to_all`` of ``peak_mb`` MB per device, the peak the
+  exchange is measured against. Sets :data:`EXCHANGE_BYTES`: ``(P-1)/P`` of each buffer leaves the device."""
+  P = jax.sharding.PartitionSpec
+  mc, n = config.moe, mesh.shape[AXIS]
+  chunks = mc.ep_exchange_chunks
+  cap = exchange_capacity(mc, t // n // chunks, n)[0]
+  rows = n * cap * chunks  # send-buffer rows per device per layer
+  k = mc.num_topk
+  split = jax.sharding.NamedSharding(mesh, P(AXIS))
+  a2a = lambda a: jax.lax.all_to_all(a, AXIS, 0, 0, tiled=True)
+  put = lambda shape, dtype: jax.device_put(jnp.ones((n * shape[0], *shape[1:]), dtype), split)
+  if mc.fp8_expand:
+    tokens = [put((rows, h), jnp.uint8), put((rows, h // 128), jnp.float32)]
+  else:
+    tokens = [put((rows, h), jnp.bfloat16)]
+  meta = [put((rows, k), jnp.int32), put((rows, k), jnp.float32)]
+  partial = put((rows, h), jnp.dtype(mc.ep_combine_dtype))
+  peak_rows = max(n, int(peak_mb * 2 ** 20) // (2 * h) // n * n)
+  peak = put((peak_rows, h), jnp.bfloat16)
+  spec = P(AXIS)
+  many = lambda f, count: jax.jit(jax.shard_map(lambda *a: [f(b) for b in a], mesh=mesh, in_specs=(spec,) * count,
+                                                out_specs=[spec] * count, check_vma=False))
+  nbytes = lambda arrays: sum(a.nbytes for a in arrays) // n * (n - 1) // n  # per device, leaving it
+  EXCHANGE_BYTES.update(dispatch=nbytes(tokens + meta), combine=nbytes([partial]), a2a_peak=nbytes([peak]))
+  return {"dispatch": (many(a2a, 4 if mc.fp8_expand else 3), (*tokens, *meta), config.num_layers),
+          "combine": (many(a2a, 1), (partial,), config.num_layers),
+          "a2a_peak": (many(a2a, 1), (peak,), 0)}
+
+
+def collective_components(mesh, params, batch, config: block.BlockConfig, peak_mb: float = 256.0) -> dict:
   """``{name: (fn, args, times)}`` for N > 1 (module docstring): the MoE token exchange's forward + backward (per
-  layer) and the gradient all-reduce of the replicated params (per step), on ``mesh`` with the step's shapes."""
+  layer; with ``--ep-exchange all_to_all`` its dispatch and combine forward and an ``all_to_all`` peak instead,
+  :func:`_all_to_all_components`) and the gradient all-reduce of the replicated params (per step), on ``mesh`` with
+  the step's shapes."""
   P = jax.sharding.PartitionSpec
   t, h, k = batch.tokens.size, config.hidden, config.moe.num_topk
   split = jax.sharding.NamedSharding(mesh, P(AXIS))
@@ -527,8 +577,11 @@ def collective_components(mesh, params, batch, config: block.BlockConfig) -> dic
   allreduce = jax.jit(jax.shard_map(lambda g: [jax.lax.psum(a, AXIS) for a in g], mesh=mesh,
                                     in_specs=([P()] * len(replicated),), out_specs=[P()] * len(replicated),
                                     check_vma=False))
-  return {"collectives": (_fwd_bwd_partial(exchange, 2), (x, w, ids), config.num_layers),
-          "grad_allreduce": (allreduce, (replicated,), 1)}
+  out = {"collectives": (_fwd_bwd_partial(exchange, 2), (x, w, ids), config.num_layers)}
+  if config.moe.ep_exchange == "all_to_all":
+    out = _all_to_all_components(mesh, t, h, config, peak_mb)
+  out["grad_allreduce"] = (allreduce, (replicated,), 1)
+  return out
 
 
 def _fwd_bwd_partial(f, num_diff: int):
@@ -539,11 +592,13 @@ def _fwd_bwd_partial(f, num_diff: int):
   return jax.jit(g)
 
 
-def with_moe_options(config: block.BlockConfig, ep_capacity_factor: float | None,
-                     ep_combine_dtype: str) -> block.BlockConfig:
+def with_moe_options(config: block.BlockConfig, ep_capacity_factor: float | None, ep_combine_dtype: str,
+                     ep_exchange: str = "all_gather", ep_exchange_chunks: int = 1) -> block.BlockConfig:
   """``config`` with the expert-parallel layer's options of the command line (``--ep-capacity-factor``, unchanged
-  when ``None``; ``--ep-combine-dtype``), shared with :mod:`benchmarks.profile_step`."""
-  moe_config = dataclasses.replace(config.moe, ep_combine_dtype=ep_combine_dtype)
+  when ``None``; ``--ep-combine-dtype``, ``--ep-exchange``, ``--ep-exchange-chunks``), shared with
+  :mod:`benchmarks.profile_step`."""
+  moe_config = dataclasses.replace(config.moe, ep_combine_dtype=ep_combine_dtype, ep_exchange=ep_exchange,
+                                   ep_exchange_chunks=ep_exchange_chunks)
   if ep_capacity_factor is not None:
     moe_config = dataclasses.replace(moe_config, ep_capacity_factor=ep_capacity_factor)
   return dataclasses.replace(config, moe=moe_config)
@@ -560,6 +615,10 @@ def step_label(config: block.BlockConfig, tokens: int, fp8_gemm: bool, ep_capaci
     label += f" ep_capacity={ep_capacity_factor:g}"
   if config.moe.ep_combine_dtype != "float32":
     label += f" ep_combine={config.moe.ep_combine_dtype}"
+  if config.moe.ep_exchange != "all_gather":
+    label += f" ep_exchange={config.moe.ep_exchange}"
+  if config.moe.ep_exchange_chunks != 1:
+    label += f" ep_chunks={config.moe.ep_exchange_chunks}"
   if grad_reduce_dtype != "float32":
     label += f" grad_reduce={grad_reduce_dtype}"
   if shard_replicated:
@@ -606,6 +665,17 @@ def main(argv=None) -> int:
   parser.add_argument("--ep-combine-dtype", choices=EP_COMBINE_DTYPES, default="float32",
                       help="MoeConfig.ep_combine_dtype (N > 1): the dtype of the routed partial sums the expert-parallel "
                            "layer adds over the devices (bfloat16: half the bytes, no float32 copy of the fused rows)")
+  parser.add_argument("--ep-exchange", choices=EP_EXCHANGES, default="all_gather",
+                      help="MoeConfig.ep_exchange (N > 1): all_gather (every token to every device) or all_to_all "
+                           "(each token once to each device holding one of its experts, static per-destination "
+                           "capacity from --ep-capacity-factor, exact fallback)")
+  parser.add_argument("--ep-exchange-chunks", type=int, default=1,
+                      help="MoeConfig.ep_exchange_chunks (with --ep-exchange all_to_all): exchange and compute the "
+                           "tokens in this many chunks, so that XLA can overlap one chunk's exchange with another's "
+                           "experts")
+  parser.add_argument("--a2a-peak-mb", type=float, default=256.0,
+                      help="N > 1, with the split: MB per device of the plain lax.all_to_all timed as the exchange's "
+                           "peak (the a2a_peak row)")
   parser.add_argument("--grad-reduce-dtype", choices=("float32", "bfloat16"), default="float32",
                       help="N > 1: the dtype the replicated params' gradients are all-reduced in (bfloat16: half the "
                            "bytes, each device's gradient rounded to bfloat16 first)")
@@ -630,7 +700,8 @@ def main(argv=None) -> int:
       config, num_layers=args.layers or config.num_layers,
       moe=dataclasses.replace(config.moe, num_experts=args.experts or config.moe.num_experts,
                               num_topk=args.topk or config.moe.num_topk))
-  config = with_moe_options(config, args.ep_capacity_factor, args.ep_combine_dtype)
+  config = with_moe_options(config, args.ep_capacity_factor, args.ep_combine_dtype, args.ep_exchange,
+                            args.ep_exchange_chunks)
   if args.fp8_gemm:
     config = dataclasses.replace(config, fp8_gemm=True)
   if args.memory:
@@ -696,10 +767,16 @@ def main(argv=None) -> int:
       if n <= 1:
         parts = components(params, batch, config, impl)
       else:
-        parts = collective_components(make_mesh(n), params, batch, config)
+        parts = collective_components(make_mesh(n), params, batch, config, peak_mb=args.a2a_peak_mb)
       for name, (fn, fargs, times) in parts.items():
-        rows.append(dict(component=name, implementation=impl, devices=n, times=times,
-                         **time_ms(fn, *fargs, iterations=iterations, device_time=n <= 1)))
+        row = dict(component=name, implementation=impl, devices=n, times=times,
+                   **time_ms(fn, *fargs, iterations=iterations, device_time=n <= 1))
+        sent = EXCHANGE_BYTES.get(name)
+        if sent:  # the exchange's bandwidth as DeepEP reports it: bytes a device sends to the others, per second
+          row.update(bytes_sent=sent, gb_per_s=sent / (1e-3 * row["wall_ms"]) / 1e9)
+          print(f"{name} devices={n}: {row['wall_ms']:.3f} ms, {sent / 1e6:.3f} MB sent per device, "
+                f"{row['gb_per_s']:.1f} GB/s", flush=True)
+        rows.append(row)
   add_scaling(rows)
   for r in rows:
     r.update(ep_capacity_factor=config.moe.ep_capacity_factor)
@@ -724,7 +801,7 @@ def main(argv=None) -> int:
   return 0
 
 
-COMMUNICATION = ("collectives", "grad_allreduce")
+COMMUNICATION = ("collectives", "dispatch", "combine", "grad_allreduce")  # a2a_peak: a reference, not the step's
 
 
 def add_scaling(rows) -> None:

@@ -63,6 +63,7 @@ FP8_GEMM_BLOCK = 128  # rows per expert block, K step and weight-scale block of 
 # correctness.
 EP_CAPACITY_FACTOR = 1.25
 EP_COMBINE_DTYPES = ("float32", "bfloat16")  # MoeConfig.ep_combine_dtype
+EP_EXCHANGES = ("all_gather", "all_to_all")  # MoeConfig.ep_exchange
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +105,8 @@ class MoeConfig:
       (more compile time and reserved memory) and on GPUs XLA runs each ``lax.cond`` after copying its predicate to
       the host. Measured (2 H200s, 2026-11-27, the v3 benchmark step): 24.00 ms pipelined with 1.25 against 24.82 ms
       without (``benchmarks/NOTES.md``, expert-parallel scaling); 1.76x faster for the layer's gradient on 2 simulated
-      CPU devices. Must be non-negative.
+      CPU devices. Must be non-negative. With ``ep_exchange="all_to_all"`` it also sizes the per-destination send
+      buffers (:mod:`jaxkern.modeling._ep_exchange`, "Capacity"), with the same exact fallback.
     ep_combine_dtype: only for :func:`jaxkern.modeling.sharding.moe_layer_ep`: the dtype of each device's routed
       partial sums, ``(T, H)``, that the ``psum_scatter`` adds over the devices (and of their cotangents, which the
       backward all-gathers). ``"float32"`` (the default): the experts' outputs are cast to float32 before
@@ -116,6 +118,20 @@ class MoeConfig:
       float32). The backward is unchanged in value for bfloat16 tokens (their cotangent is a bfloat16 value
       already). Measured: 0.9 ms off the v3 benchmark step on 2 H200s (``benchmarks/NOTES.md``, expert-parallel
       scaling; 2026-11-27).
+    ep_exchange: only for :func:`jaxkern.modeling.sharding.moe_layer_ep`: how the tokens reach the devices of their
+      experts. ``"all_gather"`` (the default): every token to every device, the partial sums back by a
+      ``psum_scatter``. ``"all_to_all"``: each token once to each device that holds at least one of its experts, in
+      per-destination buffers of a static capacity (``ep_capacity_factor``; the worst case, every token to every
+      device, as the exact fallback), each device's routing-weighted sums of its slots back by the transposed
+      ``all_to_all`` (:mod:`jaxkern.modeling._ep_exchange`). The same function (the per-device partial sums are the
+      same; their sum over the devices is taken in another order).
+    ep_exchange_chunks: only with ``ep_exchange="all_to_all"``: the local tokens are exchanged and computed in this
+      many equal chunks, each with its own ``all_to_all`` pair, so that XLA can run one chunk's exchange while the
+      experts work on another's; the tokens per device must be a multiple of it. The same function: the outputs and
+      the tokens' gradients are bit-equal where the ops' arithmetic does not depend on the row count; with
+      ``fp8_gemm`` the weight-gradient GEMMs quantise each chunk's rows on their own, so the expert weights' gradients
+      carry other FP8 roundings (0.6% of the largest element apart from one chunk, references on a CPU,
+      2026-11-29).
   """
 
   num_experts: int
@@ -131,8 +147,15 @@ class MoeConfig:
   fp8_gemm: bool = False
   ep_capacity_factor: float | None = None
   ep_combine_dtype: str = "float32"
+  ep_exchange: str = "all_gather"
+  ep_exchange_chunks: int = 1
 
   def __post_init__(self):
+    if self.ep_exchange not in EP_EXCHANGES:
+      raise ValueError(f"MoeConfig.ep_exchange must be one of {EP_EXCHANGES}, got {self.ep_exchange!r}")
+    c = self.ep_exchange_chunks
+    if not (isinstance(c, int) and not isinstance(c, bool) and c >= 1):
+      raise ValueError(f"MoeConfig.ep_exchange_chunks must be an int >= 1, got {c!r}")
     if self.ep_combine_dtype not in EP_COMBINE_DTYPES:
       raise ValueError(f"MoeConfig.ep_combine_dtype must be one of {EP_COMBINE_DTYPES}, got {self.ep_combine_dtype!r}")
     f = self.ep_capacity_factor

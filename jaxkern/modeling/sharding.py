@@ -107,10 +107,19 @@ backward): on 2 H200s it took 0.9 ms off the v3 step (22.23 against 23.12 ms pip
 ``benchmarks/NOTES.md``). The fused rows, and the residuals kept from the forward to the backward, are
 capacity-sized on the fast path (0.63 of the worst case for the v3 benchmark's ``K = 4``, ``E/P = 4``, ``P = 2``:
 20992 rows against 33280 for 8192 tokens); the fallback's worst-case-sized temporaries live only inside its
-branches (XLA still reserves them). An ``all_to_all`` exchange sends each token only to the devices holding its
-experts: at most ``min(K, P)`` of the ``P`` copies, which is a bandwidth saving only with dynamically sized
-(ragged) exchanges or a capacity that drops tokens past a per-device budget (which changes the function); with
-static, no-drop buffers its volume equals the all-gather's. Not implemented here.
+branches (XLA still reserves them).
+
+**All-to-all exchange** (``MoeConfig.ep_exchange="all_to_all"``, :mod:`jaxkern.modeling._ep_exchange`): in place of
+steps 2-5, each device sends each of its tokens once to each device that holds at least one of the token's experts
+(FP8 rows and scales with ``fp8_expand``, with the token's routed ids and weights), in per-destination buffers of a
+static capacity (from ``ep_capacity_factor``; the worst case, every token to every device, as the exact fallback in
+the same ``custom_vjp`` / ``lax.cond`` scheme as above, here with the exchange inside the branches), runs its experts
+on the received rows (steps 3-4 on ``P C`` rows instead of ``T``), and returns each row's routing-weighted partial sum
+by the transposed ``all_to_all``, where the sender adds a token's partials (``reduce_fused``). The per-device partial
+sums are those of the all-gather scheme; their sum over devices is taken in another order. Bytes per device and
+layer: ``(P-1) C`` rows each way against the all-gather's ``(P-1) T/P``, a saving only where a token's experts miss
+some devices (``P`` larger than ``K``, or ``E/P`` small against ``K``); ``ep_exchange_chunks`` splits it into chunks
+that XLA may overlap with the experts.
 
 **Sharded training step** (:func:`sharded_value_and_grad`, :func:`make_sharded_train_step`): the loss, its
 gradients and the optimiser update of a params pytree under a :class:`jax.sharding.Mesh`; the loss and its
@@ -161,6 +170,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkern import moe
 from jaxkern._autodiff import vary_like
+from jaxkern.modeling._ep_exchange import all_to_all_experts, fast_or_fallback, zeros_of_type
 from jaxkern.modeling._optimizer import apply_updates
 from jaxkern.modeling.moe import (FP8_EXPAND_GROUP, MoeConfig, MoeParams, _group_sizes, expand_fp8,
                                   expand_fp8_quantized, fp8_expand_cast, fused_block_experts, route_tokens,
@@ -226,7 +236,8 @@ def moe_layer_ep(params: MoeParams | MoeEpParams, x: jax.Array, *, config: MoeCo
     x: ``(T/P, H)`` float32 or bfloat16 tokens of this device (the experts' dtype), ``H`` a multiple of 256.
     config: :class:`~jaxkern.modeling.MoeConfig` of the whole layer (``E = config.num_experts``, a multiple
       of ``P``); ``config.ep_capacity_factor`` sizes this device's fused rows, with the worst case as the exact
-      fallback (module docstring, "Capacity").
+      fallback (module docstring, "Capacity"); ``config.ep_exchange`` picks the exchange (module docstring,
+      "All-to-all exchange").
     mesh_axis: the mesh axis (name) of size ``P`` that splits the tokens and the routed experts; other mesh
       axes of an enclosing ``shard_map`` are independent replicas of this exchange (e.g. data parallelism).
     implementation: passed to every :mod:`jaxkern.moe` op and to :func:`jaxkern.modeling.swiglu`.
@@ -257,6 +268,40 @@ def moe_layer_ep(params: MoeParams | MoeEpParams, x: jax.Array, *, config: MoeCo
   kw = dict(implementation=implementation)
 
   routing = route_tokens(params, x, config=config, **kw)  # (T/P, K+S): routed slots, then shared ids E..E+S-1
+  if config.ep_exchange == "all_to_all":
+    out = _all_to_all_routed(routed, x, routing, config=config, mesh_axis=mesh_axis, num_ranks=num_ranks, kw=kw)
+  else:
+    out = _all_gather_routed(routed, x, routing, config=config, mesh_axis=mesh_axis, num_ranks=num_ranks, kw=kw)
+  out = out.astype(jnp.float32)
+  a = config.alignment
+  if s:
+    shared_idx = routing.topk_idx[:, k:] - e  # 0..S-1
+    rows = _round_up(x.shape[0] * s + (a - 1) * s, a)
+    out = out + _experts_sum(shared, x, shared_idx, routing.topk_weights[:, k:], s, rows, config, kw)
+  return out.astype(x.dtype)
+
+
+def _all_to_all_routed(routed: MoeParams, x: jax.Array, routing, *, config: MoeConfig, mesh_axis: str,
+                       num_ranks: int, kw: dict) -> jax.Array:
+  """``(T/P, H)`` of ``config.ep_combine_dtype``: the routed experts' output of this device's tokens through the
+  all-to-all exchange (:mod:`jaxkern.modeling._ep_exchange`; ``config.ep_exchange="all_to_all"``)."""
+  k = config.num_topk
+  x_fp8 = None
+  if config.fp8_expand:
+    if x.ndim != 2 or x.shape[1] % FP8_EXPAND_GROUP:
+      raise ValueError(f"x must be (T/P, H) with H % {FP8_EXPAND_GROUP} == 0 for the FP8 expand, got {tuple(x.shape)}")
+    x_fp8 = fp8_expand_cast(lax.stop_gradient(x), **kw)  # the gradient flows through the exchange's anchor
+  return all_to_all_experts(routed, x, routing.topk_idx[:, :k], routing.topk_weights[:, :k], x_fp8, config=config,
+                            axis=mesh_axis, num_ranks=num_ranks, fused_rows=ep_fused_rows, kw=kw,
+                            experts_sum=_experts_sum)
+
+
+def _all_gather_routed(routed: MoeParams, x: jax.Array, routing, *, config: MoeConfig, mesh_axis: str,
+                       num_ranks: int, kw: dict) -> jax.Array:
+  """``(T/P, H)`` of ``config.ep_combine_dtype``: the routed experts' output of this device's tokens through the
+  all-gather exchange (module docstring, steps 2-5)."""
+  e, k = config.num_experts, config.num_topk
+  local_e = e // num_ranks
   # Tokens and their routed slots from every device: (T, H), (T, K), rows in device order. With fp8_expand the
   # tokens travel as FP8 (x_all is then the gradient anchor, x_fp8 the gathered cast).
   x_all, x_fp8 = _dispatch_tokens(x, config=config, mesh_axis=mesh_axis, kw=kw)
@@ -273,13 +318,7 @@ def moe_layer_ep(params: MoeParams | MoeEpParams, x: jax.Array, *, config: MoeCo
   else:
     partial = _experts_sum(routed, x_all, local_idx, w_all, local_e, worst_rows, config, kw, x_fp8,
                            sum_dtype=config.ep_combine_dtype)
-  out = lax.psum_scatter(partial, mesh_axis, scatter_dimension=0, tiled=True)  # (T/P, H) ep_combine_dtype
-  out = out.astype(jnp.float32)
-  if s:
-    shared_idx = routing.topk_idx[:, k:] - e  # 0..S-1
-    rows = _round_up(x.shape[0] * s + (a - 1) * s, a)
-    out = out + _experts_sum(shared, x, shared_idx, routing.topk_weights[:, k:], s, rows, config, kw)
-  return out.astype(x.dtype)
+  return lax.psum_scatter(partial, mesh_axis, scatter_dimension=0, tiled=True)  # (T/P, H) ep_combine_dtype
 
 
 def _dispatch_tokens(x: jax.Array, *, config: MoeConfig, mesh_axis: str,
@@ -418,66 +457,19 @@ def _capped_experts_sum(params: MoeParams, x: jax.Array, idx: jax.Array, weights
   def full(ops):  # the pipeline's differentiable inputs inside a branch
     return (_zeros_of_type(x_type), *ops) if anchored else ops
 
-  def pipeline(num_rows, x, weights, w_gate, w_up, w_down, nondiff):
+  def pipeline(num_rows, diff, nondiff):
+    x, weights, w_gate, w_up, w_down = diff
     p = MoeParams(params.router, params.router_bias, w_gate, w_up, w_down)
     idx, x_fp8 = nondiff
     return _experts_sum(p, x, idx, weights, num_experts, num_rows, config, kw, x_fp8,
                         sum_dtype=config.ep_combine_dtype)
 
-  fast = functools.partial(pipeline, rows)
-  slow = functools.partial(pipeline, worst_rows)
-  pullback = {}  # the fast pullback's treedef, which leaves are inputs, the other leaves' types (set while tracing)
-
-  def fast_fwd(ops, nondiff):
-    diff = full(ops)
-    out, vjp_fn = jax.vjp(lambda *d: fast(*d, nondiff), *diff)
-    leaves, pullback["treedef"] = jax.tree.flatten(vjp_fn)
-    inputs = [*diff, *jax.tree.leaves(nondiff)]
-    # Leaves that are inputs (the expert weights, the routing weights) are not returned through the cond (that
-    # would copy them): the backward takes them from its own residuals.
-    pullback["forwarded"] = [next((j for j, a in enumerate(inputs) if leaf is a), None) for leaf in leaves]
-    saved = [leaf for leaf, j in zip(leaves, pullback["forwarded"]) if j is None]
-    pullback["types"] = [jax.typeof(leaf) for leaf in saved]
-    return out, saved
-
-  def slow_fwd(ops, nondiff):
-    if "types" not in pullback:  # lax.cond traces the true branch first (jax 0.11); be safe if that changes
-      jax.eval_shape(fast_fwd, ops, nondiff)
-    zeros = [_zeros_of_type(t) for t in pullback["types"]]
-    return slow(*full(ops), nondiff), zeros
-
-  @jax.custom_vjp
-  def f(diff, nondiff, fits):
-    return lax.cond(fits, lambda o, n: fast(*full(o), n), lambda o, n: slow(*full(o), n), operands(diff), nondiff)
-
-  def f_fwd(diff, nondiff, fits):
-    ops = operands(diff)
-    out, saved = lax.cond(fits, fast_fwd, slow_fwd, ops, nondiff)
-    return out, (ops, nondiff, fits, saved)
-
-  def f_bwd(res, ct):
-    ops, nondiff, fits, saved = res
-
-    def fast_bwd(ct, saved, ops, nondiff):
-      inputs, saved = [*full(ops), *jax.tree.leaves(nondiff)], iter(saved)
-      leaves = [next(saved) if j is None else inputs[j] for j in pullback["forwarded"]]
-      return jax.tree.unflatten(pullback["treedef"], leaves)(ct)
-
-    def slow_bwd(ct, saved, ops, nondiff):
-      return jax.vjp(lambda *d: slow(*d, nondiff), *full(ops))[1](ct)
-
-    return lax.cond(fits, fast_bwd, slow_bwd, ct, saved, ops, nondiff), None, None
-
-  f.defvjp(f_fwd, f_bwd)
   diff, nondiff, fits = vary_like(diff, (idx, x_fp8), fits)  # one varying type under shard_map (check_vma=True)
-  return f(diff, nondiff, fits)
+  return fast_or_fallback(functools.partial(pipeline, rows), functools.partial(pipeline, worst_rows), diff, nondiff,
+                          fits, enter=operands, full=full)
 
 
-def _zeros_of_type(aval) -> jax.Array:
-  """Zeros of ``aval``'s shape and dtype, varying over the same manual mesh axes (under ``shard_map``)."""
-  z = jnp.zeros(aval.shape, aval.dtype)
-  axes = tuple(sorted(aval.manual_axis_type.varying))
-  return lax.pcast(z, axes, to="varying") if axes else z
+_zeros_of_type = zeros_of_type
 
 
 # --------------------------------------------------------------------------------------------------------------
