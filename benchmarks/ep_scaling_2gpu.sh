@@ -1,0 +1,40 @@
+#!/bin/bash
+# Expert-parallel exchange, 2 H200s (kind nvidia-h200-x2), from the repo root with PYTHONPATH=$PWD; writes $OUT/a2a/.
+# Two calls of < 600 s each (compiles dominate: 45-85 s per step, fewer with the persistent cache of the same call):
+#   bash benchmarks/ep_scaling_2gpu.sh A   1-GPU baselines (8192 and 16384 tokens, on GPU 0 and GPU 1 side by side), then the
+#                                2-GPU step at 16384 tokens (strong scaling at 16384; weak at 8192 per GPU) with the
+#                                all-gather and the all-to-all exchange (--no-split)
+#   bash benchmarks/ep_scaling_2gpu.sh B   all-to-all in 2 chunks at 16384 tokens; the split of the all-to-all step (dispatch /
+#                                combine GB/s, the NCCL all_to_all peak, 256 MB per device) with --check; then both
+#                                modes at 32768 tokens (weak scaling at 16384 per GPU)
+# Setup of every run: the v3 layer, FP8 GEMMs, capacity 1.1 (2 GPUs; benchmarks/NOTES.md), bf16 combine, bf16
+# gradient all-reduce, --shard-optimizer, the latency-hiding scheduler. Weak scaling: t(1 GPU, T) / t(2 GPUs, 2T);
+# strong: t(1, 16384) / (2 t(2, 16384)). Rows: $OUT/a2a/*.jsonl (copy them to benchmarks/results/train_step/).
+part=${1:-A}
+D=$OUT/a2a
+mkdir -p $D
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export JAX_COMPILATION_CACHE_DIR=/tmp/a2a_jax_cache
+export XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_all_reduce_combine_threshold_bytes=67108864"
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader > $D/gpu_$part.txt 2>&1
+COMMON="--config v3 --fp8-gemm --implementations auto --ep-capacity-factor 1.1 --ep-combine-dtype bfloat16 \
+  --grad-reduce-dtype bfloat16 --shard-optimizer --iterations 20"
+run() {  # name, timeout, args...
+  local name=$1 limit=$2; shift 2
+  echo "== $name: $*" >> $D/log_$part.txt
+  timeout $limit python3 -m benchmarks.train_step $COMMON "$@" --out $D/$name.jsonl > $D/$name.txt 2>&1
+  echo "   exit $? at $(date +%T)" >> $D/log_$part.txt
+}
+if [ "$part" = A ]; then
+  CUDA_VISIBLE_DEVICES=0 run 1gpu_t8k 200 --devices 1 --batch 4 --no-split &
+  CUDA_VISIBLE_DEVICES=1 run 1gpu_t16k 200 --devices 1 --batch 8 --no-split &
+  wait
+  run 2gpu_t16k_ag 170 --devices 2 --batch 8 --no-split
+  run 2gpu_t16k_a2a 170 --devices 2 --batch 8 --no-split --ep-exchange all_to_all
+else
+  run 2gpu_t16k_a2a_c2 150 --devices 2 --batch 8 --no-split --ep-exchange all_to_all --ep-exchange-chunks 2
+  run 2gpu_t16k_a2a_split 220 --devices 2 --batch 8 --ep-exchange all_to_all --check
+  run 2gpu_t32k_ag 110 --devices 2 --batch 16 --no-split
+  run 2gpu_t32k_a2a 110 --devices 2 --batch 16 --no-split --ep-exchange all_to_all
+fi
+grep -h "^step \|GB/s\|check .*: \(ok\|FAIL\)" $D/*.txt > $D/summary_$part.txt
