@@ -7,6 +7,7 @@ Small shapes and the reference / XLA paths: the checks sit in the wrappers, befo
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,8 @@ from jax.experimental import checkify
 
 from jaxkern import _checks, engram, gemm, modeling, moe, quant
 from jaxkern.modeling.moe import MoeParams
+from jaxkern.moe import _routing
+from jaxkern.reference import quant as ref_quant
 from tests.moe.routing_checks import compiled_program
 
 REF = "reference"
@@ -135,6 +138,35 @@ def test_expand_to_fused_names_each_row_once():
   assert "names the fused row of the earlier slot [1, 1]" in checkify_error(f, pos)
 
 
+_PADDED_PTE = np.array([0, 0, 0, 1, 1, -1, -1, -1], np.int32)  # rows 5, 6, 7: padding
+_NAMES_PADDING = np.array([[0, 1], [2, 6], [3, -1]], np.int32)  # slot [1, 1] names padding row 6
+_NAMES_NO_PADDING = np.array([[0, 1], [2, 4], [3, -1]], np.int32)
+
+
+@pytest.mark.parametrize("op", ["expand_to_fused", "expand_to_fused_with_sf"])
+def test_expand_to_fused_named_padding_row(op):
+  """A slot naming a row that pos_to_expert marks as padding: the kernel stores zeros and the token's row there."""
+  x = jnp.ones((3, 64), jnp.float32)
+  if op == "expand_to_fused":
+    call = lambda pos, pte: moe.expand_to_fused(x, pos, pte, implementation=REF)
+  else:
+    call = lambda pos, pte: moe.expand_to_fused_with_sf((x, jnp.ones((3, 1), jnp.float32)), 64, pos, pte,
+                                                        implementation=REF)
+  pte = jnp.asarray(_PADDED_PTE)
+  with pytest.raises(ValueError, match=r"token_topk_to_pos must hold -1 or a fused row that pos_to_expert does not "
+                                       r"mark as padding .*; token_topk_to_pos\[1, 1\] = 6 is not"):
+    call(jnp.asarray(_NAMES_PADDING), pte)
+  call(jnp.asarray(_NAMES_NO_PADDING), pte)
+  assert_reported(call, (jnp.asarray(_NAMES_PADDING), pte), (jnp.asarray(_NAMES_NO_PADDING), pte),
+                  f"{op}: token_topk_to_pos[1, 1] = 6 is not -1 or a fused row that pos_to_expert does not mark")
+  assert_reported(lambda pos: call(pos, pte), (jnp.asarray(_NAMES_PADDING),), (jnp.asarray(_NAMES_NO_PADDING),),
+                  f"{op}: token_topk_to_pos[1, 1] = 6 is not")
+  # a concrete mapping with a traced pos_to_expert: the named padding row is reported
+  names_padding = jnp.asarray(_NAMES_PADDING)  # made outside the trace: concrete inside it
+  assert_reported(lambda p: call(names_padding, p), (pte,), (jnp.asarray(_PADDED_PTE).at[6].set(1),),
+                  f"{op}: pos_to_expert[6] = -1 is not an expert id (>= 0) for a fused row that token_topk_to_pos names")
+
+
 # --- top2_sum_gate's replica table, router NaNs -----------------------------------------------------------------
 
 def _gate(logits, count, table):
@@ -191,6 +223,42 @@ def test_per_block_cast_lossless_power_of_two_sf():
   assert_reported(f, (bad,), (x.sf,), "per_block_cast_lossless: x.sf[0, 1] = 3.0 is not a positive power of two")
 
 
+def _lossless_input():
+  """e2m1 data of ones with 32x32-block sf 0.25 (exponent byte 125), four blocks in a row."""
+  return quant.per_block_cast(jnp.ones((32, 128), jnp.float32), "e2m1", (32, 32), round_sf=True, implementation=REF)
+
+
+@pytest.mark.parametrize("layout", ["A", "B", "C"])
+def test_per_block_cast_lossless_sf_spread(layout):
+  """Within a (32, 128) output block every sf at least 2^-11 times the largest: 2^-13 next to 0.25 passes,
+  2^-14 does not (its exponent byte 113 is below Eout - 5 = 119 - 5)."""
+  x = _lossless_input()
+  bad, edge = x.sf.at[0, 1].set(2.0**-14), x.sf.at[0, 1].set(2.0**-13)
+  col, packed = layout != "A", layout == "C"
+  fmt = lambda s: ref_quant.format_sf(s, col, packed)
+  f = lambda s: quant.per_block_cast_lossless((x.data, s), "e4m3", (32, 32), (32, 128), implementation=REF,
+                                              x_use_tma_aligned_col_major_sf=layout == "B")
+  name, where = {"A": ("x.sf", "x.sf[0, 1]"), "B": ("x.sf", "x.sf[1, 0]"),
+                 "C": ("x.sf decoded to layout A", "x.sf decoded to layout A[0, 1]")}[layout]
+  with pytest.raises(ValueError, match=rf"{name} must hold a scale at least 2\^-11 times the largest of its output "
+                     rf"block.*; {re.escape(where)} = 6.1035\d*e-05 is not"):
+    f(fmt(bad))
+  f(fmt(edge))
+  assert_reported(f, (fmt(bad),), (fmt(edge),),
+                  f"per_block_cast_lossless: {where} = 6.103515625e-05 is not a scale at least 2^-11 times")
+
+
+def test_per_block_cast_lossless_sf_spread_per_output_block():
+  """The spread counts within an output block only; below 2^-121 for the largest (Eout = 0) any spread passes."""
+  x = _lossless_input()
+  f = lambda s, out: quant.per_block_cast_lossless((x.data, s), "e4m3", (32, 32), out, implementation=REF)
+  spread = jnp.asarray([[0.25, 0.25, 2.0**-14, 2.0**-14]], jnp.float32)
+  f(spread, (32, 64))  # blocks {0, 1} and {2, 3}: each uniform
+  with pytest.raises(ValueError, match=r"x.sf\[0, 2\] = 6.1035"):
+    f(spread, (32, 128))
+  f(jnp.asarray([[2.0**-122, 2.0**-126, 2.0**-126, 2.0**-126]], jnp.float32), (32, 128))
+
+
 # --- precomputed scales, hash table sizes, expert group sizes ------------------------------------------------
 
 @pytest.mark.parametrize("bad", [0.0, np.inf, np.nan])
@@ -243,6 +311,29 @@ def test_swiglu_pos_to_token_topk():
   assert_reported(g, (bad,), (good,), "swiglu_backward_and_per_token_cast: pos_to_token_topk[1] = 4 is not")
 
 
+@pytest.mark.parametrize("gate", [-100.0, -87.0, np.nan, np.inf])
+def test_swiglu_backward_gate_range(gate):
+  """The dequantised gate half must be finite and above -87 (the exact division's domain); -86.5 passes."""
+  e, h = 4, 128
+  w, pos = jnp.ones((e, 1), jnp.float32), jnp.arange(e, dtype=jnp.int32)
+
+  def inputs(value):
+    v = np.ones((e, 2 * h), np.float32)
+    v[2, 7] = value if np.isfinite(value) else 1.0
+    q = quant.per_token_cast(jnp.asarray(v), "e4m3", 128, implementation=REF)
+    return q.data, q.sf if np.isfinite(value) else q.sf.at[2, 0].set(value)  # non-finite: through the scale
+
+  f = lambda d, s: quant.swiglu_backward_and_per_token_cast((d, s), jnp.ones((e, h), jnp.bfloat16), w, pos,
+                                                            pos.reshape(e, 1), 128, implementation=REF)
+  col = 7 if np.isfinite(gate) else 0
+  with pytest.raises(ValueError, match=rf"dequantised x must hold a finite gate value > -87 .*; "
+                                       rf"dequantised x\[2, {col}\] = {gate} is not"):
+    f(*inputs(gate))
+  f(*inputs(-86.5))
+  assert_reported(f, inputs(gate), inputs(-86.5), f"swiglu_backward_and_per_token_cast: dequantised x[2, {col}] = "
+                  f"{gate} is not a finite gate value > -87")
+
+
 def _expert_params(groups=3, h=128, i=128):
   z = jnp.zeros((groups, h, i), jnp.bfloat16)
   return MoeParams(jnp.zeros((h, groups), jnp.float32), jnp.zeros((groups,), jnp.float32), z, z,
@@ -283,10 +374,20 @@ def test_value_checks_compile_away(monkeypatch):
       (lambda s: moe.topk_gate(s, 2, implementation="xla"), jax.ShapeDtypeStruct((16, 8), jnp.float32)),
       (lambda i: moe.mask_indices_by_tp(i, 8, 4, 1, 2, implementation="xla"),
        jax.ShapeDtypeStruct((5, 2), jnp.int32)),
+      (lambda p, e: moe.expand_to_fused(jnp.ones((3, 64), jnp.float32), p, e, implementation="xla"),
+       jax.ShapeDtypeStruct((3, 2), jnp.int32), jax.ShapeDtypeStruct((8,), jnp.int32)),
+      (lambda s: quant.per_block_cast_lossless((jnp.zeros((32, 64), jnp.int8), s), "e4m3", (32, 32), (32, 128),
+                                               implementation="xla"),
+       jax.ShapeDtypeStruct((1, 4), jnp.float32)),
+      (lambda d, s: quant.swiglu_backward_and_per_token_cast(
+          (d, s), jnp.ones((4, 128), jnp.bfloat16), jnp.ones((4, 1), jnp.float32), jnp.arange(4, dtype=jnp.int32),
+          jnp.zeros((4, 1), jnp.int32), 128, implementation="xla"),
+       jax.ShapeDtypeStruct((4, 256), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((4, 2), jnp.float32)),
   ]
-  checked = [compiled_program(f, a) for f, a in cases]
+  checked = [compiled_program(f, *a) for f, *a in cases]
   monkeypatch.setattr(_checks, "debug_check_entries", lambda *args: None)
-  assert [compiled_program(f, a) for f, a in cases] == checked
+  monkeypatch.setattr(_routing, "debug_check_positions", lambda *args: None)
+  assert [compiled_program(f, *a) for f, *a in cases] == checked
 
 
 def test_concrete_checks_skip_traced_and_debug_checks_skip_concrete():

@@ -261,6 +261,39 @@ def _check_distinct_rows(token_topk_to_pos, n: int) -> None:
                      "(the first such entry)")
 
 
+def _names_padding(token_topk_to_pos, pos_to_expert):
+  """Per slot: whether it names a fused row in ``[0, N)`` that ``pos_to_expert`` marks as padding (negative); numpy
+  or jax arrays (both of one kind)."""
+  xp = np if isinstance(token_topk_to_pos, np.ndarray) else jnp
+  n = pos_to_expert.shape[0]
+  named = (token_topk_to_pos >= 0) & (token_topk_to_pos < n)
+  return named & (pos_to_expert[xp.where(named, token_topk_to_pos, 0)] < 0)
+
+
+def _check_named_rows_not_padding(op: str, token_topk_to_pos, pos_to_expert) -> None:
+  """No slot names a padding row (the kernel stores zeros and the token's row there, in either order): concrete
+  ``ValueError`` / traced checkify report, naming the slot (or, for a concrete ``token_topk_to_pos`` with a traced
+  ``pos_to_expert``, the padding row)."""
+  if not pos_to_expert.shape[0]:
+    return
+  requirement = "-1 or a fused row that pos_to_expert does not mark as padding (pos_to_expert[row] >= 0)"
+  if not _checks.is_traced(pos_to_expert):
+    pte = np.asarray(pos_to_expert)
+    _checks.check_and_debug_check(
+        op, "token_topk_to_pos", token_topk_to_pos,
+        lambda v: _names_padding(v, pte if isinstance(v, np.ndarray) else jnp.asarray(pte)), requirement)
+  elif _checks.is_traced(token_topk_to_pos):
+    _checks.debug_check_entries(op, "token_topk_to_pos", token_topk_to_pos,
+                                lambda v: _names_padding(v, pos_to_expert), requirement)
+  else:  # only pos_to_expert traced: report the padding row a slot names
+    flat = np.asarray(token_topk_to_pos).reshape(-1)
+    n = pos_to_expert.shape[0]
+    named = np.zeros((n,), bool)
+    named[flat[(flat >= 0) & (flat < n)]] = True
+    _checks.debug_check_entries(op, "pos_to_expert", pos_to_expert, lambda v: jnp.asarray(named) & (v < 0),
+                                "an expert id (>= 0) for a fused row that token_topk_to_pos names")
+
+
 def _unsupported(x) -> str | None:
   """Why the expand kernel cannot move the rows of ``x``, or None."""
   if x.dtype == jnp.bool_:
@@ -286,7 +319,8 @@ def expand_to_fused(x: jax.Array, token_topk_to_pos: jax.Array, pos_to_expert: j
 
   Raises:
     ValueError: a rank, dtype or shape above not met (``token_topk_to_pos`` needs ``T`` rows), or a
-      concrete ``token_topk_to_pos`` holding a value below -1 or ``>= N`` or naming one fused row twice.
+      concrete ``token_topk_to_pos`` holding a value below -1 or ``>= N``, naming one fused row twice or naming
+      a row that a concrete ``pos_to_expert`` marks as padding.
     KernelUnavailableError: ``implementation="pallas"`` / ``"interpret"`` with bool data.
 
   XLA instead of a kernel: bool data and zero-size problems (``T = 0`` or ``N = 0``).
@@ -299,14 +333,16 @@ def expand_to_fused(x: jax.Array, token_topk_to_pos: jax.Array, pos_to_expert: j
   on a GPU the TMA stores of those tokens race, and the row may mix pieces of their rows (no
   guarantee beyond that). A fused row that no slot names and that ``pos_to_expert`` does not mark as
   padding is zero in the reference and left unwritten (whatever the output buffer held) by the
-  kernel; a row both named by a slot and marked as padding is the token's row in the reference and
-  the token's row, zeros or a mix of both in the kernel. ``get_fused_mapping`` makes none of these.
+  kernel (not checked: no slot of the mapping reads such a row back); a row both named by a slot and
+  marked as padding (concrete arrays: ``ValueError``) is the token's row in the reference and the
+  token's row, zeros or a mix of both in the kernel. ``get_fused_mapping`` makes none of these.
 
   Checked mode: inside ``checkify.checkify(f, errors=checkify.user_checks)`` (``from
   jax.experimental import checkify``) the first slot (flat order ``t*K + k``) holding an entry
-  outside ``{-1} ∪ [0, N)`` or a fused row already named by an earlier slot is reported with its
-  position and value. Without checkify the check costs nothing: it is dropped, and XLA removes its
-  predicate from the compiled program.
+  outside ``{-1} ∪ [0, N)``, a fused row already named by an earlier slot or a row that
+  ``pos_to_expert`` marks as padding is reported with its position and value (with a concrete
+  ``token_topk_to_pos`` and a traced ``pos_to_expert``, the padding row is). Without checkify the
+  check costs nothing: it is dropped, and XLA removes its predicate from the compiled program.
 
   Differentiation (``jax.custom_vjp``, floating-point ``x``): ``dx[t] = sum_k dy[token_topk_to_pos[t, k]]``
   over the used slots, summed in float32 in slot order and rounded once to ``x.dtype``: the
@@ -318,6 +354,7 @@ def expand_to_fused(x: jax.Array, token_topk_to_pos: jax.Array, pos_to_expert: j
   n = pos_to_expert.shape[0]
   _check_distinct_rows(token_topk_to_pos, n)
   _routing.debug_check_positions("expand_to_fused", token_topk_to_pos, n)
+  _check_named_rows_not_padding("expand_to_fused", token_topk_to_pos, pos_to_expert)
   implementation = _config.get_implementation(implementation)
   if jnp.issubdtype(x.dtype, jnp.inexact):
     return _expand_vjp(x, token_topk_to_pos, pos_to_expert, implementation)
@@ -406,6 +443,7 @@ def expand_to_fused_with_sf(x: QuantTensor | tuple[jax.Array, jax.Array], num_pe
     raise ValueError("x.sf holding packed UE8M0 (int32) requires use_tma_aligned_col_major_sf=True")
   _check_distinct_rows(token_topk_to_pos, pos_to_expert.shape[0])
   _routing.debug_check_positions("expand_to_fused_with_sf", token_topk_to_pos, pos_to_expert.shape[0])
+  _check_named_rows_not_padding("expand_to_fused_with_sf", token_topk_to_pos, pos_to_expert)
   return QuantTensor(*_expand_with_sf_vjp(x_data, x_sf, token_topk_to_pos, pos_to_expert, num_per_channels,
                                           use_tma_aligned_col_major_sf, _config.get_implementation(implementation)))
 

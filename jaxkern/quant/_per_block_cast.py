@@ -706,13 +706,16 @@ def per_block_cast_lossless(x: QuantTensor | tuple[jax.Array, jax.Array], fmt: s
   Raises:
     ValueError: e4m3 data, a logical ``K % 32 != 0``, another ``fmt``, block sizes as above violated, an
       input sf of the wrong shape or dtype, packed without column-major, a concrete float32 input sf that is not
-      a power of two.
+      a power of two, a concrete input sf whose spread within an output block is too wide (below).
 
-  Preconditions: a float32 input sf holds positive powers of two (only their exponents are read): a concrete
-  sf that does not raises ``ValueError``, a traced one is reported under ``checkify.checkify(f,
-  errors=checkify.user_checks)`` (docs/usage.md, "Bad values under jit"). Within one output block the input sf
-  span at most 2^11 (not checked); otherwise the values round or flush in the e4m3 conversion. The block
-  exponents are computed by XLA (one value per input block), the data by the e2m1 cast-back row kernel with a saturating e4m3 output.
+  Preconditions: a float32 input sf holds positive powers of two (only their exponents are read); within one
+  output block the input sf span at most 2^11: with ``Emax`` the largest exponent byte of the block's input sf
+  and ``Eout = max(Emax - 6, 0)`` the output's, every input exponent byte ``E >= Eout - 5`` (every input sf at
+  least 2^-11 times the largest; any spread where the largest is below 2^-121). A concrete sf that breaks either
+  raises ``ValueError``; a traced one gives the same formula's result in kernel and reference (only the exponents
+  are read; beyond the spread the values round or flush in the e4m3 conversion, so the result is not exact) and
+  is reported under ``checkify.checkify(f, errors=checkify.user_checks)`` (docs/usage.md, "Bad values under
+  jit"). The block exponents are computed by XLA (one value per input block), the data by the e2m1 cast-back row kernel with a saturating e4m3 output.
   XLA (the reference) instead of the kernel: zero rows only.
 
   Differentiation: not differentiable (its input is quantised data): ``jax.grad`` / ``jax.jvp`` through the
@@ -740,6 +743,8 @@ def per_block_cast_lossless(x: QuantTensor | tuple[jax.Array, jax.Array], fmt: s
     logical = x.sf[:, :mb] if x_use_tma_aligned_col_major_sf else x.sf
     _checks.check_and_debug_check("per_block_cast_lossless", "x.sf", logical, _checks.not_power_of_two,
                                   "a positive power of two (only its exponent is read)")
+  _check_lossless_spread(x.sf, validate.cdiv(x.data.shape[0], ibm), validate.cdiv(k, ibk),
+                         (obm // ibm, obk // ibk), x_use_tma_aligned_col_major_sf)
   x = validate.guard("per_block_cast_lossless", x)
   flags = dict(use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0,
                x_use_tma_aligned_col_major_sf=x_use_tma_aligned_col_major_sf)
@@ -750,6 +755,43 @@ def per_block_cast_lossless(x: QuantTensor | tuple[jax.Array, jax.Array], fmt: s
   return _dispatch.run("per_block_cast_lossless", implementation, kernel=kernel,
                        xla=lambda: ref.per_block_cast_lossless(x, fmt, x_block_size, out_block_size, **flags),
                        empty=x.data.shape[0] == 0)
+
+
+def _exponent_bytes(sf):
+  """The biased exponent field of float32 scales, for numpy and jax arrays alike."""
+  if isinstance(sf, np.ndarray):
+    return (sf.astype(np.float32).view(np.int32) >> 23) & 0xFF
+  return (lax.bitcast_convert_type(sf.astype(jnp.float32), jnp.int32) >> 23) & 0xFF
+
+
+def _lossless_spread_too_wide(sf, blocks_per_out: tuple[int, int]):
+  """Per input block of a logical ``(Mb, Kb)`` float32 sf (numpy or jax): whether its exponent byte ``E`` is below
+  ``Eout - 5``, ``Eout = max(Emax - 6, 0)`` with ``Emax`` the largest byte of its output block of
+  ``blocks_per_out`` input blocks (docs/quant.md, "Casts"): ``2^(E - Eout)`` would scale an e2m1 value below
+  e4m3's exact range."""
+  xp = np if isinstance(sf, np.ndarray) else jnp
+  e = _exponent_bytes(sf)
+  (mb, kb), (r, c) = e.shape, blocks_per_out
+  padded = xp.pad(e, ((0, -mb % r), (0, -kb % c)))
+  emax = padded.reshape(padded.shape[0] // r, r, padded.shape[1] // c, c).max(axis=(1, 3))
+  e_out = xp.repeat(xp.repeat(xp.maximum(emax - 6, 0), r, axis=0), c, axis=1)[:mb, :kb]
+  return e + 5 < e_out
+
+
+def _check_lossless_spread(sf, mb: int, kb: int, blocks_per_out: tuple[int, int], col_major: bool) -> None:
+  """The input sf of one output block span at most 2^11 (``E + 5 >= Eout`` for every input block): a float32 sf
+  is checked where it lies (layout A, or B's logical columns), a packed UE8M0 one decoded to layout A."""
+  if sf.dtype == jnp.int32:
+    name, logical = "x.sf decoded to layout A", ref.sf_to_float(sf, mb, kb)
+    bad = lambda v: _lossless_spread_too_wide(v, blocks_per_out)
+  elif col_major:
+    name, logical = "x.sf", sf[:, :mb]
+    bad = lambda v: _lossless_spread_too_wide(v.T, blocks_per_out).T
+  else:
+    name, logical, bad = "x.sf", sf, lambda v: _lossless_spread_too_wide(v, blocks_per_out)
+  _checks.check_and_debug_check("per_block_cast_lossless", name, logical, bad,
+                                "a scale at least 2^-11 times the largest of its output block, or any scale when "
+                                "that largest is below 2^-121 (the bound of an exact result)")
 
 
 @functools.partial(jax.jit, static_argnames=("x_block_size", "out_block_size", "use_tma_aligned_col_major_sf",

@@ -246,6 +246,44 @@ def _check(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, npc):
   return q, sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos
 
 
+# The gate's lower bound: 1 / (1 + exp(-x)) is subnormal from x < -87.34 (1 + exp(-x) > 2^126), outside the
+# correctly rounded division's domain (the kernel's rcp.rn / div.rn against the reference's division).
+GATE_MIN = -87.0
+
+
+def _gate_out_of_range(x):
+  """Elementwise ``x`` is not a finite value above :data:`GATE_MIN` (NaN included), numpy or jax."""
+  return ~((x > GATE_MIN) & (x < np.inf))
+
+
+def _gate(q, sf, npc: int):
+  """The dequantised gate half ``q[:, :h] · sf`` in float32 (numpy or jax, as the inputs)."""
+  xp = jnp if isinstance(q, jax.Array) or isinstance(sf, jax.Array) else np
+  h = q.shape[1] // 2
+  return xp.asarray(q)[:, :h].astype(np.float32) * xp.repeat(xp.asarray(sf)[:, :h // npc], npc, axis=1)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _any_gate_out_of_range(q, sf, npc: int):
+  """One fused pass on the device: whether a concrete ``x`` needs the host-side search for its first bad value."""
+  return jnp.any(_gate_out_of_range(_gate(q, sf, npc)))
+
+
+def _check_gate_range(op: str, q, sf, npc: int) -> None:
+  """The dequantised gate half ``x = q[:, :h] · sf`` (float32, one rounding, as the kernel and the reference) is
+  finite and above :data:`GATE_MIN`: concrete ``ValueError`` / traced checkify report. A concrete ``x`` on the
+  device is scanned there first (the whole array reaches the host only when it breaks the precondition)."""
+  traced = _checks.is_traced(q) or _checks.is_traced(sf)
+  if not traced:
+    with jax.ensure_compile_time_eval():  # concrete inputs closed over by a jit: evaluated now
+      if not q.size or not bool(_any_gate_out_of_range(q, sf, npc)):
+        return
+  gate = _gate(q, sf, npc) if traced else _gate(np.asarray(q), np.asarray(sf), npc)
+  _checks.check_and_debug_check(op, "dequantised x", gate, _gate_out_of_range,
+                                f"a finite gate value > {GATE_MIN:g} (from about -87.3 down, 1 / (1 + exp(-x)) is "
+                                "subnormal: outside the exact division's domain)")
+
+
 def swiglu_backward_and_per_token_cast(x: jax.typing.ArrayLike, grad_out: jax.Array, weight: jax.Array,
                                        pos_to_token_topk: jax.Array, token_topk_to_pos: jax.Array,
                                        num_per_channels: int, *, round_sf: bool = False,
@@ -289,7 +327,8 @@ def swiglu_backward_and_per_token_cast(x: jax.typing.ArrayLike, grad_out: jax.Ar
     ValueError (naming the argument): ``x`` not a QuantTensor of e4m3 data of rank 2 or 3 and a float32 layout-A
     sf of the matching shape, ``num_per_channels`` not 32 / 128 or not dividing ``h``, ``grad_out`` not bf16 with
     ``E`` rows of ``h``, ``weight`` / ``token_topk_to_pos`` / ``pos_to_token_topk`` of another rank, dtype or shape,
-    a concrete ``pos_to_token_topk`` entry ``>= T·k``.
+    a concrete ``pos_to_token_topk`` entry ``>= T·k``, a concrete ``x`` with a gate value not finite or ``<= -87``
+    (below).
 
   XLA (the reference) instead of the kernel: zero rows (``E = 0``) only. The top-k weight gather, the
   ``weight_grad`` chunk sums and scatter run in XLA around the kernel (see
@@ -298,8 +337,14 @@ def swiglu_backward_and_per_token_cast(x: jax.typing.ArrayLike, grad_out: jax.Ar
   Numerics: ``out``, ``x_grad`` and ``x_grad_quant`` bit-identical to
   :func:`jaxkern.reference.quant.swiglu_backward_and_per_token_cast` run on the same backend (``exp`` differs
   between XLA's CPU and CUDA's ``expf``, which the GPU kernel and XLA on GPU share); ``weight_grad`` sums in
-  another order (quant.md: compared with ``atol = rtol = 1e-4``). Exactness assumes finite inputs with
-  ``x > -87`` (below that ``s`` is subnormal, outside the exact division's domain).
+  another order (quant.md: compared with ``atol = rtol = 1e-4``).
+
+  Precondition: every dequantised gate value ``x = q[p, c] · sf`` (``c < h``, before the clamp) finite and
+  ``x > -87`` (below that ``s`` is subnormal, outside the exact division's domain; a NaN or infinite ``x`` is
+  outside it too). A concrete ``x`` that breaks it raises ``ValueError``; a traced one gives an unspecified result
+  (kernel and reference may differ) and ``checkify.checkify(f, errors=checkify.user_checks)`` reports the first
+  such value (docs/usage.md, "Bad values under jit"). Non-finite ``y`` and ``grad_out`` propagate as the formulas
+  say (IEEE products, no division), in kernel and reference alike.
 
   Differentiation: not differentiable (it is itself a backward pass; :func:`jaxkern.modeling.swiglu` uses it as
   one); ``jax.grad`` through it raises :class:`jaxkern.NotDifferentiableError`.
@@ -310,6 +355,7 @@ def swiglu_backward_and_per_token_cast(x: jax.typing.ArrayLike, grad_out: jax.Ar
   op = "swiglu_backward_and_per_token_cast"
   _checks.check_and_debug_check(op, "pos_to_token_topk", pos_to_token_topk, lambda v: v >= weight.size,
                                 f"a negative value (padding) or a slot in [0, {weight.size}) (T·k = weight.size)")
+  _check_gate_range(op, q, sf, npc)
   q, sf, grad_out, weight = validate.guard(op, q, sf, grad_out, weight)
   e = q.shape[0]
 

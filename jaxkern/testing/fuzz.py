@@ -882,7 +882,8 @@ def _swiglu_backward_compare(got, want):
 
 @register("quant.swiglu_backward_and_per_token_cast", compare=_swiglu_backward_compare, exact=True)
 def _swiglu_backward_and_per_token_cast(rng, size):
-  """"Exactness assumes finite inputs with x > -87": the forward input is drawn in [-80, 80] (``TAME``)."""
+  """The precondition "every dequantised gate value finite and > -87": the forward input is drawn in [-80, 80]
+  (``TAME``)."""
   from jaxkern.reference import quant as ref
 
   e = pick(rng, size, (0, 1, 3, 17, 64), (4096, 8192))

@@ -361,7 +361,8 @@ def test_checkify_reports_the_first_bad_slot(key, op):
   dup[4, 0] = -5  # an out-of-range entry after the first repeat: the repeat is still the first bad slot
   assert "token_topk_to_pos[3, 1] = 2 names" in checkify_error(f, x, jnp.asarray(dup), pte)
   good = np.array([[0, 5], [1, 2], [3, 4], [6, 7], [-1, 8]], np.int32)
-  assert checkify_error(f, x, jnp.asarray(good), pte) is None
+  assert "token_topk_to_pos[3, 0] = 6 is not -1 or a fused row" in checkify_error(f, x, jnp.asarray(good), pte)
+  assert checkify_error(f, x, jnp.asarray(good), jnp.zeros_like(pte)) is None  # rows 6-8 not padding
 
 
 @pytest.mark.parametrize("impl", ["interpret", "xla"])
