@@ -4,6 +4,8 @@
 #   bash benchmarks/ep_scaling_2gpu.sh A   1-GPU baselines (8192 and 16384 tokens, on GPU 0 and GPU 1 side by side), then the
 #                                2-GPU step at 16384 tokens (strong scaling at 16384; weak at 8192 per GPU) with the
 #                                all-gather and the all-to-all exchange (--no-split)
+#   bash benchmarks/ep_scaling_2gpu.sh P   the profile split (benchmarks/profile_step.py) of the all-to-all step at 16384
+#                                tokens with 1 and 2 chunks: how much of the exchange the chunks hide
 #   bash benchmarks/ep_scaling_2gpu.sh B   all-to-all in 2 chunks at 16384 tokens; the split of the all-to-all step (dispatch /
 #                                combine GB/s, the NCCL all_to_all peak, 256 MB per device) with --check; then both
 #                                modes at 32768 tokens (weak scaling at 16384 per GPU)
@@ -31,6 +33,12 @@ if [ "$part" = A ]; then
   wait
   run 2gpu_t16k_ag 170 --devices 2 --batch 8 --no-split
   run 2gpu_t16k_a2a 170 --devices 2 --batch 8 --no-split --ep-exchange all_to_all
+elif [ "$part" = P ]; then  # how much of the exchange the chunks hide: the profile split, 1 and 2 chunks
+  for chunks in 1 2; do
+    timeout 250 python3 -m benchmarks.profile_step --config v3 --fp8-gemm --devices 2 --batch 8 \
+      --ep-capacity-factor 1.1 --ep-combine-dtype bfloat16 --grad-reduce-dtype bfloat16 --shard-optimizer \
+      --ep-exchange all_to_all --ep-exchange-chunks $chunks --rows $D/profile.jsonl > $D/profile_c$chunks.txt 2>&1
+  done
 else
   run 2gpu_t16k_a2a_c2 150 --devices 2 --batch 8 --no-split --ep-exchange all_to_all --ep-exchange-chunks 2
   run 2gpu_t16k_a2a_split 220 --devices 2 --batch 8 --ep-exchange all_to_all --check

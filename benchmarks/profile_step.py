@@ -1,8 +1,8 @@
 """Where the training step's GPU time goes: ``python -m benchmarks.profile_step --config v3 --fp8-gemm --devices 1``.
 
 Runs the step of :mod:`benchmarks.train_step` (same model flags: ``--config``, ``--small``, ``--fp8-gemm``,
-``--ep-capacity-factor``, ``--ep-combine-dtype``, ``--grad-reduce-dtype``, ``--shard-replicated``,
-``--shard-optimizer``, ``--batch``) on one device
+``--ep-capacity-factor``, ``--ep-combine-dtype``, ``--ep-exchange``, ``--ep-exchange-chunks``, ``--grad-reduce-dtype``,
+``--shard-replicated``, ``--shard-optimizer``, ``--batch``) on one device
 count at a time (``--devices N``: 1 the unsharded step on a one-device mesh, N > 1 the expert-parallel sharded
 step), as a training loop runs it: ``--steps`` chained steps (each takes the params and optimiser state the one
 before returned), blocked on once. Then it traces the same number of chained steps with ``jax.profiler`` (a perfetto
@@ -147,6 +147,8 @@ def main(argv=None) -> int:
   parser.add_argument("--fp8-gemm", action="store_true")
   parser.add_argument("--ep-capacity-factor", type=float, default=None)
   parser.add_argument("--ep-combine-dtype", choices=ts.EP_COMBINE_DTYPES, default="float32")
+  parser.add_argument("--ep-exchange", choices=ts.EP_EXCHANGES, default="all_gather")
+  parser.add_argument("--ep-exchange-chunks", type=int, default=1)
   parser.add_argument("--grad-reduce-dtype", choices=("float32", "bfloat16"), default="float32")
   parser.add_argument("--shard-replicated", action="store_true", help="N > 1: the replicated params stored split")
   parser.add_argument("--shard-optimizer", action="store_true",
@@ -163,7 +165,8 @@ def main(argv=None) -> int:
   config, batch_size, seq_len = ts.small_config() if args.small else ts.CONFIGS[args.config]()
   if args.fp8_gemm:
     config = dataclasses.replace(config, fp8_gemm=True)
-  config = ts.with_moe_options(config, args.ep_capacity_factor, args.ep_combine_dtype)
+  config = ts.with_moe_options(config, args.ep_capacity_factor, args.ep_combine_dtype, args.ep_exchange,
+                               args.ep_exchange_chunks)
   n = args.devices
   if n > len(jax.devices()):
     print(f"--devices {n}: only {len(jax.devices())} devices here", file=sys.stderr)
