@@ -56,6 +56,10 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+  # The multi-device tests rerun a module in a child pytest with simulated devices: the suite's longest tests (one
+  # to thirteen minutes each on 2 cores, about a fifth of its summed time; 2026-11-29). Started first, so that
+  # pytest-xdist's workers fill the rest of the run around them instead of one of them ending the run alone.
+  items.sort(key=lambda item: not item.name.endswith("_in_a_subprocess"))
 
 
 @pytest.fixture
