@@ -12,21 +12,8 @@
 # Setup of every run: the v3 layer, FP8 GEMMs, capacity 1.1 (2 GPUs; benchmarks/NOTES.md), bf16 combine, bf16
 # gradient all-reduce, --shard-optimizer, the latency-hiding scheduler. Weak scaling: t(1 GPU, T) / t(2 GPUs, 2T);
 # strong: t(1, 16384) / (2 t(2, 16384)). Rows: $OUT/a2a/*.jsonl (copy them to benchmarks/results/train_step/).
-part=${1:-A}
-D=$OUT/a2a
-mkdir -p $D
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-export JAX_COMPILATION_CACHE_DIR=/tmp/a2a_jax_cache
-export XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_all_reduce_combine_threshold_bytes=67108864"
-nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader > $D/gpu_$part.txt 2>&1
-COMMON="--config v3 --fp8-gemm --implementations auto --ep-capacity-factor 1.1 --ep-combine-dtype bfloat16 \
-  --grad-reduce-dtype bfloat16 --shard-optimizer --iterations 20"
-run() {  # name, timeout, args...
-  local name=$1 limit=$2; shift 2
-  echo "== $name: $*" >> $D/log_$part.txt
-  timeout $limit python3 -m benchmarks.train_step $COMMON "$@" --out $D/$name.jsonl > $D/$name.txt 2>&1
-  echo "   exit $? at $(date +%T)" >> $D/log_$part.txt
-}
+CAPACITY=1.1
+source "$(dirname "$0")/ep_scaling_common.sh"
 if [ "$part" = A ]; then
   CUDA_VISIBLE_DEVICES=0 run 1gpu_t8k 200 --devices 1 --batch 4 --no-split &
   CUDA_VISIBLE_DEVICES=1 run 1gpu_t16k 200 --devices 1 --batch 8 --no-split &

@@ -11,21 +11,8 @@
 #                                of 256 MB per device) with --check
 # Setup of every run: the v3 layer, FP8 GEMMs, capacity 1.25 (from 4 GPUs up; benchmarks/NOTES.md), bf16 combine,
 # bf16 gradient all-reduce, --shard-optimizer, the latency-hiding scheduler. Rows: $OUT/a2a/*.jsonl.
-part=${1:-A}
-D=$OUT/a2a
-mkdir -p $D
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-export JAX_COMPILATION_CACHE_DIR=/tmp/a2a_jax_cache
-export XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_all_reduce_combine_threshold_bytes=67108864"
-nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader > $D/gpu_$part.txt 2>&1
-COMMON="--config v3 --fp8-gemm --implementations auto --ep-capacity-factor 1.25 --ep-combine-dtype bfloat16 \
-  --grad-reduce-dtype bfloat16 --shard-optimizer --iterations 20"
-run() {  # name, timeout, args...
-  local name=$1 limit=$2; shift 2
-  echo "== $name: $*" >> $D/log_$part.txt
-  timeout $limit python3 -m benchmarks.train_step $COMMON "$@" --out $D/$name.jsonl > $D/$name.txt 2>&1
-  echo "   exit $? at $(date +%T)" >> $D/log_$part.txt
-}
+CAPACITY=1.25
+source "$(dirname "$0")/ep_scaling_common.sh"
 if [ "$part" = A ]; then
   CUDA_VISIBLE_DEVICES=0 run 1gpu_t8k 200 --devices 1 --batch 4 --no-split &
   CUDA_VISIBLE_DEVICES=1 run 1gpu_t16k 200 --devices 1 --batch 8 --no-split &

@@ -1,0 +1,18 @@
+# Sourced by benchmarks/ep_scaling_2gpu.sh and ep_scaling_4gpu.sh (set CAPACITY first): the call's part ($1, default
+# A), the output folder $OUT/a2a, the GPU and XLA setup, and run NAME TIMEOUT ARGS... (one benchmarks.train_step run
+# with the common flags, rows in $D/NAME.jsonl, its output in $D/NAME.txt, a line in $D/log_$part.txt).
+part=${1:-A}
+D=$OUT/a2a
+mkdir -p $D
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export JAX_COMPILATION_CACHE_DIR=/tmp/a2a_jax_cache
+export XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_all_reduce_combine_threshold_bytes=67108864"
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader > $D/gpu_$part.txt 2>&1
+COMMON="--config v3 --fp8-gemm --implementations auto --ep-capacity-factor $CAPACITY --ep-combine-dtype bfloat16 \
+  --grad-reduce-dtype bfloat16 --shard-optimizer --iterations 20"
+run() {  # name, timeout, args...
+  local name=$1 limit=$2; shift 2
+  echo "== $name: $*" >> $D/log_$part.txt
+  timeout $limit python3 -m benchmarks.train_step $COMMON "$@" --out $D/$name.jsonl > $D/$name.txt 2>&1
+  echo "   exit $? at $(date +%T)" >> $D/log_$part.txt
+}
