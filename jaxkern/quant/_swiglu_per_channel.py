@@ -103,6 +103,13 @@ def _max_value(c_g, n, layout):
   return ref.FP8_MAX if c_g is None else pcc._max_vector(c_g, n, layout)
 
 
+def _stage_halves(x_g, x_s, y_s, bar, i, j, r: int, c: int, k: int) -> None:
+  """Starts the TMA copies of row block ``i``'s gate and value tiles of column block ``j`` (``r x c`` each, the
+  halves ``k`` columns apart) into ``x_s`` / ``y_s``, both arriving on ``bar``."""
+  for half, t in enumerate((x_s, y_s)):
+    plgpu.copy_gmem_to_smem(x_g.at[pl.ds(i * r, r), pl.ds(half * k + j * c, c)], t, bar)
+
+
 @functools.partial(jax.jit, static_argnames=("npt", "round_sf", "transpose_out", "clamp", "interpret"))
 def _kernel(x, *, npt, round_sf, transpose_out, clamp, interpret):
   """``x`` bf16 ``(M, 2h)`` -> ``(data (h, M) e4m3, or (M, h) without transpose_out, sf (M/npt, h) float32)``.
@@ -137,8 +144,7 @@ def _kernel(x, *, npt, round_sf, transpose_out, clamp, interpret):
     c_g, o_g, sf_g = gmem if len(gmem) == 3 else (None, *gmem)
     i, j = lax.axis_index("i"), lax.axis_index("j")
     cols = pl.ds(j * c, c)
-    for half, t in enumerate((x_s, y_s)):
-      plgpu.copy_gmem_to_smem(x_g.at[pl.ds(i * r, r), pl.ds(half * k + j * c, c)], t, bar)
+    _stage_halves(x_g, x_s, y_s, bar, i, j, r, c, k)
     maxv = _max_value(c_g, c, per_thread)
     plgpu.barrier_wait(bar)
 
@@ -214,8 +220,7 @@ def _kernel_wide(x, *, round_sf, clamp, interpret):
     c_g, o_g, sf_g = gmem if len(gmem) == 3 else (None, *gmem)
     i, j = lax.axis_index("i"), lax.axis_index("j")
     cols = pl.ds(j * c, c)
-    for half, t in enumerate((x_s, y_s)):
-      plgpu.copy_gmem_to_smem(x_g.at[pl.ds(i * r, r), pl.ds(half * k + j * c, c)], t, bar)
+    _stage_halves(x_g, x_s, y_s, bar, i, j, r, c, k)
     maxv = _max_value(c_g, c, per_thread)
     plgpu.barrier_wait(bar)
     parts = []
