@@ -48,12 +48,12 @@ def _run(m, h, npt, without_transpose, round_sf, clamp, key, implementation):
 
 
 @pytest.mark.parametrize("m, h, npt, without_transpose, round_sf, clamp", [
-    (256, 192, 32, False, False, None),  # h = 64·3: 64-column tiles, 2 row blocks, 4 groups per block
-    (256, 192, 128, True, True, 0.5),
+    (256, 192, 32, False, False, None),  # h = 64·3: 64-column tiles, 4 row blocks of 64, 2 groups per block
+    (256, 192, 128, True, True, 0.5),  # 32-row chunks on a TMA barrier each
     (128, 256, 32, True, False, 10.0),  # without the transpose at npt 32: _kernel_wide, 4 x 1 CTAs of 32 x 256
     (256, 128, 128, False, True, 10.0),
     (128, 64, 128, False, False, 0.5),  # one 64-column tile
-    (384, 128, 32, False, True, 0.5),  # 3 row blocks
+    (384, 128, 32, False, True, 0.5),  # 6 row blocks
     (128, 320, 128, True, False, None),  # h = 64·5
     (128, 128, 32, True, True, 0.3),  # a clamp that is not a bf16 value: applied in float32 (docs/quant.md, Fused SwiGLU)
     (256, 512, 32, True, False, None),  # without the transpose at npt 32: 32 x 256 tiles (_kernel_wide), 8 x 2 CTAs
