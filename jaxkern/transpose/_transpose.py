@@ -10,13 +10,17 @@ transposes instead load the tile through a transposed view of the input SMEM
 buffer straight into the WGMMA layout (1.5% faster on an H200 at N = 576, where
 the kernel is latency-bound; equal or slower elsewhere).
 
-Large 2-D transposes of 8-bit data (from 8 MB) and of mid-sized 16-bit data (12-64 MiB) take a
-persistent kernel instead (:func:`_ring_kernel`): one CTA per SM walks its tiles with a ring of 5
-TMA loads in flight and double-buffered TMA stores. 8-bit data skips the widening there: the array
-is viewed as 16-bit words, each holding two neighbouring bytes of a row, and the two row parities as
+2-D 8-bit transposes skip the widening (all but those of 64 rows, below one tile): the array is
+viewed as 16-bit words, each holding two neighbouring bytes of a row, and the two row parities as
 separate planes, so that a 2x2 block of bytes is two words, one per plane. Swapping bytes between
 the planes (shifts and masks) transposes every 2x2 block, and a 16-bit transpose of each plane
-moves the blocks. H200, µs (one CTA per tile / ring): e4m3 8064x7168 30.2 / 29.9 (90.3% of copy),
+moves the blocks. Below 8 MB this runs one CTA per tile of 128 rows x 64 bytes
+(:func:`_pair_tile_kernel`, :data:`_PAIR_TILE`).
+
+Large 2-D transposes of 8-bit data (from 8 MB) and of mid-sized 16-bit data (12-64 MiB) take a
+persistent kernel instead (:func:`_ring_kernel`): one CTA per SM walks its tiles with a ring of 5
+TMA loads in flight and double-buffered TMA stores, on the same byte-pair words for 8-bit data.
+H200, µs (one CTA per tile, 8-bit bytes widened / ring): e4m3 8064x7168 30.2 / 29.9 (90.3% of copy),
 8064x4096 18.0 / 16.9, 4032x7168 16.8 / 15.6, 8064x2048 10.1 / 9.2; bf16 4032x2048 9.6 / 9.3,
 4032x4096 17.3 / 16.9, 8064x2048 17.4 / 17.1. Larger 16-bit arrays (8064x7168: 58.4 / 59.3) and
 small ones (576 columns) run faster one CTA per tile.
@@ -98,7 +102,6 @@ def _batched_transpose_kernel(x: jax.Array, interpret=None, tiling=None) -> jax.
   return kernel(x)
 
 
-_TILING_OVERRIDE = None  # (BM, BN, order) for the one-tile kernel of 2-D transposes (timing scripts only)
 _RING_BYTES = {1: (8_000_000, None), 2: (12 << 20, 64 << 20)}  # 2-D sizes (bytes) taking the ring kernel
 _RING_TILE = {1: (64, 128), 2: (128, 128)}  # words per tile (per plane for 8-bit data): 32 KB
 _RING_STAGES = 5  # input tiles in flight per CTA; with 2 output buffers 224 KB of SMEM
@@ -131,8 +134,7 @@ def _ring_kernel(x: jax.Array, interpret=None) -> jax.Array:
   """
   m, n = x.shape
   if pairs := x.dtype.itemsize == 1:
-    w = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint8).reshape(m, n // 2, 2), jnp.int16)
-    w = w.reshape(m // 2, 2, n // 2)
+    w = _byte_pair_words(x)
   else:
     w = x.reshape(m, 1, n)
   r, planes, c = w.shape
@@ -176,8 +178,7 @@ def _ring_kernel(x: jax.Array, interpret=None) -> jax.Array:
       plgpu.barrier_wait(bar.at[t % stages])
       v = [plgpu.load(x_s.at[t % stages, k], layout=plgpu.Layout.WGMMA) for k in range(planes)]
       if pairs:
-        v = [(v[0] & 0xFF) | lax.shift_left(v[1], jnp.int16(8)),
-             lax.shift_right_logical(v[0], jnp.int16(8)) | (v[1] & jnp.int16(-256))]
+        v = _swap_pair_bytes(*v)
       plgpu.wait_smem_to_gmem(planes, wait_read_only=True)  # the stores of tile t - 2 have read o_s[t % 2]
       for k, vk in enumerate(v):
         o_s.at[t % 2, k].T[...] = plgpu.layout_cast(vk, plgpu.Layout.WGMMA_TRANSPOSED)
@@ -191,8 +192,80 @@ def _ring_kernel(x: jax.Array, interpret=None) -> jax.Array:
   y = kernel(w)
   if not pairs:
     return y.reshape(n, m)
-  y = lax.bitcast_convert_type(y.reshape(n, m // 2), jnp.uint8).reshape(n, m)
-  return lax.bitcast_convert_type(y, x.dtype)
+  return _bytes_of_pair_words(y, x.dtype)
+
+
+def _byte_pair_words(x):
+  """8-bit ``(M, N)`` as int16 words ``(M/2, 2, N/2)``: ``w[r, k, c]`` holds ``x[2r+k, 2c]`` (low byte) and
+  ``x[2r+k, 2c+1]`` (a bitcast, no copy)."""
+  m, n = x.shape
+  w = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint8).reshape(m, n // 2, 2), jnp.int16)
+  return w.reshape(m // 2, 2, n // 2)
+
+
+def _bytes_of_pair_words(y, dtype):
+  """The transposed words ``(N/2, 2, M/2)`` back as ``(N, M)`` bytes of ``dtype`` (a bitcast)."""
+  n2, _, m2 = y.shape
+  y = lax.bitcast_convert_type(y.reshape(2 * n2, m2), jnp.uint8).reshape(2 * n2, 2 * m2)
+  return lax.bitcast_convert_type(y, dtype)
+
+
+def _swap_pair_bytes(w0, w1):
+  """Transposes every 2x2 byte block held by the words ``w0`` (even row) and ``w1`` (odd row):
+  ``(lo(w0) | lo(w1) << 8, hi(w0) | hi(w1) << 8)``."""
+  return ((w0 & 0xFF) | lax.shift_left(w1, jnp.int16(8)),
+          lax.shift_right_logical(w0, jnp.int16(8)) | (w1 & jnp.int16(-256)))
+
+
+# Words per tile (per plane) of the one-tile byte-pair kernel: 64x32 words are 128 rows x 64 bytes (8 KB).
+# H200, 2026-11-29 (CUPTI, cold L2, median of 20, two passes), e4m3, µs, 64x32 / 64x16 words / the one-tile
+# kernel widening bytes: 8064x576 4.45 / 4.54-4.62 / 5.02 (TileKernels 4.46); 4032x576 3.33 / 3.30 / 3.47 (3.16).
+_PAIR_TILE = (64, 32)
+
+
+def _use_pair_tiles(x) -> bool:
+  """2-D 8-bit data of at least one tile each way (every M but 64; N is at least 64) take
+  :func:`_pair_tile_kernel` (when below the ring kernel's size)."""
+  (m, n), (bw, cw) = x.shape, _PAIR_TILE
+  return x.dtype.itemsize == 1 and m >= 2 * bw and n >= 2 * cw
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _pair_tile_kernel(x: jax.Array, interpret=None) -> jax.Array:
+  """2-D 8-bit ``(M, N) -> (N, M)`` one CTA per tile, on the byte-pair words of :func:`_ring_kernel`
+  (no widening: 2 planes of 16-bit words, bytes swapped between them, each plane transposed with the
+  16-bit relayout). A tile is ``bw x cw`` words of each plane (:data:`_PAIR_TILE`); the last row / column
+  tile is moved back to end at the edge (e.g. 2016 word rows at M = 4032: 31.5 tiles of 64)."""
+  w = _byte_pair_words(x)
+  r, planes, c = w.shape
+  bw, cw = _PAIR_TILE
+
+  @functools.partial(
+      plgpu.kernel,
+      out_type=jax.ShapeDtypeStruct((c, planes, r), w.dtype),
+      grid=(pl.cdiv(r, bw), pl.cdiv(c, cw)),
+      grid_names=("i", "j"),
+      scratch_types=dict(x_s=plgpu.SMEM((planes, bw, cw), w.dtype), o_s=plgpu.SMEM((planes, cw, bw), w.dtype),
+                         bar=plgpu.Barrier(num_arrivals=planes)),
+      compiler_params=NO_AUTO_BARRIERS,  # x_s read and o_s written once, as the one-tile kernel
+      interpret=interpret,
+  )
+  def kernel(w_g, o_g, x_s, o_s, bar):
+    i, j = lax.axis_index("i"), lax.axis_index("j")
+    rows = pl.ds(jnp.minimum(i * bw, r - bw), bw)
+    cols = pl.ds(jnp.minimum(j * cw, c - cw), cw)
+    for k in range(planes):
+      plgpu.copy_gmem_to_smem(w_g.at[rows, k, cols], x_s.at[k], bar)
+    plgpu.barrier_wait(bar)
+    v = _swap_pair_bytes(*[plgpu.load(x_s.at[k], layout=plgpu.Layout.WGMMA) for k in range(planes)])
+    for k, vk in enumerate(v):
+      o_s.at[k].T[...] = plgpu.layout_cast(vk, plgpu.Layout.WGMMA_TRANSPOSED)
+    plgpu.commit_smem()
+    for k in range(planes):
+      plgpu.copy_smem_to_gmem(o_s.at[k], o_g.at[cols, k, rows])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  return _bytes_of_pair_words(kernel(w), x.dtype)
 
 
 def _check(name: str, x, ndim: int):
@@ -250,8 +323,9 @@ def transpose(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
   """2-D transpose ``(M, N) -> (N, M)``, bit-exact; arguments, errors and XLA cases as
   :func:`batched_transpose` (with ``x`` of rank 2).
 
-  Large 8-bit arrays (from 8 MB) and 16-bit arrays of 12-64 MiB run the persistent ring kernel,
-  other sizes the one-tile kernel (module docstring).
+  Large 8-bit arrays (from 8 MB) and 16-bit arrays of 12-64 MiB run the persistent ring kernel;
+  smaller 8-bit arrays of at least 128 rows the one-tile kernel on byte pairs (no widening); every
+  other array the one-tile kernel (module docstring).
 
   Differentiable (custom_vjp): the cotangent is transposed back by the same implementation; integer data has
   no derivative.
@@ -264,8 +338,9 @@ def _transpose(x, implementation: str):
   def kernel(interpret):
     if _use_ring(x):
       return _ring_kernel(x, interpret=_config.mosaic_interpret(interpret))
-    return _batched_transpose_kernel(x[None], interpret=_config.mosaic_interpret(interpret),
-                                     tiling=_TILING_OVERRIDE)[0]
+    if _use_pair_tiles(x):
+      return _pair_tile_kernel(x, interpret=_config.mosaic_interpret(interpret))
+    return _batched_transpose_kernel(x[None], interpret=_config.mosaic_interpret(interpret))[0]
 
   return _dispatch.run("transpose", implementation, kernel=kernel, xla=lambda: ref.transpose(x),
                        unsupported=_unsupported(x), empty=x.size == 0)

@@ -180,39 +180,35 @@ def test_list_and_bool_inputs():
     batched_transpose(b[None], implementation="interpret")
 
 
-@pytest.mark.parametrize("tiling", [(64, 64, "bij"), (64, 64, "bji"), (128, 64, "bji")])
-def test_tiling_override_bit_exact(key, monkeypatch, tiling):
-  """``_TILING_OVERRIDE`` (timing scripts: 8064x576 e4m3) reaches the one-tile kernel of transpose."""
-  from jaxkern.transpose import _transpose as tr
-  monkeypatch.setattr(tr, "_TILING_OVERRIDE", tiling)
-  x = random_bits(key, (256, 192), jnp.float8_e4m3fn)
-  assert_bitwise_equal(jax.jit(transpose)(x), np.asarray(x).T)
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", [(256, 192), (192, 320)], ids=str)
+def test_pair_tile_kernel_bit_exact(key, dtype, shape):
+  """The one-tile byte-pair kernel of small 2-D 8-bit transposes (64x32-word tiles): 3 column tiles of 32
+  words, and 96 word rows (a row tile moved back at the edge) with 5 column tiles."""
+  x = random_bits(key, shape, dtype)
+  assert module._use_pair_tiles(x) and not module._use_ring(x)
+  assert_bitwise_equal(_poisoned_call(transpose, x), np.asarray(x).T)
 
 
-@pytest.mark.parametrize("override", [("tiling", (64, 64, "bij")), ("tiling", (64, 64, "bji")),
-                                      ("tiling", (128, 64, "bji")), ("ring", None)], ids=str)
-def test_narrow_e4m3_variants_lower_for_h100(monkeypatch, override):
-  """The variants the narrow-shape timing script runs on 8064x576 e4m3 lower for an H100 (the ring kernel
-  forced below its size threshold)."""
-  from jaxkern.transpose import _transpose as tr
-  if override[0] == "tiling":
-    monkeypatch.setattr(tr, "_TILING_OVERRIDE", override[1])
-  else:
-    monkeypatch.setattr(tr, "_RING_BYTES", {**tr._RING_BYTES, 1: (0, None)})
-  x = jax.ShapeDtypeStruct((8064, 576), jnp.float8_e4m3fn)
-  assert tr._use_ring(x) == (override[0] == "ring")
+def test_pair_tile_kernel_choice():
+  """64-row 8-bit arrays (below one tile) keep the widening one-tile kernel; 16-bit data never takes pairs."""
+  assert not module._use_pair_tiles(jax.ShapeDtypeStruct((64, 576), jnp.float8_e4m3fn))
+  assert module._use_pair_tiles(jax.ShapeDtypeStruct((128, 64), jnp.float8_e4m3fn))
+  assert not module._use_pair_tiles(jax.ShapeDtypeStruct((4032, 576), jnp.bfloat16))
+
+
+_PAIR_SHAPES = [(8064, 576), (4032, 576)]
+
+
+@pytest.mark.parametrize("shape", _PAIR_SHAPES, ids=str)
+def test_pair_tile_kernel_lowers_for_h100(shape):
+  x = jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn)
+  assert module._use_pair_tiles(x) and not module._use_ring(x)
   assert "mosaic_gpu" in lower_for_h100(functools.partial(transpose, implementation="pallas"), x).as_text()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("override", [("tiling", (64, 64, "bij")), ("tiling", (64, 64, "bji")),
-                                      ("tiling", (128, 64, "bji")), ("ring", None)], ids=str)
-def test_narrow_e4m3_variants_gpu(key, monkeypatch, override):
-  from jaxkern.transpose import _transpose as tr
-  if override[0] == "tiling":
-    monkeypatch.setattr(tr, "_TILING_OVERRIDE", override[1])
-  else:
-    monkeypatch.setattr(tr, "_RING_BYTES", {**tr._RING_BYTES, 1: (0, None)})
-  for shape in ((8064, 576), (4032, 576)):
-    x = random_bits(key, shape, jnp.float8_e4m3fn)
-    assert_bitwise_equal(jax.jit(transpose)(x), np.asarray(x).T)
+@pytest.mark.parametrize("shape", _PAIR_SHAPES, ids=str)
+def test_pair_tile_kernel_gpu(key, shape):
+  x = random_bits(key, shape, jnp.float8_e4m3fn)
+  assert_bitwise_equal(_poisoned_call(jax.jit(transpose), x), np.asarray(x).T)
