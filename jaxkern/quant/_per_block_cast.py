@@ -22,7 +22,8 @@ loaded straight from GMEM into registers (16-byte vectors; TMA only for a partia
 bf16 (exact) and stored straight from registers; the kernel writes the sf in the requested layout itself (A,
 B, C; where a packed word spans CTAs, 128x128 blocks with ``K > 128``, each CTA stores its byte of the word),
 so no XLA kernel follows it. H200 (2026-11-29, layout C, bf16): 32x32 ``4001x576`` 4.35 µs (TileKernels 4.15),
-``8001x2048`` 15.54 (16.11), the previous one-TMA-box kernel with its XLA sf formatting 5.34 / 16.53; 128x128
+``8001x2048`` 15.54 (16.11), the previous one-TMA-box kernel with its XLA sf formatting 5.34 / 16.53 (these
+with warps over rows; the warp-owned 32x32 tiles and their figures: :func:`_warp_owned_blocks_layout`); 128x128
 ``4001x576`` 4.90 (4.53), ``8001x2048`` 16.02 (16.54).
 
 ``per_block_cast_lossless`` computes the exponents per block in XLA (small: one value per input
@@ -37,6 +38,7 @@ import math
 
 import jax
 import jax.experimental.mosaic.gpu as mgpu
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -71,6 +73,26 @@ DIRECT_BLOCKS = ((32, 32), (128, 128))  # block sizes "auto" runs on the direct 
 # 5.34 / 10.64 / 8.19 / 16.53 for the previous one-TMA-box kernel with its XLA sf formatting; 128x128 one block per
 # CTA: within 0.2 µs of the previous kernels (one TMA box per block) on all six shapes, K = 576 .. 7168.
 DIRECT_COLS = {32: 256, 128: 128}
+
+
+# The 32x32 tiles the direct kernel reads straight from GMEM (4 or 8 blocks) are held in
+# :func:`_warp_owned_blocks_layout`: each warp owns whole blocks, so a block's amax is in-thread work plus warp
+# shuffles, with no SMEM exchange and no warpgroup barriers; :func:`jaxkern._layouts.group_vectors_layout` (a warp
+# over one row of all 8 blocks, a block's amax across the 4 warps through SMEM between two warpgroup barriers)
+# before. H200, 2026-11-29 (runner, CUPTI, cold L2, 20 iterations, bf16, bit-exact on the GPU), µs, group-vectors
+# -> warp-owned (TileKernels): M=4001 K=576 4.42 -> 4.48 (4.2), K=2048 9.74 -> 9.10 (9.1), K=2560 11.07 -> 10.66
+# (10.4), K=3072 12.86 -> 12.51 (12.2), K=4096 15.60 -> 14.96 (15.3); M=8001 K=576 7.02 -> 6.69 (6.4).
+def _warp_owned_blocks_layout(nblk: int, bw: int, itemsize: int):
+  """Register layout of a ``(rows, nblk, bw/vec, vec)`` view (``vec`` = 16 bytes; ``nblk`` a multiple of 4 blocks
+  of 64 bytes a row, ``rows`` a multiple of 8) in which each warp owns whole blocks (warp ``w`` blocks ``w, w+4,
+  ...``), its lanes 8 rows x ``bw/vec`` vectors of a block, so the block maxima need no cross-warp step; a warp
+  access covers 8 rows of 64 contiguous bytes."""
+  vec = 16 // itemsize
+  parts = bw // vec
+  lanes_r = 32 // parts
+  tiling = mgpu_fa.Tiling(((lanes_r, 4, parts, vec), (lanes_r, 1, parts, vec), (vec,)))
+  lay = mgpu_fa.TiledLayout(tiling, (-8,), (-5, -3), -1, _check_canonical=False).canonicalize()
+  return plgpu.Layout.TILED(lay.tiling, lay.warp_dims, lay.lane_dims, lay.vector_dim)
 
 
 def _variant(x_dtype, fmt, block_size, precomputed) -> str:
@@ -300,9 +322,9 @@ def _direct_kernel(x, *, block_size, round_sf, write_data, sf_layout, interpret)
 
   A CTA owns one block row and ``g`` blocks (:func:`_direct_tiles`: :data:`DIRECT_COLS` columns, fewer in the last
   CTA column). A CTA whose block row lies wholly inside the array loads its tile straight from GMEM into
-  registers (16-byte vectors; several blocks viewed as ``(bm, blocks, bk/8, 8)`` in
-  :func:`jaxkern._layouts.group_vectors_layout`, a warp reading a contiguous 512-byte span per access; one block as
-  plain rows in :func:`jaxkern._layouts.row_layout`), reduces the block maxima in bf16 (exact), computes the sf
+  registers (16-byte vectors; several blocks viewed as ``(bm, blocks, bk/8, 8)``, 4 or 8 of them in
+  :func:`_warp_owned_blocks_layout`, each warp owning whole blocks, others as ``view_of`` says; one block as rows in
+  :func:`jaxkern._layouts.row_layout`), reduces the block maxima in bf16 (exact), computes the sf
   (:func:`jaxkern._ieee.exact_div`), and stores the e4m3 tile straight from registers; the sf go to GMEM as
   scalars (or one vector for layout A), packed UE8M0 words assembled in registers, or stored byte by byte where a
   word spans CTAs (:func:`_store_sf_byte`). The CTAs of a partial last block row instead bring their tile in by
@@ -327,14 +349,23 @@ def _direct_kernel(x, *, block_size, round_sf, write_data, sf_layout, interpret)
     if write_data:
       scratch["o_s"] = plgpu.SMEM((bm, wb), jnp.float8_e4m3fn, transforms=tr(k))
 
-  def view_of(nblk, bw):
-    """The register view of a tile of ``nblk`` blocks ``bw`` wide and its layout: ``(bm, nblk, bw/vec, vec)`` with
-    a block's vectors on consecutive lanes, or for one block the plain ``(bm, bw)`` rows (the amax is then a
-    scalar: a one-element vector of the 4-D view reduces to a scalar in no lowering)."""
+  def view_of(nblk, bw, from_gmem):
+    """The register view of a tile of ``nblk`` blocks ``bw`` wide and its layout: ``(bm, nblk, bw/vec, vec)``, or
+    for one block the plain ``(bm, bw)`` rows (the amax is then a scalar: a one-element vector of the 4-D view
+    reduces to a scalar in no lowering). Only 32x32 blocks come several to a tile (:data:`DIRECT_COLS`); a tile
+    of 4 or 8 loaded from GMEM (``from_gmem``) is held in :func:`_warp_owned_blocks_layout`. Two cases keep
+    :func:`jaxkern._layouts.group_vectors_layout` (a block's vectors on consecutive lanes, warps over rows):
+    a tile of 2 or 6 blocks (the last or only CTA column where ``K % 128 != 0``: the warp-owned layout's tile is 4
+    blocks, one per warp), and the tile a CTA of a partial last block row loads from SMEM after its TMA box
+    (jax 0.11.2: with the warp-owned layout there, Mosaic GPU's layout inference of the kernel does not finish;
+    lowering for an H100 on a CPU ran past 2 minutes, against seconds)."""
     if nblk == 1:
       return (bm, bw), row_layout(bw, x.dtype.itemsize)[0]
     vec = min(16 // x.dtype.itemsize, bw)
-    return (bm, nblk, bw // vec, vec), group_vectors_layout(nblk, bw, x.dtype.itemsize)[0]
+    view = (bm, nblk, bw // vec, vec)
+    if from_gmem and nblk % 4 == 0:
+      return view, _warp_owned_blocks_layout(nblk, bw, x.dtype.itemsize)
+    return view, group_vectors_layout(nblk, bw, x.dtype.itemsize)[0]
 
   @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(mb, kt), grid_names=("i", "j"),
                      scratch_types=scratch, compiler_params=NO_AUTO_BARRIERS, interpret=interpret)
@@ -384,7 +415,7 @@ def _direct_kernel(x, *, block_size, round_sf, write_data, sf_layout, interpret)
       return to_e4m3(gpu_nan(v.astype(jnp.float32) * scale, interpret), interpret)
 
     def direct(tile):
-      view, lay = view_of(*tile)
+      view, lay = view_of(*tile, from_gmem=True)
       cols_ = pl.ds(j * w, tile[0] * tile[1])
       if interpret is not None:
         v = x_g[rows, cols_].reshape(view)
@@ -399,7 +430,7 @@ def _direct_kernel(x, *, block_size, round_sf, write_data, sf_layout, interpret)
 
     def via_tma():
       tile = full if kt > 1 else last
-      view, lay = view_of(*tile)
+      view, lay = view_of(*tile, from_gmem=False)
       cols_ = pl.ds(j * w, wb)
       plgpu.copy_gmem_to_smem(x_g.at[rows, cols_], x_s, bar)
       plgpu.barrier_wait(bar)

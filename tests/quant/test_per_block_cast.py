@@ -349,7 +349,9 @@ def test_direct_tiles():
   assert pbc._direct_tiles(64, (32, 32)) == (2, 1, (2, 32), (2, 32))
 
 
+# 32x32: tiles of 8 blocks and a last one of 2 (K = 576) or 4 (K = 384), one CTA column of 4 blocks (K = 128).
 @pytest.mark.parametrize("m, k, block", [(4001, 576, (32, 32)), (8001, 2048, (32, 32)), (4096, 7168, (32, 32)),
+                                         (4001, 384, (32, 32)), (4096, 128, (32, 32)),
                                          (4001, 576, (128, 128)), (8064, 7168, (128, 128))])
 def test_direct_kernel_lowers_for_h100(m, k, block):
   s = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
@@ -372,8 +374,8 @@ def test_direct_kernel_has_no_xla_epilogue(block):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, k, block", [
-    (4001, 576, (32, 32)), (8001, 2048, (32, 32)), (37, 64, (32, 32)), (4001, 320, (32, 32)),
-    (4001, 576, (128, 128)), (8064, 2560, (128, 128)), (4001, 512, (128, 128))], ids=str)
+    (4001, 576, (32, 32)), (8001, 2048, (32, 32)), (37, 64, (32, 32)), (4001, 320, (32, 32)), (4001, 384, (32, 32)),
+    (4096, 128, (32, 32)), (4001, 576, (128, 128)), (8064, 2560, (128, 128)), (4001, 512, (128, 128))], ids=str)
 def test_direct_kernel_gpu(key, m, k, block):
   """The direct kernel, compiled, against the reference: layouts A, B, C (128x128 layout C byte by byte) and the
   sf-only form."""
