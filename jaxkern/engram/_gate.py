@@ -14,14 +14,16 @@ Every kernel moves the hidden rows straight GMEM -> registers -> GMEM in 16-byte
 
 Kernels (the thresholds next to the module's constants say which measurement chose them):
 
-* Forward, one token per CTA (grid ``T``), where :func:`fwd_rows_applies` (``M % 4 == 0`` and a ``D`` that the
-  flat kernel would move in vectors narrower than 16 bytes, :func:`column_block` below 1024: ``D = 2560`` among
-  the benchmarked sizes): :func:`gate_fwd_rows_kernel` (one warp per stream: the three row sums ``Σx²``,
-  ``Σk²``, ``Σx·wf·k``, the gate, ``out = bf16(x + g·v)``). Elsewhere :func:`gate_fwd_flat_kernel` (the
-  streams one after the other, each row spread over the warpgroup, the rows of all streams loaded up front where
-  ``M·D <= PRELOAD_MAX_VALUES``; a ``D`` such as 2560 with ``M % 4 != 0`` in a 2048-column chunk of 16-byte
-  vectors and a 512-column chunk of 8-byte ones, :func:`jaxkern._layouts.flat_chunks`). ``wf`` (``4·M·D``
-  bytes) is re-read for every token from L2.
+* Forward, where :func:`fwd_rows_applies` (``M % 4 == 0`` and a ``D`` that the flat kernel would move in vectors
+  narrower than 16 bytes, :func:`column_block` below 1024: ``D = 2560`` among the benchmarked sizes):
+  :func:`gate_fwd_rows_kernel`, persistent CTAs (:data:`FWD_ROWS_CTAS_PER_SM` per SM) over contiguous token
+  ranges, one warp per stream: the three row sums ``Σx²``, ``Σk²``, ``Σx·wf·k``, the gate,
+  ``out = bf16(x + g·v)``, the next token's ``x`` and ``k`` loaded while the current one finishes. Elsewhere,
+  one token per CTA (grid ``T``): :func:`gate_fwd_flat_kernel` (the streams one after the other, each row
+  spread over the warpgroup, the rows of all streams loaded up front where ``M·D <= PRELOAD_MAX_VALUES``; a
+  ``D`` such as 2560 with ``M % 4 != 0`` in a 2048-column chunk of 16-byte vectors and a 512-column chunk of
+  8-byte ones, :func:`jaxkern._layouts.flat_chunks`). ``wf`` (``4·M·D`` bytes) is re-read for every token
+  (from the caches).
 * Backward, one pass (:func:`gate_bwd_fused_kernel`, where :func:`fused_applies`: 16-byte vectors,
   ``D <= FUSED_MAX_D``, ``M <= 4``): persistent CTAs over token ranges, whole rows (:func:`block_rows_layout`);
   per token ``dldg = Σ go·v`` of all streams in one reduction, ``G`` (docs/engram.md, "Gate"), then
@@ -99,6 +101,12 @@ FUSED_MAX_CTAS_PER_SM = 2
 # Column blocks of x, k, wf whose loads the fused backward issues before G's barriers (the next ones follow the
 # arithmetic of the previous block).
 FUSED_XK_EARLY_BLOCKS = 1
+# CTAs per SM of the forward's rows kernel (persistent, contiguous token ranges, wf re-loaded for every token). H200,
+# 2026-11-29, T=8001, D=2560, M=4, CUPTI, cold L2, median of 20, two rounds, all bit-exact: save=True 138.6 / 138.0
+# µs (TileKernels 142.9), save=False 135.5 / 135.2 (TileKernels 143.4), against 151.4 / 151.6 and 150.2 / 150.0 with
+# one token per CTA (grid T); 4 per SM 137.5 / 138.2 (save=True), no gain; 2 per SM with wf held in registers for
+# all tokens instead of re-loaded 157.5 / 157.1 (save=True), 135.4 / 135.2 (save=False).
+FWD_ROWS_CTAS_PER_SM = 2
 
 
 def _f32(a):
@@ -161,18 +169,28 @@ def fwd_rows_applies(d: int, m: int) -> bool:
   """Whether :func:`gate_fwd_kernel` runs :func:`gate_fwd_rows_kernel` (one warp per stream) for ``(D, M)``:
   ``M % 4 == 0`` and a ``D`` that the flat kernel would move partly in vectors narrower than 16 bytes
   (:func:`column_block` below 1024; ``D = 2560`` among the benchmarked sizes). H200, 2026-11-29, T=8001,
-  save=True, CUPTI, cold L2, median of 20, all bit-exact, µs of the rows kernel (one token per CTA) against the
-  flat kernel (2026-11-28): D = 2560 150.9 against 172.5 (TileKernels 142.9); with 16-byte vectors the flat
-  kernel wins: 2048 123.8 against 108.3, 3072 180.4 against 160.5."""
+  save=True, CUPTI, cold L2, median of 20, all bit-exact, µs of the rows kernel (then one token per CTA) against
+  the flat kernel (2026-11-28): D = 2560 150.9 against 172.5 (TileKernels 142.9; the persistent rows kernel
+  138.6, :data:`FWD_ROWS_CTAS_PER_SM`); with 16-byte vectors the flat kernel wins: 2048 123.8 against 108.3, 3072
+  180.4 against 160.5."""
   return m % 4 == 0 and column_block(d) < 1024
+
+
+def fwd_rows_ctas(t: int) -> int:
+  """CTAs of :func:`gate_fwd_rows_kernel` for ``T >= 1`` tokens: :data:`FWD_ROWS_CTAS_PER_SM` per SM, at most
+  ``T``."""
+  return max(1, min(t, FWD_ROWS_CTAS_PER_SM * _config.num_sms()))
 
 
 def gate_fwd_kernel(x, k, v, wf, *, eps, clamp_value, save, interpret):
   """``x``, ``k`` ``(T, M, D)`` bf16, ``v`` ``(T, D)`` bf16, ``wf`` ``(M, D)`` float32 (``T >= 1``) ->
-  ``(out, dot, gate, rstd_x, rstd_k)`` (the last four only with ``save``): :func:`gate_fwd_rows_kernel` where
-  :func:`fwd_rows_applies`, else :func:`gate_fwd_flat_kernel`."""
-  kernel = gate_fwd_rows_kernel if fwd_rows_applies(x.shape[2], x.shape[1]) else gate_fwd_flat_kernel
-  return kernel(x, k, v, wf, eps=eps, clamp_value=clamp_value, save=save, interpret=interpret)
+  ``(out, dot, gate, rstd_x, rstd_k)`` (the last four only with ``save``): :func:`gate_fwd_rows_kernel` in
+  :func:`fwd_rows_ctas` CTAs where :func:`fwd_rows_applies`, else :func:`gate_fwd_flat_kernel`."""
+  t, m, d = x.shape
+  if fwd_rows_applies(d, m):
+    return gate_fwd_rows_kernel(x, k, v, wf, eps=eps, clamp_value=clamp_value, save=save, num_ctas=fwd_rows_ctas(t),
+                                interpret=interpret)
+  return gate_fwd_flat_kernel(x, k, v, wf, eps=eps, clamp_value=clamp_value, save=save, interpret=interpret)
 
 
 def _gate_of(raw, sxx, skk, *, d, eps, clamp_value):
@@ -190,32 +208,49 @@ def _fwd_out_type(t, m, d, save):
   return (jax.ShapeDtypeStruct((t, m, d), jnp.bfloat16),) + (jax.ShapeDtypeStruct((t, m), jnp.float32),) * (4 * save)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "clamp_value", "save", "interpret"))
-def gate_fwd_rows_kernel(x, k, v, wf, *, eps, clamp_value, save, interpret):
-  """The forward with one warp per stream (:func:`stream_rows_layout`, ``M % 4 == 0``), one token per CTA (grid
-  ``T``): the token's ``(M, D)`` rows of ``x``, ``k`` and ``wf``, their three row sums without any barrier, then
-  ``out = bf16(x + g·v)`` with ``v`` loaded by every warp and ``x`` kept in registers (``D/32`` values of each
-  row per thread)."""
+@functools.partial(jax.jit, static_argnames=("eps", "clamp_value", "save", "num_ctas", "interpret"))
+def gate_fwd_rows_kernel(x, k, v, wf, *, eps, clamp_value, save, num_ctas, interpret):
+  """The forward with one warp per stream (:func:`stream_rows_layout`, ``M % 4 == 0``; ``T >= 1``) in
+  ``P = num_ctas`` persistent CTAs (``1 <= P <= T``, :func:`fwd_rows_ctas`), CTA ``p`` the tokens
+  ``[p·ceil(T/P), min((p+1)·ceil(T/P), T))`` (the last ones short or empty where ``P`` does not divide ``T``).
+  Per token: its ``(M, D)`` rows of ``x``, ``k`` and ``wf`` (``wf`` re-loaded for every token rather than held
+  in registers), their three row sums without any barrier, then ``out = bf16(x + g·v)`` with ``v`` loaded by
+  every warp and ``x`` kept in registers (``D/32`` values of each row per thread). The next token's ``x`` and
+  ``k`` (a ``lax.fori_loop`` carry) are loaded as soon as the row sums are done, so they are in flight during
+  the gate, the ``v`` load and the stores."""
   t, m, d = x.shape
+  per = -(-t // num_ctas)
   lay = stream_rows_layout()
   rows, row_v = _tiled(lay), _tiled(lay.reduce((0,)))
   out_type = _fwd_out_type(t, m, d, save)
 
-  @functools.partial(plgpu.kernel, out_type=out_type, grid=(t,), grid_names=("t",), interpret=interpret,
+  def load(ref, layout=rows):
+    return plgpu.load(ref, layout=layout, optimized=False)
+
+  @functools.partial(plgpu.kernel, out_type=out_type, grid=(num_ctas,), grid_names=("p",), interpret=interpret,
                      compiler_params=NO_AUTO_BARRIERS)
   def kernel(x_g, k_g, v_g, w_g, o_g, *saved):
-    i = lax.axis_index("t")
-    xf = _f32(plgpu.load(x_g.at[i], layout=rows, optimized=False))
-    kf = _f32(plgpu.load(k_g.at[i], layout=rows, optimized=False))
-    wc = plgpu.load(w_g, layout=rows, optimized=False)
-    raw = 0.0 + jnp.sum(xf * wc * kf, axis=1)  # -0 becomes +0, as in the flat kernel's chunk sums
-    g, rx, rk = _gate_of(raw, jnp.sum(xf * xf, axis=1), jnp.sum(kf * kf, axis=1), d=d, eps=eps,
-                         clamp_value=clamp_value)
-    if save:
-      dot_g, gate_g, rx_g, rk_g = saved
-      dot_g[i], gate_g[i], rx_g[i], rk_g[i] = raw, g, rx, rk
-    vf = _f32(plgpu.load(v_g.at[i], layout=row_v, optimized=False))
-    o_g[i] = (xf + g[:, None] * vf[None, :]).astype(jnp.bfloat16)
+    start = jnp.minimum(lax.axis_index("p") * per, t)
+    end = jnp.minimum(start + per, t)
+
+    def x_k_of(i):  # clamped in bounds: past the range (its last token, an empty range) loaded and left unused
+      i = jnp.minimum(i, t - 1)
+      return load(x_g.at[i]), load(k_g.at[i])
+
+    def token(i, x_k):
+      xf, kf = _f32(x_k[0]), _f32(x_k[1])
+      raw = 0.0 + jnp.sum(xf * load(w_g) * kf, axis=1)  # -0 becomes +0, as in the flat kernel's chunk sums
+      g, rx, rk = _gate_of(raw, jnp.sum(xf * xf, axis=1), jnp.sum(kf * kf, axis=1), d=d, eps=eps,
+                           clamp_value=clamp_value)
+      ahead = x_k_of(i + 1)
+      if save:
+        dot_g, gate_g, rx_g, rk_g = saved
+        dot_g[i], gate_g[i], rx_g[i], rk_g[i] = raw, g, rx, rk
+      vf = _f32(load(v_g.at[i], row_v))
+      o_g[i] = (xf + g[:, None] * vf[None, :]).astype(jnp.bfloat16)
+      return ahead
+
+    lax.fori_loop(start, end, token, x_k_of(start))
 
   return kernel(x, k, v, wf)
 

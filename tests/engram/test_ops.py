@@ -109,6 +109,20 @@ def test_gate_fwd_kernel(key, t, m, d):
   assert_bitwise_equal(no_save.output, got.output)  # bit-identical with and without the saved intermediates
 
 
+# The rows kernel's token ranges: 7 tokens in 1 CTA (one range), 3 (3, 3, 1: ragged), 4 (2, 2, 2, 1), 7 (one token
+# each); 5 tokens in 4 CTAs (2, 2, 1, and an empty range)
+@pytest.mark.parametrize("t, ctas", [(7, 1), (7, 3), (7, 4), (7, 7), (5, 4)])
+def test_gate_fwd_rows_kernel_token_ranges(key, t, ctas):
+  assert _gate.fwd_rows_ctas(t) == t  # T below the CTA count: one token per CTA by default
+  x, k, v, wh, we = gate_inputs(key, t, 4, 512)
+  wf = engram.fused_weight(wh, we)
+  got = _gate.gate_fwd_rows_kernel(x, k, v, wf, eps=1e-20, clamp_value=1e-6, save=True, num_ctas=ctas,
+                                   interpret=plgpu.InterpretGPUParams())
+  want = _fwd(x, k, v, wf, True)  # the default: fwd_rows_ctas(t) CTAs
+  for a, b in zip(got, want):
+    assert_bitwise_equal(a, b)
+
+
 def test_gate_fwd_signed_sqrt_at_zero(key):
   """raw = ±0 (a zero row): the kernel's copysign gives σ(±sqrt(c)), the reference's sign 0.5
   (docs/engram.md, "Gate")."""
