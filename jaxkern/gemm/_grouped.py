@@ -6,7 +6,7 @@ figures and the variants tried: docs/gemm.md, "Kernels and performance"):
 * ``"pair192"`` (:func:`_pair_mc_kernel`, the default from ``K >= PAIR_MIN_K`` where 192-column tiles fit N):
   DeepGEMM's schedule, 128 x 192 CTA tiles, the weight tile TMA-multicast to a 2-CTA cluster on a pair of row blocks
   of one expert, 16 row blocks per raster group (rows fastest); ``"pair192_r32"`` the same with 32 (not a default).
-  H200: 1260-1268 TF/s at N = 4096, K = 7168, 5% above ``"wide192"``. Each compute warpgroup synchronises its four
+  H200: 1323-1330 TF/s at N = 4096, K = 7168, 7-8% above ``"wide192"``; 1289-1291 at N = 7168, K = 2048. Each compute warpgroup synchronises its four
   warps before it releases a ring slot to the pair; released by the first warp alone, a slot could be refilled while
   the other warps still read it, and the results differed from run to run on the training step's fused layout
   (H200, 2026-11-29; with the warpgroup barrier 40 runs of one executable gave the same bits as ``"wide192"``;
@@ -30,8 +30,9 @@ All: per 128-deep K step the ``(rows, 128)`` e4m3 tile of ``x`` and the ``(128, 
 (stored ``(N, K)``, i.e. K-major, passed to wgmma transposed: FP8 wgmma needs K-major operands on both sides)
 land in swizzled SMEM; the step's wgmma accumulates into a fresh float32 accumulator, whose value is promoted
 into the float32 carry as ``total += p · (sf_x[rows, step] · sf_w[e, n_block, step])`` (DeepGEMM's numerics;
-the scale loads are issued after the wgmma). Items whose block id is -1 (or outside ``[0, G)``) write zeros and
-load nothing. Results go from registers straight to GMEM (``"simple"``) or through SMEM and a TMA store.
+``"pair192"`` and ``"wide192"`` read the step's x scales before its wgmma, the other kernels after it). Items whose
+block id is -1 (or outside ``[0, G)``) write zeros and load nothing. Results go from registers straight to GMEM
+(``"simple"``) or through SMEM and a TMA store.
 
 Scale layouts: the kernel reads the per-token sf of ``x`` as the column-major ``(K/128, M)`` float32
 matrix (layout B's buffer, one contiguous vector of rows per step); the wrapper transposes layout A
@@ -463,11 +464,11 @@ def _ring_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_
 def _wide_tile(e, c0, r0, t0, *, wg, wm, bn, ks, stages, first_cols_cases, x_s, w_s, sx_s, sfw_g, produced,
                consumed, out_s, o_g, out_dtype, interpret, release=None):
   """One compute warpgroup's ``(wm, bn)`` tile of the 192-column kernels (:func:`_wide_kernel`,
-  :func:`_pair_mc_kernel`) for expert ``e >= 0``: the K loop over the pipeline's slots from ``t0`` (wgmma, then the
-  per-step promotion with the two column blocks' weight scales, loaded two steps ahead), then the TMA-store
-  epilogue. The tile's split between two weight-scale blocks (``first_cols``) is a compile-time constant per case.
-  A slot is released by ``release(slot)`` once its wgmma has completed and its x scales are in registers (default:
-  every thread's arrival on ``consumed[slot]``)."""
+  :func:`_pair_mc_kernel`) for expert ``e >= 0``: the K loop over the pipeline's slots from ``t0`` (the step's x
+  scales read and multiplied by the two column blocks' weight scales, loaded two steps ahead; the wgmma; the
+  per-step promotion), then the TMA-store epilogue. The tile's split between two weight-scale blocks
+  (``first_cols``) is a compile-time constant per case. A slot is released by ``release(slot)`` once its wgmma has
+  completed and its x scales are in registers (default: every thread's arrival on ``consumed[slot]``)."""
   if release is None:
     release = lambda slot: plgpu.barrier_arrive(consumed.at[slot])
   scale_block = c0 // BLOCK
@@ -481,13 +482,18 @@ def _wide_tile(e, c0, r0, t0, *, wg, wm, bn, ks, stages, first_cols_cases, x_s, 
       total, (w0, w1), w_next = carry
       slot = lax.rem(t0 + s, stages)
       plgpu.barrier_wait(produced.at[slot])
+      # The step's x scales are read from SMEM and multiplied by the weight scales before the wgmma (as DeepGEMM
+      # does), so their latency is hidden under the tensor-core work and only the release and the FMAs follow the
+      # wait. H200, 2026-11-29, "wide192", M = 32768, N = 7168, K = 2048: 1236 -> 1264 TF/s at G = 4, 1230 -> 1257
+      # at G = 8 against reading them after the wait; bit-identical.
+      sx = plgpu.load(sx_s.at[slot, pl.ds(wg * wm, wm)], layout=WG.reduce(1), optimized=False)
+      s0, s1 = sx * w0, sx * w1
       _zero_acc(acc, interpret)
       plgpu.wgmma(acc, x_s.at[slot, pl.ds(wg * wm, wm)], w_s.at[slot].T)
       part = plgpu.wgmma_accumulator_load(acc, wait_n=0)
-      sx = plgpu.load(sx_s.at[slot, pl.ds(wg * wm, wm)], layout=WG.reduce(1), optimized=False)
       release(slot)
-      promoted = jnp.concatenate([part[:, :first_cols] * (sx * w0)[:, None],
-                                  part[:, first_cols:] * (sx * w1)[:, None]], axis=1)
+      promoted = jnp.concatenate([part[:, :first_cols] * s0[:, None],
+                                  part[:, first_cols:] * s1[:, None]], axis=1)
       return total + promoted, w_next, w_scales(s + 2)
 
     zero = plgpu.layout_cast(jnp.zeros((wm, bn), jnp.float32), WG)
@@ -771,18 +777,16 @@ VARIANTS = {
     # one CTA per (64-row, 128-column) tile, a plain TMA pipeline: the tests' independent check
     "simple": _simple_kernel}
 VARIANT = None  # a VARIANTS key forces that kernel (tests, timing scripts); None: default_variant(K, N)
-# From this K, "pair192" where the 192-column tile fits; below it "wide192". H200, 2026-11-29, CUPTI, L2 flushed,
-# two rounds of 10, M = 32768, TF/s (bit-identical results), G = 4 / G = 8, "pair192" with the warpgroup barrier before
-# each slot release: N = 4096, K = 7168 "pair192" 1266.2-1268.0 / 1260.3-1261.0 against "wide192" 1205.2-1206.3 /
-# 1195.3-1197.0 (+5%; DeepGEMM 1275.2 / 1281.9); N = 7168, K = 2048 "pair192" 1235.9-1237.1 / 1233.9-1235.7 against
-# "wide192" 1244.0-1244.7 / 1234.6-1237.5 (DeepGEMM 1354.3 / 1228.6). Earlier figures of "pair192" with the slot
-# release that raced (H200, 2026-11-29, same method): N = 7168, K = 4096 1289.1-1301.1 / 1293.9-1295.2 against
-# "k2tma_gh_ss" 1248.7-1253.4 / 1253.6; N = 2048, K = 7168 1239.4-1241.4 against "k2tma_gh" 1195.3-1202.3.
-# The input gradient's shapes (this forward on transposed weights; H200, 2026-11-29, runner, one process each, G = 8 /
-# 8 / 32 / 32, M = 32768 / 32768 / 67584 / 67584): K = 4096, N = 7168 "pair192" 1138 / 1041 against "wide192" 1191 /
-# 1100 (-5%); K = 7168, N = 2048 1133 / 1100 against 1154 / 1086 (a wash). So the threshold sits between 4096 (lost)
-# and 7168 (won).
-PAIR_MIN_K = 6144
+# From this K, "pair192" where the 192-column tile fits; below it "wide192" (not measured there). H200, 2026-11-29,
+# CUPTI, L2 flushed, two rounds of 10, M = 32768, TF/s, G = 4 / G = 8, both kernels with the x scales read before the
+# wgmma (bit-identical results; "pair192" deterministic over 20 runs of the training step's fused layout at the
+# first two shapes): N = 4096, K = 7168 "pair192" 1328.2-1329.6 / 1323.4-1324.2 against "wide192" 1236.4-1237.9 /
+# 1227.3-1227.9 (DeepGEMM 1275.2 / 1281.9); N = 7168, K = 2048 1288.8-1289.6 / 1290.8-1291.0 against 1266.1-1269.8 /
+# 1258.7-1263.0 (DeepGEMM 1354.3 / 1228.6); the input gradient's N = 7168, K = 4096 1343.7-1343.9 / 1331.4-1338.3
+# against 1240.6-1245.1 / 1227.7-1230.9, and N = 2048, K = 7168 1287.1-1289.6 / 1285.9-1286.6 against 1249.0-1249.6 /
+# 1242.2-1243.0. (With the x scales read after the wgmma wait, "pair192" lost 5% to "wide192" at K = 4096 and tied
+# at K = 2048, and the threshold was 6144.)
+PAIR_MIN_K = 2048
 # Where the 192-column tile does not fit: from GROUPED_RASTER_MIN_K the grouped raster (L2 reuse of the x rows over a
 # group of column tiles) wins, below it the SMEM ring across items without deferral (short K loops: the gap between
 # items is a larger share).

@@ -1,4 +1,4 @@
-"""The clustered FP8 grouped GEMM (``_pair_mc_kernel``, variants ``"pair192"``, the default from K = 4096, and
+"""The clustered FP8 grouped GEMM (``_pair_mc_kernel``, variants ``"pair192"``, the default from K = 2048, and
 ``"pair192_r32"``): the pair protocol on the fused layout's skipped (-1) row blocks on the CPU (what each CTA of a
 pair loads, the ring slots both CTAs walk), and on a GPU the same bits run after run on the training step's fused
 layout.
