@@ -17,7 +17,6 @@ the rest.
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,7 @@ from jaxkern.modeling import MoeConfig, _ep_exchange, init_moe_params, route_tok
 from jaxkern.modeling.sharding import (ep_fused_rows, merge_shared_experts, moe_layer_ep, moe_param_specs,
                                        split_shared_experts)
 from jaxkern.testing import lower_for_h100
-from tests.modeling.multi_device import EIGHT, mesh as _mesh, needs_8, run_8dev_tests
+from tests.modeling.multi_device import EIGHT, FAST_COMPILE_FLAGS, mesh as _mesh, needs_8, run_8dev_tests
 
 H, I = 256, 128
 # 8 devices, 32 tokens each: 16 experts top-2 (2 a device), FP8 dispatch, capacity 1.25: C = round_up(1.25 x 32 x
@@ -207,9 +206,8 @@ def test_exchange_types():
 
 
 @pytest.mark.skipif(EIGHT, reason="this process has 8 devices: the 8dev tests run here")
-def test_multi_device_tests_in_a_subprocess(monkeypatch):
+def test_multi_device_tests_in_a_subprocess():
   """Runs this file's ``8dev`` tests in a child pytest with 8 simulated CPU devices, XLA:CPU's backend optimisation
   off (a quarter off the compile time of these tiny shapes; the comparisons are between programs compiled alike or
   within tolerances)."""
-  monkeypatch.setenv("XLA_FLAGS", (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip())
-  run_8dev_tests(__file__)
+  run_8dev_tests(__file__, xla_flags=FAST_COMPILE_FLAGS)

@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks import train_step
 from jaxkern.modeling import block
-from tests.modeling.multi_device import run_8dev_tests
+from tests.modeling.multi_device import FAST_COMPILE_FLAGS, run_8dev_tests
 
 TWO = jax.device_count() >= 2
 needs_2 = pytest.mark.skipif(not TWO, reason="needs 2 devices (run by test_two_device_tests_in_a_subprocess)")
@@ -270,5 +270,6 @@ def test_shard_replicated_flag_passes_to_children():
 
 @pytest.mark.skipif(TWO, reason="this process has 2 devices: the 2dev tests run here")
 def test_two_device_tests_in_a_subprocess():
-  """Runs this file's ``2dev`` tests in a child pytest with 2 simulated CPU devices."""
-  run_8dev_tests(__file__, devices=2, keyword="2dev")
+  """Runs this file's ``2dev`` tests in a child pytest with 2 simulated CPU devices, XLA:CPU's backend optimisation
+  off (tests/modeling/multi_device.py; the checks compare within tolerances or programs compiled alike)."""
+  run_8dev_tests(__file__, devices=2, keyword="2dev", xla_flags=FAST_COMPILE_FLAGS)
