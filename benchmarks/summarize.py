@@ -217,7 +217,53 @@ def train_step_tables(paths) -> list[str]:
               if i in step else "—" for i in impls]
       lines.append("| rest (wall) | " + " | ".join(f"{v} | —" for v in rest) + " |")
     lines.append("")
-  return lines + profile_tables(profiles)
+  return lines + scaling_tables(list(newest.values())) + profile_tables(profiles)
+
+
+def _one_gpu_label(shape: str, devices: int, weak: bool) -> str:
+  """The 1-GPU step's label that a ``devices``-GPU step's ``shape`` is compared with: no exchange options (one GPU
+  exchanges nothing); for weak scaling ``T`` divided by the GPU count."""
+  label = re.sub(r" ep_(exchange|chunks)=\S+", "", shape)
+  if weak:
+    label = re.sub(r"T=(\d+)", lambda m: f"T={int(m.group(1)) // devices}", label)
+  return label
+
+
+def scaling_tables(rows) -> list[str]:
+  """Markdown: the expert-parallel steps' weak scaling (t(1 GPU, T/P) / t(P GPUs, T), the same tokens per GPU) and
+  strong scaling (t(1, T) / (P t(P, T))) against the newest 1-GPU step of the matching label on the same card, and
+  the all-to-all exchange's bandwidth per GPU (``dispatch`` / ``combine`` / ``a2a_peak`` rows: bytes one GPU sends
+  to the others per second, as DeepEP reports it)."""
+  steps = [r for r in rows if r["component"] == "step" and r["implementation"] == "auto"]
+  one = {(r["gpu"], r["shape"]): r for r in steps if r["devices"] in (0, 1)}
+  lines = []
+  multi = sorted((r for r in steps if r["devices"] > 1 and "pipelined_ms" in r), key=lambda r: (r["gpu"], r["devices"], r["shape"]))
+  table = []
+  for r in multi:
+    weak, strong = (one.get((r["gpu"], _one_gpu_label(r["shape"], r["devices"], w))) for w in (True, False))
+    weak, strong = (b if b and b["date"] == r["date"] else None for b in (weak, strong))
+    if not (weak or strong):
+      continue
+    cell = lambda base, key, n: f"{100 * base[key] / (n * r[key]):.1f}%" if base and key in base and key in r else "—"
+    table.append(f"| {r['gpu']} | {r['devices']} | {r['shape']} | {r['date']} | {r['wall_ms']:.2f} | "
+                 f"{r['pipelined_ms']:.2f} | {cell(weak, 'wall_ms', 1)} | "
+                 f"{cell(weak, 'pipelined_ms', 1)} | {cell(strong, 'wall_ms', r['devices'])} | "
+                 f"{cell(strong, 'pipelined_ms', r['devices'])} |")
+  if table:
+    lines += ["## Expert-parallel scaling (`python -m benchmarks.train_step`)", "",
+              "Weak: t(1 GPU, T/P) / t(P GPUs, T), the same tokens per GPU; strong: t(1, T) / (P·t(P, T)); each",
+              "against the newest 1-GPU step of the same model on the same card and day (wall / pipelined ms per step).", "",
+              "| card | GPUs | step (T: all tokens) | date | step ms | pipelined ms | weak | weak, pipelined | strong "
+              "| strong, pipelined |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|", *table, ""]
+  bandwidth = sorted((r for r in rows if r.get("gb_per_s") is not None), key=lambda r: (r["gpu"], r["shape"]))
+  if bandwidth:
+    lines += ["### The exchange's bandwidth per GPU", "",
+              "| card | GPUs | step | date | part | ms per call | MB sent per GPU | GB/s |",
+              "|---|---:|---|---|---|---:|---:|---:|"]
+    lines += [f"| {r['gpu']} | {r['devices']} | {r['shape']} | {r['date']} | {r['component']} | {r['wall_ms']:.3f} | "
+              f"{r['bytes_sent'] / 1e6:.1f} | {r['gb_per_s']:.1f} |" for r in bandwidth]
+    lines.append("")
+  return lines
 
 
 def profile_tables(rows) -> list[str]:

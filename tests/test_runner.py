@@ -407,6 +407,28 @@ def test_train_step_tables(tmp_path):
   assert "| auto | 2 | 62.50 | 128 | 80.0% | 50.00 | 90.0% | 2.5000 |" in text  # the step rows unchanged
 
 
+def test_scaling_tables():
+  """Weak scaling against the 1-GPU step of T/P tokens, strong against T (the exchange options dropped from the
+  label), same card and day only; the exchange's GB/s rows."""
+  step = lambda devices, shape, wall, piped, date="2026-11-29": dict(
+      component="step", implementation="auto", devices=devices, wall_ms=wall, pipelined_ms=piped, gpu="H200",
+      shape=shape, date=date)
+  rows = [step(1, "T=8 H=4 cap", 40.0, 36.0), step(1, "T=16 H=4 cap", 70.0, 64.0),
+          step(2, "T=16 H=4 cap ep_exchange=all_to_all ep_chunks=2", 50.0, 40.0),
+          step(2, "T=32 H=4 cap", 80.0, 72.0),  # no 1-GPU step of 32 tokens: weak only
+          step(2, "T=16 H=4 other", 10.0, 10.0),  # no 1-GPU step of this model: no row
+          step(2, "T=16 H=4 cap", 35.0, 32.0, date="2026-11-30"),  # another day: no row
+          dict(component="combine", devices=2, wall_ms=0.5, bytes_sent=8e7, gb_per_s=160.0, gpu="H200",
+               shape="T=16 H=4 cap ep_exchange=all_to_all", date="2026-11-29")]
+  text = "\n".join(summarize.scaling_tables(rows))
+  assert ("| H200 | 2 | T=16 H=4 cap ep_exchange=all_to_all ep_chunks=2 | 2026-11-29 | 50.00 | 40.00 | 80.0% | 90.0% "
+          "| 70.0% | 80.0% |") in text
+  assert "| H200 | 2 | T=32 H=4 cap | 2026-11-29 | 80.00 | 72.00 | 87.5% | 88.9% | — | — |" in text
+  assert "other" not in text and "2026-11-30" not in text
+  assert "| H200 | 2 | T=16 H=4 cap ep_exchange=all_to_all | 2026-11-29 | combine | 0.500 | 80.0 | 160.0 |" in text
+  assert summarize.scaling_tables([]) == []
+
+
 def test_summarize_builds_no_benchmark_case():
   code = "import sys, benchmarks.summarize; print(sorted(m for m in sys.modules if m.startswith(('benchmarks.', 'jax'))))"
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
