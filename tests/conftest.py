@@ -1,12 +1,20 @@
 """Test setup: the real kernels run (compiled on a GPU, in Pallas interpret mode elsewhere);
-tests marked ``gpu`` are skipped without a GPU; off a GPU one persistent compilation cache serves the whole session."""
+tests marked ``gpu`` are skipped without a GPU; off a GPU one persistent compilation cache serves the whole session
+and JAX's eager random draws compile once per flat length, not per shape (the same values); Python's garbage
+collector runs less often."""
 
+import gc
+import inspect
+import math
 import os
 import shutil
 import tempfile
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax._src import core as _jax_core
 
 import jaxkern
 
@@ -34,14 +42,71 @@ def _share_compilation_cache():
   return owned
 
 
+def _in_few_programs(draw):
+  """``draw`` (``jax.random.normal``, ``uniform``, ``bits`` or ``randint``) with the same values, compiled for few
+  shapes.
+
+  Every new shape of a draw is a new program, and a threefry draw compiles slowly: 0.3-0.9 CPU seconds, against
+  0.06 for a small elementwise program (2026-11-29: 131 normal draws took 121 of tests/mhc's 724 CPU seconds).
+  JAX's threefry counts through the flattened array (``jax_threefry_partitionable``, the default), so the values of
+  a draw are the first ones of a longer flat draw with the same key: called outside any trace with an uncommitted
+  key and scalar options, the wrapper draws a flat power-of-two length (at least 1024) in a program compiled once per
+  length and dtype, and returns the first ``prod(shape)`` values, reshaped. Other calls go to ``draw`` unchanged.
+  The values are ``draw``'s own bit for bit (tests/test_conftest.py)."""
+  signature = inspect.signature(draw)
+  flat = jax.jit(lambda key, options, *, shape, dtype: draw(key, shape, **options, **dict(dtype)),
+                 static_argnames=("shape", "dtype"))
+
+  def wrapper(*args, **kwargs):
+    try:
+      named = dict(signature.bind(*args, **kwargs).arguments)
+    except TypeError:
+      return draw(*args, **kwargs)
+    key, shape = named.pop("key"), named.pop("shape", ())
+    dtype = {"dtype": named.pop("dtype")} if "dtype" in named else {}
+    if named.get("out_sharding", 0) is None:
+      del named["out_sharding"]
+    if (not _jax_core.trace_state_clean() or getattr(key, "_committed", True) or "out_sharding" in named
+        or not isinstance(shape, (tuple, list)) or not all(isinstance(d, (int, np.integer)) for d in shape)
+        or any(np.ndim(v) for v in named.values()) or not jax.sharding.get_abstract_mesh().empty):
+      return draw(*args, **kwargs)
+    shape = tuple(int(d) for d in shape)
+    size = math.prod(shape)
+    if size == 0:
+      return draw(*args, **kwargs)
+    values = flat(key, named, shape=(max(1024, 1 << (size - 1).bit_length()),), dtype=tuple(dtype.items()))
+    return jnp.asarray(np.asarray(values)[:size].reshape(shape))
+
+  wrapper.__wrapped__ = draw
+  return wrapper
+
+
 ON_GPU = jax.default_backend() == "gpu"
 # Off a GPU only (the GPU runs keep their compiles as they were); before anything compiles: JAX decides once per
 # process whether it uses the cache.
 _OWNED_CACHE_DIR = None if ON_GPU else _share_compilation_cache()
+if not ON_GPU and jax.config.jax_threefry_partitionable:
+  jax.random.normal = _in_few_programs(jax.random.normal)
+  jax.random.uniform = _in_few_programs(jax.random.uniform)
+  jax.random.bits = _in_few_programs(jax.random.bits)
+  jax.random.randint = _in_few_programs(jax.random.randint)
+
+
+def _collect_garbage_less_often():
+  """Python's cyclic garbage collector tuned for a long test process: the objects alive after the imports (jax,
+  jaxkern, pytest) frozen out of its scans, and the generations' thresholds 50,000 / 20 / 100 instead of 700 / 10 /
+  10 (cycles are still collected, later). CPU seconds, 2026-11-29, one process running tests/test_autodiff.py,
+  test_preconditions.py, test_api.py and test_fuzz.py: 408.8 with the defaults, 11.5 of them in collections (8.7 in
+  14 full ones); 399.2 tuned, 3.1 in collections. The xdist workers live longer, with larger heaps: each full
+  collection costs them more."""
+  gc.collect()
+  gc.freeze()
+  gc.set_threshold(50_000, 20, 100)
 
 
 def pytest_configure(config):
   jaxkern.set_implementation("pallas" if ON_GPU else "interpret")
+  _collect_garbage_less_often()
 
 
 def pytest_unconfigure(config):

@@ -19,12 +19,12 @@ def mesh(shape, names):
   return Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
 
 
-# XLA:CPU's backend (LLVM) optimisation off: for children whose tests compile large reference programs (the whole
-# model's sharded step, the FP8 layer's gradients) and run them once on tiny shapes (CPU seconds, 2026-11-29, one
-# child each: test_train_step_mgpu.py 437 at the default level, 362 at level 0, each of its 7 tests lower;
-# test_ep_fp8_dispatch.py 246 and 228). Not the default: at level 0 XLA:CPU's float32 dots sum in another order
-# (last-bit differences against the default level), which moved test_block_sharding.py's second-step loss past its
-# tolerance (1.3e-3 against 1e-3), and the smaller layers' children gained nothing (test_ep_capacity.py: 154 and 154).
+# XLA:CPU's backend (LLVM) optimisation off: for children whose tests compile the whole model's sharded step a few
+# times and run it once on tiny shapes (CPU seconds, 2026-11-29, one child each: test_train_step_mgpu.py 437 at the
+# default level, 362 at level 0, each of its 7 tests lower). Not the default: at level 0 XLA:CPU's float32 dots sum
+# in another order (last-bit differences against the default level), which moved test_block_sharding.py's
+# second-step loss past its tolerance (1.3e-3 against 1e-3), and the layer-sized children gained little or nothing
+# (test_ep_fp8_dispatch.py 246 and 228, test_ep_capacity.py 154 and 154).
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
 
 
