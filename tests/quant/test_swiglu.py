@@ -297,3 +297,79 @@ def test_clamp_counts_gpu(key, e, h, flags, clamp):
   got = jax.jit(lambda x, c: f(x, pos_to_expert=pte, clamped_count=c))(x, count)
   want = jax.jit(lambda x, c: g(x, pos_to_expert=pte, clamped_count=c))(x, count)
   assert_same(got, want)
+
+
+def _division_kernel(rows_per_cta=64):
+  """A compiled kernel ``x (R, 128) float32 -> (guarded x / d, div.rn x / d)`` with ``d = 1 + exp(-x)``
+  (:func:`jaxkern.quant._swiglu.guarded_div` with the kernel's bound against PTX ``div.rn.f32``)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  from jaxkern import _ieee
+  from jaxkern._layouts import row_layout
+  from jaxkern.quant import _swiglu
+
+  lay = row_layout(128, 4, 16)[0]  # float32 rows straight from GMEM: 4-value vectors
+
+  def run(x):
+    r = x.shape[0]
+    shape = (rows_per_cta, 128)
+    out = jax.ShapeDtypeStruct((r, 128), jnp.float32)
+
+    @functools.partial(plgpu.kernel, out_type=(out, out), grid=(r // rows_per_cta,), grid_names=("i",))
+    def kernel(x_g, guarded_g, rn_g):
+      rows = pl.ds(jax.lax.axis_index("i") * rows_per_cta, rows_per_cta)
+      v = plgpu.load(x_g.at[rows], layout=lay, optimized=False)
+      d = 1.0 + jnp.exp(-v)
+      guarded_g[rows] = _swiglu.guarded_div(lay, shape, _swiglu._SWISH_FAST_LIMIT)(v, d)
+      rn_g[rows] = _ieee.mosaic_ptx("div.rn.f32", lay, shape)(v, d)
+
+    return kernel(x)
+
+  return run
+
+
+def test_division_kernel_lowers(cast_check):
+  """The exhaustive check's kernel lowers for an H100 with no cast the GPU's pipeline cannot fold."""
+  lower_for_h100(_division_kernel(), jax.ShapeDtypeStruct((128, 128), jnp.float32))
+  assert cast_check and not any(cast_check), cast_check
+
+
+@pytest.mark.gpu
+def test_guarded_division_every_float32_gpu():
+  """:func:`jaxkern.quant._swiglu.guarded_div` gives div.rn.f32's bits for the swish quotient
+  ``l / (1 + exp(-l))`` of every float32 ``l`` on the GPU."""
+  run = _division_kernel()
+  rows = 1 << 21  # 2^28 values a chunk, 16 chunks
+
+  @jax.jit
+  def mismatches(start):
+    bits = jax.lax.iota(jnp.uint32, rows * 128) + start
+    x = jax.lax.bitcast_convert_type(bits, jnp.float32).reshape(rows, 128)
+    guarded, rn = (jax.lax.bitcast_convert_type(o, jnp.uint32) for o in run(x))
+    return jnp.sum(guarded != rn)
+
+  for chunk in range(16):
+    bad = int(mismatches(jnp.uint32(chunk << 28)))
+    assert bad == 0, (chunk, bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h, npc, flags, clamp", [(1024, 128, "C", None), (1024, 128, "C", 0.5),
+                                                  (1280, 128, "A-round", None), (2048, 2048, "A", 0.5)])
+def test_guarded_division_gpu(key, h, npc, flags, clamp):
+  """The kernel (the swish quotient through :func:`jaxkern.quant._swiglu.guarded_div`) against the reference on
+  the GPU, on randn·3 input with every bfloat16 bit pattern in the gate of the first rows (NaN, ±inf, subnormals,
+  ±0)."""
+  x, ptt, w, pte = _inputs(key, 4001, h)
+  patterns = jax.lax.bitcast_convert_type(jnp.arange(1 << 16, dtype=jnp.uint32).astype(jnp.uint16), jnp.bfloat16)
+  n = -(-(1 << 16) // h)
+  x = x.at[:n, :h].set(jnp.resize(patterns, (n * h,)).reshape(n, h))
+  count = None if clamp is None else jnp.zeros(3, jnp.int32)
+  f = functools.partial(OP, fmt="e4m3", num_per_channels=npc, **FLAGS[flags], swiglu_clamp_value=clamp)
+  g = functools.partial(ref.swiglu_forward_and_per_token_cast, fmt="e4m3", num_per_channels=npc, **FLAGS[flags],
+                        swiglu_clamp_value=clamp)
+  weights = {} if flags == "C" else dict(pos_to_token_topk=ptt, topk_weights=w)
+  got = jax.jit(lambda x, c: f(x, pos_to_expert=pte, clamped_count=c, **weights))(x, count)
+  want = jax.jit(lambda x, c: g(x, pos_to_expert=pte, clamped_count=c, **weights))(x, count)
+  assert_same(got, want)
