@@ -1,43 +1,53 @@
 """Fused SwiGLU forward and per-channel e4m3 cast (docs/quant.md, "Fused SwiGLU").
 
-Mosaic GPU kernel (:func:`_kernel`), one warpgroup per CTA of 64 columns and :data:`_ROWS` rows (64 at
-``num_per_tokens`` 32: two groups; 128 at 128: one group). The gate tile ``x[rows, 64j:64j+64]`` and the value tile
-``x[rows, h+64j:h+64j+64]`` are TMA-loaded into SMEM (:func:`_rows_per_barrier`: at npt 32 the whole tile on one
-barrier, at npt 128 in 32-row chunks on a barrier each, so that a chunk's activation starts when its rows arrive) and
-read in 32-row chunks in the same :func:`jaxkern._layouts.row_layout`, so each value meets its partner in one thread,
-which computes the float32 activation (optional clamp, ``e = exp(-l)``, ``d = 1 + e``, ``g = l / d`` correctly rounded
-by PTX ``div.rn.f32`` (:func:`jaxkern.quant._swiglu.rn_div`; :func:`jaxkern._ieee.newton_div` in interpret mode),
-``act = g · r``), rounds it to bf16 and stores it over the gate tile in SMEM (128-byte swizzled, so the WGMMA-layout
-reads below are free of bank conflicts; each thread overwrites only what it read). The column maxima of each group of
-``num_per_tokens`` rows (elementwise over the chunks, then one reduction) give the scale factors, computed one column
-per thread through SMEM as :func:`jaxkern.quant.per_channel_cast_and_transpose` computes them, the divisions by PTX
-``div.rn.f32`` with the e4m3 maximum a constant in registers (:func:`_sf_div`; in interpret mode
-:func:`jaxkern._ieee.exact_div`, the same bits, with the maximum a one-element kernel operand). The second pass reads
-the bf16 activation back from SMEM and casts it: with ``without_transpose`` in 32-row chunks in the row layout, stored
-straight to GMEM; otherwise in 64-row blocks in the WGMMA layout, re-laid out to WGMMA_TRANSPOSED as bf16 (one shuffle
-per two values), cast into SMEM and TMA-stored as ``(h, M)``. No automatic warpgroup barriers: a thread overwrites only
-SMEM it read itself, and ``commit_smem()`` separates every SMEM write from other threads' reads. Without the transpose
-at npt 32, where :data:`_WIDE_COLS` divides ``h``, :func:`_kernel_wide` instead: 32-row x 256-column tiles, one group
-per CTA, TMA-loaded in 8-row steps on a barrier each, whose column maxima are in-thread up to one cross-warp step.
+Mosaic GPU kernel (:func:`_kernel`): two warpgroups (256 threads) per CTA, each owning its own rows of the CTA's
+columns (:func:`_tile`): 64 columns and 64 rows per warpgroup (a 128 x 64 CTA: at npt 32 two whole groups per
+warpgroup, at npt 128 the one group split over the two), except at npt 32 without the transpose: 32 rows per
+warpgroup (one group each), or, where :data:`_WIDE_COLS` divides ``h``, 256 columns and 16 rows per warpgroup (one
+32-row group split over the two). Each warpgroup TMA-loads its gate tile ``x[rows, c·j : c·j + c]`` and value tile
+``x[rows, h + c·j : h + c·j + c]`` into SMEM (the whole tile on one barrier at npt 32 with 64 columns; 32-row chunks
+at npt 128 and 8-row steps with 256 columns on a barrier each, so that a chunk's activation starts when its rows
+arrive) and reads both in the rows of :func:`jaxkern._layouts.row_layout`, so each value meets its partner in one
+thread, which computes the float32 activation (optional clamp, ``e = exp(-l)``, ``d = 1 + e``, ``g = l / d``
+correctly rounded by PTX ``div.rn.f32`` (:func:`jaxkern.quant._swiglu.rn_div`; :func:`jaxkern._ieee.newton_div` in
+interpret mode), ``act = g · r``), rounds it to bf16 and stores it over the gate tile in SMEM (with the transpose
+128-byte swizzled, so the WGMMA-layout reads below are free of bank conflicts; each thread overwrites only what it
+read), keeping the elementwise maximum of ``|act|`` of each group in its registers.
 
-NVIDIA H200 (CUPTI, cold L2, 2026-11-29), µs (TileKernels in brackets), M=8064: npt32 h=7168 108.6 transposed (100.6)
-and 87.6 without the transpose (81.1); npt32 h=2048 transposed 34.8 (34.1); h=576 npt32 13.5 / 12.7 (12.3 / 11.6)
-transposed / without the transpose, npt128 13.1 / 12.7 (12.3 / 11.2); M=4096: h=576 npt32 9.3 / 8.9 (9.7 / 8.5), npt128
-without the transpose 9.2 (8.3); h=2048 npt32 without the transpose 17.4 (16.4). Before the 64-row CTAs at npt 32 and
-the chunked staging (:data:`_ROWS`, :func:`_rows_per_barrier`): npt32 h=7168 116.3 transposed, h=576 16.1 / 15.5; npt128
-h=7168 90.4 (105.6) / 87.4 (85.3) (not re-measured since). The scale-factor divisions by :func:`jaxkern._ieee.exact_div`
-before (a search around an approximate quotient, with the e4m3 maximum an ``(n,)`` operand that XLA turned into a
-broadcast kernel of 0.7-1.0 µs before every call) took 122.7 / 112.9 at npt32 h=7168 and 93.7 / 90.3 at npt128; the
-128-row x 64-column kernel without the transpose at npt32 105.5 against 86.5 for the 32 x 256 tiles (32 x 128: 86.8).
-ncu of that earlier kernel at npt32 h=7168 without the transpose: 112.4 µs, DRAM 53.8%, SM busy 64%, IPC 2.65, 72.7 M
-instructions, 71 registers, 8.76 warp cycles per issued instruction. Earlier (H200, 2026-11-28): npt128 h=2048 32.3
-(35.5) / 34.3 (30.2), npt32 h=2048 transposed 41.7 (34.0); the previous kernel (the per-channel cast's with a SwiGLU
-prologue, 128-column tiles) took 184.0 / 150.0 µs at npt32 h=7168. Measured slower on the same card: 128-column tiles in
-:func:`_kernel` (everywhere), loads straight from GMEM instead of TMA (144.4 vs 128.6 µs without the transpose, both
-with the activation kept in registers), the transpose on the e4m3 bytes after the cast (134.8 vs 122.7), automatic
-warpgroup barriers, and keeping the activation in registers between the passes without the transpose (128.6 vs 111.2). A
-64-byte swizzle of the e4m3 output tiles measured a tie; so did, with 64-row CTAs at npt 32, a barrier per 32-row chunk
-with each group cast and stored before the next is read (2026-11-29, within 3.5% either way).
+Column maxima and scale factors: each thread writes its elementwise maxima to SMEM (``(warpgroup, group, layout
+rows, columns)``), then one thread per column reduces them; where a group spans both warpgroups (npt 128, and the
+256-column tiles) it reads both warpgroups' maxima after an mbarrier that every thread of both arrives at (both
+compute the scale factors, warpgroup 0 stores them). Not Mosaic GPU's reductions: a cross-warp reduction goes through
+the kernel's one SMEM reduction scratch (``reduction_scratch_bytes``), the same address for both warpgroups, and
+could not merge across them anyway. The scale factors follow :func:`jaxkern.quant.per_channel_cast_and_transpose`,
+the divisions by PTX ``div.rn.f32`` with the e4m3 maximum a constant in registers (:func:`_sf_div`; in interpret mode
+:func:`jaxkern._ieee.exact_div`, the same bits, with the maximum a one-element kernel operand). The second pass reads
+the bf16 activation back from SMEM and casts it: without the transpose in steps of :data:`_CAST_VALUES` values per
+thread in the row layout, stored straight to GMEM; otherwise the warpgroup's 64-row block in the WGMMA layout,
+re-laid out to WGMMA_TRANSPOSED as bf16 (one shuffle per two values), cast into SMEM and TMA-stored as ``(h, M)``. No
+automatic warpgroup barriers: a thread overwrites only SMEM it read itself, ``commit_smem()`` separates every SMEM
+write from other threads' reads, and the one exchange across warpgroups waits on its mbarrier.
+
+NVIDIA H200 (CUPTI, cold L2, 2026-11-29), µs, against one warpgroup per CTA before (TileKernels in brackets), h=576:
+npt 128 M=4096 without the transpose 9.55 -> 8.37 (8.33), M=8064 12.62 -> 11.50 (11.20) / transposed 13.01 -> 12.19
+(12.32); npt 32 transposed M=4096 9.30 -> 9.10 (9.67), M=8064 13.12 -> 12.34 (12.26), without the transpose M=4096
+8.93 -> 7.33 (8.46), M=8064 13.01 -> 11.63 (11.59). npt 32 transposed M=8064 h=2048 34.82 -> 29.81 (34.05), h=7168
+108.43 -> 90.32 (100.64). npt 32 without the transpose, 256 columns: M=4096 h=2048 17.18 -> 16.40 (16.44), M=8064
+h=7168 87.22 -> 84.83 (81.11). ncu of the one-warpgroup kernel (npt 128, M=8064 h=576 without the transpose): 14.8
+achieved warps per SM, no eligible warp in 54% of cycles (latency-bound); TileKernels runs 256 threads per CTA.
+Earlier steps (H200, 2026-11-29, one warpgroup per CTA): 64-row CTAs at npt 32 instead of 128 rows (M=8064 h=576
+15.5 / 16.1 -> 12.7 / 13.5 without / with the transpose, h=7168 transposed 116.3 -> 108.6), the 32-row chunks on a
+barrier each at npt 128 (M=8064 h=576 13.3 -> 12.7 without the transpose), 32 x 256 tiles without the transpose at
+npt 32 (h=7168 105.5 -> 86.5; 32 x 128: 86.8), and the scale-factor divisions by ``div.rn.f32`` instead of
+:func:`jaxkern._ieee.exact_div` (a search around an approximate quotient, with the e4m3 maximum an ``(n,)`` operand
+that XLA turned into a broadcast kernel of 0.7-1.0 µs before every call: npt 32 h=7168 122.7 -> 115.4 transposed).
+The kernel before these (the per-channel cast's with a SwiGLU prologue, 128-column tiles) took 184.0 / 150.0 µs at
+npt 32 h=7168 (H200, 2026-11-28). Measured slower on the same card: 128-column tiles with 64 rows, loads straight from
+GMEM instead of TMA (144.4 vs 128.6 µs without the transpose, both with the activation kept in registers), the
+transpose on the e4m3 bytes after the cast (134.8 vs 122.7), automatic warpgroup barriers, and keeping the activation
+in registers between the passes without the transpose (128.6 vs 111.2). A 64-byte swizzle of the e4m3 output tiles
+measured a tie; so did, with 64-row CTAs at npt 32, a barrier per 32-row chunk with each group cast and stored before
+the next is read (2026-11-29, within 3.5% either way).
 """
 
 from __future__ import annotations
@@ -60,20 +70,18 @@ from jaxkern.quant._tiling import BM
 from jaxkern.reference import quant as ref
 from jaxkern.types import QuantTensor
 
-# Rows per CTA of :func:`_kernel` by num_per_tokens: one group of 128, or two of 32. H200, CUPTI, cold L2, 2026-11-29,
-# µs, 64 against 128 rows at npt 32 (twice the CTAs, half the work per warp; TileKernels in brackets): M=8064 h=576
-# 12.7 / 13.5 without / with the transpose against 15.5 / 16.1 (11.6 / 12.3), M=4096 h=576 8.9 / 9.3 against
-# 11.4 / 11.8 (8.5 / 9.7), M=8064 transposed h=2048 34.8 against 39.0 (34.1), h=7168 108.6 against 116.3 (100.6).
-# At npt 128 without the transpose, 32-column CTAs (the same halving) were mixed at h=576: 9.0 against 9.5 at
-# M=4096, 13.5 against 13.3 at M=8064.
-_ROWS = {32: 64, 128: 128}
-_CHUNK = 32  # rows per register load in the row layout
+_WARPGROUPS = 2  # per CTA (TileKernels' 256 threads; figures in the module docstring)
 _COLS = 64  # columns per CTA (128 measured slower on an H200, 2026-11-28; module docstring)
-# Columns per CTA of :func:`_kernel_wide` (32-row tiles, one group per CTA), which runs npt 32 without the transpose
-# where it divides h. H200, 2026-11-29, M=8064 h=7168: 86.5 µs against 86.8 with 128 columns and 105.5 for
-# :func:`_kernel` (TileKernels 81.1); h=2048 29.6 (29.3).
+# Columns per CTA without the transpose at npt 32 where they divide h (TileKernels' tile there), 16 rows per warpgroup
+# (one 32-row group over both), each 8-row step on a TMA barrier of its own. H200, CUPTI, cold L2, 2026-11-29, µs,
+# TileKernels in brackets: M=8064 h=7168 84.8 (81.1) against 87.2 with one warpgroup per 32 x 256 CTA, M=4096
+# h=2048 16.4 (16.4) against 17.2. Earlier that day, one warpgroup per CTA: h=7168 32 x 256 86.5, 32 x 128 86.8,
+# 128 x 64 105.5; one barrier per tile instead of 8-row steps: M=4096 h=2048 18.4 against 17.4.
 _WIDE_COLS = 256
-_WIDE_STEP_VALUES = 16  # values per thread in each activation / cast step of :func:`_kernel_wide`
+_WIDE_ROWS = 16  # rows per warpgroup with :data:`_WIDE_COLS` columns
+_WIDE_STEP_ROWS = 8  # rows per TMA barrier with :data:`_WIDE_COLS` columns
+_CHUNK = 32  # rows per TMA barrier at npt 128
+_CAST_VALUES = 16  # values per thread in each step of the cast without the transpose
 
 
 def _act_rows(load, clamp, layout, interpret):
@@ -84,15 +92,14 @@ def _act_rows(load, clamp, layout, interpret):
   return _silu_times(left, right, clamp, False, div)[0].astype(jnp.bfloat16)
 
 
-def _inv_rows(inv_s, npt, block, c, layout):
-  """``(64, c)`` float32 ``sf_inv`` of the rows ``64·block .. 64·block + 63`` in ``layout`` (WGMMA or
-  WGMMA_TRANSPOSED, whose warps both own 16-row strips): one group of 128, or two of 32 (warps 0-1 / 2-3)."""
+def _inv_rows(inv_s, npt, c, layout):
+  """``(64, c)`` float32 ``sf_inv`` of a warpgroup's 64 rows in ``layout`` (WGMMA or WGMMA_TRANSPOSED, whose warps
+  both own 16-row strips) from its ``inv_s`` ``(groups, c)``: one group (of 128), or two of 32 (warps 0-1 / 2-3)."""
   col = layout.reduce(0)
   if npt == 128:
     return jnp.broadcast_to(plgpu.load(inv_s.at[0], layout=col)[None, :], (BM, c))
   top = plgpu.broadcasted_iota(jnp.int32, (BM, c), 0, layout=layout) < 32
-  return jnp.where(top, plgpu.load(inv_s.at[2 * block], layout=col)[None, :],
-                   plgpu.load(inv_s.at[2 * block + 1], layout=col)[None, :])
+  return jnp.where(top, plgpu.load(inv_s.at[0], layout=col)[None, :], plgpu.load(inv_s.at[1], layout=col)[None, :])
 
 
 def _sf_div(layout, n, interpret):
@@ -114,158 +121,134 @@ def _max_value(c_g, n, layout):
   return ref.FP8_MAX if c_g is None else pcc._max_vector(c_g, n, layout)
 
 
-def _rows_per_barrier(npt: int, r: int, chunk: int) -> int:
-  """Rows of :func:`_kernel`'s gate and value tiles that arrive on one TMA barrier: at npt 128 one 32-row chunk
-  (the activation of a chunk starts when its rows arrive; H200, CUPTI, cold L2, 2026-11-29, h=576: M=8064 12.7 /
-  13.1 µs without / with the transpose against 13.3 / 13.8 for the whole tile, M=4096 without the transpose 9.2
-  against 9.5); at npt 32 the whole 64-row tile (a barrier per chunk, each group cast and stored before the next
-  is read, measured within 3.5% either way there; a barrier per chunk gained at most 3.2% with 128-row CTAs)."""
-  return chunk if npt == 128 else r
+def _max_of(parts, interpret):
+  """Elementwise NaN-propagating maximum of non-negative bf16 arrays of one shape (bit patterns compared in
+  interpret mode, as :func:`jaxkern.quant._per_channel_cast._column_max`)."""
+  if not interpret:
+    return functools.reduce(jnp.maximum, parts)
+  ints = [lax.bitcast_convert_type(p, jnp.int16) for p in parts]
+  return lax.bitcast_convert_type(functools.reduce(jnp.maximum, ints), jnp.bfloat16)
 
 
-def _stage_rows(x_g, x_s, y_s, bars, i, j, r: int, c: int, k: int, rows: int) -> None:
-  """Starts the TMA copies of row block ``i``'s gate and value tiles of column block ``j`` (``r x c`` each, the
-  halves ``k`` columns apart) into ``x_s`` / ``y_s`` in chunks of ``rows`` rows, chunk ``q`` of both arriving on
-  ``bars.at[q]``."""
+def _tile(h: int, npt: int, transpose_out: bool) -> tuple[int, int, int]:
+  """``(rows per warpgroup, columns per CTA, rows per TMA barrier)`` of :func:`_kernel`.
+
+  Without the transpose at npt 32, where :data:`_WIDE_COLS` divides ``h``: 16 rows x 256 columns in 8-row steps.
+  Otherwise :data:`_COLS` columns and 64 rows per warpgroup, except 32 (one group) at npt 32 without the transpose:
+  H200, CUPTI, cold L2, 2026-11-29, h=576, µs (TileKernels in brackets), M=4096 7.33 against 8.64 with 64 rows
+  (8.46), M=8064 11.63 against 11.89 (11.59). At npt 128 each 32-row chunk on a barrier of its own (the activation
+  of a chunk starts when its rows arrive; with one warpgroup per CTA, M=8064 h=576 12.7 / 13.1 µs without / with
+  the transpose against 13.3 / 13.8 for the whole tile), at npt 32 the whole tile (a barrier per chunk measured
+  within 3.5% either way there)."""
+  if npt == 32 and not transpose_out and h % _WIDE_COLS == 0:
+    return _WIDE_ROWS, _WIDE_COLS, _WIDE_STEP_ROWS
+  rows = 32 if npt == 32 and not transpose_out else BM
+  return rows, _COLS, _CHUNK if npt == 128 else rows
+
+
+def _stage_rows(x_g, x_s, y_s, bars, bar0, row0, col0, k: int, rows: int) -> None:
+  """Starts the TMA copies of the gate and value tiles whose first row is ``row0`` and first (gate) column ``col0``
+  (``x_s``'s shape each, the halves ``k`` columns apart) into ``x_s`` / ``y_s`` in chunks of ``rows`` rows, chunk
+  ``q`` of both arriving on ``bars.at[bar0 + q]``."""
+  r, c = x_s.shape
   for q in range(r // rows):
     for half, t in enumerate((x_s, y_s)):
-      plgpu.copy_gmem_to_smem(x_g.at[pl.ds(i * r + q * rows, rows), pl.ds(half * k + j * c, c)],
-                              t.at[pl.ds(q * rows, rows)], bars.at[q])
+      plgpu.copy_gmem_to_smem(x_g.at[pl.ds(row0 + q * rows, rows), pl.ds(half * k + col0, c)],
+                              t.at[pl.ds(q * rows, rows)], bars.at[bar0 + q])
 
 
 @functools.partial(jax.jit, static_argnames=("npt", "round_sf", "transpose_out", "clamp", "interpret"))
 def _kernel(x, *, npt, round_sf, transpose_out, clamp, interpret):
   """``x`` bf16 ``(M, 2h)`` -> ``(data (h, M) e4m3, or (M, h) without transpose_out, sf (M/npt, h) float32)``.
 
-  One CTA (one warpgroup) per :data:`_ROWS` rows (64 at npt 32, 128 at npt 128) and :data:`_COLS` columns, gate
-  and value tiles TMA-loaded into SMEM (:func:`_rows_per_barrier` rows on each barrier): the activation of 32-row
-  chunks in :func:`jaxkern._layouts.row_layout` (gate and value vectors meet in one thread), its column maxima per
-  group (elementwise, then one reduction), the scale factors one column per thread (:func:`_sf_div`) through SMEM,
-  then the cast of the activation, stored over the gate tile in the first pass: without the transpose rows straight
-  to GMEM; with it 64-row blocks in the WGMMA layout, re-laid out transposed, cast into SMEM and TMA-stored."""
+  Two warpgroups per CTA of ``2·wg_rows`` rows and ``c`` columns (:func:`_tile`), each owning ``wg_rows`` rows:
+  its own TMA loads (``barrier_rows`` rows per barrier), the activation in steps of the row layout's rows (one
+  vector per thread), stored over the gate tile, its column maxima kept per thread (elementwise) and written to
+  SMEM, then reduced one column per thread; where a group spans both warpgroups (``wg_rows < npt``) after an
+  mbarrier that every thread of both arrives at (both compute the scale factors, warpgroup 0 stores them). Then
+  the cast of the warpgroup's rows: without the transpose straight to GMEM; with it the 64-row block in the WGMMA
+  layout, re-laid out transposed, cast into SMEM and TMA-stored."""
   m, k = x.shape[0], x.shape[1] // 2
-  r, c = _ROWS[npt], _COLS
-  groups, chunk = r // npt, min(_CHUNK, npt)
-  staged = _rows_per_barrier(npt, r, chunk)
-  lay = row_layout(c, x.dtype.itemsize)[0]
+  wg_rows, c, barrier_rows = _tile(k, npt, transpose_out)
+  cta_rows = _WARPGROUPS * wg_rows
+  split_group = wg_rows < npt  # one group over both warpgroups
+  assert (cta_rows == npt) if split_group else wg_rows % npt == 0
+  assert not transpose_out or wg_rows == BM
+  wg_groups = 1 if split_group else wg_rows // npt  # groups per warpgroup
+  group_rows = wg_rows if split_group else npt  # rows of a group in one warpgroup
+  lay, lay_rows = row_layout(c, x.dtype.itemsize)
+  cast_rows = _CAST_VALUES * 128 // c
   per_thread = pcc._per_thread(c)
-  act_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # conflict-free WGMMA reads
-  scratch = dict(x_s=plgpu.SMEM((r, c), x.dtype, transforms=act_transforms), y_s=plgpu.SMEM((r, c), x.dtype),
-                 a_s=plgpu.SMEM((groups, c), jnp.float32), inv_s=plgpu.SMEM((groups, c), jnp.float32),
-                 bar=plgpu.Barrier(num_arrivals=2, num_barriers=r // staged))
+  # conflict-free WGMMA reads
+  act_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)) if transpose_out else ()
+  n_wg = _WARPGROUPS
+  scratch = dict(x_s=plgpu.SMEM((n_wg, wg_rows, c), x.dtype, transforms=act_transforms),
+                 y_s=plgpu.SMEM((n_wg, wg_rows, c), x.dtype),
+                 p_s=plgpu.SMEM((n_wg, wg_groups, lay_rows, c), jnp.bfloat16),  # per-thread maxima
+                 inv_s=plgpu.SMEM((n_wg, wg_groups, c), jnp.float32),
+                 bar=plgpu.Barrier(num_arrivals=2, num_barriers=n_wg * (wg_rows // barrier_rows)))
+  if split_group:
+    scratch["merged"] = plgpu.Barrier(num_arrivals=n_wg)
   if transpose_out:
     out_type = jax.ShapeDtypeStruct((k, m), jnp.float8_e4m3fn)
-    scratch["o_s"] = plgpu.SMEM((r // BM, c, BM), jnp.float8_e4m3fn)
+    scratch["o_s"] = plgpu.SMEM((n_wg, c, BM), jnp.float8_e4m3fn)
   else:
     out_type = jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn)
   interpret = _config.mosaic_interpret(interpret)
 
   @functools.partial(
-      plgpu.kernel, grid=(k // c, m // r), grid_names=("j", "i"), interpret=interpret,
-      out_type=(out_type, jax.ShapeDtypeStruct((m // npt, k), jnp.float32)), scratch_types=scratch,
-      compiler_params=NO_AUTO_BARRIERS)
-  def kernel(x_g, *gmem, x_s, y_s, a_s, inv_s, bar, o_s=None):
+      plgpu.kernel, grid=(k // c, m // cta_rows), grid_names=("j", "i"), num_threads=n_wg, thread_name="wg",
+      interpret=interpret, out_type=(out_type, jax.ShapeDtypeStruct((m // npt, k), jnp.float32)),
+      scratch_types=scratch, compiler_params=NO_AUTO_BARRIERS)
+  def kernel(x_g, *gmem, x_s, y_s, p_s, inv_s, bar, merged=None, o_s=None):
     c_g, o_g, sf_g = gmem if len(gmem) == 3 else (None, *gmem)
-    i, j = lax.axis_index("i"), lax.axis_index("j")
+    i, j, w = lax.axis_index("i"), lax.axis_index("j"), lax.axis_index("wg")
     cols = pl.ds(j * c, c)
-    _stage_rows(x_g, x_s, y_s, bar, i, j, r, c, k, staged)
+    row0 = i * cta_rows + w * wg_rows  # this warpgroup's first row
+    xw, yw, wg_bars = x_s.at[w], y_s.at[w], wg_rows // barrier_rows
+    _stage_rows(x_g, xw, yw, bar, w * wg_bars, row0, j * c, k, barrier_rows)
     maxv = _max_value(c_g, c, per_thread)
 
-    def act_chunk(r0):
-      if r0 % staged == 0:  # the first chunk on this barrier
-        plgpu.barrier_wait(bar.at[r0 // staged])
-      act = _act_rows(lambda half: plgpu.load((x_s, y_s)[half].at[pl.ds(r0, chunk)], layout=lay), clamp, lay,
-                      interpret)
-      x_s[pl.ds(r0, chunk)] = act  # over the gate rows this thread read
-      return act
-
-    # Column maxima of each group (exact in bf16): elementwise over row chunks, then one reduction.
-    for g in range(groups):
-      parts = [act_chunk(g * npt + h) for h in range(0, npt, chunk)]
-      a_s[g] = pcc._column_max([jnp.abs(p) for p in parts], interpret).astype(jnp.float32)
+    for g in range(wg_groups):  # activation, stored over the gate rows this thread read; per-thread maxima
+      part = None
+      for r0 in range(g * group_rows, (g + 1) * group_rows, lay_rows):
+        if r0 % barrier_rows == 0:  # the first rows on this barrier
+          plgpu.barrier_wait(bar.at[w * wg_bars + r0 // barrier_rows])
+        act = _act_rows(lambda half, r0=r0: plgpu.load((xw, yw)[half].at[pl.ds(r0, lay_rows)], layout=lay), clamp,
+                        lay, interpret)
+        xw[pl.ds(r0, lay_rows)] = act
+        part = jnp.abs(act) if part is None else _max_of([part, jnp.abs(act)], interpret)
+      p_s.at[w, g][...] = part
     plgpu.commit_smem()
-    for g in range(groups):  # one column per thread
-      sf, inv = ref.scale_factors(plgpu.load(a_s.at[g], layout=per_thread), maxv, "e4m3", round_sf,
+    if split_group:  # the other warpgroup's maxima of the group too
+      plgpu.barrier_arrive(merged)
+      plgpu.barrier_wait(merged)
+    for g in range(wg_groups):  # one column per thread
+      sources = [p_s.at[v, 0] for v in range(n_wg)] if split_group else [p_s.at[w, g]]
+      amax = _max_of([plgpu.load(s.at[p], layout=per_thread) for s in sources for p in range(lay_rows)], interpret)
+      sf, inv = ref.scale_factors(amax.astype(jnp.float32), maxv, "e4m3", round_sf,
                                   div=_sf_div(per_thread, c, interpret))
-      sf_g[groups * i + g, cols] = sf
-      inv_s[g] = inv
+      if split_group:
+        @pl.when(w == 0)
+        def _():
+          sf_g[i, cols] = sf
+      else:
+        sf_g[i * (cta_rows // npt) + w * wg_groups + g, cols] = sf
+      inv_s.at[w, g][...] = inv
     plgpu.commit_smem()
     if transpose_out:
-      for block in range(r // BM):
-        v = plgpu.layout_cast(plgpu.load(x_s.at[pl.ds(block * BM, BM)], layout=plgpu.Layout.WGMMA),
-                              plgpu.Layout.WGMMA_TRANSPOSED)
-        inv = _inv_rows(inv_s, npt, block, c, plgpu.Layout.WGMMA_TRANSPOSED)
-        o_s.at[block].T[...] = pcc._e4m3(v.astype(jnp.float32) * inv, interpret)
+      v = plgpu.layout_cast(plgpu.load(xw, layout=plgpu.Layout.WGMMA), plgpu.Layout.WGMMA_TRANSPOSED)
+      inv = _inv_rows(inv_s.at[w], npt, c, plgpu.Layout.WGMMA_TRANSPOSED)
+      o_s.at[w].T[...] = pcc._e4m3(v.astype(jnp.float32) * inv, interpret)
       plgpu.commit_smem()
-      for block in range(r // BM):
-        plgpu.copy_smem_to_gmem(o_s.at[block], o_g.at[cols, pl.ds(i * r + block * BM, BM)])
+      plgpu.copy_smem_to_gmem(o_s.at[w], o_g.at[cols, pl.ds(row0, BM)])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    else:  # row chunks from SMEM straight to GMEM
-      for g in range(groups):
-        inv = plgpu.load(inv_s.at[g], layout=lay.reduce(0), optimized=False)[None, :]
-        for h in range(g * npt, (g + 1) * npt, chunk):
-          v = plgpu.load(x_s.at[pl.ds(h, chunk)], layout=lay)
-          o_g[pl.ds(i * r + h, chunk), cols] = pcc._e4m3(v.astype(jnp.float32) * inv, interpret)
-
-  return kernel(x, *_max_inputs(interpret))
-
-
-def _runs_wide(h: int, npt: int, without_transpose: bool) -> bool:
-  """Whether :func:`_kernel_wide` serves the call (npt 32 without the transpose, :data:`_WIDE_COLS` dividing h)."""
-  return without_transpose and npt == 32 and h % _WIDE_COLS == 0
-
-
-@functools.partial(jax.jit, static_argnames=("round_sf", "clamp", "interpret"))
-def _kernel_wide(x, *, round_sf, clamp, interpret):
-  """``x`` bf16 ``(M, 2h)`` -> ``(data (M, h) e4m3, sf (M/32, h) float32)``: npt 32 without the transpose,
-  ``h % 256 == 0``.
-
-  One CTA (one warpgroup) per 32 rows (one group) and :data:`_WIDE_COLS` (256) columns, gate and value tiles
-  TMA-loaded into SMEM, each step's rows on a TMA barrier of their own (as :func:`_kernel` at npt 128; H200, CUPTI,
-  cold L2, 2026-11-29: M=4096 h=2048 17.4 µs against 18.4 with the whole tile on one barrier, M=8064 h=7168 87.6
-  both), and read in steps of :data:`_WIDE_STEP_VALUES` values per thread in
-  :func:`jaxkern._layouts.row_layout` (a warp covers whole 256-column rows, so a column spans 4 threads, one per
-  warp: its maximum is in-thread, then one cross-warp step). The activation is stored over the gate tile; the scale
-  factors one column per thread through SMEM; then the cast of the stored activation, stored straight to GMEM. No
-  automatic warpgroup barriers (as :func:`_kernel`)."""
-  m, k = x.shape[0], x.shape[1] // 2
-  r, c = 32, _WIDE_COLS
-  lay = row_layout(c, x.dtype.itemsize)[0]
-  step = _WIDE_STEP_VALUES * 128 // c  # rows per step
-  per_thread = pcc._per_thread(c)
-  scratch = dict(x_s=plgpu.SMEM((r, c), x.dtype), y_s=plgpu.SMEM((r, c), x.dtype),
-                 a_s=plgpu.SMEM((c,), jnp.float32), inv_s=plgpu.SMEM((c,), jnp.float32),
-                 bar=plgpu.Barrier(num_arrivals=2, num_barriers=r // step))
-  interpret = _config.mosaic_interpret(interpret)
-  sf_div = _sf_div(per_thread, c, interpret)
-
-  @functools.partial(
-      plgpu.kernel, grid=(k // c, m // r), grid_names=("j", "i"), interpret=interpret,
-      out_type=(jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m // r, k), jnp.float32)),
-      scratch_types=scratch, compiler_params=NO_AUTO_BARRIERS)
-  def kernel(x_g, *gmem, x_s, y_s, a_s, inv_s, bar):
-    c_g, o_g, sf_g = gmem if len(gmem) == 3 else (None, *gmem)
-    i, j = lax.axis_index("i"), lax.axis_index("j")
-    cols = pl.ds(j * c, c)
-    _stage_rows(x_g, x_s, y_s, bar, i, j, r, c, k, step)
-    maxv = _max_value(c_g, c, per_thread)
-    parts = []
-    for r0 in range(0, r, step):
-      plgpu.barrier_wait(bar.at[r0 // step])
-      act = _act_rows(lambda half, r0=r0: plgpu.load((x_s, y_s)[half].at[pl.ds(r0, step)], layout=lay), clamp, lay,
-                      interpret)
-      x_s[pl.ds(r0, step)] = act  # over the gate rows this thread read
-      parts.append(jnp.abs(act))
-    a_s[...] = pcc._column_max(parts, interpret).astype(jnp.float32)
-    plgpu.commit_smem()
-    sf, inv = ref.scale_factors(plgpu.load(a_s, layout=per_thread), maxv, "e4m3", round_sf, div=sf_div)
-    sf_g[i, cols] = sf
-    inv_s[...] = inv
-    plgpu.commit_smem()
-    inv = plgpu.load(inv_s, layout=lay.reduce(0), optimized=False)[None, :]
-    for r0 in range(0, r, step):
-      v = plgpu.load(x_s.at[pl.ds(r0, step)], layout=lay)
-      o_g[pl.ds(i * r + r0, step), cols] = pcc._e4m3(v.astype(jnp.float32) * inv, interpret)
+    else:  # row steps from SMEM straight to GMEM
+      for g in range(wg_groups):
+        inv = plgpu.load(inv_s.at[w, g], layout=lay.reduce(0), optimized=False)[None, :]
+        for h in range(g * group_rows, (g + 1) * group_rows, cast_rows):
+          v = plgpu.load(xw.at[pl.ds(h, cast_rows)], layout=lay)
+          o_g[pl.ds(row0 + h, cast_rows), cols] = pcc._e4m3(v.astype(jnp.float32) * inv, interpret)
 
   return kernel(x, *_max_inputs(interpret))
 
@@ -315,9 +298,11 @@ def swiglu_forward_and_per_channel_cast_and_transpose(x: jax.typing.ArrayLike, f
     ValueError (naming the argument): another rank or dtype (float32 included), ``M % 128 != 0``,
       ``h % 64 != 0``, ``fmt != "e4m3"``, ``num_per_tokens`` not 32 / 128, a non-array ``x``.
 
-  Mosaic GPU kernel (:mod:`jaxkern.quant._swiglu_per_channel`). XLA
-  (the reference) instead of the kernel: only zero-size arrays (``M = 0`` gives data ``(h, 0)`` / ``(0, h)`` and
-  sf ``(0, h)``).
+  Mosaic GPU kernel (:mod:`jaxkern.quant._swiglu_per_channel`): two warpgroups (256 threads) per CTA of 128 rows x
+  64 columns (64 x 64 at npt 32 without the transpose; 32 x 256 there where 256 divides ``h``), each warpgroup
+  with its own rows; a group's column maxima split over both warpgroups are merged through SMEM after an
+  mbarrier. XLA (the reference) instead of the kernel: only zero-size arrays (``M = 0`` gives data ``(h, 0)`` /
+  ``(0, h)`` and sf ``(0, h)``).
 
   Numerics: bit-identical to :func:`jaxkern.reference.quant.swiglu_forward_and_per_channel_cast_and_transpose` run on
   the same backend (``exp`` differs between XLA's CPU and CUDA's ``expf``, which the GPU kernel and XLA on GPU
@@ -329,8 +314,6 @@ def swiglu_forward_and_per_channel_cast_and_transpose(x: jax.typing.ArrayLike, f
   clamp = None if swiglu_clamp_value is None else float(np.float32(swiglu_clamp_value))
 
   def kernel(interpret):
-    if _runs_wide(x.shape[1] // 2, num_per_tokens, without_transpose):
-      return QuantTensor(*_kernel_wide(x, round_sf=round_sf, clamp=clamp, interpret=interpret))
     return QuantTensor(*_kernel(x, npt=num_per_tokens, round_sf=round_sf, transpose_out=not without_transpose,
                                 clamp=clamp, interpret=interpret))
 

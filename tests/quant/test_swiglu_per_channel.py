@@ -47,16 +47,21 @@ def _run(m, h, npt, without_transpose, round_sf, clamp, key, implementation):
   return x, got, want
 
 
+# CTAs of two warpgroups (module docstring of jaxkern.quant._swiglu_per_channel): 128 x 64 (npt 32: two groups per
+# warpgroup; npt 128: one group over both, maxima merged through SMEM), 64 x 64 at npt 32 without the transpose (one
+# group per warpgroup), 32 x 256 there where 256 divides h (one group over both, 8-row TMA steps). M % 128 == 0 (the
+# op's contract), so M is always a multiple of the CTA rows.
 @pytest.mark.parametrize("m, h, npt, without_transpose, round_sf, clamp", [
-    (256, 192, 32, False, False, None),  # h = 64·3: 64-column tiles, 4 row blocks of 64, 2 groups per block
-    (256, 192, 128, True, True, 0.5),  # 32-row chunks on a TMA barrier each
-    (128, 256, 32, True, False, 10.0),  # without the transpose at npt 32: _kernel_wide, 4 x 1 CTAs of 32 x 256
+    (256, 192, 32, False, False, None),  # h = 64·3: 3 x 2 CTAs of 128 x 64, 2 groups per warpgroup
+    (256, 192, 128, True, True, 0.5),  # one group over both warpgroups, 32-row chunks on a TMA barrier each
+    (256, 192, 32, True, True, None),  # 3 x 4 CTAs of 64 x 64, one group per warpgroup
+    (128, 256, 32, True, False, 10.0),  # 32 x 256 CTAs: 1 x 4
     (256, 128, 128, False, True, 10.0),
     (128, 64, 128, False, False, 0.5),  # one 64-column tile
-    (384, 128, 32, False, True, 0.5),  # 6 row blocks
+    (384, 128, 32, False, True, 0.5),  # 3 row blocks
     (128, 320, 128, True, False, None),  # h = 64·5
     (128, 128, 32, True, True, 0.3),  # a clamp that is not a bf16 value: applied in float32 (docs/quant.md, Fused SwiGLU)
-    (256, 512, 32, True, False, None),  # without the transpose at npt 32: 32 x 256 tiles (_kernel_wide), 8 x 2 CTAs
+    (256, 512, 32, True, False, None),  # 32 x 256 CTAs: 2 x 8
 ])
 def test_kernel_bit_exact(key, m, h, npt, without_transpose, round_sf, clamp):
   x, got, want = _run(m, h, npt, without_transpose, round_sf, clamp, key, "interpret")
@@ -177,15 +182,14 @@ def test_not_differentiable(key):
 
 
 @pytest.mark.parametrize("h, npt, without_transpose, round_sf, clamp", [
-    (7168, 32, False, False, None), (7168, 128, True, True, 0.5), (576, 32, True, True, 10.0),
-    (576, 128, False, False, 0.5), (2048, 32, True, False, None),  # the last: _kernel_wide
+    (7168, 32, False, False, None), (7168, 128, True, True, 0.5), (576, 32, True, True, 10.0),  # 64 x 64 CTAs
+    (576, 128, False, False, 0.5), (2048, 32, True, False, None),  # the last: 32 x 256 CTAs
 ])
 def test_lowers_for_h100(h, npt, without_transpose, round_sf, clamp):
   f = lambda x: OP(x, "e4m3", npt, round_sf=round_sf, without_transpose=without_transpose,
                    swiglu_clamp_value=clamp, implementation="pallas")
   text = lower_for_h100(f, jax.ShapeDtypeStruct((8064, 2 * h), jnp.bfloat16)).as_text()
   assert "mosaic_gpu" in text
-  assert ("_kernel_wide" in text) == (npt == 32 and without_transpose and h % 256 == 0)
 
 
 @pytest.mark.gpu
@@ -203,3 +207,18 @@ def test_spec_shapes_gpu(key, h, m, npt, without_transpose, round_sf, clamp):
   _assert_same(got, want)
   _assert_same(jax.jit(functools.partial(OP, fmt="e4m3", num_per_tokens=npt, **kw))(_x(key, m, h)),
                jax.jit(functools.partial(REF, fmt="e4m3", num_per_tokens=npt, **kw))(_x(key, m, h)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, h, npt, without_transpose", [
+    (4096, 576, 32, True), (8064, 576, 32, False), (8064, 576, 32, True), (8064, 576, 128, False),
+    (8064, 576, 128, True), (8064, 7168, 32, False), (8064, 7168, 32, True), (4096, 2048, 32, True),
+])
+def test_key_shapes_gpu(key, m, h, npt, without_transpose):
+  """The shapes timed against TileKernels on an H200 (every CTA shape of the kernel), compiled on the GPU, against
+  the reference run by XLA, bit for bit (awkward values, clamp 10, round_sf at npt 128)."""
+  kw = dict(round_sf=npt == 128, without_transpose=without_transpose, swiglu_clamp_value=10.0)
+  x = _x(key, m, h)
+  got = jax.jit(functools.partial(OP, fmt="e4m3", num_per_tokens=npt, **kw))(x)
+  want = jax.jit(functools.partial(REF, fmt="e4m3", num_per_tokens=npt, **kw))(x)
+  _assert_same(got, want)
