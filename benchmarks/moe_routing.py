@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.registry import BenchOp, Case, register
+from benchmarks.registry import BenchOp, Case, register, upstream_topk_idx
 from jaxkern import moe
 from jaxkern.reference import moe as ref
 from jaxkern.testing import hidden_sizes, moe_topk_idx, randn
@@ -36,7 +36,7 @@ def _routing(experts: int, ranks: int, num_topk: int, send_tokens: int = SEND_TO
 
 @functools.lru_cache(maxsize=None)
 def _routing_of(experts, ranks, num_topk, send_tokens, alignment):
-  idx = moe_topk_idx(jax.random.key(0), send_tokens, num_topk, experts, ranks)
+  idx = upstream_topk_idx(send_tokens, num_topk, experts, ranks)
   m = ref.get_fused_mapping(jnp.asarray(idx), experts, 0, alignment)
   return idx, np.asarray(m.token_topk_to_pos), np.asarray(m.pos_to_expert)
 
@@ -117,9 +117,17 @@ def _reduce_fn(impl_fn, fp8_format, use_x_sf):
   return fn
 
 
+@functools.lru_cache(maxsize=None)
+def _unaligned_positions(experts, ranks, num_topk, send_tokens):
+  """``token_topk_to_pos`` of the config at alignment 1 (NumPy), computed once per config: the reduce_fused grids
+  repeat each config over 4 ops, hidden sizes and dtypes."""
+  idx = _routing(experts, ranks, num_topk, send_tokens)[0]
+  return np.asarray(moe.get_fused_mapping(jnp.asarray(idx), experts, 0, 1).token_topk_to_pos)
+
+
 def _reduce_case(experts, ranks, num_topk, hidden, in_dtype, fp8, use_x_sf, send_tokens=SEND_TOKENS):
   idx, _, _ = _routing(experts, ranks, num_topk, send_tokens)
-  pos = np.asarray(moe.get_fused_mapping(jnp.asarray(idx), experts, 0, 1).token_topk_to_pos)
+  pos = _unaligned_positions(experts, ranks, num_topk, send_tokens)
   t = idx.shape[0]
   itemsize = jnp.dtype(in_dtype).itemsize
   out_size = 1 if fp8 else itemsize

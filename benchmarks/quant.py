@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.registry import BenchOp, Case, bitwise_check, register
+from benchmarks.registry import BenchOp, Case, bitwise_check, register, upstream_topk_idx
 from jaxkern import quant
 from jaxkern.reference import quant as ref
 from jaxkern.testing import hidden_sizes, num_tokens, randn
@@ -205,15 +205,16 @@ register(BenchOp(
     lambda: [_lossless_case(100, 576)]))
 
 
+@functools.lru_cache(maxsize=None)
 def _gather_rows(experts, ranks):
   """``(T, pos_to_token)`` of upstream's MoE config (4001 tokens sent per rank, alignment 128), as
-  NumPy; ``experts == 0``: 4096 plain tokens, no mapping."""
+  NumPy, computed once per config (the grid repeats each over hidden sizes); ``experts == 0``: 4096 plain tokens,
+  no mapping."""
   if not experts:
     return 4096, None
   from jaxkern.reference import moe as moe_ref
-  from jaxkern.testing import moe_topk_idx
 
-  idx = moe_topk_idx(jax.random.key(0), 4001, 6, experts, ranks)
+  idx = upstream_topk_idx(4001, 6, experts, ranks)
   counts = [int((idx == e).sum()) for e in range(experts)]
   n = sum(-(-c // 128) * 128 for c in counts)
   return idx.shape[0], np.asarray(moe_ref.get_fused_mapping(jnp.asarray(idx), experts, n, 128).pos_to_token)
@@ -287,28 +288,42 @@ register(BenchOp(
 
 
 @functools.lru_cache(maxsize=None)
-def _moe_mapping(send_tokens, num_topk, experts, ranks, alignment):
-  """``(topk_idx, expanded rows, get_fused_mapping(...))`` of an upstream MoE benchmark config, computed once per
-  config (the SwiGLU grids repeat each config over hidden sizes and flags)."""
-  from jaxkern.reference import moe as moe_ref
-  from jaxkern.testing import moe_topk_idx
-
-  idx = moe_topk_idx(jax.random.key(0), send_tokens, num_topk, experts, ranks)
+def _moe_rows(send_tokens, num_topk, experts, ranks, alignment):
+  """``(topk_idx, expanded rows)`` of an upstream MoE benchmark config: what a case's label and byte count need."""
+  idx = upstream_topk_idx(send_tokens, num_topk, experts, ranks)
   counts = [int((idx == e).sum()) for e in range(experts)]
-  n = sum(-(-c // alignment) * alignment for c in counts)
-  return idx, n, moe_ref.get_fused_mapping(jnp.asarray(idx), experts, n, alignment)
+  return idx, sum(-(-c // alignment) * alignment for c in counts)
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_mapping(send_tokens, num_topk, experts, ranks, alignment):
+  """The fields of ``get_fused_mapping(...)`` of an upstream MoE benchmark config as read-only NumPy arrays,
+  computed once per config (the SwiGLU grids repeat each config over hidden sizes and flags) and only when a case's
+  inputs are built or traced (``make_args``, also under the runner's ``jax.eval_shape``: evaluated there, never
+  traced): a list of cases needs only :func:`_moe_rows` (36 mappings took about a CPU second each, 2026-11-29)."""
+  from jaxkern.reference import moe as moe_ref
+
+  idx, n = _moe_rows(send_tokens, num_topk, experts, ranks, alignment)
+  with jax.ensure_compile_time_eval():
+    mapping = moe_ref.get_fused_mapping(jnp.asarray(idx), experts, n, alignment)
+    fields = {name: np.asarray(getattr(mapping, name))
+              for name in ("pos_to_token", "pos_to_expert", "pos_to_token_topk", "token_topk_to_pos")}
+  for a in fields.values():
+    a.setflags(write=False)
+  return fields
 
 
 def _swiglu_case(send_tokens, num_topk, experts, ranks, h, with_mapping, clamp):
   """Upstream's SwiGLU benchmark input: ``expand_to_fused`` of a bf16 ``randn`` ``(T, 2h)`` over the fused
   mapping of the MoE config (alignment 16, padding rows zero); ``pos_to_expert`` passed or not; flags T, T, T,
   so npc 128 and no weights. Bytes: x, out, the logical packed sf (mappings not counted, as upstream counts them)."""
-  idx, n, mapping = _moe_mapping(send_tokens, num_topk, experts, ranks, 16)
-  pos_to_token, pos_to_expert = (np.asarray(a) for a in (mapping.pos_to_token, mapping.pos_to_expert))
+  idx, n = _moe_rows(send_tokens, num_topk, experts, ranks, 16)
   nbytes = n * 2 * h * 2 + n * h + n * (-(-h // 512)) * 4
   label = f"E={experts}x{ranks} K{num_topk} N={n} h={h}{' pte' if with_mapping else ''} clamp={clamp}"
 
   def make(key):
+    mapping = _moe_mapping(send_tokens, num_topk, experts, ranks, 16)
+    pos_to_token, pos_to_expert = mapping["pos_to_token"], mapping["pos_to_expert"]
     x = randn(key, (idx.shape[0], 2 * h), jnp.bfloat16)
     x = jnp.where(pos_to_token[:, None] >= 0, x[np.maximum(pos_to_token, 0)], 0).astype(jnp.bfloat16)
     return (x, jnp.asarray(pos_to_expert)) if with_mapping else (x,)
@@ -358,21 +373,22 @@ def _swiglu_backward_case(send_tokens, num_topk, experts, ranks, h, npc, clamp):
   over the fused mapping of the MoE config (alignment ``npc``), a bf16 ``randn`` gradient, ``uniform [0, 1)`` top-k
   weights; ``round_sf=True``. Bytes (as upstream counts them): x data and sf, grad_out, weights, both mappings, out, x_grad_q,
   x_grad_sf, x_grad, weight_grad."""
-  idx, n, mapping = _moe_mapping(send_tokens, num_topk, experts, ranks, npc)
+  idx, n = _moe_rows(send_tokens, num_topk, experts, ranks, npc)
   t = idx.shape[0]
-  pos_to_token = np.asarray(mapping.pos_to_token)
   sf_bytes = n * 2 * h // npc * 4
   nbytes = (n * 2 * h + sf_bytes + n * h * 2 + t * num_topk * 4 + n * 4 + t * num_topk * 4  # inputs
             + n * h * 2 + n * 2 * h + sf_bytes + n * 2 * h * 2 + t * num_topk * 4)  # outputs
   label = f"E={experts}x{ranks} K{num_topk} N={n} h={h} npc={npc} clamp={clamp}"
 
   def make(key):
+    mapping = _moe_mapping(send_tokens, num_topk, experts, ranks, npc)
+    pos_to_token = mapping["pos_to_token"]
     kx, kg, kw = jax.random.split(key, 3)
     x = randn(kx, (t, 2 * h), jnp.bfloat16)
     x = jnp.where(pos_to_token[:, None] >= 0, x[np.maximum(pos_to_token, 0)], 0).astype(jnp.bfloat16)
     q, sf = ref.per_token_cast(x, "e4m3", npc)
     return (q, sf, randn(kg, (n, h), jnp.bfloat16), jax.random.uniform(kw, (t, num_topk), jnp.float32),
-            mapping.pos_to_token_topk, mapping.token_topk_to_pos)
+            jnp.asarray(mapping["pos_to_token_topk"]), jnp.asarray(mapping["token_topk_to_pos"]))
 
   return Case(label, make, nbytes, dict(npc=npc, clamp=clamp))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -50,3 +51,33 @@ def register(op: BenchOp) -> BenchOp:
     raise ValueError(f"benchmark op {op.name!r} is registered twice")
   REGISTRY[op.name] = op
   return op
+
+
+# The widest top-k of upstream's MoE benchmark configs (K in 2, 6, 8, 9).
+_WIDEST_TOPK = 9
+
+
+def upstream_topk_idx(send_tokens: int, num_topk: int, experts: int, ranks: int):
+  """``moe_topk_idx(jax.random.key(0), ...)`` of an upstream MoE benchmark config (read-only NumPy), the same
+  values, computed once per process: several ops' grids (the SwiGLU casts, per_channel_cast_fused, the routing
+  ops) build cases over the same configs, and one draw and top-k over all ranks' tokens took 1-6 CPU seconds
+  (2026-11-29). The configs that differ only in ``num_topk`` share one draw: the routing of ``K`` is the first ``K``
+  columns of the routing of a wider ``K`` (``lax.top_k`` is stable, so the top ``K`` of the scores are the first
+  ``K`` of the top ``K'`` for ``K' >= K``; ids of other ranks become -1 column by column), less the rows left all
+  -1 (tests/test_benchmarks.py)."""
+  if num_topk > _WIDEST_TOPK or experts * ranks < _WIDEST_TOPK:
+    return _topk_idx(send_tokens, num_topk, experts, ranks)
+  wide = _topk_idx(send_tokens, _WIDEST_TOPK, experts, ranks)
+  idx = wide[:, :num_topk]
+  idx = idx[(idx >= 0).any(axis=1)]
+  idx.setflags(write=False)
+  return idx
+
+
+@functools.lru_cache(maxsize=None)
+def _topk_idx(send_tokens, num_topk, experts, ranks):
+  from jaxkern.testing import moe_topk_idx
+
+  idx = moe_topk_idx(jax.random.key(0), send_tokens, num_topk, experts, ranks)
+  idx.setflags(write=False)
+  return idx

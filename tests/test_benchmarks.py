@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from benchmarks import run
-from benchmarks.registry import REGISTRY
+from benchmarks.registry import REGISTRY, upstream_topk_idx
 
 
 def test_registry_covers_the_spec_grids():
@@ -18,6 +18,18 @@ def test_registry_covers_the_spec_grids():
   assert len(REGISTRY["batched_transpose"].cases()) == 3 * 2 * 2 * 7
   case = REGISTRY["batched_transpose"].cases()[0]
   assert case.label == "B=8 M=4032 N=576 e4m3" and case.nbytes == 2 * 8 * 4032 * 576
+
+
+@pytest.mark.parametrize("experts, ranks", [(4, 64), (32, 8)])
+def test_upstream_topk_idx_is_moe_topk_idx(experts, ranks):
+  """The benchmark grids' routings, shared between ``K``s, are :func:`jaxkern.testing.moe_topk_idx`'s (bf16 scores
+  over 256 experts tie often)."""
+  from jaxkern.testing import moe_topk_idx
+
+  for k in (1, 2, 6, 8, 9):
+    want = moe_topk_idx(jax.random.key(0), 64, k, experts, ranks)
+    got = upstream_topk_idx(64, k, experts, ranks)
+    assert got.dtype == want.dtype and got.shape == want.shape and (got == want).all(), k
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the correctness-only pass is the no-GPU path")
