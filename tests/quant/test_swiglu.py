@@ -265,12 +265,9 @@ def test_no_unreconciled_casts(cast_check, h, npc, flags, clamp):
   assert cast_check and not any(cast_check), cast_check
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("h, npc, flags", [(3584, 128, "C"), (1280, 128, "A-round"), (2048, 2048, "A")])
-@pytest.mark.parametrize("clamp", [None, 0.5])
-def test_spec_shapes_gpu(key, h, npc, flags, clamp):
-  """Compiled kernel vs the reference run by XLA on the same GPU (CUDA expf on both sides)."""
-  x, ptt, w, pte = _inputs(key, 32016, h)
+def _assert_kernel_is_reference_jitted(x, ptt, w, pte, npc, flags, clamp):
+  """The op and its reference, each jitted on this backend (clamp counters from zero where ``clamp`` is set),
+  bit for bit."""
   count = None if clamp is None else jnp.zeros(3, jnp.int32)
   f = functools.partial(OP, fmt="e4m3", num_per_channels=npc, **FLAGS[flags], swiglu_clamp_value=clamp)
   g = functools.partial(ref.swiglu_forward_and_per_token_cast, fmt="e4m3", num_per_channels=npc, **FLAGS[flags],
@@ -279,6 +276,15 @@ def test_spec_shapes_gpu(key, h, npc, flags, clamp):
   got = jax.jit(lambda x, c: f(x, pos_to_expert=pte, clamped_count=c, **weights))(x, count)
   want = jax.jit(lambda x, c: g(x, pos_to_expert=pte, clamped_count=c, **weights))(x, count)
   assert_same(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h, npc, flags", [(3584, 128, "C"), (1280, 128, "A-round"), (2048, 2048, "A")])
+@pytest.mark.parametrize("clamp", [None, 0.5])
+def test_spec_shapes_gpu(key, h, npc, flags, clamp):
+  """Compiled kernel vs the reference run by XLA on the same GPU (CUDA expf on both sides)."""
+  x, ptt, w, pte = _inputs(key, 32016, h)
+  _assert_kernel_is_reference_jitted(x, ptt, w, pte, npc, flags, clamp)
 
 
 @pytest.mark.gpu
@@ -365,11 +371,4 @@ def test_guarded_division_gpu(key, h, npc, flags, clamp):
   patterns = jax.lax.bitcast_convert_type(jnp.arange(1 << 16, dtype=jnp.uint32).astype(jnp.uint16), jnp.bfloat16)
   n = -(-(1 << 16) // h)
   x = x.at[:n, :h].set(jnp.resize(patterns, (n * h,)).reshape(n, h))
-  count = None if clamp is None else jnp.zeros(3, jnp.int32)
-  f = functools.partial(OP, fmt="e4m3", num_per_channels=npc, **FLAGS[flags], swiglu_clamp_value=clamp)
-  g = functools.partial(ref.swiglu_forward_and_per_token_cast, fmt="e4m3", num_per_channels=npc, **FLAGS[flags],
-                        swiglu_clamp_value=clamp)
-  weights = {} if flags == "C" else dict(pos_to_token_topk=ptt, topk_weights=w)
-  got = jax.jit(lambda x, c: f(x, pos_to_expert=pte, clamped_count=c, **weights))(x, count)
-  want = jax.jit(lambda x, c: g(x, pos_to_expert=pte, clamped_count=c, **weights))(x, count)
-  assert_same(got, want)
+  _assert_kernel_is_reference_jitted(x, ptt, w, pte, npc, flags, clamp)
