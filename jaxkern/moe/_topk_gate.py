@@ -56,10 +56,11 @@ def _topk_gate_kernel(scores: jax.Array, num_topk: int, num_experts: int, interp
   return _select.row_block_kernel(body, t, out_type, _select.scratch(e), interpret)(scores)
 
 
-# From this many experts "auto" runs the narrow-rows kernel. H100, 2026-11-27 (CUPTI, cold L2;
-# results/variants/2026-11-27_NVIDIA-H100-80GB-HBM3_topk17.jsonl), K=6, µs WGMMA-layout kernel -> narrow (8 lanes):
-# T=4001: E=36 4.74 -> 2.82, E=64 3.54 -> 3.17, E=72 4.00 -> 3.55; T=8001: E=36 5.28 -> 3.39, E=64 4.14 -> 4.26,
-# E=72 4.83 -> 4.93; 96+ experts measured on an H100, 2026-11-26. E=16 / 32 not timed: they keep the WGMMA-layout kernel.
+# From this many experts "auto" runs the narrow-rows kernel. H100, 2026-11-27 (CUPTI, cold L2; benchmarks/results/
+# variants/2026-11-27_NVIDIA-H100-80GB-HBM3_topk-gate-narrow-rows.jsonl), K=6, µs WGMMA-layout kernel -> narrow
+# (8 lanes): T=4001: E=36 4.74 -> 2.82, E=64 3.54 -> 3.17, E=72 4.00 -> 3.55; T=8001: E=36 5.28 -> 3.39,
+# E=64 4.14 -> 4.26, E=72 4.83 -> 4.93; 96+ experts measured on an H100, 2026-11-26. E=16 / 32 not timed: they keep
+# the WGMMA-layout kernel.
 NARROW_MIN_EXPERTS = 36
 LANES_PER_ROW = 8  # lanes sharing one row in the narrow-rows kernel (at most 16: warps never share a row)
 _VARIANT_OVERRIDE = None  # "wgmma" / "narrow" / ("narrow", lanes): forces a kernel (timing scripts only)

@@ -20,8 +20,9 @@ from jaxkern.reference import gemm as ref
 from jaxkern.types import QuantTensor
 
 # The fused layout of the v3 model's first training step (benchmarks/train_step.py v3_config: T 8192, top-4 of 8
-# routed experts + the shared expert, alignment 128, force_no_sync; seed 0 as scratch/det2/sweep.py's probe, routed on
-# a CPU): row blocks per expert segment, then the skipped blocks up to the upper bound of 328 blocks (M = 41984).
+# routed experts + the shared expert, alignment 128, force_no_sync; seed 0, as in the determinism probe of 2026-11-29,
+# routed on a CPU): row blocks per expert segment, then the skipped blocks up to the upper bound of 328 blocks
+# (M = 41984).
 # Its pairs mix two experts five times, the last pair holds expert 8's last block and a skipped one, the one after
 # two skipped blocks. The clustered kernel raced on it (H200, 2026-11-29) in tiles of row blocks 314-315 (and 322-323
 # at N = 7168, K = 2048) while a slot's release to the pair came from the first warp of a warpgroup alone.

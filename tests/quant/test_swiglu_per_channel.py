@@ -1,6 +1,6 @@
-"""swiglu_forward_and_per_channel_cast_and_transpose (quant.md §8.2): kernel (interpret mode, under jit) vs the
-reference bit for bit on the same backend, the reference vs a float64 numpy formulation (bf16 rounding of the
-activation before the cast), argument checks, zero rows, lowering for an H100, the spec grid on a GPU."""
+"""swiglu_forward_and_per_channel_cast_and_transpose (docs/quant.md, "Fused SwiGLU"): kernel (interpret mode, under
+jit) vs the reference bit for bit on the same backend, the reference vs a float64 numpy formulation (bf16 rounding of
+the activation before the cast), argument checks, zero rows, lowering for an H100, the spec grid on a GPU."""
 
 import functools
 
