@@ -30,8 +30,15 @@ Kernels (the thresholds next to the module's constants say which measurement cho
   ``grad_x``, ``grad_k``, ``grad_v = bf16(Σ_m go_m·g_m)`` (``m`` in order) and the weight-gradient partial
   ``Σ_t G·x⊙k`` in an ``(M, D)`` float32 SMEM accumulator. ``44·T·D`` bytes from HBM (every array read or
   written once).
-* Backward, two passes (elsewhere: ``D`` above ``FUSED_MAX_D``, ``D`` such as 2560 with narrower vectors,
-  other ``M``):
+* Backward, one pass for large ``D`` (:func:`gate_bwd_onepass_kernel`, where :func:`onepass_applies` and the
+  fused kernel does not: ``M = 4``, ``D % 2048 == 0`` above ``FUSED_MAX_D``, 4096 and 6144 among the benchmarked
+  sizes): one persistent CTA per SM of two warpgroups, each one half of every row (16-byte vectors); per token
+  each warpgroup's half of ``dldg = Σ go·v`` (one warp per stream, :func:`stream_rows_layout`), the two halves
+  exchanged through SMEM behind an mbarrier, ``G``, then its half's columns as in the fused kernel (the
+  weight-gradient partial in an ``(M, D)`` float32 SMEM accumulator). ``44·T·D`` bytes from HBM (``go``'s
+  column blocks re-read from the caches).
+* Backward, two passes (elsewhere: ``D`` above ``FUSED_MAX_D`` whose halves are not multiples of 1024 columns,
+  such as 7168; ``D`` such as 2560 with narrower vectors; other ``M``):
 
   1. Row pass, one token per CTA (grid ``T``; :func:`gate_bwd_rows_kernel`, one warp per stream where
      ``M % 4 == 0``): ``v`` and the ``M`` rows of ``go``, ``dldg = Σ go·v`` per stream, then ``G`` and the
@@ -49,10 +56,11 @@ Kernels (the thresholds next to the module's constants say which measurement cho
   Traffic: ``10·T·D`` bytes (row pass) + ``42·T·D`` (column pass) = ``52·T·D`` (``go`` is read twice: ``G``
   needs a whole row before any column can be finished).
 
-:func:`default_num_partials` picks ``P`` (the rows of ``grad_w_partial``) for either backward.
+:func:`default_num_partials` picks ``P`` (the rows of ``grad_w_partial``) for every backward.
 
 No kernel relies on Pallas's automatic warpgroup barriers (``NO_AUTO_BARRIERS``): no thread reads SMEM that
-another wrote, except inside Mosaic's reductions, which synchronise themselves.
+another wrote, except inside Mosaic's reductions, which synchronise themselves, and the large-``D`` one-pass
+backward's half-row sums, read after an mbarrier that every thread of both warpgroups arrives at.
 
 Signed square root at ``d = ±0`` (docs/engram.md, "Gate"): the kernel uses ``copysign`` (``u = ±sqrt(c)``, so
 the gate is ``σ(±sqrt(c))``), the ``jnp`` reference upstream's ``sign`` (``u = 0``, gate 0.5).
@@ -88,11 +96,12 @@ FUSED_MAX_STREAMS = 4  # hc_mult the fused backward takes (registers: a thread h
 # per thread). H100, 2026-11-26, bit-identical: forward D = 2048 / 2560 1.01-1.06x faster (D = 2560 from 85-94% to
 # 88-96% of copy), D = 3072 unchanged (already 95-98%); the backward row pass unchanged.
 PRELOAD_MAX_VALUES = 4 * 2560
-# The fused backward (one pass) takes D up to this (only with 16-byte vectors, column_block(D) = 1024), the two-pass
-# kernels (row pass one warp per stream) the rest. H200, 2026-11-29, T=8001, M=4, CUPTI, cold L2, median of 20, all
-# bit-exact: fused D = 2048 197.3 µs (1.26x TileKernels; 2026-11-28's kernels 233.0), 3072 286.8 (1.14x); above it
-# the fused kernel loses: 4096 462.1 (0.88x; 2026-11-28's 447.7), 6144 827.6 (0.68x) against 638.5 for the two-pass
-# kernels. D = 2560 (8-byte vectors) two-pass: 287.7 µs (1.10x; the fused kernel took 385.8 there).
+# The fused backward (one pass) takes D up to this (only with 16-byte vectors, column_block(D) = 1024), the large-D
+# one-pass kernel (onepass_applies; gate_bwd_kernel gives its measurement) or the two-pass kernels (row pass one warp
+# per stream) the rest. H200, 2026-11-29, T=8001, M=4, CUPTI, cold L2, median of 20, all bit-exact: fused D = 2048
+# 197.3 µs (1.26x TileKernels; 2026-11-28's kernels 233.0), 3072 286.8 (1.14x); above it the fused kernel loses: 4096
+# 462.1 (0.88x; 2026-11-28's 447.7), 6144 827.6 (0.68x) against 638.5 for the two-pass kernels. D = 2560 (8-byte
+# vectors) two-pass: 287.7 µs (1.10x; the fused kernel took 385.8 there).
 FUSED_MAX_D = 3072
 # CTAs per SM of the fused backward at most (register budget: 2 fit even 255 registers per thread). H200, 2026-11-29,
 # T=8001: 3 per SM took 226.2 / 347.1 µs at D = 2048 / 3072, 4 per SM 201.3 / 316.7, 2 per SM 207.8 / 326.8 (go then
@@ -306,13 +315,16 @@ def column_block(d: int) -> int:
 
 def default_num_partials(t: int, d: int, m: int = 4) -> int:
   """Token chunks of the backward (the rows of ``grad_w_partial``) when the caller gives none. For the fused
-  kernel (:func:`fused_applies`) its persistent grid, ``SMs·fused_ctas_per_sm(D, M)``, at most ``T``. For the
+  kernel (:func:`fused_applies`) its persistent grid, ``SMs·fused_ctas_per_sm(D, M)``, at most ``T``; for the
+  large-``D`` one-pass kernel (:func:`onepass_applies`) its persistent grid, :func:`onepass_ctas`. For the
   two-pass column pass ``CTAS_PER_SM·SMs // (D / w)`` (about :data:`CTAS_PER_SM` CTAs per SM over the column
   blocks, several waves so that the last one's quantisation costs little), at most one chunk per
   :data:`MIN_CHUNK` tokens (the partials' ``16·P·D`` bytes, written here and read by ``grad_w_reduce``, stay a
   few % of the traffic). At least 1. A tuning knob: ``num_partials=`` overrides it."""
   if d % 256 == 0 and fused_applies(d, m):
     return max(1, min(fused_ctas_per_sm(d, m) * _config.num_sms(), t))
+  if d % 256 == 0 and onepass_applies(d, m):
+    return onepass_ctas(t)
   blocks = d // column_block(d) if d % 256 == 0 else 1
   return max(1, min(CTAS_PER_SM * _config.num_sms() // blocks, -(-t // MIN_CHUNK)))
 
@@ -540,12 +552,125 @@ def gate_bwd_fused_kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k, *, clamp_v
   return kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k)
 
 
+ONEPASS_WARPGROUPS = 2  # warpgroups per CTA of the one-pass kernel (each one half of every row)
+
+
+def onepass_applies(d: int, m: int) -> bool:
+  """Whether :func:`gate_bwd_onepass_kernel` takes ``(D, M)``: ``M = 4`` (one warp per stream in each
+  warpgroup, the ``(M, D)`` float32 accumulator in SMEM) and halves of ``D`` in 16-byte vectors
+  (:func:`column_block` 1024: ``D % 2048 == 0``). Narrower vectors are not taken: at ``D = 2560`` (halves of
+  1280 columns in 4-byte vectors) Mosaic's layout inference found no solution (after minutes, 2026-11-29)."""
+  half = d // ONEPASS_WARPGROUPS
+  return m == 4 and half % 1024 == 0
+
+
+def onepass_ctas(t: int) -> int:
+  """CTAs of :func:`gate_bwd_onepass_kernel` for ``T >= 1`` tokens: one per SM (the ``(M, D)`` float32
+  accumulator takes 96 KiB of SMEM at ``D = 6144``, the two warpgroups most of the registers), at most ``T``."""
+  return max(1, min(t, _config.num_sms()))
+
+
+@functools.partial(jax.jit, static_argnames=("clamp_value", "num_partials", "interpret"))
+def gate_bwd_onepass_kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k, *, clamp_value, num_partials, interpret):
+  """The backward in one pass for large ``D`` (``T >= 1``, :func:`onepass_applies`): ``P`` persistent CTAs of
+  two warpgroups, CTA ``p`` the tokens ``[p·ceil(T/P), min((p+1)·ceil(T/P), T))`` one after the other,
+  warpgroup ``h`` the columns ``[h·D/2, (h+1)·D/2)`` of every row. Per token, each warpgroup: its half of the
+  ``M`` rows of ``go`` and of ``v`` one warp per stream (:func:`stream_rows_layout`), the half-row sums
+  ``Σ go·v`` by warp shuffles (no SMEM), written to SMEM; an mbarrier of both warpgroups; ``dldg`` = first
+  half's sum + second half's, ``G`` (the row pass's formulas); then per :func:`fused_block` of its half
+  (:func:`block_rows_layout`, every stream's same columns in one thread) ``grad_x``, ``grad_k``,
+  ``grad_v = bf16(Σ_m go_m·g_m)`` (``m`` in order) and the weight-gradient partial ``Σ G·x⊙k`` in an
+  ``(M, D)`` float32 SMEM accumulator (each thread its own positions), stored into ``grad_w_partial[p]`` at the
+  end. ``go``'s block is re-loaded for the columns (from the caches: the half-row read just before), so HBM
+  sees every array once (``44·T·D`` bytes). The loads of the first block of ``go``, ``x``, ``k``, ``wf`` are
+  issued before the barrier, each next block's before the current block's arithmetic (two blocks of the four
+  operands in registers per thread). The half-row sums sit in two SMEM slots by token parity, so a warpgroup a
+  token ahead never overwrites a sum the other has not read."""
+  t, m, d = x.shape
+  p = num_partials
+  per = -(-t // p)
+  half = d // ONEPASS_WARPGROUPS
+  s_lay = stream_rows_layout()
+  s_rows, s_row = _tiled(s_lay), _tiled(s_lay.reduce((0,)))
+  b_lay, cb = block_rows_layout(column_block(half)), fused_block(half)
+  b_rows, b_per_stream = _tiled(b_lay), _tiled(b_lay.reduce((1,)))
+  offsets = list(range(0, half, cb))
+  inv_d = float(np.float32(1.0 / d))
+  out_type = (jax.ShapeDtypeStruct((t, m, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, m, d), jnp.bfloat16),
+              jax.ShapeDtypeStruct((t, d), jnp.bfloat16), jax.ShapeDtypeStruct((p, m, d), jnp.float32))
+  scratch = [plgpu.SMEM((m, d), jnp.float32), plgpu.SMEM((2, ONEPASS_WARPGROUPS, m), jnp.float32),
+             plgpu.Barrier(num_arrivals=ONEPASS_WARPGROUPS)]
+
+  def load(ref, layout=b_rows):
+    return plgpu.load(ref, layout=layout, optimized=False)
+
+  @functools.partial(plgpu.kernel, out_type=out_type, grid=(p,), grid_names=("p",), num_threads=ONEPASS_WARPGROUPS,
+                     thread_name="wg", interpret=interpret, scratch_types=scratch, compiler_params=NO_AUTO_BARRIERS)
+  def kernel(go_g, x_g, k_g, v_g, w_g, dot_g, gate_g, rx_g, rk_g, gx_g, gk_g, gv_g, gw_g, acc_s, sums_s, both):
+    pid, wg = lax.axis_index("p"), lax.axis_index("wg")
+    base = wg * half
+    start = jnp.minimum(pid * per, t)
+    end = jnp.minimum(start + per, t)
+
+    def cols(off):
+      return pl.ds(base + off, cb)
+
+    for off in offsets:
+      acc_s[:, cols(off)] = plgpu.layout_cast(jnp.zeros((m, cb), jnp.float32), b_rows)
+
+    def block_loads(i, off):
+      return (load(go_g.at[i, :, cols(off)]), load(x_g.at[i, :, cols(off)]), load(k_g.at[i, :, cols(off)]),
+              load(w_g.at[:, cols(off)]))
+
+    def token(i, carry):
+      slot = lax.rem(i - start, 2)
+      go_half = load(go_g.at[i, :, pl.ds(base, half)], s_rows)
+      v_half = load(v_g.at[i, pl.ds(base, half)], s_row)
+      ahead = block_loads(i, offsets[0])
+      sums_s[slot, wg] = 0.0 + jnp.sum(_f32(go_half) * _f32(v_half)[None, :], axis=1)
+      plgpu.barrier_arrive(both)
+      plgpu.barrier_wait(both)
+      dldg = load(sums_s.at[slot, 0], b_per_stream)
+      for h in range(1, ONEPASS_WARPGROUPS):
+        dldg = dldg + load(sums_s.at[slot, h], b_per_stream)
+      raw, g, rx, rk = (load(ref.at[i], b_per_stream) for ref in (dot_g, gate_g, rx_g, rk_g))
+      big_g = _big_g(dldg, raw, g, rx, rk, d=d, clamp_value=clamp_value)[:, None]
+      cx, ck = (raw * rx * rx * inv_d)[:, None], (raw * rk * rk * inv_d)[:, None]
+      for b, off in enumerate(offsets):
+        current = ahead
+        if b + 1 < len(offsets):
+          ahead = block_loads(i, offsets[b + 1])
+        goc, xc, kc, wb = _f32(current[0]), _f32(current[1]), _f32(current[2]), current[3]
+        gx_g[i, :, cols(off)] = (goc + big_g * (kc * wb - xc * cx)).astype(jnp.bfloat16)
+        gk_g[i, :, cols(off)] = (big_g * (xc * wb - kc * ck)).astype(jnp.bfloat16)
+        acc_s[:, cols(off)] = load(acc_s.at[:, cols(off)]) + big_g * xc * kc
+        gv_g[i, cols(off)] = jnp.sum(goc * g[:, None], axis=0).astype(jnp.bfloat16)  # m in order (fused_block)
+      return carry
+
+    lax.fori_loop(start, end, token, 0)
+    for off in offsets:
+      gw_g[pid, :, cols(off)] = load(acc_s.at[:, cols(off)])
+
+  return kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k)
+
+
 def gate_bwd_kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k, *, clamp_value, num_partials, interpret):
   """The backward (``T >= 1``) -> ``(grad_x, grad_k, grad_v, grad_w_partial (P, M, D) float32)``:
-  :func:`gate_bwd_fused_kernel` where :func:`fused_applies`, else the two-pass kernels."""
-  if fused_applies(x.shape[2], x.shape[1]):
+  :func:`gate_bwd_fused_kernel` where :func:`fused_applies`, else :func:`gate_bwd_onepass_kernel` where
+  :func:`onepass_applies`, else the two-pass kernels. On the benchmark grid (``M = 4``): fused at ``D`` = 2048,
+  3072; the large-``D`` one-pass kernel at 4096, 6144; two passes at 2560 (8-byte vectors) and 7168 (halves of
+  3584 columns)."""
+  d, m = x.shape[2], x.shape[1]
+  if fused_applies(d, m):
     return gate_bwd_fused_kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k, clamp_value=clamp_value,
                                  num_partials=num_partials, interpret=interpret)
+  # The large-D one-pass kernel rather than the two passes. H200, 2026-11-29, M=4, CUPTI, cold L2, median of 20, the
+  # runner's check passed, every leaf against the reference below calc_diff 1e-8: T=8001 D=6144 two passes 637.82
+  # µs, one pass 620.13 (628.97 with only the first column block's loads issued early; TileKernels 566.43); T=8001
+  # D=4096 two passes 429.92, one pass 396.25 (TileKernels 407.53). T=4001 not timed.
+  if onepass_applies(d, m):
+    return gate_bwd_onepass_kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k, clamp_value=clamp_value,
+                                   num_partials=num_partials, interpret=interpret)
   factors = gate_bwd_rows_kernel(go, v, dot, gate, rstd_x, rstd_k, clamp_value=clamp_value, interpret=interpret)
   return gate_bwd_cols_kernel(go, x, k, wf, factors, num_partials=num_partials, interpret=interpret)
 
@@ -669,11 +794,11 @@ def engram_gate_bwd(grad_out: jax.Array, hidden_states: jax.Array, k: jax.Array,
     num_partials: ``P``, the rows of ``grad_w_partial``: the kernel's token chunks (docs/engram.md, "Gate": contiguous
       token ranges, any ``P``; :func:`jaxkern.engram.grad_w_reduce` sums any number of rows). A
       static int >= 1; default (``jaxkern.engram._gate.default_num_partials``, 132 SMs assumed when tracing
-      off a GPU): for the one-pass kernel its persistent grid, ``SMs·c`` with ``c`` the CTAs per SM whose
-      ``(M, D)`` float32 accumulators fit in shared memory (at most a small cap), at most ``T``: e.g. 264 at
-      ``D = 2048``; for the two-pass kernels ``max(1, min(8·SMs // (D / w), ceil(T / 16)))`` with the column
-      block ``w`` (1024, or 512 / 256 where 1024 does not divide ``D``), e.g. 176 at ``D = 6144``, 150 at ``D = 7168``
-      (``T = 8001``).
+      off a GPU): for the one-pass kernels their persistent grid, at most ``T``: ``SMs·c`` for the fused one with
+      ``c`` the CTAs per SM whose ``(M, D)`` float32 accumulators fit in shared memory (at most a small cap), e.g.
+      264 at ``D = 2048``, and ``SMs`` for the large-``D`` one (``D`` = 4096, 6144); for the two-pass kernels
+      ``max(1, min(8·SMs // (D / w), ceil(T / 16)))`` with the column block ``w`` (1024, or 512 / 256 where 1024
+      does not divide ``D``), e.g. 150 at ``D = 7168`` (``T = 8001``).
     implementation: as :func:`engram_gate_fwd`.
 
   Returns:
@@ -688,9 +813,10 @@ def engram_gate_bwd(grad_out: jax.Array, hidden_states: jax.Array, k: jax.Array,
 
   Kernels (module docstring): one pass (persistent CTAs over token ranges, the weight-gradient partial in
   shared memory; ``44·T·D`` bytes of traffic, every array once) for ``D`` up to 3072 in 16-byte vectors and
-  ``M <= 4``, else a row pass (``G`` per
-  token and stream) and a column pass (everything else, the weight-gradient partial of each token chunk kept
-  in registers; ``52·T·D`` bytes: ``go`` is read by both).
+  ``M <= 4`` (whole rows per warpgroup), and for ``M = 4`` with ``D % 2048 == 0`` above that (two warpgroups per
+  CTA, one half of every row each: ``D`` = 4096, 6144); else a row pass (``G`` per token and stream) and a
+  column pass (everything else, the weight-gradient partial of each token chunk kept in registers; ``52·T·D``
+  bytes: ``go`` is read by both), e.g. at ``D`` = 2560, 7168.
 
   Numerics: float32, other summation orders than the reference (within ``calc_diff < 1e-8``, the tests' tolerance);
   the weight-gradient partials are deterministic for a fixed ``P``.

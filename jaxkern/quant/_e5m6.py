@@ -32,16 +32,24 @@ is constant. The row's ``|x|`` maximum (a bf16 row's from the threads' packed bf
 per row (layout A / B float32, or the UE8M0 byte of a packed layout-C word); it touches no SMEM, so it runs without
 Pallas's automatic warpgroup barriers (:data:`jaxkern._layouts.NO_AUTO_BARRIERS`). The encoder runs without them too:
 its only SMEM is the row maximum's (Mosaic GPU's reduction syncs itself) and the staged words, which the staging pass
-syncs once before they are read back. Any row count runs (inputs of fewer rows than one layout block are padded); the
-last CTA's rows are moved back to end at the last row, as in :mod:`jaxkern.quant._per_token_cast`.
+syncs once before they are read back (and, where a CTA encodes several blocks, once more before the next block's
+words overwrite them). Any row count runs (inputs of fewer rows than one layout block are padded); the last CTA's
+rows are moved back to end at the last row, as in :mod:`jaxkern.quant._per_token_cast`.
+
+The encoder takes one block of rows per CTA, except for bfloat16 rows of 7168 columns (:data:`_PREFETCH_MIN_K`,
+:data:`_PREFETCH_MAX_K`; ncu, H200, 2026-11-29, bf16 8001 x 7168: 37% of the warps' stalls waited on the row's own
+GMEM loads): there the grid is persistent, about three CTAs per SM (:data:`_PREFETCH_CTAS_PER_SM`), each encoding a
+run of consecutive blocks and loading the next block into registers before it codes the current one
+(:func:`_encode_kernel`).
 
 NVIDIA H200 (2026-11-29, CUPTI, cold L2, median of 10; TileKernels' figures in parentheses): the encoder
-(``round_sf``) takes 9.68 / 16.72 µs at 4001 / 8001 x 2048 bf16 (10.10 / 17.54), 30.42 / 58.06 µs at 4001 / 8001 x
-7168 bf16 (29.65 / 54.23), 13.95 µs at 4001 x 2048 float32 (14.65), 75.20 µs at 8001 x 7168 float32 (76.71) and
-4.93 µs at 4001 x 576 bf16 (6.53); before its automatic barriers went, its values were widened per group inside the
-rows' branches and the largest value was loaded before the tile: 11.92 / 18.70, 30.58 / 58.03, 15.12, 76.58 and
-5.04 µs. The decoder to bf16 takes 3.78 / 5.36 µs at 4001 / 8001 x 576 (3.81 / 5.86), to float32 4.37 µs at 4001 x
-576 (6.59; with a layout-C sf 4.32, 6.66) and 81.25 µs at 8001 x 7168 (119.18).
+(``round_sf``) takes 9.68 / 16.72 µs at 4001 / 8001 x 2048 bf16 (10.10 / 17.54), 29.09 / 55.01 µs at 4001 / 8001 x
+7168 bf16 with the register prefetch (29.65 / 54.23; one block per CTA 30.69 / 58.10 in the same run), 13.95 µs at
+4001 x 2048 float32 (14.65), 75.20 µs at 8001 x 7168 float32 (76.71) and 4.93 µs at 4001 x 576 bf16 (6.53); before
+its automatic barriers went, its values were widened per group inside the rows' branches and the largest value was
+loaded before the tile: 11.92 / 18.70, 30.58 / 58.03, 15.12, 76.58 and 5.04 µs. The decoder to bf16 takes 3.78 /
+5.36 µs at 4001 / 8001 x 576 (3.81 / 5.86), to float32 4.37 µs at 4001 x 576 (6.59; with a layout-C sf 4.32, 6.66)
+and 81.25 µs at 8001 x 7168 (119.18).
 """
 
 from __future__ import annotations
@@ -376,9 +384,49 @@ def _sf_div(lay, rt: int, interpret):
   return _ieee.mosaic_ptx("div.rn.f32", lay.reduce(2).reduce(1), (rt,))
 
 
+# The encoder's register prefetch (:func:`_prefetch_blocks_per_cta`) runs for bfloat16 rows of at least this many
+# columns. Against one block per CTA in the same run (H200, 2026-11-29, CUPTI, cold L2, whole grid), bf16 x 7168:
+# 4001 rows 30.69 -> 29.09 µs (round_sf; packed 30.77 -> 29.07), 8001 rows 58.10 -> 55.01 (packed 58.34 -> 55.10).
+# Slower elsewhere: bf16 x 2048 by 16-22% (8001 rows 16.80 -> 19.49, 4001 9.73 -> 11.74), float32 x 7168 by 21-25%
+# (8001 rows 76.46 -> 92.64), float32 x 2048 by 8-13%; mixed at 576 columns (bf16 8001 rows 8.46 -> 7.42, 4001
+# 4.93 -> 5.06). Blocks prefetched into SMEM slots by bulk copies (2 or 3 blocks ahead, 3 or 4 CTAs per SM) were
+# slower than one block per CTA at bf16 x 7168 (8001 rows 58.13 -> 64.88 with 2 slots, 4 CTAs per SM).
+_PREFETCH_MIN_K = 7168
+# and at most this many: the second live tile grows with the row (167 registers per thread at 7168 columns, below);
+# wider rows, not measured, keep one block per CTA rather than risk spills.
+_PREFETCH_MAX_K = 7168
+# CTAs per SM that the prefetch grid is sized for: with the second tile live the encoder takes 167 registers per
+# thread (ncu, H200, 2026-11-29, bf16 8001 x 7168; 122 without it), so three 128-thread CTAs fill an SM's 64K
+# registers and the whole grid is resident at once.
+_PREFETCH_CTAS_PER_SM = 3
+
+
+def _prefetch_blocks_per_cta(num_blocks: int, dtype, k: int):
+  """Row blocks per CTA of the encoder's persistent grid for ``num_blocks`` blocks of ``k`` columns of ``dtype``
+  (:data:`_PREFETCH_CTAS_PER_SM` CTAs per SM), or None for one block per CTA: outside bfloat16 with
+  :data:`_PREFETCH_MIN_K` ``<= k <=`` :data:`_PREFETCH_MAX_K`, and where the grid would give each CTA one block
+  anyway (nothing to prefetch)."""
+  if dtype != jnp.bfloat16 or not _PREFETCH_MIN_K <= k <= _PREFETCH_MAX_K:
+    return None
+  per_cta = pl.cdiv(num_blocks, _config.num_sms() * _PREFETCH_CTAS_PER_SM)
+  return per_cta if per_cta > 1 else None
+
+
+def _warpgroup_sync():
+  """A barrier of the calling warpgroup (Mosaic GPU only)."""
+  plgpu.inline_mgpu()(lambda _: mgpu.utils.warpgroup_barrier())()
+
+
 @functools.partial(jax.jit, static_argnames=("round_sf", "col_major", "packed", "interpret"))
 def _encode_kernel(x, *, round_sf, col_major, packed, interpret):
-  """``x`` ``(M, K)`` bf16 / float32 -> ``(packed (M, 3K/2) uint8, sf in layout A / B / C)``."""
+  """``x`` ``(M, K)`` bf16 / float32 -> ``(packed (M, 3K/2) uint8, sf in layout A / B / C)``.
+
+  The rows go in blocks of ``rt`` (:func:`_tile`), one block per CTA, the last one moved back to end at the last
+  row. For bfloat16 with ``K`` from :data:`_PREFETCH_MIN_K` to :data:`_PREFETCH_MAX_K` (and more blocks than the
+  prefetch grid's CTAs) the grid is persistent instead (:func:`_prefetch_blocks_per_cta`): each CTA encodes a run
+  of consecutive blocks (the last run moved back to end at the last block, over blocks its neighbour encodes too,
+  with the same bits) and loads the next block into registers before it codes the current one (the run's last
+  block is loaded twice)."""
   m, k = x.shape
   g = k // 8
   # A long row's groups over the lanes and then the warps (group_layout; K=2048: all four warps). Each row on the
@@ -388,7 +436,9 @@ def _encode_kernel(x, *, round_sf, col_major, packed, interpret):
   lay, unit = group_layout(g, 8, x.dtype.itemsize)
   xv = _pad_rows(x.reshape(m, g, 8), unit)
   r = xv.shape[0]
-  rt, num_ctas = _tile(r, k, unit)
+  rt, num_blocks = _tile(r, k, unit)
+  per_cta = _prefetch_blocks_per_cta(num_blocks, x.dtype, k)
+  num_ctas = num_blocks if per_cta is None else pl.cdiv(num_blocks, per_cta)
   sf_type = _sf_out_type(r, col_major, packed)
   lane_level = interpret is None  # lane-level codes and words, staged in SMEM (Mosaic GPU only)
   words_type = jax.ShapeDtypeStruct((r * g * 3,) if lane_level else (r, g, 3), jnp.int32)
@@ -397,34 +447,68 @@ def _encode_kernel(x, *, round_sf, col_major, packed, interpret):
   @functools.partial(plgpu.kernel, out_type=(words_type, sf_type), scratch_types=scratch, grid=(num_ctas,),
                      grid_names=("i",), interpret=interpret, compiler_params=NO_AUTO_BARRIERS)
   def kernel(x_g, c_g, o_g, sf_g, *w_s):
-    row0 = jnp.minimum(lax.axis_index("i") * rt, r - rt)
-    rows = pl.ds(row0, rt)
     # The format's largest value loaded before the tile rather than after the row maximum (H200, 2026-11-29, bf16
     # 4001 x 2048 round_sf, the other encoder changes of that day off: 9.81 against 11.92 µs).
     max_value = c_g[0]
-    xr = plgpu.load(x_g.at[rows], layout=lay, optimized=False)
-    sf, inv = ref.scale_factors(_row_amax(xr, lay, interpret), max_value, "e5m6", round_sf,
-                                div=_sf_div(lay, rt, interpret))
-    sf = gpu_nan(sf, interpret)
-    sf_g[0, rows] = (lax.bitcast_convert_type(sf, jnp.int32) >> 23) & 0xFF if packed else sf
-    if sf_type.shape[1] > r:
-      @pl.when(lax.axis_index("i") == num_ctas - 1)
-      def _():
-        for c in range(r, sf_type.shape[1]):
-          sf_g[0, c] = jnp.zeros((), sf_type.dtype)
-    if not lane_level:  # interpret mode: the integer recipe, strided 4-byte word stores
-      codes = _encode_code(gpu_nan(xr.astype(jnp.float32) * inv[:, None, None], interpret))
-      for w, word in enumerate(_pack_words(codes, plgpu.broadcasted_iota(jnp.int32, (rt, g, 8), 2, layout=lay))):
-        o_g[rows, pl.ds(0, g), w] = word
+
+    def load(row0):
+      return plgpu.load(x_g.at[pl.ds(row0, rt)], layout=lay, optimized=False)
+
+    def zero_sf_padding():  # layout B / C columns past the last row, by the last CTA
+      if sf_type.shape[1] > r:
+        @pl.when(lax.axis_index("i") == num_ctas - 1)
+        def _():
+          for c in range(r, sf_type.shape[1]):
+            sf_g[0, c] = jnp.zeros((), sf_type.dtype)
+
+    def encode(xr, row0, *, pad_sf, before_staging=None):
+      """The block of ``rt`` rows from ``row0``, loaded as ``xr``: its sf (and with ``pad_sf`` the sf padding) and
+      its words; ``before_staging`` runs after the row maximum, before the words are staged."""
+      rows = pl.ds(row0, rt)
+      amax = _row_amax(xr, lay, interpret)
+      if before_staging is not None:
+        before_staging()
+      sf, inv = ref.scale_factors(amax, max_value, "e5m6", round_sf, div=_sf_div(lay, rt, interpret))
+      sf = gpu_nan(sf, interpret)
+      sf_g[0, rows] = (lax.bitcast_convert_type(sf, jnp.int32) >> 23) & 0xFF if packed else sf
+      if pad_sf:
+        zero_sf_padding()
+      if not lane_level:  # interpret mode: the integer recipe, strided 4-byte word stores
+        codes = _encode_code(gpu_nan(xr.astype(jnp.float32) * inv[:, None, None], interpret))
+        for w, word in enumerate(_pack_words(codes, plgpu.broadcasted_iota(jnp.int32, (rt, g, 8), 2, layout=lay))):
+          o_g[rows, pl.ds(0, g), w] = word
+        return
+      (words_s,) = w_s
+      # One pass from the loaded tile to the staged words: against the scaled tile coded per value, then staged
+      # (H200, 2026-11-29), bf16 8001 x 2048 18.45 against 21.73 µs, 8001 x 7168 57.98 against 63.14 µs, 55 against
+      # 78 registers per thread at 2048 columns.
+      _hw_stage_scaled_words(xr, lax.broadcast_in_dim(inv, (rt, g), (0,)), words_s, lay, round_sf)
+      for off, n, vec in flat_chunks(rt * g * 3, 4):
+        o_g[pl.ds(row0 * (g * 3) + off, n)] = plgpu.load(words_s.at[pl.ds(off, n)], layout=flat_layout(vec),
+                                                         optimized=False)
+
+    if per_cta is None:
+      row0 = jnp.minimum(lax.axis_index("i") * rt, r - rt)
+      encode(load(row0), row0, pad_sf=True)
       return
-    (w_s,) = w_s
-    # One pass from the loaded tile to the staged words: against the scaled tile coded per value, then staged (H200,
-    # 2026-11-29), bf16 8001 x 2048 18.45 against 21.73 µs, 8001 x 7168 57.98 against 63.14 µs, 55 against 78
-    # registers per thread at 2048 columns.
-    _hw_stage_scaled_words(xr, lax.broadcast_in_dim(inv, (rt, g), (0,)), w_s, lay, round_sf)
-    for off, n, vec in flat_chunks(rt * g * 3, 4):
-      o_g[pl.ds(row0 * (g * 3) + off, n)] = plgpu.load(w_s.at[pl.ds(off, n)], layout=flat_layout(vec),
-                                                       optimized=False)
+    first = jnp.minimum(lax.axis_index("i") * per_cta, num_blocks - per_cta)
+
+    def row_of(j):
+      return jnp.minimum((first + j) * rt, r - rt)
+
+    def staged_words_read():
+      """Every thread past the copy-out of the previous block's staged words before this block's are staged (a
+      row maximum within one warp syncs nothing)."""
+      if lane_level:
+        _warpgroup_sync()
+
+    def step(j, xr):
+      upcoming = load(row_of(jnp.minimum(j + 1, per_cta - 1)))  # issued before this block is coded
+      encode(xr, row_of(j), pad_sf=False, before_staging=staged_words_read)
+      return upcoming
+
+    lax.fori_loop(0, per_cta, step, load(row_of(0)))
+    zero_sf_padding()
 
   # The largest value as a one-element host constant, loaded in the kernel (not folded in interpret mode).
   words, sf = kernel(xv, np.full((1,), ref.E5M6_MAX, np.float32))

@@ -1,7 +1,7 @@
 """Per-channel e4m3 casts: one scale per column and group of ``num_per_tokens`` rows (docs/quant.md, "Casts").
 
-One Mosaic GPU kernel (:func:`_kernel`) serves all three ops (bf16 ``per_channel_cast`` with short rows and the
-``pos_to_token`` gather excepted, below). Each CTA (one warpgroup) owns 128 rows (one group of 128
+One Mosaic GPU kernel (:func:`_kernel`) serves all three ops (bf16 ``per_channel_cast`` and the ``pos_to_token``
+gather excepted, below). Each CTA (one warpgroup) owns 128 rows (one group of 128
 or four of 32) and 128 columns (64 where 128 does not divide ``K``, e.g. 576), TMA-loaded into SMEM
 once and read from there twice, in :func:`jaxkern._layouts.row_layout` (16-byte vectors along a row,
 lanes along the columns, the rest of the lanes and the warps down the rows; conflict-free reads):
@@ -18,10 +18,10 @@ lanes along the columns, the rest of the lanes and the warps down the rows; conf
    (a lane shuffle on the int16-widened bytes, as in :mod:`jaxkern.transpose`) into SMEM and
    TMA-stored as ``(K, M)``, so the data crosses DRAM once.
 
-H200 (runner, cold L2): bf16 ``8064x7168`` 45.3 µs (90% of copy, 2.4x XLA), ``4096x576`` 5.6 µs (1.9x); the
-previous kernel (WGMMA-layout reductions, 255 registers avoided by the same one-column-per-thread
-step) took 72.1 / 10.8 µs. Walking 2 or 4 column tiles per CTA through a TMA pipeline, 64- or
-256-column tiles and the column-major grid order measured equal or slower.
+H200 (runner, cold L2, 2026-11-22, bf16 ``per_channel_cast`` when it ran this kernel): ``8064x7168`` 45.3 µs (90%
+of copy, 2.4x XLA), ``4096x576`` 5.6 µs (1.9x); the previous kernel (WGMMA-layout reductions, 255 registers
+avoided by the same one-column-per-thread step) took 72.1 / 10.8 µs. Walking 2 or 4 column tiles per CTA through a
+TMA pipeline, 64- or 256-column tiles and the column-major grid order measured equal or slower.
 
 ``per_channel_cast`` of a bf16 input with ``K <=`` :data:`DIRECT_MAX_K` runs :func:`_direct_kernel`: the same three
 steps with the tile loaded straight from GMEM into registers (no TMA, no SMEM copy of the data) and kept there
@@ -29,17 +29,25 @@ for step 3, 128-column tiles (a 64-column last one where 128 does not divide ``K
 barriers. H200 (2026-11-29): ``4096x576`` 5.31 µs against 5.66 for the kernel above; from ``K = 2048`` the kernel
 above is faster (10.00 against 10.51 µs at ``4096x2048``).
 
+Above :data:`DIRECT_MAX_K` ``per_channel_cast`` of a bf16 input runs :func:`_split_kernel`: the kernel above with
+each CTA's 128 rows over two warpgroups of 64 (TileKernels runs 256 threads per 128-row tile). Each warp's rows
+reduce to partial column maxima in-thread and by lane shuffles; the 8 partials of a column meet through SMEM after
+one CTA barrier (an mbarrier), and both warpgroups compute the same scale factors. H200 (2026-11-29), one -> two
+warpgroups: ``4096x2048`` 9.30 -> 8.93 µs, ``4096x7168`` 25.15 -> 24.50, ``8064x7168`` 45.90 -> 45.86; never slower
+on the op's shapes above ``K = 576`` (all figures at :func:`_plain_kernel`).
+
 The Mosaic GPU kernels take the e4m3 maximum as a one-element constant operand, broadcast in registers
 (:func:`_max_operand`): an ``(C,)`` constant became an XLA broadcast kernel before every call. NVIDIA H200 (CUPTI,
-cold L2, 2026-11-29), bf16, µs (TileKernels in brackets): ``4096x576`` 4.62 (4.53), ``4096x2048`` 9.22 (8.73),
-``4096x2560`` 10.82 (10.47), ``4096x3072`` 12.93 (12.27), ``8064x576`` 6.56 (6.30), ``8064x2048`` 15.26 (15.43);
+cold L2, 2026-11-29), bf16, one warpgroup per tile above ``K = 576``, µs (TileKernels in brackets): ``4096x576``
+4.62 (4.53), ``4096x2048`` 9.22 (8.73), ``4096x2560`` 10.82 (10.47), ``4096x3072`` 12.93 (12.27), ``8064x576`` 6.56
+(6.30), ``8064x2048`` 15.26 (15.43);
 with the ``(C,)`` operand 5.28 / 9.97 at ``4096x576`` / ``4096x2048`` (the kernel 4.58 / 9.28 plus a 0.67 µs
 broadcast launch). Measured on the same card and dropped: the register kernel with its 128 rows split over two
 warpgroups per CTA (partial maxima through SMEM, no cross-warp reduction by Mosaic GPU) 4.40 at ``4096x576`` but
 7.38 at ``8064x576`` and 9.79 at ``4096x2048``; over four warpgroups 5.25 at ``4096x576``.
 
 With a ``pos_to_token`` gather ``per_channel_cast_fused`` runs a Pallas-Triton kernel instead
-(:func:`_gather_kernel`): Mosaic GPU has no per-row register gather, and feeding the kernel above
+(:func:`_gather_kernel`): Mosaic GPU has no per-row register gather, and feeding :func:`_kernel`
 from an XLA gather (0.77-0.85x XLA) or one-row TMA copies (0.66x) was slower than the XLA reference.
 Each program gathers 128 rows x 64 columns with per-row addresses, 4 warps (best of 1/2/4 warps x
 32/64/128 columns on an H200). H200 (runner, 24 MoE gathers of 25-29k rows, bf16 and QuantTensor
@@ -209,9 +217,100 @@ def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, interpret=Fals
   return kernel(*inputs)
 
 
-# Largest K for which per_channel_cast of bf16 runs :func:`_direct_kernel` (above it :func:`_kernel`). H200,
-# 2026-11-29 (CUPTI, cold L2): K=576 at M=4096 / 8064 5.31 / 7.30 µs against 5.66 / 7.76 for the TMA kernel (64-column
-# tiles); K=2048 10.51 / 16.46 against 10.00 / 15.98, K=2560 12.59 against 11.66, K=7168 47.81 against 46.77.
+def _elementwise_max(parts, interpret: bool):
+  """Elementwise maximum of non-negative float32 arrays, NaN-propagating (as :func:`_column_max`)."""
+  if not interpret:
+    return functools.reduce(jnp.maximum, parts)
+  ints = [lax.bitcast_convert_type(p, jnp.int32) for p in parts]
+  return lax.bitcast_convert_type(functools.reduce(jnp.maximum, ints), jnp.float32)
+
+
+def _warp_column_max(v, interpret: bool):
+  """Column maxima over axis 1 of non-negative ``(4, rows, C)`` values, NaN-propagating (as :func:`_column_max`)."""
+  if not interpret:
+    return jnp.max(v, axis=1)
+  ints = lax.bitcast_convert_type(v, {2: jnp.int16, 4: jnp.int32}[v.dtype.itemsize])
+  return lax.bitcast_convert_type(jnp.max(ints, axis=1), v.dtype)
+
+
+def _warp_rows_layout(rows_per_warp: int, width: int, itemsize: int):
+  """Register layout of a ``(4, rows_per_warp, width)`` view of a warpgroup's rows: warp ``w`` holds the rows of
+  ``[w]``, its lanes 16-byte vectors along a row (as :func:`jaxkern._layouts.row_layout`) and the remaining lanes
+  consecutive rows, the rest of the rows in registers; a reduction over axis 1 (column maxima of each warp's rows)
+  is in-thread work and lane shuffles, never across warps."""
+  vec = 16 // itemsize
+  lanes_c = width // vec
+  lanes_r = 32 // lanes_c
+  tiling = mgpu_fa.Tiling(((4, rows_per_warp, width), (1, rows_per_warp, width), (1, lanes_r, width), (vec,)))
+  lay = mgpu_fa.TiledLayout(tiling, (-10,), (-3, -2), -1, _check_canonical=False).canonicalize()
+  return plgpu.Layout.TILED(lay.tiling, lay.warp_dims, lay.lane_dims, lay.vector_dim)
+
+
+@functools.partial(jax.jit, static_argnames=("round_sf", "interpret"))
+def _split_kernel(x, *, round_sf, interpret=False):
+  """:func:`_kernel` for a plain bf16 ``x`` ``(M, K)`` (``M % 128 == 0``, ``K % 64 == 0``; ``npt = 128``, no
+  transpose) with the CTA's 128 rows over two warpgroups of 64 rows: ``(out (M, K) e4m3, sf (M/128, K) float32)``.
+
+  Each warpgroup TMA-loads its half (four 16-row boxes), reads it in :func:`_warp_rows_layout` and writes its 4
+  warps' partial column maxima to SMEM (no cross-warp reduction by Mosaic GPU: its reduction scratch lies at one
+  SMEM address for every warpgroup); after a CTA barrier (an mbarrier every thread arrives at) each warpgroup takes
+  the maxima of the 8 partials one column per thread and computes the scale factors (both warpgroups the same
+  bits; warpgroup 0 stores the sf), passes ``sf_inv`` through its own SMEM row to its layout and casts its rows
+  straight from registers to GMEM. 128-column tiles, 64 where 128 does not divide ``K``; no automatic warpgroup
+  barriers. Interpret mode reads and writes the refs whole instead of in the layout (the same values)."""
+  m, k = x.shape
+  r, nwg = _ROWS, 2
+  h = r // nwg
+  c = 128 if k % 128 == 0 else 64
+  lay = _warp_rows_layout(h // 4, c, x.dtype.itemsize)
+  per_thread = _per_thread(c)
+  untiled = (plgpu.TilingTransform((1, 64)),)  # row-major (see jaxkern.quant._per_block_cast._untiled)
+
+  @functools.partial(
+      plgpu.kernel, grid=(k // c, m // r), grid_names=("j", "i"), num_threads=nwg, thread_name="wg",
+      interpret=_config.mosaic_interpret(interpret),
+      out_type=(jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m // r, k), jnp.float32)),
+      scratch_types=dict(x_s=plgpu.SMEM((nwg, 4, h // 4, c), x.dtype, transforms=untiled),
+                         part_s=plgpu.SMEM((4 * nwg, c), jnp.float32), inv_s=plgpu.SMEM((nwg, c), jnp.float32),
+                         bar=plgpu.Barrier(num_arrivals=4, num_barriers=nwg), joined=plgpu.Barrier(num_arrivals=nwg)),
+      compiler_params=NO_AUTO_BARRIERS)
+  def kernel(x_g, c_g, o_g, sf_g, x_s, part_s, inv_s, bar, joined):
+    i, j, wg = lax.axis_index("i"), lax.axis_index("j"), lax.axis_index("wg")
+    cols, rows = pl.ds(j * c, c), pl.ds(i * r + wg * h, h)
+    for w in range(4):  # one TMA box per warp's rows: the buffer is the (4, h/4, c) view (no SMEM reshape lowers)
+      plgpu.copy_gmem_to_smem(x_g.at[pl.ds(i * r + wg * h + w * (h // 4), h // 4), cols], x_s.at[wg, w], bar.at[wg])
+    maxv = _max_vector(c_g, c, per_thread)
+    plgpu.barrier_wait(bar.at[wg])
+    view = x_s.at[wg]
+    v = view[...] if interpret else plgpu.load(view, layout=lay)
+    part_s[pl.ds(wg * 4, 4)] = _warp_column_max(jnp.abs(v), interpret).astype(jnp.float32)
+    plgpu.barrier_arrive(joined)
+    plgpu.barrier_wait(joined)
+    parts = [part_s[t] if interpret else plgpu.load(part_s.at[t], layout=per_thread) for t in range(4 * nwg)]
+    a = _elementwise_max(parts, interpret)
+    sf, inv = ref.scale_factors(a, maxv, "e4m3", round_sf, div=_ieee.exact_div)
+
+    @pl.when(wg == 0)
+    def _():
+      sf_g[i, cols] = sf
+
+    inv_s[wg] = inv
+    plgpu.commit_smem()  # its warpgroup's threads read the row it wrote
+    inv = inv_s[wg] if interpret else plgpu.load(inv_s.at[wg], layout=lay.reduce(0).reduce(0), optimized=False)
+    q = _e4m3(v.astype(jnp.float32) * inv[None, None, :], interpret)
+    if interpret:
+      o_g[rows, cols] = q.reshape(h, c)
+    else:
+      o_g.at[rows, cols].reshape(4, h // 4, c)[...] = q
+
+  return kernel(x, _max_operand())
+
+
+# Largest K for which per_channel_cast of bf16 runs :func:`_direct_kernel` (above it :func:`_split_kernel`). H200,
+# 2026-11-29 (CUPTI, cold L2): K=576 at M=4096 / 8064 5.31 / 7.30 µs against 5.66 / 7.76 for the one-warpgroup TMA
+# kernel :func:`_kernel` (64-column tiles); K=2048 10.51 / 16.46 against 10.00 / 15.98, K=2560 12.59 against 11.66,
+# K=7168 47.81 against 46.77. The two-warpgroup kernel (0-4% faster than :func:`_kernel` from K=2048) was not timed
+# at K=576.
 DIRECT_MAX_K = 576
 _DIRECT_COLS = 128  # columns per CTA of the direct kernel, a 64-column last tile where 128 does not divide K
 
@@ -373,10 +472,10 @@ def per_channel_cast_fused(x: jax.typing.ArrayLike | QuantTensor, fmt: str, num_
     ValueError: another ``fmt`` or ``num_per_tokens``; ``num_per_channels`` not 128 for a QuantTensor
       (not None for a plain input); wrong ranks, dtypes, shapes (above) or a bool / non-array input.
 
-  Kernels: without ``pos_to_token`` the TMA Mosaic GPU kernel of :func:`per_channel_cast`; with it a
-  Pallas-Triton gather kernel (H200: 1.89-2.00x XLA on the MoE gathers, module docstring). XLA
-  instead of a kernel: only zero-size problems (``M``, ``Mo`` or ``K`` zero: the result is empty or,
-  for ``M = 0`` with ``Mo > 0``, zero rows with the clamp scale).
+  Kernels: without ``pos_to_token`` the one-warpgroup TMA Mosaic GPU kernel (:func:`per_channel_cast`'s for
+  float32, module docstring); with it a Pallas-Triton gather kernel (H200: 1.89-2.00x XLA on the MoE gathers,
+  module docstring). XLA instead of a kernel: only zero-size problems (``M``, ``Mo`` or ``K`` zero: the result is
+  empty or, for ``M = 0`` with ``Mo > 0``, zero rows with the clamp scale).
 
   Non-finite inputs give the reference's bits: the column maxima propagate NaN, so a NaN makes
   its group's ``sf`` and data NaN; an infinity gives ``sf = inf``, NaN for itself and signed zeros
@@ -465,8 +564,8 @@ def per_channel_cast(x: jax.typing.ArrayLike, fmt: str, num_per_tokens: int, *, 
     ValueError: another ``fmt`` or ``num_per_tokens``, another rank or dtype (bool included), ``M`` /
       ``K`` not multiples of 128 / 64, a non-array ``x``.
 
-  Mosaic GPU kernel (H200: ``8064x7168`` bf16 45.3 µs, 90% of copy, 2.4x XLA; module docstring). XLA
-  instead of a kernel: only zero-size arrays.
+  Mosaic GPU kernels (H200, 2026-11-29: ``8064x7168`` bf16 45.9 µs, 2.4x XLA; module docstring). XLA instead of a
+  kernel: only zero-size arrays.
 
   Non-finite inputs give the reference's bits: the column maxima propagate NaN, so a NaN makes
   its group's ``sf`` and data NaN; an infinity gives ``sf = inf``, NaN for itself and signed zeros
@@ -484,12 +583,20 @@ def per_channel_cast(x: jax.typing.ArrayLike, fmt: str, num_per_tokens: int, *, 
 
 
 def _plain_kernel(x, round_sf, interpret):
-  """:func:`per_channel_cast`'s kernel (``npt = 128``): :func:`_direct_kernel` for bf16 with ``K <=``
-  :data:`DIRECT_MAX_K`, else :func:`_kernel` (float32: a 128-column register tile would hold 128 float32 values
-  per thread)."""
-  if x.dtype == jnp.bfloat16 and x.shape[1] <= DIRECT_MAX_K:
+  """:func:`per_channel_cast`'s kernel (``npt = 128``): for bf16 :func:`_direct_kernel` with ``K <=``
+  :data:`DIRECT_MAX_K`, else :func:`_split_kernel`; for float32 :func:`_kernel` (a 128-column register tile would
+  hold 128 float32 values per thread; the two-warpgroup kernel was built and measured for bf16 only)."""
+  if x.dtype != jnp.bfloat16:
+    return _kernel(x, npt=128, round_sf=round_sf, interpret=interpret)
+  if x.shape[1] <= DIRECT_MAX_K:
     return _direct_kernel(x, round_sf=round_sf, interpret=interpret)
-  return _kernel(x, npt=128, round_sf=round_sf, interpret=interpret)
+  # Two warpgroups per 128-row tile (TileKernels runs 256 threads per tile) rather than :func:`_kernel`'s one.
+  # NVIDIA H200, 2026-11-29 (runner, CUPTI, cold L2, both kernels in the same run), µs, one -> two warpgroups:
+  # M=4096: K=2048 9.30 -> 8.93, K=2560 10.88 -> 10.53, K=3072 12.30 -> 12.27, K=4096 15.46 -> 15.44,
+  # K=6144 21.94 -> 21.36, K=7168 25.15 -> 24.50; M=8064: K=2048 15.30 -> 15.26, K=2560 18.50 -> 18.29,
+  # K=3072 21.60 -> 21.22, K=4096 27.62 -> 27.20, K=6144 39.63 -> 39.33, K=7168 45.90 -> 45.86. Never slower;
+  # bit-exact on the card (4096x2048, 4096x704, non-finite inputs, round_sf).
+  return _split_kernel(x, round_sf=round_sf, interpret=interpret)
 
 
 def per_channel_cast_and_transpose(x: jax.typing.ArrayLike, fmt: str, num_per_tokens: int, *, round_sf: bool = False,

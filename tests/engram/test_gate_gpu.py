@@ -30,7 +30,8 @@ EPS, CLAMP = 1e-20, 1e-6
 # upstream's 1e-8: grad_k at T=8001 D=2560 measured 2.8e-8 on an H100 (2026-11-26), every other leaf below 3e-9.
 VJP_GRAD_TOL = 1e-7
 SHAPES = [(8001, 7168), (8001, 2560)]  # the two-pass backward (7168 in 16-byte vectors, 2560 in 8-byte ones)
-BWD_SHAPES = SHAPES + [(8001, 3072)]  # the fused backward (one pass) at its widest D
+# + the fused backward (one pass) at its widest D, the one-pass backward for large D (two warpgroups per CTA)
+BWD_SHAPES = SHAPES + [(8001, 3072), (8001, 6144), (8001, 4096)]
 
 
 def _report(title, rows):

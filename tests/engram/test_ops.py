@@ -148,16 +148,18 @@ def _median_clamp(key, t, d, m=4):
   return float(np.median(np.abs(np.asarray(dot * rx * rk, np.float64))) * d**-0.5) * 1.0001
 
 
-# fused (one pass, D <= FUSED_MAX_D in 16-byte vectors): 1024 / 2048 / 3072 in 1024-column steps. Two-pass: 4096
-# (16-byte vectors above FUSED_MAX_D), 2560 (8-byte vectors), 512, 768 (4-byte vectors), all with the row pass one
-# warp per stream; M = 3: the flat row pass, M·D above PRELOAD_MAX_VALUES. Token chunks of 3 tokens, 1, 5; p > t:
-# empty chunks write zeros.
+# fused (one pass, D <= FUSED_MAX_D in 16-byte vectors): 1024 / 2048 / 3072 in 1024-column steps. One pass for large
+# D (two warpgroups, one half of every row each): 4096 (two 1024-column blocks per half: chunks of 2 tokens, 1), 6144
+# (three; p > t). Two-pass: 5120 (16-byte vectors above FUSED_MAX_D, halves of 2560 columns), 2560 (8-byte vectors),
+# 512, 768 (4-byte vectors), all with the row pass one warp per stream; M = 3: the flat row pass, M·D above
+# PRELOAD_MAX_VALUES. Token chunks of 3 tokens, 1, 5; p > t: empty chunks write zeros.
 @pytest.mark.parametrize("t, d, p, m, kernel", [
-    (2, 3072, 4, 4, "fused"), (5, 1024, 1, 4, "fused"), (3, 2048, 3, 4, "fused"), (2, 4096, 3, 4, "two_pass"),
-    (7, 512, 3, 4, "two_pass"), (4, 768, 2, 4, "two_pass"), (2, 2560, 4, 4, "two_pass"),
-    (2, 3584, 2, 3, "two_pass")])
+    (2, 3072, 4, 4, "fused"), (5, 1024, 1, 4, "fused"), (3, 2048, 3, 4, "fused"), (3, 4096, 2, 4, "onepass"),
+    (2, 6144, 3, 4, "onepass"), (2, 5120, 3, 4, "two_pass"), (7, 512, 3, 4, "two_pass"), (4, 768, 2, 4, "two_pass"),
+    (2, 2560, 4, 4, "two_pass"), (2, 3584, 2, 3, "two_pass")])
 def test_gate_bwd_kernel(key, t, d, p, m, kernel):
   assert _gate.fused_applies(d, m) == (kernel == "fused")
+  assert (_gate.onepass_applies(d, m) and not _gate.fused_applies(d, m)) == (kernel == "onepass")
   clamp = _median_clamp(key, t, d, m)  # the clamp is active for about half the (token, stream) pairs
   args = _bwd_inputs(key, t, d, clamp, m)
   got = jax.jit(lambda *a: engram.engram_gate_bwd(*a, clamp_value=clamp, num_partials=p,
@@ -205,12 +207,17 @@ def test_gate_bwd_default_partials():
   assert _gate.default_num_partials(40, 2048) == 40
   assert _gate.default_num_partials(8001, 2048) == _gate.fused_ctas_per_sm(2048, 4) * 132
   assert _gate.default_num_partials(0, 2048) == 1
+  # one pass for large D: one CTA per SM, at most T
+  widths = (2048, 2560, 4096, 5120, 6144, 7168)
+  assert [d for d in widths if _gate.onepass_applies(d, 4)] == [2048, 4096, 6144]  # 2048: the fused kernel first
+  assert not _gate.onepass_applies(4096, 3) and not _gate.onepass_applies(4096, 8)
+  assert _gate.default_num_partials(8001, 6144) == _gate.default_num_partials(4001, 4096) == 132
+  assert _gate.default_num_partials(40, 6144) == 40 and _gate.default_num_partials(0, 4096) == 1
   # two-pass: column blocks x token chunks
   assert _gate.default_num_partials(8001, 7168) == 8 * 132 // 7 == 150  # 7 column blocks x 150 chunks
-  assert _gate.default_num_partials(8001, 6144) == 8 * 132 // 6 == 176  # 6144: two-pass (above FUSED_MAX_D)
   assert _gate.default_num_partials(40, 7168) == 3
   assert _gate.default_num_partials(8001, 2560) == 8 * 132 // 5  # 2560: two-pass (8-byte vectors)
-  assert _gate.default_num_partials(4001, 4096) == -(-4001 // 16)  # 16 tokens per chunk at least
+  assert _gate.default_num_partials(2001, 7168) == -(-2001 // 16) == 126  # 16 tokens per chunk at least
   s = jnp.zeros((0, 4))
   x = jnp.zeros((0, 4, 7168), jnp.bfloat16)
   g = engram.engram_gate_bwd(x, x, x, x[:, 0], jnp.ones((4, 7168)), s, s, s, s, clamp_value=1e-6,
@@ -227,19 +234,31 @@ def test_gate_zero_tokens():
   assert g.grad_v.shape == (0, 512) and g.grad_w_partial.shape == (8, 4, 512) and not np.any(g.grad_w_partial)
 
 
-# fwd: one warp per stream (2560, 768), the flat kernel (2048, 6144, 7168, m = 3); bwd: fused (2048), two-pass (7168,
-# 6144, 2560, 768; flat row pass with m = 3)
-@pytest.mark.parametrize("t, d, m", [(4001, 2048, 4), (8001, 7168, 4), (4001, 2560, 4), (8001, 6144, 4), (1, 768, 4),
-                                     (4001, 7168, 3)])
-def test_gate_kernels_lower_for_h100(t, d, m):
+def _bwd_kernel_calls(t, d, m):
+  """The Mosaic GPU kernels in ``engram_gate_bwd``'s lowering for an H100 (1 for a one-pass kernel, 2 for two)."""
   b16, f32 = (sds((t, m, d), jnp.bfloat16), sds((t, m), jnp.float32))
+  args = (b16, b16, b16, sds((t, d), jnp.bfloat16), sds((m, d), jnp.float32), f32, f32, f32, f32)
+  f = functools.partial(engram.engram_gate_bwd, clamp_value=1e-6, implementation="pallas")
+  return lower_for_h100(f, *args).as_text().count("custom_call @mosaic_gpu")
+
+
+# fwd: one warp per stream (2560, 768), the flat kernel (2048, 6144, 7168, m = 3); bwd: fused (2048), one pass for
+# large D (6144), two-pass (7168, 2560, 768; flat row pass with m = 3)
+@pytest.mark.parametrize("t, d, m, bwd_kernels", [(4001, 2048, 4, 1), (8001, 7168, 4, 2), (4001, 2560, 4, 2),
+                                                  (8001, 6144, 4, 1), (1, 768, 4, 2), (4001, 7168, 3, 2)])
+def test_gate_kernels_lower_for_h100(t, d, m, bwd_kernels):
+  b16 = sds((t, m, d), jnp.bfloat16)
   args = (b16, b16, sds((t, d), jnp.bfloat16), sds((m, d), jnp.float32))
   for save in (True, False):
     f = functools.partial(engram.engram_gate_fwd, eps=1e-20, clamp_value=1e-6, save_for_backward=save,
                           implementation="pallas")
     assert "mosaic_gpu" in lower_for_h100(f, *args).as_text()
-  f = functools.partial(engram.engram_gate_bwd, clamp_value=1e-6, implementation="pallas")
-  assert "mosaic_gpu" in lower_for_h100(f, b16, *args, f32, f32, f32, f32).as_text()
+  assert _bwd_kernel_calls(t, d, m) == bwd_kernels
+
+
+def test_gate_bwd_onepass_lowers_for_h100_at_4096():
+  """The large-D one-pass backward with two column blocks per half, 4001 tokens over one CTA per SM."""
+  assert _bwd_kernel_calls(4001, 4096, 4) == 1
 
 
 def test_gate_unsupported_runs_xla():

@@ -427,3 +427,70 @@ def test_spec_shapes_gpu(key, m, k, flags, dtype):
     assert_bitwise_equal(back, ref.cast_back_e5m6(got, fmt, (1, k), x_use_tma_aligned_col_major_sf=col_major))
     # NaN results are the canonical NaN (docstring); numpy's product keeps other NaN bits: compare values.
     np.testing.assert_array_equal(np.asarray(back, np.float32), (values * sf).astype(out_dtype).astype(np.float32))
+
+
+# The encoder's register prefetch (bfloat16, ``_e5m6._PREFETCH_MIN_K <= K <= _PREFETCH_MAX_K``: a persistent grid,
+# each CTA a run of consecutive row blocks, the next one loaded before the current one is coded).
+
+def _non_finite_rows(key, m, k, dtype):
+  """``randn`` rows with a zero, a negative-zero, a NaN, a -inf and an inf row at the top and a NaN, an inf and a
+  zero row at the bottom (other blocks of other runs)."""
+  x = randn(key, (m, k), jnp.float32).at[0].set(0.0).at[1].set(-0.0).at[2, 5].set(jnp.nan).at[3, 7].set(-jnp.inf)
+  x = x.at[4, 9].set(jnp.inf).at[m - 1, k - 1].set(jnp.nan).at[m - 2, 0].set(jnp.inf).at[m - 3].set(0.0)
+  return x.astype(dtype)
+
+
+def test_prefetch_blocks_per_cta():
+  """Where the prefetch grid runs and how many blocks each CTA takes (132 SMs when lowering off a GPU)."""
+  from jaxkern.quant._e5m6 import _prefetch_blocks_per_cta
+  assert _prefetch_blocks_per_cta(8001, jnp.bfloat16, 7168) == 21  # 381 CTAs of 21 blocks
+  assert _prefetch_blocks_per_cta(999, jnp.bfloat16, 7168) == 3
+  assert _prefetch_blocks_per_cta(396, jnp.bfloat16, 7168) is None  # one block per CTA anyway
+  assert _prefetch_blocks_per_cta(8001, jnp.float32, 7168) is None
+  assert _prefetch_blocks_per_cta(8001, jnp.bfloat16, 2048) is None
+  assert _prefetch_blocks_per_cta(8001, jnp.bfloat16, 16384) is None  # wider rows: not measured
+
+
+@pytest.fixture
+def prefetch_everywhere(monkeypatch):
+  """The prefetch grid for every bf16 width and sized for one SM, so that small CPU shapes give each CTA several
+  blocks (the loop, the last run moved back over its neighbour's blocks)."""
+  from jaxkern.quant import _e5m6
+  monkeypatch.setattr(_e5m6, "_PREFETCH_MIN_K", 8)
+  monkeypatch.setattr(_e5m6._config, "num_sms", lambda: 1)
+  _e5m6._encode_kernel.clear_cache()
+  yield
+  _e5m6._encode_kernel.clear_cache()
+
+
+PREFETCH_CASES = [  # m, k, flags, non-finite rows (bf16, one SM)
+    (11, 7168, "C", True),  # 1-row blocks: 11 in 3 runs of 4, the last from block 7; sf padding
+    (70, 576, "A_round", True),  # 16-row blocks: 5 in runs of 2, the last block and run moved back
+    (70, 576, "B", False),
+]
+
+
+@pytest.mark.parametrize("m, k, flags, non_finite", PREFETCH_CASES,
+                         ids=[f"{m}x{k}-{f}" for m, k, f, _ in PREFETCH_CASES])
+def test_prefetch_encoder_bit_exact(key, prefetch_everywhere, m, k, flags, non_finite):
+  x = _non_finite_rows(key, m, k, jnp.bfloat16) if non_finite else _inputs(key, m, k, jnp.bfloat16)
+  got = quant.per_token_cast_to_e5m6(x, k, **_flags(flags), implementation="interpret")
+  assert_bitwise_equal(got, ref.per_token_cast_to_e5m6(x, k, **_flags(flags)))
+
+
+@pytest.mark.parametrize("flags", ["A_round", "B"])
+def test_prefetch_encoder_lowers_for_h100(flags):
+  cast = lambda x: quant.per_token_cast_to_e5m6(x, 7168, **_flags(flags), implementation="pallas")
+  assert "mosaic_gpu" in lower_for_h100(cast, jax.ShapeDtypeStruct((8001, 7168), jnp.bfloat16)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, flags", [
+    (8001, "A_round"), (8001, "C"), (999, "A_round"), (999, "B"), (999, "C"), (1000, "C")])
+def test_prefetch_encoder_gpu(key, m, flags):
+  """The compiled encoder on its prefetch grid (bf16, K=7168; 132 SMs: 8001 rows in 381 runs of 21 blocks, 999 in
+  333 of 3, 1000 in 334 of 3, the last moved back) against the reference, with non-finite rows."""
+  x = _non_finite_rows(key, m, 7168, jnp.bfloat16)
+  f = _flags(flags)
+  got = jax.jit(lambda x: quant.per_token_cast_to_e5m6(x, 7168, **f))(x)
+  assert_bitwise_equal(got, jax.jit(lambda x: ref.per_token_cast_to_e5m6(x, 7168, **f))(x))

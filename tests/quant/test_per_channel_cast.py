@@ -357,13 +357,16 @@ def test_non_finite_inputs_gpu(key, round_sf):
 
 
 def test_kernel_choice():
-  """bf16 with K <= DIRECT_MAX_K: the register kernel; wider or float32: the TMA kernel."""
+  """bf16 with K <= DIRECT_MAX_K: the register kernel; wider: the two-warpgroup TMA kernel; float32: the
+  one-warpgroup TMA kernel."""
   from jaxkern.testing import lower_for_h100
 
-  for k, dtype, direct in ((576, jnp.bfloat16, True), (2048, jnp.bfloat16, False), (576, jnp.float32, False)):
+  for k, dtype, kernel in ((576, jnp.bfloat16, "_direct_kernel"), (2048, jnp.bfloat16, "_split_kernel"),
+                           (704, jnp.bfloat16, "_split_kernel"), (576, jnp.float32, "_kernel"),
+                           (2048, jnp.float32, "_kernel")):
     f = lambda x: quant.per_channel_cast(x, "e4m3", 128, implementation="pallas")
     text = lower_for_h100(f, jax.ShapeDtypeStruct((256, k), dtype)).as_text()
-    assert ("_direct_kernel" in text) == direct, (k, dtype)
+    assert set(re.findall(r"@(_\w*kernel)\b", text)) == {kernel}, (k, dtype)
     outside = "\n".join(line for line in text.splitlines() if "mosaic_gpu" not in line)
     assert "broadcast_in_dim" not in outside  # the kernels' constant operand: no XLA kernel before them
     # nor a uniform constant of more than one element, which XLA rewrites into a broadcast kernel
@@ -371,7 +374,7 @@ def test_kernel_choice():
 
 
 # The register kernel of bf16 per_channel_cast: 128-column tiles (K = 256), a 64-column last tile (K = 320, 576),
-# and the TMA kernel at those K (DIRECT_MAX_K = 0).
+# and the two-warpgroup TMA kernel at those K (DIRECT_MAX_K = 0: 128-column tiles, 64-column tiles throughout).
 @pytest.mark.parametrize("direct_max_k", [576, 0])
 @pytest.mark.parametrize("k, round_sf", [(256, True), (320, False), (576, True)])
 def test_direct_kernel_bit_exact(key, monkeypatch, k, round_sf, direct_max_k):
@@ -389,13 +392,47 @@ def test_direct_kernel_lowers_for_h100(m, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("direct_max_k, m, k", [
-    (576, 4096, 576), (576, 8064, 576), (576, 4096, 2048), (576, 8064, 7168), (0, 4096, 576), (8192, 8064, 2560)])
+@pytest.mark.parametrize("direct_max_k, m, k", [(576, 4096, 576), (576, 8064, 576), (0, 4096, 576), (8192, 8064, 2560)])
 def test_per_channel_cast_spec_shapes_gpu(key, monkeypatch, m, k, direct_max_k):
-  """per_channel_cast's kernels (the register kernel up to ``DIRECT_MAX_K``, the TMA kernel above), compiled, against
-  numpy."""
+  """per_channel_cast's kernels (the register kernel up to ``DIRECT_MAX_K``, the two-warpgroup TMA kernel above),
+  compiled, against numpy; the two-warpgroup kernel at the spec shapes: :func:`test_split_kernel_gpu`."""
   monkeypatch.setattr(module, "DIRECT_MAX_K", direct_max_k)
   x = randn(key, (m, k), jnp.bfloat16)
   for round_sf in (False, True):
     got = jax.jit(lambda x: quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))(x)
     _assert_quant_equal(got, _oracle(np.asarray(x, np.float32), 128, round_sf))
+
+
+# per_channel_cast's kernel for bf16 above DIRECT_MAX_K (two warpgroups of 64 rows per 128-row tile), at small K with
+# DIRECT_MAX_K = 0 (interpret mode takes about 0.4 s a CTA): 128-column tiles (K = 256, two CTA rows), 64-column
+# tiles (K = 192), and at K = 640 as per_channel_cast picks it; round_sf, non-finite values in both warpgroups' rows
+# (rows 0-63 and 64-127 of the first block).
+@pytest.mark.parametrize("m, k, direct_max_k", [(256, 256, 0), (128, 192, 0), (128, 640, 576)], ids=str)
+@pytest.mark.parametrize("round_sf", [False, True])
+def test_split_kernel_bit_exact(key, monkeypatch, m, k, direct_max_k, round_sf):
+  monkeypatch.setattr(module, "DIRECT_MAX_K", direct_max_k)
+  x = randn(key, (m, k), jnp.bfloat16) * jnp.exp2(jnp.arange(k, dtype=jnp.float32) % 17 - 8)
+  got = quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf)
+  _assert_quant_equal(got, _oracle(np.asarray(x, np.float32), 128, round_sf))
+  x = _non_finite(key, (m, k), jnp.bfloat16)
+  got = quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf)
+  _assert_quant_equal(got, ref.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))
+  _check_non_finite_semantics(got, round_sf)
+
+
+@pytest.mark.parametrize("m, k", [(4096, 640), (4096, 704), (8064, 2048)])
+def test_split_kernel_lowers_for_h100(m, k):
+  from jaxkern.testing import lower_for_h100
+  f = lambda x: quant.per_channel_cast(x, "e4m3", 128, round_sf=True, implementation="pallas")
+  assert "@_split_kernel" in lower_for_h100(f, jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k", [(4096, 2048), (8064, 7168), (4096, 704)])
+def test_split_kernel_gpu(key, m, k):
+  """The two-warpgroup kernel, compiled, against the reference compiled by XLA, with and without round_sf: random
+  values with non-finite ones in the first block (:func:`_non_finite`)."""
+  x = _non_finite(key, (m, k), jnp.bfloat16)
+  for round_sf in (False, True):
+    want = jax.jit(lambda x: ref.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))(x)
+    _assert_quant_equal(jax.jit(lambda x: quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))(x), want)
