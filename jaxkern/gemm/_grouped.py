@@ -310,13 +310,16 @@ def _zero_acc(acc, interpret):
     acc[...] = zeros
 
 
-def _ring_memory_warpgroup(items, first, coords, expert_of, load, *, steps, stages, consumed):
+def _ring_memory_warpgroup(items, first, coords, expert_of, load, *, steps, stages, consumed, on_item=None,
+                           on_end=None):
   """The memory warpgroup of the SMEM-ring kernels (:func:`_ring_kernel`, :func:`_wide_kernel`,
   :func:`_pair_mc_kernel`): walks the CTA's items as the compute warpgroups do (``coords(lin)``: row block and
   column position; ``expert_of(lin)``, carried one item ahead, ``first`` the carry of the CTA's first item; items
   of expert < 0 load nothing), and for each of an item's ``steps`` K steps waits until its ring slot is released
   (``consumed``) and calls ``load(slot, step, row block, column, expert)`` to issue the step's TMA loads. At the
-  end it observes the last releases (every phase of the ``consumed`` barriers) before the kernel ends."""
+  end it observes the last releases (every phase of the ``consumed`` barriers) before the kernel ends.
+  ``on_item(t0, row block, column, expert)``, where given, runs before the first step's loads of each loaded item
+  (``t0``: the ring position of that step); ``on_end(total steps)`` at the end."""
   plgpu.set_max_registers(40, action="decrease")
   ctas = lax.axis_size("sm")
 
@@ -329,6 +332,9 @@ def _ring_memory_warpgroup(items, first, coords, expert_of, load, *, steps, stag
 
     @pl.when(e >= 0)
     def _load():
+      if on_item is not None:
+        on_item(t0, mi, col, e)
+
       @pl.loop(0, steps)
       def _step(s):
         t = t0 + s
@@ -347,6 +353,9 @@ def _ring_memory_warpgroup(items, first, coords, expert_of, load, *, steps, stag
   @pl.loop(jnp.maximum(total_steps - stages, 0), total_steps)
   def _drain(t):
     plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
+
+  if on_end is not None:
+    on_end(total_steps)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "stages"))
@@ -462,16 +471,25 @@ def _ring_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_
 
 
 def _wide_tile(e, c0, r0, t0, *, wg, wm, bn, ks, stages, first_cols_cases, x_s, w_s, sx_s, sfw_g, produced,
-               consumed, out_s, o_g, out_dtype, interpret, release=None):
+               consumed, out_s, o_g, out_dtype, interpret, release=None, w_scales_smem=None):
   """One compute warpgroup's ``(wm, bn)`` tile of the 192-column kernels (:func:`_wide_kernel`,
   :func:`_pair_mc_kernel`) for expert ``e >= 0``: the K loop over the pipeline's slots from ``t0`` (the step's x
-  scales read and multiplied by the two column blocks' weight scales, loaded two steps ahead; the wgmma; the
-  per-step promotion), then the TMA-store epilogue. The tile's split between two weight-scale blocks
-  (``first_cols``) is a compile-time constant per case. A slot is released by ``release(slot)`` once its wgmma has
-  completed and its x scales are in registers (default: every thread's arrival on ``consumed[slot]``)."""
+  scales read and multiplied by the two column blocks' weight scales; the wgmma; the per-step promotion), then the
+  TMA-store epilogue. The tile's split between two weight-scale blocks (``first_cols``) is a compile-time constant
+  per case. A slot is released by ``release(slot)`` once its wgmma has completed and its x scales are in registers
+  (default: every thread's arrival on ``consumed[slot]``).
+
+  Weight scales: scalar GMEM loads two steps ahead in the loop carry, or (``w_scales_smem = (sw_s, full, free)``)
+  the tile's ``(2, K/128)`` rows of them, TMA'd into SMEM once per item by the memory warpgroup
+  (:func:`_tile_w_scales_loader`; two buffers by the parity of the CTA's loaded items, ``full`` their barriers),
+  read per step before the wgmma; the warpgroup arrives on ``free`` once its K loop is done with them."""
   if release is None:
     release = lambda slot: plgpu.barrier_arrive(consumed.at[slot])
   scale_block = c0 // BLOCK
+  if w_scales_smem is not None:
+    sw_all, sw_full, sw_free = w_scales_smem
+    parity = lax.rem(t0 // ks, 2)
+    sw = sw_all.at[parity]
 
   def w_scales(s):  # the weight scales of the tile's two column blocks at step s
     s = jnp.minimum(s, ks - 1)
@@ -479,7 +497,10 @@ def _wide_tile(e, c0, r0, t0, *, wg, wm, bn, ks, stages, first_cols_cases, x_s, 
 
   def k_loop(first_cols, acc):
     def step(s, carry):
-      total, (w0, w1), w_next = carry
+      if w_scales_smem is None:
+        total, (w0, w1), w_next = carry
+      else:
+        total = carry
       slot = lax.rem(t0 + s, stages)
       plgpu.barrier_wait(produced.at[slot])
       # The step's x scales are read from SMEM and multiplied by the weight scales before the wgmma (as DeepGEMM
@@ -487,6 +508,8 @@ def _wide_tile(e, c0, r0, t0, *, wg, wm, bn, ks, stages, first_cols_cases, x_s, 
       # wait. H200, 2026-11-29, "wide192", M = 32768, N = 7168, K = 2048: 1236 -> 1264 TF/s at G = 4, 1230 -> 1257
       # at G = 8 against reading them after the wait; bit-identical.
       sx = plgpu.load(sx_s.at[slot, pl.ds(wg * wm, wm)], layout=WG.reduce(1), optimized=False)
+      if w_scales_smem is not None:
+        w0, w1 = sw[0, s], sw[1, s]
       s0, s1 = sx * w0, sx * w1
       _zero_acc(acc, interpret)
       plgpu.wgmma(acc, x_s.at[slot, pl.ds(wg * wm, wm)], w_s.at[slot].T)
@@ -494,10 +517,18 @@ def _wide_tile(e, c0, r0, t0, *, wg, wm, bn, ks, stages, first_cols_cases, x_s, 
       release(slot)
       promoted = jnp.concatenate([part[:, :first_cols] * s0[:, None],
                                   part[:, first_cols:] * s1[:, None]], axis=1)
-      return total + promoted, w_next, w_scales(s + 2)
+      if w_scales_smem is None:
+        return total + promoted, w_next, w_scales(s + 2)
+      return total + promoted
 
     zero = plgpu.layout_cast(jnp.zeros((wm, bn), jnp.float32), WG)
-    return lax.fori_loop(0, ks, step, (zero, w_scales(0), w_scales(1)))[0]
+    if w_scales_smem is None:
+      return lax.fori_loop(0, ks, step, (zero, w_scales(0), w_scales(1)))[0]
+    plgpu.barrier_wait(sw_full.at[parity])
+    total = lax.fori_loop(0, ks, step, zero)
+    plgpu.commit_smem()  # fence + warpgroup barrier: every warp has read the scales before warp 0 frees them
+    plgpu.barrier_arrive(sw_free.at[parity])
+    return total
 
   for first_cols in first_cols_cases:
     @pl.when((e >= 0) & (c0 % BLOCK == BLOCK - first_cols))
@@ -507,6 +538,45 @@ def _wide_tile(e, c0, r0, t0, *, wg, wm, bn, ks, stages, first_cols_cases, x_s, 
       out_s[wg] = total.astype(out_dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(out_s.at[wg], o_g.at[pl.ds(pl.multiple_of(r0, wm), wm), pl.ds(c0, bn)])
+
+
+def _tile_w_scales_loader(wsf_g, sw_s, sw_full, sw_free, *, ks, expert_index=lambda e: e):
+  """The memory warpgroup's hooks (``on_item``, ``on_end`` of :func:`_ring_memory_warpgroup`) for SMEM weight
+  scales: per loaded item the TMA of the tile's two rows of weight scales (column blocks ``c0 // 128`` and the next,
+  all K steps) into the buffer of the item's parity, once the compute warpgroups are done with the item two before
+  it; at the end, the wait for their release of the last two items (every phase of the ``free`` barriers
+  observed before the kernel ends)."""
+  def on_item(t0, mi, c0, e):
+    del mi
+    item = t0 // ks
+    parity = lax.rem(item, 2)
+
+    @pl.when(item >= 2)
+    def _wait_free():
+      plgpu.barrier_wait(sw_free.at[parity])
+
+    plgpu.copy_gmem_to_smem(wsf_g.at[expert_index(e), pl.ds(c0 // BLOCK, 2), :], sw_s.at[parity],
+                            sw_full.at[parity])
+
+  def on_end(total_steps):
+    @pl.loop(jnp.maximum(total_steps // ks - 2, 0), total_steps // ks)
+    def _drain(item):
+      plgpu.barrier_wait(sw_free.at[lax.rem(item, 2)])
+
+  return on_item, on_end
+
+
+# :func:`_pair_mc_kernel` stages a tile's weight scales in SMEM where ``K/128`` is a multiple of this (each ``(2,
+# K/128)`` float32 buffer whole 128-byte units, as a TMA into SMEM lands 128-byte aligned); elsewhere it reads them
+# by scalar GMEM loads. Padding them instead cost more than it saved: H200, 2026-11-29, M = 32768, G = 8, N = 4096,
+# K = 7168 (56 scale columns padded to 64 by XLA before the kernel), runner, two alternating rounds in one call:
+# 1290.2-1291.0 TF/s against 1299.8-1300.8 with the scalar loads.
+W_SCALES_SMEM_UNIT = 16
+
+
+def _w_scales_scratch(ks: int):
+  return dict(sw_s=plgpu.SMEM((2, 2, ks), jnp.float32), sw_full=plgpu.Barrier(num_arrivals=1, num_barriers=2),
+              sw_free=plgpu.Barrier(num_arrivals=2, num_barriers=2))
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "num_sms", "bn", "stages"))
@@ -648,6 +718,12 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
   * Raster: groups of ``row_group`` row blocks (:func:`row_unit_group`, :func:`pair_unit`), row blocks fastest
     inside a group, then the column tiles, groups slowest; the CTAs of one wave share a few weight tiles and
     ``row_group`` row blocks of ``x``.
+  * Where ``K/128`` is a multiple of :data:`W_SCALES_SMEM_UNIT`, the weight scales of a tile (its two 128-column
+    blocks, every K step) are TMA'd into SMEM once per item by the memory warpgroup, as DeepGEMM stages them
+    (:func:`_tile_w_scales_loader`), and read from there each step (:func:`_wide_tile`) instead of two scalar GMEM
+    loads a step (as :func:`_wide_kernel` reads them). H200, 2026-11-29, M = 32768, N = 7168, K = 2048 (CUPTI, cold
+    L2, two rounds of 10): 1288.1-1289.2 -> 1301.9-1304.0 TF/s at G = 4, 1286.4-1287.7 -> 1302.9-1304.2 at G = 8,
+    bit-identical.
 
   Same numerics as the other kernels (bit-identical results). Falls back to :func:`_wide_kernel` where ``N < bn`` or
   ``M/128`` is odd.
@@ -666,9 +742,11 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
   row_units = m_iters // cluster
   gp = row_unit_group(row_units, row_group, cluster)
   units = row_units * n_iters
+  stage_w_scales = ks % W_SCALES_SMEM_UNIT == 0
+  sw_bytes = 2 * 2 * ks * 4 if stage_w_scales else 0
   out_bytes = 2 * wm * bn * jnp.dtype(out_dtype).itemsize
   stage_bytes = (BLOCK + bn) * BLOCK + BLOCK * 4
-  while stages > 2 and stages * stage_bytes + out_bytes > SMEM_LIMIT - 2048:  # 1024-byte alignment of 5 buffers
+  while stages > 2 and stages * stage_bytes + out_bytes + sw_bytes > SMEM_LIMIT - 2048:  # 1024-byte alignment
     stages -= 1
   scratch = dict(
       x_s=plgpu.SMEM((stages, BLOCK, BLOCK), xq.dtype, transforms=FP8_TILED),
@@ -676,10 +754,12 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
       sx_s=plgpu.SMEM((stages, BLOCK), jnp.float32),
       out_s=plgpu.SMEM((2, wm, bn), out_dtype, transforms=_out_transforms(out_dtype, bn)),
       produced=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
-      consumed=plgpu.ClusterBarrier(collective_axes=("cl",), num_arrivals=2, num_barriers=stages))
+      consumed=plgpu.ClusterBarrier(collective_axes=("cl",), num_arrivals=2, num_barriers=stages),
+      **(_w_scales_scratch(ks) if stage_w_scales else {}))
   first_cols_cases = range(BLOCK, 0, -int(np.gcd(bn, BLOCK)))  # every c0 is a multiple of gcd(bn, 128)
 
-  def body(be_g, x_g, sfx_g, w_g, sfw_g, o_g, *, x_s, w_s, sx_s, out_s, produced, consumed):
+  def body(be_g, x_g, sfx_g, w_g, sfw_g, o_g, *, x_s, w_s, sx_s, out_s, produced, consumed, sw_s=None,
+           sw_full=None, sw_free=None):
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cl")
 
@@ -715,8 +795,12 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
         def _own():
           plgpu.copy_gmem_to_smem(w_src, w_s.at[slot], produced.at[slot])
 
+      on_item = on_end = None
+      if stage_w_scales:  # the tile's weight scales of the expert whose weights the CTA loads (its own or its peer's)
+        on_item, on_end = _tile_w_scales_loader(sfw_g, sw_s, sw_full, sw_free, ks=ks,
+                                                expert_index=lambda c: lax.rem(c, g))
       _ring_memory_warpgroup((units,), (jnp.int32(0), first_code), coords, lambda u: experts_of(u)[1], load,
-                             steps=ks, stages=stages, consumed=consumed)
+                             steps=ks, stages=stages, consumed=consumed, on_item=on_item, on_end=on_end)
 
     @pl.when(wg < 2)
     def _compute():
@@ -731,10 +815,16 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
         r0 = mi * BLOCK + wg * wm
         _wide_tile(e, c0, r0, t0, wg=wg, wm=wm, bn=bn, ks=ks, stages=stages, first_cols_cases=first_cols_cases,
                    x_s=x_s, w_s=w_s, sx_s=sx_s, sfw_g=sfw_g, produced=produced, consumed=consumed, out_s=out_s,
-                   o_g=o_g, out_dtype=out_dtype, interpret=interpret, release=release_slot)
+                   o_g=o_g, out_dtype=out_dtype, interpret=interpret, release=release_slot,
+                   w_scales_smem=(sw_s, sw_full, sw_free) if stage_w_scales else None)
 
         @pl.when((e < 0) & (code >= 0))
         def _peer_only():  # this block is skipped, its peer's is not: release each slot the pair's loads fill
+          if stage_w_scales:  # and the weight scales loaded for the item (their barriers' phases stay in step)
+            parity = lax.rem(t0 // ks, 2)
+            plgpu.barrier_wait(sw_full.at[parity])
+            plgpu.barrier_arrive(sw_free.at[parity])
+
           @pl.loop(0, ks)
           def _step(s):
             slot = lax.rem(t0 + s, stages)

@@ -204,6 +204,14 @@ def test_lowers_for_h100(variant, out_dtype, shape):
                  x, w, be)
 
 
+@pytest.mark.parametrize("variant", ["pair192"], indirect=True)
+def test_lowers_for_h100_staged_weight_scales(variant):
+  """K/128 = 16: the pair kernel stages each tile's weight scales in SMEM (``W_SCALES_SMEM_UNIT``)."""
+  assert (2048 // 128) % _grouped.W_SCALES_SMEM_UNIT == 0
+  x, w, be = _args(4, 1024, 512, 2048)
+  lower_for_h100(lambda x, w, be: gemm.fp8_grouped_gemm(x, w, be, implementation="pallas"), x, w, be)
+
+
 @pytest.mark.parametrize("variant", ["k2tma_gh_ss"], indirect=True)
 def test_lowers_for_h100_half_width_staging(variant):
   """K/128 even with bf16 out: the SMEM scales leave no room for the whole staging tile beside 3 stages, so each
@@ -253,15 +261,19 @@ def test_persistent_kernel_loops_over_items(key, variant, k, monkeypatch):
   np.testing.assert_array_equal(np.asarray(got[128:256]), 0)
 
 
-@pytest.mark.parametrize("variant, num_sms", [("pair192", 3), ("pair192", 4), ("pair192_r32", 2)],
-                         indirect=["variant"])
-def test_pair_clusters_share_weight_tiles(key, variant, num_sms, monkeypatch):
+@pytest.mark.parametrize("variant, num_sms, w_scales_unit", [("pair192", 3, 16), ("pair192", 4, 1),
+                                                             ("pair192_r32", 2, 1)], indirect=["variant"])
+def test_pair_clusters_share_weight_tiles(key, variant, num_sms, w_scales_unit, monkeypatch):
   """Row-block pairs of one expert (the weight tile multicast to both CTAs of a cluster), a pair of two skipped
   blocks (no loads: the ring's slot counter must stay in step in both CTAs), a pair of two experts and a pair with one
   skipped block, walked by one or two clusters (3 / 4 SMs) or with the grouped raster of 32 row blocks (2 SMs: one
-  cluster); 192-column tiles over N = 256 (the second starts inside a weight-scale block)."""
+  cluster); 192-column tiles over N = 256 (the second starts inside a weight-scale block). The weight scales by
+  scalar loads (K/128 = 3 is no multiple of 16) or staged in SMEM per item (``W_SCALES_SMEM_UNIT`` 1: the loader's
+  two buffers, a peer-only item's barrier phases, the final drain)."""
   from jaxkern import _config
   monkeypatch.setattr(_config, "num_sms", lambda: num_sms)
+  monkeypatch.setattr(_grouped, "W_SCALES_SMEM_UNIT", w_scales_unit)
+  _grouped._pair_mc_kernel.clear_cache()  # the unit is read at trace time
   g, m, n, k = 3, 1280, 256, 384
   x, w = make_inputs(key, g, m, n, k)
   be = jnp.array([1, 1, -1, -1, 0, 0, 2, 0, 2, -1], jnp.int32)
