@@ -1,6 +1,6 @@
 """jaxkern: Pallas GPU kernels for MoE / FP8 training and inference on NVIDIA Hopper."""
 
-from jaxkern import engram, gemm, mhc, moe, quant, reference, transpose, types
+from jaxkern import engram, gemm, mhc, moe, quant, reference, testing, transpose, types
 from jaxkern._config import IMPLEMENTATIONS, get_implementation, set_implementation, use_implementation
 from jaxkern._autodiff import NotDifferentiableError
 from jaxkern._dispatch import Decision, KernelUnavailableError, explain
@@ -27,6 +27,7 @@ __all__ = [
     "quant",
     "reference",
     "set_implementation",
+    "testing",
     "transpose",
     "types",
     "use_implementation",

@@ -1,6 +1,6 @@
 """Trace-time argument checks shared by the public ops; each raises ``ValueError`` naming the argument.
 
-Checks chex covers (rank) go through chex; its ``AssertionError`` becomes the ``ValueError`` here. chex's
+Checks chex covers (rank, exact shape) go through chex; its ``AssertionError`` becomes the ``ValueError`` here. chex's
 ``dtype`` check takes one dtype, not a set, and it has no divisibility check: those two stay plain.
 
 Value checks (ranges, finiteness) come in pairs: a ``ValueError`` for a concrete array and a
@@ -25,6 +25,19 @@ def check_rank(name: str, x, ndim: int) -> None:
     ok = False
   if not ok:
     raise ValueError(f"{name} must have rank {ndim}, got shape {tuple(x.shape)}")
+
+
+def check_shape(name: str, x, expected, note: str = "") -> None:
+  """``x.shape == expected``, else ``"{name} must have shape {expected}{note}, got {x.shape}"`` (``note``: where
+  the expected shape comes from, e.g. ``" (the shape of weight_hidden)"``)."""
+  expected = tuple(int(d) for d in expected)
+  try:
+    chex.assert_shape(x, expected)
+    ok = tuple(x.shape) == expected  # chex.disable_asserts() switches chex off; the op's own check must stay on
+  except AssertionError:
+    ok = False
+  if not ok:
+    raise ValueError(f"{name} must have shape {expected}{note}, got {tuple(x.shape)}")
 
 
 def check_dtype(name: str, x, allowed: Iterable) -> None:

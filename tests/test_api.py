@@ -11,6 +11,7 @@ import pytest
 import jaxkern
 from jaxkern import engram, gemm, mhc, moe, quant, reference, transpose
 from jaxkern.reference import mhc_norm
+from jaxkern.testing import fuzz, generators, lowering, numeric, timing
 
 # jaxkern.mhc's references live in two modules: reference.mhc and (the RMS-normalised projection) reference.mhc_norm.
 MHC_REFERENCES = types.SimpleNamespace(**{n: getattr(m, n) for m in (reference.mhc, mhc_norm) for n in dir(m)
@@ -65,8 +66,9 @@ def test_public_names():
 
 def _public_callables():
   """(qualified name, callable) for every public callable: the ``__all__`` names of jaxkern and its areas (classes
-  with their public methods), and every public function defined in a reference module."""
-  areas = (jaxkern, engram, gemm, mhc, moe, quant, transpose, jaxkern.modeling)
+  with their public methods), and every public function defined in a reference module or a module of
+  jaxkern.testing."""
+  areas = (jaxkern, engram, gemm, mhc, moe, quant, transpose, jaxkern.modeling, jaxkern.testing)
   seen = {}
   for mod in areas:
     for name in mod.__all__:
@@ -78,7 +80,8 @@ def _public_callables():
         for attr, member in vars(obj).items():
           if not attr.startswith("_") and inspect.isfunction(member):
             seen[f"{mod.__name__}.{name}.{attr}"] = member
-  for mod in [getattr(reference, n) for n in reference.__all__] + [mhc_norm]:
+  testing_modules = [numeric, generators, lowering, fuzz, timing]
+  for mod in [getattr(reference, n) for n in reference.__all__] + [mhc_norm] + testing_modules:
     for name, obj in vars(mod).items():
       if not name.startswith("_") and inspect.isfunction(obj) and obj.__module__ == mod.__name__:
         seen[f"{mod.__name__}.{name}"] = obj

@@ -142,3 +142,17 @@ def test_rank_checks_stay_on_when_chex_asserts_are_off():
       transpose.transpose(jnp.zeros((64,), jnp.float32), implementation="xla")
   finally:
     chex.enable_asserts()
+
+
+def test_shape_checks_stay_on_when_chex_asserts_are_off():
+  import chex
+  wh, we = jnp.ones((4, 128), jnp.bfloat16), jnp.ones((2, 128), jnp.bfloat16)
+  message = r"weight_embed must have shape \(4, 128\) \(the shape of weight_hidden\), got \(2, 128\)"
+  with pytest.raises(ValueError, match=message):
+    jaxkern.engram.fused_weight(wh, we, implementation="xla")
+  chex.disable_asserts()
+  try:
+    with pytest.raises(ValueError, match=message):
+      jaxkern.engram.fused_weight(wh, we, implementation="xla")
+  finally:
+    chex.enable_asserts()

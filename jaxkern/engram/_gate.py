@@ -700,8 +700,7 @@ def check_gate_arrays(**arrays):
           "dot": (t, m), "gate_score": (t, m), "rstd_x": (t, m), "rstd_k": (t, m)}
   for name, a in out.items():
     _checks.check_dtype(name, a, FLOATS)
-    if tuple(a.shape) != want[name]:
-      raise ValueError(f"{name} must have shape {want[name]} (from {first} {tuple(x.shape)}), got {tuple(a.shape)}")
+    _checks.check_shape(name, a, want[name], f" (from {first} {tuple(x.shape)})")
     if name in ("k", "v", "grad_out") and a.dtype != x.dtype:
       raise ValueError(f"{name} must have the dtype of {first} ({x.dtype}), got {a.dtype}")
   if d == 0 or m == 0:

@@ -44,21 +44,17 @@ def _multiplier_words(multipliers, num_layers, n):
       raise ValueError(f"multipliers must hold integers, got dtype {a.dtype}")
     if a.dtype == np.uint32 and a.shape == (num_layers, n, 2):
       return jnp.asarray(a)
-    if a.shape != (num_layers, n):
-      raise ValueError(f"multipliers must have shape ({num_layers}, {n}) (or ({num_layers}, {n}, 2) uint32 words), "
-                       f"got {a.shape}")
+    _checks.check_shape("multipliers", a, (num_layers, n), f" (or ({num_layers}, {n}, 2) uint32 words)")
     return ref.split_multipliers(a)
   m = _checks.as_array("multipliers", multipliers)
   if m.dtype == jnp.uint32 and m.ndim == 3:
-    if m.shape != (num_layers, n, 2):
-      raise ValueError(f"multipliers as uint32 words must have shape ({num_layers}, {n}, 2), got {tuple(m.shape)}")
+    _checks.check_shape("multipliers", m, (num_layers, n, 2), " (as uint32 words)")
     return m
   if m.dtype not in (jnp.dtype(jnp.int64), jnp.dtype(jnp.uint64)):
     raise ValueError(f"multipliers as a jax array must be int64 / uint64 (x64 on) or (L, N, 2) uint32 words, got "
                      f"{m.dtype} {tuple(m.shape)}; with x64 off pass a numpy int64 array, Python ints, or "
                      "jaxkern.engram.split_multipliers(...)")
-  if m.shape != (num_layers, n):
-    raise ValueError(f"multipliers must have shape ({num_layers}, {n}), got {tuple(m.shape)}")
+  _checks.check_shape("multipliers", m, (num_layers, n))
   return ref.split_multipliers(m)
 
 
@@ -119,8 +115,7 @@ def engram_hash(ngram_token_ids: jax.Array, multipliers: jax.typing.ArrayLike, v
   if n < 2 or n1 != n - 1:
     raise ValueError(f"vocab_sizes must have shape (L, N-1, E) = (L, {n - 1}, E) with N = ngram_token_ids.shape[1] "
                      f">= 2, got {tuple(sizes.shape)}")
-  if offsets.shape != (num_layers, n1 * e):
-    raise ValueError(f"offsets must have shape ({num_layers}, {n1 * e}), got {tuple(offsets.shape)}")
+  _checks.check_shape("offsets", offsets, (num_layers, n1 * e))
   words = _multiplier_words(multipliers, num_layers, n)
   _checks.check_and_debug_check("engram_hash", "vocab_sizes", sizes, lambda v: v < 1,
                                 "a table size >= 1 (the hash is taken modulo it)")

@@ -25,8 +25,7 @@ def _weights(weight_hidden, weight_embed):
   for name, a in (("weight_hidden", wh), ("weight_embed", we)):
     _checks.check_rank(name, a, 2)
     _checks.check_dtype(name, a, FLOATS)
-  if we.shape != wh.shape:
-    raise ValueError(f"weight_embed must have the shape of weight_hidden {tuple(wh.shape)}, got {tuple(we.shape)}")
+  _checks.check_shape("weight_embed", we, wh.shape, " (the shape of weight_hidden)")
   return wh, we
 
 
@@ -85,8 +84,7 @@ def grad_w_reduce(grad_w_partial: jax.Array, weight_hidden: jax.Array, weight_em
   for name, a in (("grad_weight_hidden", grad_weight_hidden), ("grad_weight_embed", grad_weight_embed)):
     a = _checks.as_array(name, a)
     _checks.check_dtype(name, a, (jnp.float32, jnp.float64))
-    if a.shape != wh.shape:
-      raise ValueError(f"{name} must have shape {tuple(wh.shape)}, got {tuple(a.shape)}")
+    _checks.check_shape(name, a, wh.shape)
     accs.append(a)
   if accs[0].dtype != accs[1].dtype:
     raise ValueError(f"grad_weight_embed must have the dtype of grad_weight_hidden ({accs[0].dtype}), got {accs[1].dtype}")

@@ -22,8 +22,7 @@ def array(name, a, min_rank=1):
 
 
 def shape(name, a, want):
-  if tuple(a.shape) != tuple(want):
-    raise ValueError(f"{name} must have shape {tuple(want)}, got {tuple(a.shape)}")
+  _checks.check_shape(name, a, want)
 
 
 def mhc_mult(value, name="mhc_mult"):

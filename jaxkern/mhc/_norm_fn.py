@@ -302,9 +302,7 @@ def _check_residual_fn(residual, fn):
   if h == 0:
     raise ValueError(f"residual must have a non-empty hidden size, got shape {tuple(residual.shape)}")
   j = m * (m + 2)
-  if fn.shape != (j, m * h):
-    raise ValueError(f"fn must have shape ({j}, {m * h}) = (mhc_mult·(mhc_mult+2), mhc_mult·hidden), "
-                     f"got {tuple(fn.shape)}")
+  _checks.check_shape("fn", fn, (j, m * h), " = (mhc_mult·(mhc_mult+2), mhc_mult·hidden)")
   return residual, fn
 
 
@@ -476,8 +474,7 @@ def pre_norm_fn_bwd(grad_mixes: jax.Array, residual: jax.Array, fn: jax.Array, o
   sqrsum = _checks.as_array("sqrsum", sqrsum)
   for name, a, shape in (("grad_mixes", g, (*lead, j)), ("out_mul", out_mul, (*lead, j)), ("sqrsum", sqrsum, lead)):
     _checks.check_dtype(name, a, FLOATS)
-    if tuple(a.shape) != tuple(shape):
-      raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(a.shape)}")
+    _checks.check_shape(name, a, shape)
   g, residual, fn, out_mul, sqrsum = _autodiff.guard("pre_norm_fn_bwd", ADVICE, g, residual, fn, out_mul, sqrsum)
   return _bwd(g, residual, fn, out_mul, sqrsum, eps, implementation)
 
@@ -567,8 +564,7 @@ def pre_norm_fn(residual: jax.Array, fn: jax.Array, norm_weight: jax.Array | Non
   if norm_weight is not None:
     norm_weight = _checks.as_array("norm_weight", norm_weight)
     _checks.check_dtype("norm_weight", norm_weight, FLOATS)
-    if tuple(norm_weight.shape) != (fn.shape[1],):
-      raise ValueError(f"norm_weight must have shape ({fn.shape[1]},), got {tuple(norm_weight.shape)}")
+    _checks.check_shape("norm_weight", norm_weight, (fn.shape[1],))
     fn = ref.fn_normw_merge(fn, norm_weight)
   implementation = _config.get_implementation(implementation)
   residual, fn = _autodiff.vary_like(residual, fn)  # sharded residual, replicated fn: one vma type

@@ -112,8 +112,7 @@ def swiglu(x: jax.Array, pos_to_token_topk: jax.Array | None = None, topk_weight
     _checks.check_dtype("pos_to_token_topk", pos_to_token_topk, (jnp.int32,))
     _checks.check_rank("topk_weights", topk_weights, 2)
     _checks.check_dtype("topk_weights", topk_weights, (jnp.float32,))
-    if pos_to_token_topk.shape != (e,):
-      raise ValueError(f"pos_to_token_topk must have shape ({e},), got {tuple(pos_to_token_topk.shape)}")
+    _checks.check_shape("pos_to_token_topk", pos_to_token_topk, (e,))
   else:
     topk_weights, pos_to_token_topk = jnp.zeros((0, 1), jnp.float32), jnp.zeros((e,), jnp.int32)
   out_fmt = "bf16" if x.dtype == jnp.bfloat16 else "fp32"

@@ -103,13 +103,10 @@ def engram_gate(hidden_states: jax.Array, k: jax.Array, v: jax.Array, weight_hid
   lead, (m, d) = x.shape[:-2], x.shape[-2:]
   if m == 0 or d == 0:
     raise ValueError(f"hidden_states must have non-empty M and D, got {tuple(x.shape)}")
-  if k.shape != x.shape:
-    raise ValueError(f"k must have the shape of hidden_states {tuple(x.shape)}, got {tuple(k.shape)}")
-  if v.shape != (*lead, d):
-    raise ValueError(f"v must have shape {(*lead, d)}, got {tuple(v.shape)}")
+  _checks.check_shape("k", k, x.shape, " (the shape of hidden_states)")
+  _checks.check_shape("v", v, (*lead, d))
   wh, we = engram._weights._weights(weight_hidden, weight_embed)
-  if wh.shape != (m, d):
-    raise ValueError(f"weight_hidden must have shape ({m}, {d}), got {tuple(wh.shape)}")
+  _checks.check_shape("weight_hidden", wh, (m, d))
   implementation = _config.get_implementation(implementation)
   t = x.size // (m * d)
   # Under shard_map: sharded activations and replicated weights cast to one vma type (their cotangents must match).

@@ -79,8 +79,7 @@ def check_index(name: str, x, ndim: int, dtypes=INDEX_DTYPES):
 
 
 def check_shape(name: str, x, shape) -> None:
-  if tuple(x.shape) != tuple(shape):
-    raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+  _checks.check_shape(name, x, shape)
 
 
 def check_values_below(name: str, x, limit: int) -> None:

@@ -347,19 +347,16 @@ def _check_arrays(logits, bias, num_topk, num_shared, mask, fix_routing_mask, to
                   unmapped_topk_idx):
   t, e = logits.shape
   _checks.check_dtype("bias", bias, (jnp.float32,))
-  if bias.shape != (e,):
-    raise ValueError(f"bias must have shape ({e},), got {bias.shape}")
+  _checks.check_shape("bias", bias, (e,))
   for name, m in (("mask", mask), ("fix_routing_mask", fix_routing_mask)):
     if m is not None:
       _checks.check_dtype(name, m, (jnp.bool_,))
-      if m.shape != (t,):
-        raise ValueError(f"{name} must have shape ({t},), got {m.shape}")
+      _checks.check_shape(name, m, (t,))
   if fix_routing_mask is not None and unmapped_topk_idx is None:
     raise ValueError("fix_routing_mask needs unmapped_topk_idx (the stored indices)")
   if unmapped_topk_idx is not None:
     _checks.check_dtype("unmapped_topk_idx", unmapped_topk_idx, (jnp.int32, jnp.int64))
-    if unmapped_topk_idx.shape != (t, num_topk):
-      raise ValueError(f"unmapped_topk_idx must have shape ({t}, {num_topk}), got {unmapped_topk_idx.shape}")
+    _checks.check_shape("unmapped_topk_idx", unmapped_topk_idx, (t, num_topk))
   if (to_physical_map is None) != (logical_count is None):
     raise ValueError("to_physical_map and logical_count must be given together")
   if num_shared and to_physical_map is None:

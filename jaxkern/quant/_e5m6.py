@@ -707,8 +707,7 @@ def _check_back(x, fmt, x_block_size, col_major):
   packed = sf.dtype == jnp.int32
   want = validate.sf_shape(ref.cdiv(m, x_block_size[0]), ref.cdiv(k, x_block_size[1]), col_major=col_major or packed,
                            packed=packed)
-  if tuple(sf.shape) != want:
-    raise ValueError(f"x[1] (sf) must have shape {want} for blocks {tuple(x_block_size)}, got {tuple(sf.shape)}")
+  _checks.check_shape("x[1] (sf)", sf, want, f" for blocks {tuple(x_block_size)}")
   return QuantTensor(q, sf), k
 
 

@@ -441,11 +441,10 @@ def _check(x, fmt, npc, pos_to_token_topk, topk_weights, pos_to_expert, clamp, c
       _checks.check_rank(name, a, rank)
       _checks.check_dtype(name, a, dtypes)
   for name in ("pos_to_token_topk", "pos_to_expert"):
-    if name in arrays and arrays[name].shape != (e,):
-      raise ValueError(f"{name} must have shape ({e},), got {tuple(arrays[name].shape)}")
+    if name in arrays:
+      _checks.check_shape(name, arrays[name], (e,))
   if clamped_count is not None:
-    if arrays["clamped_count"].shape != (NUM_COUNTERS,):
-      raise ValueError(f"clamped_count must have shape (3,), got {tuple(arrays['clamped_count'].shape)}")
+    _checks.check_shape("clamped_count", arrays["clamped_count"], (NUM_COUNTERS,))
     if clamp is None:
       raise ValueError("clamped_count requires swiglu_clamp_value")
   return x, *(arrays.get(n) for n in ("pos_to_token_topk", "topk_weights", "pos_to_expert", "clamped_count"))

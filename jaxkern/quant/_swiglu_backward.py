@@ -222,8 +222,7 @@ def _check(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, npc):
   q = q.reshape(e, h2)
   _checks.check_rank("x[1]", sf, 2)
   _checks.check_dtype("x[1]", sf, (jnp.float32,))
-  if tuple(sf.shape) != (e, h2 // npc):
-    raise ValueError(f"x[1] (sf) must have shape {(e, h2 // npc)} (layout A), got {tuple(sf.shape)}")
+  _checks.check_shape("x[1] (sf)", sf, (e, h2 // npc), " (layout A)")
   grad_out = _checks.as_array("grad_out", grad_out)
   _checks.check_dtype("grad_out", grad_out, (jnp.bfloat16,))
   if grad_out.ndim not in (2, 3) or grad_out.shape[-1] != h or int(np.prod(grad_out.shape[:-1])) != e:
@@ -238,11 +237,8 @@ def _check(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, npc):
     _checks.check_dtype(name, a, (dtype,))
     arrays.append(a)
   weight, pos_to_token_topk, token_topk_to_pos = arrays
-  if pos_to_token_topk.shape != (e,):
-    raise ValueError(f"pos_to_token_topk must have shape ({e},), got {tuple(pos_to_token_topk.shape)}")
-  if weight.shape != token_topk_to_pos.shape:
-    raise ValueError(f"weight must have the shape of token_topk_to_pos {tuple(token_topk_to_pos.shape)}, "
-                     f"got {tuple(weight.shape)}")
+  _checks.check_shape("pos_to_token_topk", pos_to_token_topk, (e,))
+  _checks.check_shape("weight", weight, token_topk_to_pos.shape, " (the shape of token_topk_to_pos)")
   return q, sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos
 
 

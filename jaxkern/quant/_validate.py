@@ -24,8 +24,7 @@ def check_sf_flags(use_tma_aligned_col_major_sf: bool, round_sf: bool, use_packe
 
 def check_sf(name: str, sf, shape, dtype) -> None:
   _checks.check_dtype(name, sf, (dtype,))
-  if tuple(sf.shape) != tuple(shape):
-    raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(sf.shape)}")
+  _checks.check_shape(name, sf, shape)
 
 
 def sf_shape(num_rows: int, num_cols: int, *, col_major: bool, packed: bool) -> tuple[int, int]:
@@ -51,8 +50,7 @@ def check_quant_tensor(name: str, x, block_size, *, col_major: bool = False, fp4
   mb, kb = cdiv(m, block_size[0]), cdiv(k, block_size[1])
   packed = sf.dtype == jnp.int32
   want = sf_shape(mb, kb, col_major=col_major or packed, packed=packed)
-  if tuple(sf.shape) != want:
-    raise ValueError(f"{name}[1] (sf) must have shape {want} for blocks {tuple(block_size)}, got {tuple(sf.shape)}")
+  _checks.check_shape(f"{name}[1] (sf)", sf, want, f" for blocks {tuple(block_size)}")
   return k
 
 

@@ -35,7 +35,7 @@ import sys
 import time
 import traceback
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -45,7 +45,7 @@ import numpy as np
 
 from jaxkern._dispatch import KernelUnavailableError, recording
 from jaxkern.testing.numeric import assert_bitwise_equal, calc_diff
-from jaxkern.types import QuantTensor
+from jaxkern.types import FusedMapping, QuantTensor
 
 MODULES = ("transpose", "moe", "quant", "engram", "mhc", "gemm")
 
@@ -62,7 +62,7 @@ TAME = "tame"  # magnitudes up to 64, subnormals and -0.0: for ops whose contrac
 # Values
 
 
-def special_values(dtype, regime: str = IEEE) -> np.ndarray:
+def special_values(dtype: jax.typing.DTypeLike, regime: str = IEEE) -> np.ndarray:
   """The special values of ``dtype`` a regime allows, as float64: signed zeros, the smallest and largest
   subnormals, the smallest normal, the e4m3 clip (448, 464 = the midpoint to 480, 480), the quantisers' amax
   clamp 1e-4 and E5M6's 65024, the format's ±max (``FINITE``) and NaN, ±inf (``IEEE``), each of either sign."""
@@ -77,7 +77,8 @@ def special_values(dtype, regime: str = IEEE) -> np.ndarray:
   return np.asarray(values, np.float64)
 
 
-def floats(rng: np.random.Generator, shape, dtype=BF16, regime: str = IEEE, spread: int = 8) -> np.ndarray:
+def floats(rng: np.random.Generator, shape: Sequence[int], dtype: jax.typing.DTypeLike = BF16, regime: str = IEEE,
+           spread: int = 8) -> np.ndarray:
   """Normal values scaled by ``2^k`` per row (``|k| <= spread``, so rows have different magnitudes), with a
   random fraction (0, 2 % or 20 %) replaced by :func:`special_values`, and sometimes whole rows of one special
   value (an all-zero, all-NaN or all-max row). A NumPy array of ``dtype``."""
@@ -96,21 +97,21 @@ def floats(rng: np.random.Generator, shape, dtype=BF16, regime: str = IEEE, spre
     return x.astype(np.dtype(dtype))
 
 
-def bits(rng: np.random.Generator, shape, dtype) -> np.ndarray:
+def bits(rng: np.random.Generator, shape: Sequence[int], dtype: jax.typing.DTypeLike) -> np.ndarray:
   """Uniformly random bit patterns of ``dtype`` (every NaN payload, infinities, -0.0, subnormals)."""
   dtype = np.dtype(dtype)
   raw = rng.integers(0, 256, size=tuple(shape) + (dtype.itemsize,), dtype=np.uint8)
   return raw.view(dtype).reshape(shape)
 
 
-def finite_e4m3(rng: np.random.Generator, shape) -> np.ndarray:
+def finite_e4m3(rng: np.random.Generator, shape: Sequence[int]) -> np.ndarray:
   """Random e4m3 bit patterns other than NaN (0x7F / 0xFF), subnormals and ±448 included."""
   raw = rng.integers(0, 256, size=shape, dtype=np.uint8)
   raw = np.where((raw & 0x7F) == 0x7F, raw ^ 1, raw).astype(np.uint8)
   return raw.view(np.dtype(E4M3))
 
 
-def scales(rng: np.random.Generator, shape, regime: str = IEEE) -> np.ndarray:
+def scales(rng: np.random.Generator, shape: Sequence[int], regime: str = IEEE) -> np.ndarray:
   """float32 dequantisation scales: positive powers of two and arbitrary values over ``2^±20``; with ``IEEE``
   also 0, NaN, +inf (the UE8M0 bytes 0 and 255)."""
   x = np.exp2(rng.uniform(-20, 20, size=shape))
@@ -120,7 +121,7 @@ def scales(rng: np.random.Generator, shape, regime: str = IEEE) -> np.ndarray:
   return x.astype(np.float32)
 
 
-def pow2_scales(rng: np.random.Generator, shape, span: int = 5) -> np.ndarray:
+def pow2_scales(rng: np.random.Generator, shape: Sequence[int], span: int = 5) -> np.ndarray:
   """float32 powers of two ``2^k``, ``|k| <= span``."""
   return np.exp2(rng.integers(-span, span + 1, size=shape)).astype(np.float32)
 
@@ -144,7 +145,7 @@ def col_major(sf: np.ndarray) -> np.ndarray:
   return out
 
 
-def scale_layout(rng: np.random.Generator, sf: np.ndarray, *, packable: bool):
+def scale_layout(rng: np.random.Generator, sf: np.ndarray, *, packable: bool) -> tuple[np.ndarray, bool]:
   """``sf`` in a random layout: ``(array, use_tma_aligned_col_major_sf)``; layout C only when ``packable``
   (power-of-two scales)."""
   layout = rng.choice(["A", "B", "C"] if packable else ["A", "B"])
@@ -177,7 +178,7 @@ def topk_ids(rng: np.random.Generator, t: int, k: int, num_experts: int, unused:
   return ids.astype(np.int32)
 
 
-def fused_mapping(rng: np.random.Generator, t: int, k: int, num_experts: int, alignment: int):
+def fused_mapping(rng: np.random.Generator, t: int, k: int, num_experts: int, alignment: int) -> FusedMapping:
   """The reference's :func:`jaxkern.moe.get_fused_mapping` of random :func:`topk_ids`, sized on the host."""
   from jaxkern import moe
 
@@ -189,7 +190,7 @@ def fused_mapping(rng: np.random.Generator, t: int, k: int, num_experts: int, al
 # Comparisons
 
 
-def bitwise(got, want) -> None:
+def bitwise(got: Any, want: Any) -> None:
   """Equal structure, dtypes, shapes and bits (NaN payloads and signed zeros included)."""
   assert_bitwise_equal(got, want)
 
@@ -318,7 +319,7 @@ SKIPPED = {
 
 
 def register(name: str, compare: Callable = bitwise, exact: bool | None = None, unspecified: Callable | None = None,
-             within: Callable | None = None):
+             within: Callable | None = None) -> Callable[[Callable], Callable]:
   """Decorator adding a case generator to :data:`OPS`."""
 
   def wrap(make):
@@ -328,7 +329,7 @@ def register(name: str, compare: Callable = bitwise, exact: bool | None = None, 
   return wrap
 
 
-def pick(rng: np.random.Generator, size: str, small, large):
+def pick(rng: np.random.Generator, size: str, small: Sequence[Any], large: Sequence[Any]) -> Any:
   """A random choice from ``small`` or, for ``size="large"``, from ``large``."""
   options = small if size == "small" else large
   return options[int(rng.integers(len(options)))]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NUM_TOKENS = (4001, 8001)
 HIDDEN_SIZES = (576, 2048, 2560, 3072, 4096, 6144, 7168)
@@ -24,7 +27,7 @@ def hidden_sizes(alignment: int = 64) -> tuple[int, ...]:
   return tuple(h for h in HIDDEN_SIZES if h % alignment == 0)
 
 
-def randn(key: jax.Array, shape, dtype=jnp.bfloat16) -> jax.Array:
+def randn(key: jax.Array, shape: Sequence[int], dtype: jax.typing.DTypeLike = jnp.bfloat16) -> jax.Array:
   """Standard-normal values drawn in float32 and converted to ``dtype``.
 
   Float8 / float4 targets are clipped to their finite range first, so the
@@ -38,7 +41,7 @@ def randn(key: jax.Array, shape, dtype=jnp.bfloat16) -> jax.Array:
   return x.astype(dtype)
 
 
-def random_bits(key: jax.Array, shape, dtype) -> jax.Array:
+def random_bits(key: jax.Array, shape: Sequence[int], dtype: jax.typing.DTypeLike) -> jax.Array:
   """Uniformly random bit patterns of ``dtype`` (NaN payloads, infinities and -0 included)."""
   dtype = jnp.dtype(dtype)
   udtype = jnp.dtype(f"uint{8 * dtype.itemsize}")
@@ -47,15 +50,13 @@ def random_bits(key: jax.Array, shape, dtype) -> jax.Array:
 
 
 def moe_topk_idx(key: jax.Array, num_send_tokens: int, num_topk: int, num_experts: int,
-                 num_ep_ranks: int):
+                 num_ep_ranks: int) -> np.ndarray:
   """Upstream's ``generate_topk_idx``: the ``(T, K)`` int32 routing EP rank 0 receives.
 
   Top-``K`` of uniform bf16 scores over all ``num_experts * num_ep_ranks`` experts for
   ``num_send_tokens * num_ep_ranks`` tokens; ids of other ranks become -1 and rows left
   all -1 are dropped, so ``T`` is random. Returns a NumPy array.
   """
-  import numpy as np
-
   scores = jax.random.uniform(key, (num_send_tokens * num_ep_ranks, num_experts * num_ep_ranks), jnp.bfloat16)
   idx = np.asarray(jax.lax.top_k(scores, num_topk)[1]).astype(np.int32)
   idx[idx >= num_experts] = -1

@@ -8,13 +8,19 @@ ptxas or the kernel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 import jax
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+if TYPE_CHECKING:  # pytest is a dev extra: the annotation only
+  import pytest
 
 H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
 
 
-def lower_for_h100(f, *args):
+def lower_for_h100(f: Callable, *args: Any) -> jax.stages.Lowered:
   """Lowers ``jax.jit(f)(*args)`` for CUDA (H100); ``args`` may be ``jax.ShapeDtypeStruct``s.
 
   Returns the ``Lowered`` object; raises whatever the GPU lowering raises.
@@ -23,7 +29,7 @@ def lower_for_h100(f, *args):
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
 
 
-def capture_mosaic_modules(monkeypatch, keep=str) -> list:
+def capture_mosaic_modules(monkeypatch: pytest.MonkeyPatch, keep: Callable[[Any], Any] = str) -> list:
   """``keep(module)`` (default: its text) of every Mosaic GPU module serialised for the compiler while the test runs
   (appended to the returned list), e.g. to check which multiplies feed adds (FMA contraction) after
   :func:`lower_for_h100`."""

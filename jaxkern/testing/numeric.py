@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 
@@ -13,7 +15,7 @@ def _bits(x) -> np.ndarray:
   return x.view(np.dtype(f"u{x.dtype.itemsize}"))
 
 
-def assert_bitwise_equal(actual, expected, err_msg: str = "") -> None:
+def assert_bitwise_equal(actual: Any, expected: Any, err_msg: str = "") -> None:
   """Asserts equal dtype, shape and raw bytes (NaN payloads and signed zeros must match).
 
   Works for any dtype numpy can view as unsigned integers of the same width,
@@ -42,7 +44,7 @@ def assert_bitwise_equal(actual, expected, err_msg: str = "") -> None:
         f"{actual[idx]!r} (0x{int(a[idx]):x}) != {expected[idx]!r} (0x{int(e[idx]):x}). {err_msg}")
 
 
-def calc_diff(x, y) -> float:
+def calc_diff(x: jax.typing.ArrayLike, y: jax.typing.ArrayLike) -> float:
   """``1 - 2·Σxy / Σ(x² + y²)`` in float64 (0 when both are all zero)."""
   x = np.asarray(x, dtype=np.float64)
   y = np.asarray(y, dtype=np.float64)
@@ -52,7 +54,8 @@ def calc_diff(x, y) -> float:
   return 1.0 - 2.0 * float(np.sum(x * y)) / denom
 
 
-def assert_diff_below(actual, expected, tol: float, err_msg: str = "") -> None:
+def assert_diff_below(actual: jax.typing.ArrayLike, expected: jax.typing.ArrayLike, tol: float,
+                      err_msg: str = "") -> None:
   """Asserts ``calc_diff(actual, expected) <= tol`` and that neither side has NaN."""
   if np.isnan(np.asarray(actual, np.float64)).any() or np.isnan(np.asarray(expected, np.float64)).any():
     raise AssertionError(f"NaN in the compared values. {err_msg}")

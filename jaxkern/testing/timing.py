@@ -12,6 +12,8 @@ caller can compile many of them in parallel threads and time them later.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +43,7 @@ def _with_flush(f):
   return g
 
 
-def lower_timed(f, *args, flush: bool = True) -> jax.stages.Lowered:
+def lower_timed(f: Callable, *args: Any, flush: bool = True) -> jax.stages.Lowered:
   """The computation :func:`device_times_us` times for ``f(*args)``, lowered; ``args`` may be
   ``jax.ShapeDtypeStruct`` pytrees. With ``flush`` it takes the flush buffer first and returns
   ``(flushed buffer, f(*args))``. ``.compile()`` releases the GIL: compile many in threads."""
@@ -56,7 +58,8 @@ def flush_buffer() -> jax.Array:
   return _flush_buffer()[0]
 
 
-def device_times_us(f, *args, iterations: int = 30, flush: bool = True, compiled=None) -> list[float]:
+def device_times_us(f: Callable, *args: Any, iterations: int = 30, flush: bool = True,
+                    compiled: jax.stages.Compiled | None = None) -> list[float]:
   """Device time in µs of each of ``iterations`` calls of ``f(*args)`` (all kernels it launches);
   ``compiled``: ``lower_timed(f, *args, flush=flush).compile()``, made ahead of time."""
   fn = compiled or lower_timed(f, *args, flush=flush).compile()
@@ -92,7 +95,8 @@ def _without(run, skip) -> float:
   return total
 
 
-def device_time_us(f, *args, iterations: int = 30, flush: bool = True, compiled=None) -> float:
+def device_time_us(f: Callable, *args: Any, iterations: int = 30, flush: bool = True,
+                   compiled: jax.stages.Compiled | None = None) -> float:
   """Median device time in µs of ``f(*args)``; see :func:`device_times_us`."""
   return float(np.median(device_times_us(f, *args, iterations=iterations, flush=flush, compiled=compiled)))
 

@@ -109,10 +109,11 @@ def test_explain_lists_forward_and_backward(key):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(v=jnp.zeros((3, 256), jnp.bfloat16)), "v must have shape"),
-    (dict(k=jnp.zeros((2, 4, 128), jnp.bfloat16)), "k must have the shape"),
+    (dict(k=jnp.zeros((2, 4, 128), jnp.bfloat16)), r"k must have shape .* \(the shape of hidden_states\)"),
     (dict(weight_hidden=jnp.zeros((2, 256), jnp.bfloat16), weight_embed=jnp.zeros((2, 256), jnp.bfloat16)),
      "weight_hidden must have shape"),
-    (dict(weight_embed=jnp.zeros((2, 256), jnp.bfloat16)), "weight_embed must have the shape"),
+    (dict(weight_embed=jnp.zeros((2, 256), jnp.bfloat16)),
+     r"weight_embed must have shape .* \(the shape of weight_hidden\)"),
     (dict(hidden_states=jnp.zeros((256,), jnp.bfloat16)), r"hidden_states must have shape \[\*, M, D\]"),
     (dict(hidden_states=jnp.zeros((2, 4, 256), jnp.int32)), "hidden_states must have dtype"),
 ])
