@@ -4,8 +4,9 @@ D in {2048, 2560, 3072, 4096, 6144, 7168}; hash N = 3, L = 2, E = 8. Byte counts
 * ``engram_hash``: ``140·T + 304``;
 * ``engram_gate_fwd``: ``26·T·D + 16·D`` (+ ``64·T`` with ``save_for_backward``);
 * ``engram_gate_bwd``: ``44·T·D + 48·D + 64·T`` (the partial buffer is not counted; ``P`` = the op's
-  default token chunks, e.g. 150 at ``D = 7168``, ``T = 8001``; the kernels move ``52·T·D``: ``go`` is
-  read by both passes); the check compares ``grad_x``, ``grad_k``, ``grad_v`` and the partials' sum over ``P`` (the reference's
+  default token chunks, e.g. 150 at ``D = 7168``, ``T = 8001``; the one-pass kernels (``D`` = 2048, 3072,
+  4096, 6144) move these bytes, the two-pass kernels (``D`` = 2560, 7168) ``52·T·D``: ``go`` is read by both
+  passes); the check compares ``grad_x``, ``grad_k``, ``grad_v`` and the partials' sum over ``P`` (the reference's
   default ``P`` differs from the kernel's);
 * ``engram_gate:fwd+bwd``: ``jax.vjp`` of :func:`jaxkern.modeling.engram_gate` (forward with the saved
   intermediates, backward kernels, weight-gradient reduction) vs the same of the ``jnp`` composite compiled
