@@ -17,13 +17,18 @@ import numpy as np
 from jax.experimental import checkify
 
 
-def check_rank(name: str, x, ndim: int) -> None:
+def _chex_holds(assertion, x, expected, holds: bool) -> bool:
+  """Whether chex's ``assertion(x, expected)`` passes and ``holds`` (the same condition computed here:
+  ``chex.disable_asserts()`` switches chex off, and the op's own check must stay on)."""
   try:
-    chex.assert_rank(x, ndim)
-    ok = len(x.shape) == ndim  # chex.disable_asserts() switches chex off; the op's own check must stay on
+    assertion(x, expected)
   except AssertionError:
-    ok = False
-  if not ok:
+    return False
+  return holds
+
+
+def check_rank(name: str, x, ndim: int) -> None:
+  if not _chex_holds(chex.assert_rank, x, ndim, len(x.shape) == ndim):
     raise ValueError(f"{name} must have rank {ndim}, got shape {tuple(x.shape)}")
 
 
@@ -31,12 +36,7 @@ def check_shape(name: str, x, expected, note: str = "") -> None:
   """``x.shape == expected``, else ``"{name} must have shape {expected}{note}, got {x.shape}"`` (``note``: where
   the expected shape comes from, e.g. ``" (the shape of weight_hidden)"``)."""
   expected = tuple(int(d) for d in expected)
-  try:
-    chex.assert_shape(x, expected)
-    ok = tuple(x.shape) == expected  # chex.disable_asserts() switches chex off; the op's own check must stay on
-  except AssertionError:
-    ok = False
-  if not ok:
+  if not _chex_holds(chex.assert_shape, x, expected, tuple(x.shape) == expected):
     raise ValueError(f"{name} must have shape {expected}{note}, got {tuple(x.shape)}")
 
 
