@@ -5,7 +5,8 @@ figures and the variants tried: docs/gemm.md, "Kernels and performance"):
 
 * ``"pair192"`` (:func:`_pair_mc_kernel`, the default from ``K >= PAIR_MIN_K`` where 192-column tiles fit N):
   DeepGEMM's schedule, 128 x 192 CTA tiles, the weight tile TMA-multicast to a 2-CTA cluster on a pair of row blocks
-  of one expert, 16 row blocks per raster group (rows fastest); ``"pair192_r32"`` the same with 32 (not a default).
+  of one expert, 16 row blocks per raster group (rows fastest); ``"pair192_r32"`` the same with 32, the default up to
+  ``K = PAIR_R32_MAX_K``.
   H200: 1323-1330 TF/s at N = 4096, K = 7168, 7-8% above ``"wide192"``; 1289-1291 at N = 7168, K = 2048. Each compute warpgroup synchronises its four
   warps before it releases a ring slot to the pair; released by the first warp alone, a slot could be refilled while
   the other warps still read it, and the results differed from run to run on the training step's fused layout
@@ -852,7 +853,7 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
 VARIANTS = {
     # DeepGEMM's schedule (:func:`_pair_mc_kernel`): 128 x 192 CTA tiles, weight tiles multicast to 2-CTA clusters
     # on row-block pairs; 16 row blocks per raster group (rows fastest), the default from PAIR_MIN_K where 192-column
-    # tiles fit; "_r32": 32 row blocks per group (not a default)
+    # tiles fit; "_r32": 32 row blocks per group, the default up to PAIR_R32_MAX_K
     "pair192": functools.partial(_pair_mc_kernel, bn=WIDE_TILE),
     "pair192_r32": functools.partial(_pair_mc_kernel, bn=WIDE_TILE, row_group=32),
     # the default below PAIR_MIN_K where 192-column tiles fit (:func:`_wide_kernel`: 64 x 192 tiles); also
@@ -877,6 +878,11 @@ VARIANT = None  # a VARIANTS key forces that kernel (tests, timing scripts); Non
 # 1242.2-1243.0. (With the x scales read after the wgmma wait, "pair192" lost 5% to "wide192" at K = 4096 and tied
 # at K = 2048, and the threshold was 6144.)
 PAIR_MIN_K = 2048
+# Up to this K "pair192" runs with 32 row blocks per raster group ("pair192_r32"), above it with 16. H200, 2026-11-29,
+# CUPTI, L2 flushed, two rounds of 10, M = 32768, TF/s, bit-identical: N = 7168, K = 2048 G = 4 1283.2 / 1283.2 against
+# 1273.2 / 1272.2 with 16, G = 8 1281.8 / 1280.8 against 1272.6 / 1271.1 (DeepGEMM 1354.3 / 1228.6); N = 4096, K = 7168
+# G = 8 1254.6 / 1231.4 against 1290.4 / 1289.7 (8 row blocks: 1276.9 / 1267.3 at the two shapes; 64: 1272.9 / 1192.8).
+PAIR_R32_MAX_K = 2048
 # Where the 192-column tile does not fit: from GROUPED_RASTER_MIN_K the grouped raster (L2 reuse of the x rows over a
 # group of column tiles) wins, below it the SMEM ring across items without deferral (short K loops: the gap between
 # items is a larger share).
@@ -906,13 +912,15 @@ def wide_tile_extra(n: int, bn: int = WIDE_TILE) -> float:
 def default_variant(k: int, n: int) -> str:
   """The forward kernel for a contraction of ``k`` and ``n`` output columns. Where the 192-column tile's overlapping
   last tile adds at most :data:`WIDE_TILE_MAX_EXTRA` of the work: from :data:`PAIR_MIN_K` ``"pair192"`` (DeepGEMM's
-  schedule, weight tiles multicast to 2-CTA clusters), below it ``"wide192"`` (the same tiles and ring without
+  schedule, weight tiles multicast to 2-CTA clusters; ``"pair192_r32"`` up to :data:`PAIR_R32_MAX_K`), below it ``"wide192"`` (the same tiles and ring without
   clusters, as fast there). Elsewhere, from :data:`GROUPED_RASTER_MIN_K`: ``"k2tma_gh_ss"`` (deferred promotion,
   TMA-store epilogue, grouped column tiles, the scales through the pipeline's SMEM) up to :data:`SMEM_SCALES_MAX_K`,
   ``"k2tma_gh"`` (the same with GMEM scale loads) above it; below it ``"ring_nodefer"`` (one SMEM ring through all
   items, 64 x 128 tiles)."""
   if n >= WIDE_TILE and wide_tile_extra(n) <= WIDE_TILE_MAX_EXTRA:
-    return "pair192" if k >= PAIR_MIN_K else "wide192"
+    if k < PAIR_MIN_K:
+      return "wide192"
+    return "pair192_r32" if k <= PAIR_R32_MAX_K else "pair192"
   if k >= GROUPED_RASTER_MIN_K:
     return "k2tma_gh_ss" if k <= SMEM_SCALES_MAX_K else "k2tma_gh"
   return "ring_nodefer"

@@ -305,17 +305,19 @@ def test_pair_kernel_falls_back_for_odd_row_blocks(key, monkeypatch):
 def test_default_variant_by_contraction():
   assert _grouped.VARIANT is None  # the shipped default picks per K and N
   # where the 192-column tile adds at most 1/32 of the columns: from K = 2048 the clustered kernel (weight tiles
-  # multicast to row-block pairs), below it the 192-column ring without clusters
-  assert _grouped.PAIR_MIN_K == 2048
-  assert _grouped.default_variant(7168, 4096) == "pair192" and _grouped.default_variant(2048, 7168) == "pair192"
+  # multicast to row-block pairs; 32 row blocks per raster group up to K = 2048, 16 above), below it the 192-column
+  # ring without clusters
+  assert _grouped.PAIR_MIN_K == 2048 and _grouped.PAIR_R32_MAX_K == 2048
+  assert _grouped.default_variant(7168, 4096) == "pair192" and _grouped.default_variant(2048, 7168) == "pair192_r32"
   assert _grouped.default_variant(4096, 7168) == "pair192" and _grouped.default_variant(7168, 2048) == "pair192"
+  assert _grouped.default_variant(2176, 7168) == "pair192"  # just above the 32-row-block range
   assert _grouped.default_variant(1920, 7168) == "wide192"  # just below the threshold
-  assert _grouped.default_variant(1024, 1536) == "wide192" and _grouped.default_variant(2048, 1536) == "pair192"
+  assert _grouped.default_variant(1024, 1536) == "wide192" and _grouped.default_variant(2048, 1536) == "pair192_r32"
   # elsewhere: the scales through SMEM up to K = 4096, GMEM above, the 128-column ring below
   assert _grouped.default_variant(5120, 1024) == "k2tma_gh" and _grouped.default_variant(4096, 1024) == "k2tma_gh_ss"
   assert _grouped.default_variant(2048, 1024) == "ring_nodefer"  # 6 tiles of 192: 1/8 extra
   assert _grouped.default_variant(128, 128) == "ring_nodefer"  # narrower than one wide tile
   assert _grouped.wide_tile_extra(7168) == 128 / 7168 and _grouped.wide_tile_extra(384) == 0
   assert {_grouped.default_variant(k, n) for k in (1024, 2048, 4096, 7168) for n in (128, 1024, 2048, 4096, 7168)} \
-      | {"simple", "pair192_r32"} == set(_grouped.VARIANTS)  # the independent check; 32 row blocks per raster group
+      | {"simple"} == set(_grouped.VARIANTS)  # and the independent check
   assert [_grouped.half_row_group(t) for t in (1, 8, 16, 32, 56, 57, 59)] == [1, 8, 16, 16, 28, 19, 59]

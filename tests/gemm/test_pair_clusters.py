@@ -1,5 +1,5 @@
-"""The clustered FP8 grouped GEMM (``_pair_mc_kernel``, variants ``"pair192"``, the default from K = 2048, and
-``"pair192_r32"``): the pair protocol on the fused layout's skipped (-1) row blocks on the CPU (what each CTA of a
+"""The clustered FP8 grouped GEMM (``_pair_mc_kernel``, variants ``"pair192_r32"``, the default at K = 2048, and
+``"pair192"``, the default above it): the pair protocol on the fused layout's skipped (-1) row blocks on the CPU (what each CTA of a
 pair loads, the ring slots both CTAs walk), and on a GPU the same bits run after run on the training step's fused
 layout.
 
