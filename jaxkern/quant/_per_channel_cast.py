@@ -23,11 +23,13 @@ of copy, 2.4x XLA), ``4096x576`` 5.6 µs (1.9x); the previous kernel (WGMMA-layo
 avoided by the same one-column-per-thread step) took 72.1 / 10.8 µs. Walking 2 or 4 column tiles per CTA through a
 TMA pipeline, 64- or 256-column tiles and the column-major grid order measured equal or slower.
 
-``per_channel_cast`` of a bf16 input with ``K <=`` :data:`DIRECT_MAX_K` runs :func:`_direct_kernel`: the same three
-steps with the tile loaded straight from GMEM into registers (no TMA, no SMEM copy of the data) and kept there
-for step 3, 128-column tiles (a 64-column last one where 128 does not divide ``K``), no automatic warpgroup
-barriers. H200 (2026-11-29): ``4096x576`` 5.31 µs against 5.66 for the kernel above; from ``K = 2048`` the kernel
-above is faster (10.00 against 10.51 µs at ``4096x2048``).
+``per_channel_cast`` of a bf16 input with ``K <=`` :data:`DIRECT_MAX_K` runs :func:`_split_register_kernel`: the
+same three steps with each CTA's ``(128, 64)`` tile over two warpgroups of 64 rows, loaded straight from GMEM into
+registers (no TMA, no SMEM copy of the data) and kept there for step 3; the partial column maxima of the 8 warps meet
+in SMEM after one mbarrier. H200 (2026-11-29): ``4096x576`` 4.38 µs, ``8064x576`` 6.33 (TileKernels 4.53 / 6.30),
+against 4.70 / 6.66 for the one-warpgroup register kernel it replaced (128-column tiles) and 5.66 / 7.76 for the
+kernel above; from ``K = 2048`` the kernel above and the one below are faster than a one-warpgroup register kernel
+(10.00 against 10.51 µs at ``4096x2048``).
 
 Above :data:`DIRECT_MAX_K` ``per_channel_cast`` of a bf16 input runs :func:`_split_kernel`: the kernel above with
 each CTA's 128 rows over two warpgroups of 64 (TileKernels runs 256 threads per 128-row tile). Each warp's rows
@@ -42,9 +44,9 @@ cold L2, 2026-11-29), bf16, one warpgroup per tile above ``K = 576``, µs (TileK
 4.62 (4.53), ``4096x2048`` 9.22 (8.73), ``4096x2560`` 10.82 (10.47), ``4096x3072`` 12.93 (12.27), ``8064x576`` 6.56
 (6.30), ``8064x2048`` 15.26 (15.43);
 with the ``(C,)`` operand 5.28 / 9.97 at ``4096x576`` / ``4096x2048`` (the kernel 4.58 / 9.28 plus a 0.67 µs
-broadcast launch). Measured on the same card and dropped: the register kernel with its 128 rows split over two
-warpgroups per CTA (partial maxima through SMEM, no cross-warp reduction by Mosaic GPU) 4.40 at ``4096x576`` but
-7.38 at ``8064x576`` and 9.79 at ``4096x2048``; over four warpgroups 5.25 at ``4096x576``.
+broadcast launch). Measured on the same card and dropped: the two-warpgroup register kernel with 128-column tiles
+4.40 at ``4096x576`` but 7.38 at ``8064x576`` and 9.79 at ``4096x2048``; over four warpgroups 5.25 at ``4096x576``.
+(These figures at ``K = 576`` predate :func:`_split_register_kernel`.)
 
 With a ``pos_to_token`` gather ``per_channel_cast_fused`` runs a Pallas-Triton kernel instead
 (:func:`_gather_kernel`): Mosaic GPU has no per-row register gather, and feeding :func:`_kernel`
@@ -306,62 +308,74 @@ def _split_kernel(x, *, round_sf, interpret=False):
   return kernel(x, _max_operand())
 
 
-# Largest K for which per_channel_cast of bf16 runs :func:`_direct_kernel` (above it :func:`_split_kernel`). H200,
-# 2026-11-29 (CUPTI, cold L2): K=576 at M=4096 / 8064 5.31 / 7.30 µs against 5.66 / 7.76 for the one-warpgroup TMA
-# kernel :func:`_kernel` (64-column tiles); K=2048 10.51 / 16.46 against 10.00 / 15.98, K=2560 12.59 against 11.66,
-# K=7168 47.81 against 46.77. The two-warpgroup kernel (0-4% faster than :func:`_kernel` from K=2048) was not timed
-# at K=576.
+# Largest K for which per_channel_cast of bf16 runs :func:`_split_register_kernel` (above it :func:`_split_kernel`).
+# Set with the one-warpgroup register kernel this kernel replaced, H200, 2026-11-29 (CUPTI, cold L2): K=576 at
+# M=4096 / 8064 5.31 / 7.30 µs against 5.66 / 7.76 for the one-warpgroup TMA kernel :func:`_kernel`; K=2048 10.51 /
+# 16.46 against 10.00 / 15.98, K=2560 12.59 against 11.66, K=7168 47.81 against 46.77. The two-warpgroup register
+# kernel was timed at K=576 only.
 DIRECT_MAX_K = 576
-_DIRECT_COLS = 128  # columns per CTA of the direct kernel, a 64-column last tile where 128 does not divide K
+_REGISTER_COLS = 64  # columns per CTA of the register kernel (128 measured slower at 8064x576 on an H200)
 
 
 @functools.partial(jax.jit, static_argnames=("round_sf", "interpret"))
-def _direct_kernel(x, *, round_sf, interpret=False):
-  """Per-channel cast of a plain bf16 ``x`` ``(M, K)`` (``M % 128 == 0``, ``K % 64 == 0``), one group of
-  128 rows: ``(out (M, K) e4m3, sf (M/128, K) float32)``.
+def _split_register_kernel(x, *, round_sf, interpret=False):
+  """Per-channel cast of a plain bf16 ``x`` ``(M, K)`` (``M % 128 == 0``, ``K % 64 == 0``), one group of 128 rows,
+  with each CTA's ``(128, 64)`` tile over two warpgroups of 64 rows (256 threads per tile, as TileKernels) held in
+  registers: ``(out (M, K) e4m3, sf (M/128, K) float32)``.
 
-  As :func:`_kernel`, but the CTA's ``(128, C)`` tile goes straight from GMEM into registers (16-byte vectors,
-  :func:`jaxkern._layouts.row_layout`) and stays there for the cast: no TMA, no SMEM copy of the data, no
-  second read. ``C = 128`` (:data:`_DIRECT_COLS`), the last tile 64 columns where 128 does not divide ``K``
-  (TileKernels' grid). The column maxima reach one column per thread through SMEM for the divisions, and
-  ``sf_inv`` comes back the same way (two ``commit_smem()`` synchronisations); no automatic warpgroup barriers
-  otherwise (no thread reads SMEM another wrote without one of them in between).
+  Each warpgroup loads its 64 rows straight from GMEM into registers in :func:`_warp_rows_layout` (warp ``w`` holds
+  16 consecutive rows; no TMA, no SMEM copy of the data), reduces each warp's rows to partial column maxima in-thread
+  and by lane shuffles and writes its 4 partials to SMEM; after one CTA barrier (an mbarrier, one arrival per
+  warpgroup) each warpgroup takes the maximum of the 8 partials one column per thread and computes the scale
+  factors (the same bits in both; warpgroup 0 stores the sf), passes ``sf_inv`` through its own SMEM row to its
+  layout and casts its rows, still in registers, straight to GMEM (:func:`_split_kernel` without the TMA load).
+  64-column tiles (:data:`_REGISTER_COLS`); no automatic warpgroup barriers. Interpret mode reads and writes the refs
+  whole instead of in the layout (the same values).
+
+  NVIDIA H200, 2026-11-29 (runner, CUPTI, cold L2), µs, against the one-warpgroup register kernel it replaced
+  (128-column tiles, a 64-column last one; TileKernels in brackets): ``4096x576`` 4.70 -> 4.38 (4.53), ``8064x576``
+  6.66 -> 6.33 (6.30); bit-exact on the card, non-finite inputs and ``round_sf`` included. With 128-column tiles
+  (a 64-column last one) this kernel took 4.38 at ``4096x576`` but 7.20 at ``8064x576``.
   """
   m, k = x.shape
-  r, c = _ROWS, _DIRECT_COLS
-  kt = pl.cdiv(k, c)
-  last = k - (kt - 1) * c
+  r, c, nwg = _ROWS, _REGISTER_COLS, 2
+  h = r // nwg  # rows per warpgroup
+  lay = _warp_rows_layout(h // 4, c, x.dtype.itemsize)
+  per_thread = _per_thread(c)
 
   @functools.partial(
-      plgpu.kernel, grid=(kt, m // r), grid_names=("j", "i"), interpret=_config.mosaic_interpret(interpret),
+      plgpu.kernel, grid=(k // c, m // r), grid_names=("j", "i"), num_threads=nwg, thread_name="wg",
+      interpret=_config.mosaic_interpret(interpret),
       out_type=(jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m // r, k), jnp.float32)),
-      scratch_types=dict(a_s=plgpu.SMEM((c,), jnp.float32), inv_s=plgpu.SMEM((c,), jnp.float32)),
+      scratch_types=dict(part_s=plgpu.SMEM((4 * nwg, c), jnp.float32), inv_s=plgpu.SMEM((nwg, c), jnp.float32),
+                         joined=plgpu.Barrier(num_arrivals=nwg)),
       compiler_params=NO_AUTO_BARRIERS)
-  def kernel(x_g, c_g, o_g, sf_g, a_s, inv_s):
-    i, j = lax.axis_index("i"), lax.axis_index("j")
-    rows = pl.ds(i * r, r)
+  def kernel(x_g, c_g, o_g, sf_g, part_s, inv_s, joined):
+    i, j, wg = lax.axis_index("i"), lax.axis_index("j"), lax.axis_index("wg")
+    cols, rows = pl.ds(j * c, c), pl.ds(i * r + wg * h, h)
+    src = x_g.at[rows, cols]
+    v = src[...].reshape(4, h // 4, c) if interpret else plgpu.load(src.reshape(4, h // 4, c), layout=lay,
+                                                                    optimized=False)
+    maxv = _max_vector(c_g, c, per_thread)
+    part_s[pl.ds(wg * 4, 4)] = _warp_column_max(jnp.abs(v), interpret).astype(jnp.float32)
+    plgpu.barrier_arrive(joined)
+    plgpu.barrier_wait(joined)
+    parts = [part_s[t] if interpret else plgpu.load(part_s.at[t], layout=per_thread) for t in range(4 * nwg)]
+    a = _elementwise_max(parts, interpret)
+    sf, inv = ref.scale_factors(a, maxv, "e4m3", round_sf, div=_ieee.exact_div)
 
-    def tile(w):
-      cols = pl.ds(j * c, w)
-      lay = row_layout(w, x.dtype.itemsize)[0]
-      v = plgpu.load(x_g.at[rows, cols], layout=lay, optimized=False)
-      a_s[pl.ds(0, w)] = _column_max([jnp.abs(v)], interpret).astype(jnp.float32)
-      plgpu.commit_smem()
-      per_thread = _per_thread(w)
-      maxv = _max_vector(c_g, w, per_thread)
-      sf, inv = ref.scale_factors(plgpu.load(a_s.at[pl.ds(0, w)], layout=per_thread), maxv, "e4m3", round_sf,
-                                  div=_ieee.exact_div)
+    @pl.when(wg == 0)
+    def _():
       sf_g[i, cols] = sf
-      inv_s[pl.ds(0, w)] = inv
-      plgpu.commit_smem()
-      inv = plgpu.load(inv_s.at[pl.ds(0, w)], layout=lay.reduce(0), optimized=False)
-      o_g[rows, cols] = _e4m3(v.astype(jnp.float32) * inv[None, :], interpret)
 
-    if last == c:
-      tile(c)
+    inv_s[wg] = inv
+    plgpu.commit_smem()  # its warpgroup's threads read the row it wrote
+    inv = inv_s[wg] if interpret else plgpu.load(inv_s.at[wg], layout=lay.reduce(0).reduce(0), optimized=False)
+    q = _e4m3(v.astype(jnp.float32) * inv[None, None, :], interpret)
+    if interpret:
+      o_g[rows, cols] = q.reshape(h, c)
     else:
-      pl.when(j < kt - 1)(lambda: tile(c))
-      pl.when(j == kt - 1)(lambda: tile(last))
+      o_g.at[rows, cols].reshape(4, h // 4, c)[...] = q
 
   return kernel(x, _max_operand())
 
@@ -583,13 +597,13 @@ def per_channel_cast(x: jax.typing.ArrayLike, fmt: str, num_per_tokens: int, *, 
 
 
 def _plain_kernel(x, round_sf, interpret):
-  """:func:`per_channel_cast`'s kernel (``npt = 128``): for bf16 :func:`_direct_kernel` with ``K <=``
-  :data:`DIRECT_MAX_K`, else :func:`_split_kernel`; for float32 :func:`_kernel` (a 128-column register tile would
-  hold 128 float32 values per thread; the two-warpgroup kernel was built and measured for bf16 only)."""
+  """:func:`per_channel_cast`'s kernel (``npt = 128``): for bf16 :func:`_split_register_kernel` with ``K <=``
+  :data:`DIRECT_MAX_K`, else :func:`_split_kernel`; for float32 :func:`_kernel` (the two-warpgroup kernels were built
+  and measured for bf16 only)."""
   if x.dtype != jnp.bfloat16:
     return _kernel(x, npt=128, round_sf=round_sf, interpret=interpret)
   if x.shape[1] <= DIRECT_MAX_K:
-    return _direct_kernel(x, round_sf=round_sf, interpret=interpret)
+    return _split_register_kernel(x, round_sf=round_sf, interpret=interpret)
   # Two warpgroups per 128-row tile (TileKernels runs 256 threads per tile) rather than :func:`_kernel`'s one.
   # NVIDIA H200, 2026-11-29 (runner, CUPTI, cold L2, both kernels in the same run), µs, one -> two warpgroups:
   # M=4096: K=2048 9.30 -> 8.93, K=2560 10.88 -> 10.53, K=3072 12.30 -> 12.27, K=4096 15.46 -> 15.44,

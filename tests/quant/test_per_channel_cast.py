@@ -357,12 +357,13 @@ def test_non_finite_inputs_gpu(key, round_sf):
 
 
 def test_kernel_choice():
-  """bf16 with K <= DIRECT_MAX_K: the register kernel; wider: the two-warpgroup TMA kernel; float32: the
-  one-warpgroup TMA kernel."""
+  """bf16 with K <= DIRECT_MAX_K: the two-warpgroup register kernel; wider: the two-warpgroup TMA kernel; float32:
+  the one-warpgroup TMA kernel."""
   from jaxkern.testing import lower_for_h100
 
-  for k, dtype, kernel in ((576, jnp.bfloat16, "_direct_kernel"), (2048, jnp.bfloat16, "_split_kernel"),
-                           (704, jnp.bfloat16, "_split_kernel"), (576, jnp.float32, "_kernel"),
+  for k, dtype, kernel in ((576, jnp.bfloat16, "_split_register_kernel"), (320, jnp.bfloat16, "_split_register_kernel"),
+                           (2048, jnp.bfloat16, "_split_kernel"), (704, jnp.bfloat16, "_split_kernel"),
+                           (576, jnp.float32, "_kernel"),
                            (2048, jnp.float32, "_kernel")):
     f = lambda x: quant.per_channel_cast(x, "e4m3", 128, implementation="pallas")
     text = lower_for_h100(f, jax.ShapeDtypeStruct((256, k), dtype)).as_text()
@@ -373,29 +374,35 @@ def test_kernel_choice():
     assert re.findall(r"stablehlo\.constant dense<[^>]*> : tensor<([0-9x]+)xf32>", outside) == ["1"], (k, dtype)
 
 
-# The register kernel of bf16 per_channel_cast: 128-column tiles (K = 256), a 64-column last tile (K = 320, 576),
-# and the two-warpgroup TMA kernel at those K (DIRECT_MAX_K = 0: 128-column tiles, 64-column tiles throughout).
-@pytest.mark.parametrize("direct_max_k", [576, 0])
-@pytest.mark.parametrize("k, round_sf", [(256, True), (320, False), (576, True)])
-def test_direct_kernel_bit_exact(key, monkeypatch, k, round_sf, direct_max_k):
-  monkeypatch.setattr(module, "DIRECT_MAX_K", direct_max_k)
-  x = randn(key, (256, k), jnp.bfloat16) * jnp.exp2(jnp.arange(k, dtype=jnp.float32) % 17 - 8)
+# The register kernel of bf16 per_channel_cast (two warpgroups of 64 rows, 64-column tiles): K = 576, and K = 64 x odd
+# (320, 192: an odd number of column tiles); M = 384 (an odd number of 128-row tiles); round_sf; non-finite values in
+# both warpgroups' rows (rows 0-63 and 64-127 of the first block). Interpret mode takes about 0.4 s a CTA.
+@pytest.mark.parametrize("m, k, round_sf", [(256, 576, True), (384, 320, False), (128, 192, True)], ids=str)
+def test_split_register_kernel_bit_exact(key, m, k, round_sf):
+  x = randn(key, (m, k), jnp.bfloat16) * jnp.exp2(jnp.arange(k, dtype=jnp.float32) % 17 - 8)
   got = quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf)
   _assert_quant_equal(got, _oracle(np.asarray(x, np.float32), 128, round_sf))
+  x = _non_finite(key, (m, k), jnp.bfloat16)
+  for rs in (False, True):
+    got = quant.per_channel_cast(x, "e4m3", 128, round_sf=rs)
+    _assert_quant_equal(got, ref.per_channel_cast(x, "e4m3", 128, round_sf=rs))
+    _check_non_finite_semantics(got, rs)
 
 
-@pytest.mark.parametrize("m, k", [(4096, 576), (8064, 576), (4096, 512)])
-def test_direct_kernel_lowers_for_h100(m, k):
+@pytest.mark.parametrize("m, k", [(4096, 576), (8064, 576), (4096, 512), (4096, 320)])
+def test_split_register_kernel_lowers_for_h100(m, k):
   from jaxkern.testing import lower_for_h100
-  f = lambda x: quant.per_channel_cast(x, "e4m3", 128, implementation="pallas")
-  assert "mosaic_gpu" in lower_for_h100(f, jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).as_text()
+  for round_sf in (False, True):
+    f = lambda x: quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf, implementation="pallas")
+    assert "@_split_register_kernel" in lower_for_h100(f, jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).as_text()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("direct_max_k, m, k", [(576, 4096, 576), (576, 8064, 576), (0, 4096, 576), (8192, 8064, 2560)])
 def test_per_channel_cast_spec_shapes_gpu(key, monkeypatch, m, k, direct_max_k):
-  """per_channel_cast's kernels (the register kernel up to ``DIRECT_MAX_K``, the two-warpgroup TMA kernel above),
-  compiled, against numpy; the two-warpgroup kernel at the spec shapes: :func:`test_split_kernel_gpu`."""
+  """per_channel_cast's kernels (the two-warpgroup register kernel up to ``DIRECT_MAX_K``, at 4096x576 and 8064x576;
+  the two-warpgroup TMA kernel above), compiled, against numpy; non-finite inputs: :func:`test_split_kernel_gpu`
+  (both kernels)."""
   monkeypatch.setattr(module, "DIRECT_MAX_K", direct_max_k)
   x = randn(key, (m, k), jnp.bfloat16)
   for round_sf in (False, True):
@@ -428,10 +435,11 @@ def test_split_kernel_lowers_for_h100(m, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, k", [(4096, 2048), (8064, 7168), (4096, 704)])
+@pytest.mark.parametrize("m, k", [(4096, 2048), (8064, 7168), (4096, 704), (4096, 576), (8064, 576), (384, 320)])
 def test_split_kernel_gpu(key, m, k):
-  """The two-warpgroup kernel, compiled, against the reference compiled by XLA, with and without round_sf: random
-  values with non-finite ones in the first block (:func:`_non_finite`)."""
+  """The two-warpgroup kernels (TMA above DIRECT_MAX_K, registers up to it), compiled, against the reference
+  compiled by XLA, with and without round_sf: random values with non-finite ones in the first block
+  (:func:`_non_finite`)."""
   x = _non_finite(key, (m, k), jnp.bfloat16)
   for round_sf in (False, True):
     want = jax.jit(lambda x: ref.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))(x)
