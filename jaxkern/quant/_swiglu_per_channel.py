@@ -4,7 +4,8 @@ Mosaic GPU kernel (:func:`_kernel`): two warpgroups (256 threads) per CTA, each 
 columns (:func:`_tile`): 64 columns and 64 rows per warpgroup (a 128 x 64 CTA: at npt 32 two whole groups per
 warpgroup, at npt 128 the one group split over the two), except at npt 32 without the transpose: 32 rows per
 warpgroup (one group each), or, where :data:`_WIDE_COLS` divides ``h``, 256 columns and 16 rows per warpgroup (one
-32-row group split over the two). Each warpgroup TMA-loads its gate tile ``x[rows, c·j : c·j + c]`` and value tile
+32-row group split over the two), 32 rows per warpgroup (one group each) where also ``h >=``
+:data:`_WIDE_ROWS32_MIN_H`. Each warpgroup TMA-loads its gate tile ``x[rows, c·j : c·j + c]`` and value tile
 ``x[rows, h + c·j : h + c·j + c]`` into SMEM (the whole tile on one barrier at npt 32 with 64 columns; 32-row chunks
 at npt 128 and 8-row steps with 256 columns on a barrier each, so that a chunk's activation starts when its rows
 arrive) and reads both in the rows of :func:`jaxkern._layouts.row_layout`, so each value meets its partner in one
@@ -16,12 +17,13 @@ read), keeping the elementwise maximum of ``|act|`` of each group in its registe
 
 Column maxima and scale factors: each thread writes its elementwise maxima to SMEM (``(warpgroup, group, layout
 rows, columns)``), then one thread per column reduces them; where a group spans both warpgroups (npt 128, and the
-256-column tiles) it reads both warpgroups' maxima after an mbarrier that every thread of both arrives at (both
-compute the scale factors, warpgroup 0 stores them). Not Mosaic GPU's reductions: a cross-warp reduction goes through
-the kernel's one SMEM reduction scratch (``reduction_scratch_bytes``), the same address for both warpgroups, and
-could not merge across them anyway. The scale factors follow :func:`jaxkern.quant.per_channel_cast_and_transpose`,
-the divisions by PTX ``div.rn.f32`` with the e4m3 maximum a constant in registers (:func:`_sf_div`; in interpret mode
-:func:`jaxkern._ieee.exact_div`, the same bits, with the maximum a one-element kernel operand). The second pass reads
+256-column tiles of 16 rows per warpgroup) it reads both warpgroups' maxima after an mbarrier that every thread of
+both arrives at (both compute the scale factors, warpgroup 0 stores them). Not Mosaic GPU's reductions: a cross-warp
+reduction goes through the kernel's one SMEM reduction scratch (``reduction_scratch_bytes``), the same address for
+both warpgroups, and could not merge across them anyway. The scale factors follow
+:func:`jaxkern.quant.per_channel_cast_and_transpose`, the divisions by PTX ``div.rn.f32`` with the e4m3 maximum a
+constant in registers (:func:`_sf_div`; in interpret mode :func:`jaxkern._ieee.exact_div`, the same bits, with the
+maximum a one-element kernel operand). The second pass reads
 the bf16 activation back from SMEM and casts it: without the transpose in steps of :data:`_CAST_VALUES` values per
 thread in the row layout, stored straight to GMEM; otherwise the warpgroup's 64-row block in the WGMMA layout,
 re-laid out to WGMMA_TRANSPOSED as bf16 (one shuffle per two values), cast into SMEM and TMA-stored as ``(h, M)``. No
@@ -33,8 +35,9 @@ npt 128 M=4096 without the transpose 9.55 -> 8.37 (8.33), M=8064 12.62 -> 11.50 
 (12.32); npt 32 transposed M=4096 9.30 -> 9.10 (9.67), M=8064 13.12 -> 12.34 (12.26), without the transpose M=4096
 8.93 -> 7.33 (8.46), M=8064 13.01 -> 11.63 (11.59). npt 32 transposed M=8064 h=2048 34.82 -> 29.81 (34.05), h=7168
 108.43 -> 90.32 (100.64). npt 32 without the transpose, 256 columns: M=4096 h=2048 17.18 -> 16.40 (16.44), M=8064
-h=7168 87.22 -> 84.83 (81.11). ncu of the one-warpgroup kernel (npt 128, M=8064 h=576 without the transpose): 14.8
-achieved warps per SM, no eligible warp in 54% of cycles (latency-bound); TileKernels runs 256 threads per CTA.
+h=7168 87.22 -> 84.83 (81.11), then 82.94 with 32 rows per warpgroup (from h = :data:`_WIDE_ROWS32_MIN_H` on). ncu
+of the one-warpgroup kernel (npt 128, M=8064 h=576 without the transpose): 14.8 achieved warps per SM, no eligible
+warp in 54% of cycles (latency-bound); TileKernels runs 256 threads per CTA.
 Earlier steps (H200, 2026-11-29, one warpgroup per CTA): 64-row CTAs at npt 32 instead of 128 rows (M=8064 h=576
 15.5 / 16.1 -> 12.7 / 13.5 without / with the transpose, h=7168 transposed 116.3 -> 108.6), the 32-row chunks on a
 barrier each at npt 128 (M=8064 h=576 13.3 -> 12.7 without the transpose), 32 x 256 tiles without the transpose at
@@ -78,7 +81,16 @@ _COLS = 64  # columns per CTA (128 measured slower on an H200, 2026-11-28; modul
 # h=2048 16.4 (16.4) against 17.2. Earlier that day, one warpgroup per CTA: h=7168 32 x 256 86.5, 32 x 128 86.8,
 # 128 x 64 105.5; one barrier per tile instead of 8-row steps: M=4096 h=2048 18.4 against 17.4.
 _WIDE_COLS = 256
-_WIDE_ROWS = 16  # rows per warpgroup with :data:`_WIDE_COLS` columns
+_WIDE_ROWS = 16  # rows per warpgroup with :data:`_WIDE_COLS` columns below :data:`_WIDE_ROWS32_MIN_H`
+# From this h on, 32 rows per warpgroup with :data:`_WIDE_COLS` columns (a 64 x 256 CTA, one whole 32-row group per
+# warpgroup, no mbarrier between the two). H200, CUPTI, cold L2, 2026-11-29, µs, 16 -> 32 rows per warpgroup
+# (TileKernels in brackets), bit-exact against the 16-row form and the reference on the GPU: M=8064 h=7168 84.90 ->
+# 82.94 (81.11; another run 85.26 -> 83.39), M=4096 h=7168 45.31 -> 44.98; slower at h=2048: M=4096 16.46 -> 17.10,
+# M=8064 27.92 -> 28.18. The hidden sizes between 2048 and 7168 were not timed. In the same runs (M=8064 h=7168,
+# M=4096 h=7168, M=8064 h=2048) no faster than the 16-row form: the e4m3 rows cast into SMEM and TMA-stored, and CTAs
+# looping over up to 4 consecutive 32 x 256 tiles with two SMEM slots (the next tile's TMA loads issued while the
+# current one is computed).
+_WIDE_ROWS32_MIN_H = 4096
 _WIDE_STEP_ROWS = 8  # rows per TMA barrier with :data:`_WIDE_COLS` columns
 _CHUNK = 32  # rows per TMA barrier at npt 128
 _CAST_VALUES = 16  # values per thread in each step of the cast without the transpose
@@ -133,7 +145,8 @@ def _max_of(parts, interpret):
 def _tile(h: int, npt: int, transpose_out: bool) -> tuple[int, int, int]:
   """``(rows per warpgroup, columns per CTA, rows per TMA barrier)`` of :func:`_kernel`.
 
-  Without the transpose at npt 32, where :data:`_WIDE_COLS` divides ``h``: 16 rows x 256 columns in 8-row steps.
+  Without the transpose at npt 32, where :data:`_WIDE_COLS` divides ``h``: 16 rows x 256 columns in 8-row steps
+  (32 rows from ``h =`` :data:`_WIDE_ROWS32_MIN_H` on).
   Otherwise :data:`_COLS` columns and 64 rows per warpgroup, except 32 (one group) at npt 32 without the transpose:
   H200, CUPTI, cold L2, 2026-11-29, h=576, µs (TileKernels in brackets), M=4096 7.33 against 8.64 with 64 rows
   (8.46), M=8064 11.63 against 11.89 (11.59). At npt 128 each 32-row chunk on a barrier of its own (the activation
@@ -141,7 +154,7 @@ def _tile(h: int, npt: int, transpose_out: bool) -> tuple[int, int, int]:
   the transpose against 13.3 / 13.8 for the whole tile), at npt 32 the whole tile (a barrier per chunk measured
   within 3.5% either way there)."""
   if npt == 32 and not transpose_out and h % _WIDE_COLS == 0:
-    return _WIDE_ROWS, _WIDE_COLS, _WIDE_STEP_ROWS
+    return (2 * _WIDE_ROWS if h >= _WIDE_ROWS32_MIN_H else _WIDE_ROWS), _WIDE_COLS, _WIDE_STEP_ROWS
   rows = 32 if npt == 32 and not transpose_out else BM
   return rows, _COLS, _CHUNK if npt == 128 else rows
 
@@ -157,19 +170,19 @@ def _stage_rows(x_g, x_s, y_s, bars, bar0, row0, col0, k: int, rows: int) -> Non
                               t.at[pl.ds(q * rows, rows)], bars.at[bar0 + q])
 
 
-@functools.partial(jax.jit, static_argnames=("npt", "round_sf", "transpose_out", "clamp", "interpret"))
-def _kernel(x, *, npt, round_sf, transpose_out, clamp, interpret):
+@functools.partial(jax.jit, static_argnames=("tile", "npt", "round_sf", "transpose_out", "clamp", "interpret"))
+def _kernel(x, *, tile, npt, round_sf, transpose_out, clamp, interpret):
   """``x`` bf16 ``(M, 2h)`` -> ``(data (h, M) e4m3, or (M, h) without transpose_out, sf (M/npt, h) float32)``.
 
-  Two warpgroups per CTA of ``2·wg_rows`` rows and ``c`` columns (:func:`_tile`), each owning ``wg_rows`` rows:
-  its own TMA loads (``barrier_rows`` rows per barrier), the activation in steps of the row layout's rows (one
-  vector per thread), stored over the gate tile, its column maxima kept per thread (elementwise) and written to
-  SMEM, then reduced one column per thread; where a group spans both warpgroups (``wg_rows < npt``) after an
-  mbarrier that every thread of both arrives at (both compute the scale factors, warpgroup 0 stores them). Then
-  the cast of the warpgroup's rows: without the transpose straight to GMEM; with it the 64-row block in the WGMMA
-  layout, re-laid out transposed, cast into SMEM and TMA-stored."""
+  Two warpgroups per CTA of ``2·wg_rows`` rows and ``c`` columns, ``tile = (wg_rows, c, barrier_rows)`` (the op
+  passes :func:`_tile` of the shape), each owning ``wg_rows`` rows: its own TMA loads (``barrier_rows`` rows per
+  barrier), the activation in steps of the row layout's rows (one vector per thread), stored over the gate tile, its
+  column maxima kept per thread (elementwise) and written to SMEM, then reduced one column per thread; where a group
+  spans both warpgroups (``wg_rows < npt``) after an mbarrier that every thread of both arrives at (both compute the
+  scale factors, warpgroup 0 stores them). Then the cast of the warpgroup's rows: without the transpose straight to
+  GMEM; with it the 64-row block in the WGMMA layout, re-laid out transposed, cast into SMEM and TMA-stored."""
   m, k = x.shape[0], x.shape[1] // 2
-  wg_rows, c, barrier_rows = _tile(k, npt, transpose_out)
+  wg_rows, c, barrier_rows = tile
   cta_rows = _WARPGROUPS * wg_rows
   split_group = wg_rows < npt  # one group over both warpgroups
   assert (cta_rows == npt) if split_group else wg_rows % npt == 0
@@ -299,10 +312,10 @@ def swiglu_forward_and_per_channel_cast_and_transpose(x: jax.typing.ArrayLike, f
       ``h % 64 != 0``, ``fmt != "e4m3"``, ``num_per_tokens`` not 32 / 128, a non-array ``x``.
 
   Mosaic GPU kernel (:mod:`jaxkern.quant._swiglu_per_channel`): two warpgroups (256 threads) per CTA of 128 rows x
-  64 columns (64 x 64 at npt 32 without the transpose; 32 x 256 there where 256 divides ``h``), each warpgroup
-  with its own rows; a group's column maxima split over both warpgroups are merged through SMEM after an
-  mbarrier. XLA (the reference) instead of the kernel: only zero-size arrays (``M = 0`` gives data ``(h, 0)`` /
-  ``(0, h)`` and sf ``(0, h)``).
+  64 columns (64 x 64 at npt 32 without the transpose; 32 x 256 there where 256 divides ``h``, 64 x 256 where also
+  ``h >= 4096``), each warpgroup with its own rows; a group's column maxima split over both warpgroups are merged
+  through SMEM after an mbarrier. XLA (the reference) instead of the kernel: only zero-size arrays (``M = 0`` gives
+  data ``(h, 0)`` / ``(0, h)`` and sf ``(0, h)``).
 
   Numerics: bit-identical to :func:`jaxkern.reference.quant.swiglu_forward_and_per_channel_cast_and_transpose` run on
   the same backend (``exp`` differs between XLA's CPU and CUDA's ``expf``, which the GPU kernel and XLA on GPU
@@ -314,8 +327,9 @@ def swiglu_forward_and_per_channel_cast_and_transpose(x: jax.typing.ArrayLike, f
   clamp = None if swiglu_clamp_value is None else float(np.float32(swiglu_clamp_value))
 
   def kernel(interpret):
-    return QuantTensor(*_kernel(x, npt=num_per_tokens, round_sf=round_sf, transpose_out=not without_transpose,
-                                clamp=clamp, interpret=interpret))
+    transpose_out = not without_transpose
+    return QuantTensor(*_kernel(x, tile=_tile(x.shape[1] // 2, num_per_tokens, transpose_out), npt=num_per_tokens,
+                                round_sf=round_sf, transpose_out=transpose_out, clamp=clamp, interpret=interpret))
 
   def reference():
     return ref.swiglu_forward_and_per_channel_cast_and_transpose(

@@ -13,6 +13,7 @@ import pytest
 
 import jaxkern
 from jaxkern import quant
+from jaxkern.quant import _swiglu_per_channel as swpc
 from jaxkern.reference import quant as ref
 from jaxkern.testing import assert_bitwise_equal, hidden_sizes, lower_for_h100
 from jaxkern.types import QuantTensor
@@ -49,8 +50,9 @@ def _run(m, h, npt, without_transpose, round_sf, clamp, key, implementation):
 
 # CTAs of two warpgroups (module docstring of jaxkern.quant._swiglu_per_channel): 128 x 64 (npt 32: two groups per
 # warpgroup; npt 128: one group over both, maxima merged through SMEM), 64 x 64 at npt 32 without the transpose (one
-# group per warpgroup), 32 x 256 there where 256 divides h (one group over both, 8-row TMA steps). M % 128 == 0 (the
-# op's contract), so M is always a multiple of the CTA rows.
+# group per warpgroup), 32 x 256 there where 256 divides h (one group over both, 8-row TMA steps; 64 x 256, one
+# group per warpgroup, from h = swpc._WIDE_ROWS32_MIN_H on: test_kernel_rows32_bit_exact). M % 128 == 0 (the op's
+# contract), so M is always a multiple of the CTA rows.
 @pytest.mark.parametrize("m, h, npt, without_transpose, round_sf, clamp", [
     (256, 192, 32, False, False, None),  # h = 64·3: 3 x 2 CTAs of 128 x 64, 2 groups per warpgroup
     (256, 192, 128, True, True, 0.5),  # one group over both warpgroups, 32-row chunks on a TMA barrier each
@@ -65,6 +67,12 @@ def _run(m, h, npt, without_transpose, round_sf, clamp, key, implementation):
 ])
 def test_kernel_bit_exact(key, m, h, npt, without_transpose, round_sf, clamp):
   x, got, want = _run(m, h, npt, without_transpose, round_sf, clamp, key, "interpret")
+  _check_kernel_outputs(x, got, want, m, h, npt, without_transpose, round_sf)
+
+
+def _check_kernel_outputs(x, got, want, m, h, npt, without_transpose, round_sf):
+  """``got`` (the kernel) equals ``want`` (the reference) bit for bit, every element written, the awkward columns of
+  :func:`_x` as expected."""
   _assert_same(got, want)
   assert got.data.shape == ((m, h) if without_transpose else (h, m)) and got.sf.shape == (m // npt, h)
   data = np.asarray(got.data.astype(jnp.float32))
@@ -77,6 +85,34 @@ def test_kernel_bit_exact(key, m, h, npt, without_transpose, round_sf, clamp):
   x_f = np.asarray(x, np.float32)
   assert_bitwise_equal(np.signbit(data[:, 7]), ~np.signbit(x_f[:, 7]))
   assert (sf != zero_sf).sum() == sf.size - 2 * sf.shape[0]
+
+
+def test_tile_choice():
+  """The CTA shape is a function of the shape: without the transpose at npt 32 where 256 divides h, 16 rows x 256
+  columns per warpgroup in 8-row TMA steps below swpc._WIDE_ROWS32_MIN_H, 32 rows from there on."""
+  assert swpc._WIDE_ROWS32_MIN_H == 4096
+  for h in (256, 512, 2048, 2560, 3072):
+    assert swpc._tile(h, 32, False) == (16, 256, 8)
+  for h in (4096, 6144, 7168):
+    assert swpc._tile(h, 32, False) == (32, 256, 8)
+  assert swpc._tile(576, 32, False) == (32, 64, 32)  # 256 does not divide h
+  assert swpc._tile(7168, 32, True) == (64, 64, 64)
+  assert swpc._tile(7168, 128, False) == (64, 64, 32)
+
+
+# The 64 x 256 CTAs (32 rows per warpgroup, one group each, 8-row TMA steps) of h >= swpc._WIDE_ROWS32_MIN_H at a
+# small h: the kernel called with that tile. M = 192 (not a multiple of 128: 3 CTA rows) is outside the op's contract
+# but within the kernel's (M a multiple of the CTA rows).
+@pytest.mark.parametrize("m, h, round_sf, clamp", [
+    (128, 256, False, None), (192, 512, True, 10.0), (256, 256, True, 0.5), (192, 256, False, 0.3),
+])
+def test_kernel_rows32_bit_exact(key, m, h, round_sf, clamp):
+  x = _x(key, m, h)
+  got = QuantTensor(*jax.jit(lambda x: swpc._kernel(x, tile=(32, 256, 8), npt=32, round_sf=round_sf,
+                                                    transpose_out=False, clamp=clamp, interpret=True))(x))
+  want = jax.jit(lambda x: REF(x, "e4m3", 32, round_sf=round_sf, without_transpose=True,
+                               swiglu_clamp_value=clamp))(x)
+  _check_kernel_outputs(x, got, want, m, h, 32, True, round_sf)
 
 
 def test_implementations_agree(key):
@@ -183,7 +219,8 @@ def test_not_differentiable(key):
 
 @pytest.mark.parametrize("h, npt, without_transpose, round_sf, clamp", [
     (7168, 32, False, False, None), (7168, 128, True, True, 0.5), (576, 32, True, True, 10.0),  # 64 x 64 CTAs
-    (576, 128, False, False, 0.5), (2048, 32, True, False, None),  # the last: 32 x 256 CTAs
+    (576, 128, False, False, 0.5), (2048, 32, True, False, None),  # 32 x 256 CTAs
+    (7168, 32, True, True, 10.0),  # 64 x 256 CTAs
 ])
 def test_lowers_for_h100(h, npt, without_transpose, round_sf, clamp):
   f = lambda x: OP(x, "e4m3", npt, round_sf=round_sf, without_transpose=without_transpose,
@@ -213,6 +250,7 @@ def test_spec_shapes_gpu(key, h, m, npt, without_transpose, round_sf, clamp):
 @pytest.mark.parametrize("m, h, npt, without_transpose", [
     (4096, 576, 32, True), (8064, 576, 32, False), (8064, 576, 32, True), (8064, 576, 128, False),
     (8064, 576, 128, True), (8064, 7168, 32, False), (8064, 7168, 32, True), (4096, 2048, 32, True),
+    (8064, 2048, 32, True), (4096, 7168, 32, True),
 ])
 def test_key_shapes_gpu(key, m, h, npt, without_transpose):
   """The shapes timed against TileKernels on an H200 (every CTA shape of the kernel), compiled on the GPU, against
