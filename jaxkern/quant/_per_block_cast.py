@@ -17,14 +17,15 @@ float32 -> e2m1 has its own kernel (:func:`_fp4_from_f32_kernel`) that reads the
 columns straight from GMEM (strided SMEM loads do not lower) and stores through SMEM and TMA.
 
 e4m3 from bf16 with 32x32 or 128x128 blocks, computed sf (:func:`_direct_kernel`, chosen by :func:`_variant`):
-each CTA owns one block row and 256 columns (eight 32x32 blocks, two packed sf words) or one 128x128 block,
-loaded straight from GMEM into registers (16-byte vectors; TMA only for a partial last block row), reduced in
-bf16 (exact) and stored straight from registers; the kernel writes the sf in the requested layout itself (A,
-B, C; where a packed word spans CTAs, 128x128 blocks with ``K > 128``, each CTA stores its byte of the word),
-so no XLA kernel follows it. H200 (2026-11-29, layout C, bf16): 32x32 ``4001x576`` 4.35 µs (TileKernels 4.15),
-``8001x2048`` 15.54 (16.11), the previous one-TMA-box kernel with its XLA sf formatting 5.34 / 16.53 (these
-with warps over rows; the warp-owned 32x32 tiles and their figures: :func:`_warp_owned_blocks_layout`); 128x128
-``4001x576`` 4.90 (4.53), ``8001x2048`` 16.02 (16.54).
+each CTA owns one block row and 128 columns (four 32x32 blocks, one packed sf word) or one 128x128 block,
+loaded straight from GMEM into registers (16-byte vectors, in row chunks; TMA only for a partial last block
+row), reduced in bf16 (exact) and stored straight from registers; the kernel writes the sf in the requested
+layout itself (A, B, C; where a packed word spans CTAs, 128x128 blocks with ``K > 128``, each CTA stores its
+byte of the word), so no XLA kernel follows it. H200 (2026-11-29, layout C, bf16, CUPTI, cold L2): 32x32
+``4001x576`` 4.22-4.32 µs (TileKernels 4.20), ``8001x576`` 6.11-6.25 (6.40), ``K >= 2048`` level with the
+earlier 256-column tiles (``8001x2048`` 15.54, TileKernels 16.11); 128x128 ``4001x576`` 4.56-4.61 (4.53),
+``8001x2048`` 16.02 (16.54). The choices and their figures: :data:`DIRECT_COLS`, :data:`CHUNKED_MAX_K`,
+:func:`_warp_owned_blocks_layout`.
 
 ``per_block_cast_lossless`` computes the exponents per block in XLA (small: one value per input
 block) and moves the data through the packed-e2m1 row kernel of :mod:`jaxkern.quant._cast_back`
@@ -45,7 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm
+from jaxlib.mlir.dialects import arith, llvm, vector
 
 from jaxkern import _checks, _config, _dispatch, _ieee
 from jaxkern._layouts import NO_AUTO_BARRIERS, group_vectors_layout, row_layout
@@ -66,22 +67,37 @@ def _blocks_per_cta(block_size) -> int:
 
 
 DIRECT_BLOCKS = ((32, 32), (128, 128))  # block sizes "auto" runs on the direct kernel (e4m3, computed sf)
-# Columns per CTA of the direct kernel by block rows: 32 -> eight 32x32 blocks (two packed sf words, TileKernels'
-# 32x256 tiles), 128 -> one 128x128 block (128 bf16 values per thread). H200, 2026-11-29 (CUPTI, cold L2, bf16,
-# layout C): 32x32 at M=4001 K=576 / 2048, M=8001 K=576 / 2048: 4.35 / 9.47 / 6.75 / 15.54 µs with 256 columns,
-# 4.50 / 10.18 / 7.33 / 16.34 with 128, 4.77 / 9.74 (K=576 / 2048 at M=4001) with the tile in by one TMA box, and
-# 5.34 / 10.64 / 8.19 / 16.53 for the previous one-TMA-box kernel with its XLA sf formatting; 128x128 one block per
-# CTA: within 0.2 µs of the previous kernels (one TMA box per block) on all six shapes, K = 576 .. 7168.
-DIRECT_COLS = {32: 256, 128: 128}
+# Columns per CTA of the direct kernel by block rows: 32 -> four 32x32 blocks (one packed sf word), 128 -> one
+# 128x128 block. 32x32 tiles of 4 blocks are loaded as four 8-row chunks (the block maxima in-thread across the
+# chunks and the vector, then one shuffle per block), layout C's UE8M0 bytes are stored by the warp that owns the
+# block (:func:`_store_sf_bytes_per_warp`, no cross-warp sum) and the sf divided by the PTX div.rn.f32. H200,
+# 2026-11-29 (runner, CUPTI, cold L2, bf16, layout C, bit-exact on the GPU), µs, eight whole 32x32 blocks a CTA ->
+# this form (TileKernels): M=4001 K=576 4.59-4.66 -> 4.22-4.32 (4.20), M=8001 K=576 6.58-6.67 -> 6.11-6.25 (6.40),
+# K = 2048 .. 7168 level within the ±2% spread (M=4001 K=2048 9.30 -> 8.80-9.25, M=8001 K=7168 43.49 -> 43.28);
+# the same form with 256 columns 4.40 / 6.56 at K=576. Earlier, with whole tiles (M=4001 K=576 / 2048, M=8001
+# K=576 / 2048): 4.35 / 9.47 / 6.75 / 15.54 µs with 256 columns, 4.50 / 10.18 / 7.33 / 16.34 with 128. 128x128 one
+# block per CTA: within 0.2 µs of the previous kernels (one TMA box per block) on all six shapes, K = 576 .. 7168.
+DIRECT_COLS = {32: 128, 128: 128}
+
+# 128x128 blocks with K <= CHUNKED_MAX_K are loaded as row chunks of one 16-byte vector a thread (8 rows of a
+# 128-column block): the amax in-thread across the chunks first, the sf computed on one value a thread (one division, the PTX
+# div.rn.f32; 16 with whole rows, one per row a thread holds), layout C's byte stored from the thread's own copy (no
+# cross-warp reduction), each chunk quantised and stored on its own. Wider K keep whole rows in
+# :func:`jaxkern._layouts.row_layout` and :func:`jaxkern._ieee.exact_div`. H200, 2026-11-29 (runner, CUPTI, cold L2,
+# bf16, layout C, bit-exact on the GPU), µs, whole rows -> chunks (TileKernels): M=4001 K=576 4.83-4.90 -> 4.56-4.61
+# (4.53), M=8001 K=576 6.72-6.74 -> 6.72-6.77 (7.13), M=4001 K=2048 9.66-9.73 -> 9.89-10.13 (a loss), K >= 2560
+# level within the spread.
+CHUNKED_MAX_K = 1024
 
 
-# The 32x32 tiles the direct kernel reads straight from GMEM (4 or 8 blocks) are held in
+# The 32x32 tiles of 4 blocks the direct kernel reads straight from GMEM are held in
 # :func:`_warp_owned_blocks_layout`: each warp owns whole blocks, so a block's amax is in-thread work plus warp
 # shuffles, with no SMEM exchange and no warpgroup barriers; :func:`jaxkern._layouts.group_vectors_layout` (a warp
 # over one row of all 8 blocks, a block's amax across the 4 warps through SMEM between two warpgroup barriers)
 # before. H200, 2026-11-29 (runner, CUPTI, cold L2, 20 iterations, bf16, bit-exact on the GPU), µs, group-vectors
-# -> warp-owned (TileKernels): M=4001 K=576 4.42 -> 4.48 (4.2), K=2048 9.74 -> 9.10 (9.1), K=2560 11.07 -> 10.66
-# (10.4), K=3072 12.86 -> 12.51 (12.2), K=4096 15.60 -> 14.96 (15.3); M=8001 K=576 7.02 -> 6.69 (6.4).
+# -> warp-owned (TileKernels), with 8 blocks a CTA then: M=4001 K=576 4.42 -> 4.48 (4.2), K=2048 9.74 -> 9.10
+# (9.1), K=2560 11.07 -> 10.66 (10.4), K=3072 12.86 -> 12.51 (12.2), K=4096 15.60 -> 14.96 (15.3); M=8001 K=576
+# 7.02 -> 6.69 (6.4).
 def _warp_owned_blocks_layout(nblk: int, bw: int, itemsize: int):
   """Register layout of a ``(rows, nblk, bw/vec, vec)`` view (``vec`` = 16 bytes; ``nblk`` a multiple of 4 blocks
   of 64 bytes a row, ``rows`` a multiple of 8) in which each warp owns whole blocks (warp ``w`` blocks ``w, w+4,
@@ -215,8 +231,9 @@ def _direct_tiles(k, block_size):
   """Column tiles of the direct kernel: ``(g, kt, full, last)``: blocks per CTA (:data:`DIRECT_COLS`, fewer where
   ``K`` has fewer), CTA columns, and the ``(blocks, block width)`` of the full tiles and of the last one. A block
   is partial only where 128-wide blocks (one per CTA) do not divide ``K``: the last tile is then that block
-  (32-wide blocks always divide ``K``, a multiple of 64). A CTA holds whole packed UE8M0 words of layout C
-  (multiples of 4 blocks, or all of them) or one block, whose byte it stores (:func:`_store_sf_byte`)."""
+  (32-wide blocks always divide ``K``, a multiple of 64). A CTA holds one whole packed UE8M0 word of layout C
+  (4 blocks), the 2 blocks of the last word where ``K % 128 == 64``, or one 128x128 block, whose byte it stores
+  (:func:`_store_sf_byte`)."""
   bm, bk = block_size
   kb = ref.cdiv(k, bk)
   g = min(DIRECT_COLS[bm] // bk, kb)
@@ -267,31 +284,70 @@ def _store_sf(sf_g, vals, *, sf_layout, i, blk0, mb):
 _SPLAT = plgpu.Layout.WG_SPLAT(shape=())  # a scalar operand of inline Mosaic GPU code
 
 
-def _put_sf_byte(sf_g, w, r, t, byte, interpret):
-  """Byte ``t`` (0 = least significant) of the int32 word ``sf_g[w, r]`` := the low byte of ``byte`` (int32
-  scalars). On the GPU one 8-bit store by one thread, leaving the word's other bytes (other CTAs') alone; in
-  interpret mode, whose grid runs one CTA after another, a read-modify-write of the word."""
+def _put_sf_byte(sf_g, w, r, t, byte, interpret, layout=None):
+  """Byte ``t`` (0 = least significant) of the int32 word ``sf_g[w, r]`` := the low byte of ``byte`` (an int32
+  scalar; on the GPU also a vector in the register layout ``layout`` holding it in every element). On the GPU one
+  8-bit store by one thread (of the thread's first register), leaving the word's other bytes (other CTAs') alone;
+  in interpret mode, whose grid runs one CTA after another, a read-modify-write of the word."""
   if interpret is not None:
     shift = 8 * t
     sf_g[w, r] = (sf_g[w, r] & ~(jnp.int32(0xFF) << shift)) | ((byte & 0xFF) << shift)
     return
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT))
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SPLAT, _SPLAT if layout is None else layout))
   def store(_, ref_, offset, value):
     i8 = ir.IntegerType.get_signless(8)
     addr = mgpu.utils.getelementptr(mgpu.utils.memref_ptr(ref_), [offset.registers.item()], i8)
+    v = value.registers.flat[0]
+    if isinstance(v.type, ir.VectorType):
+      v = vector.extract(v, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
     with mgpu.utils.single_thread(mgpu.utils.ThreadSubset.WARPGROUP):
-      llvm.store(arith.trunci(i8, value.registers.item()), addr)
+      llvm.store(arith.trunci(i8, v), addr)
 
   store(sf_g, (w * sf_g.shape[1] + r) * 4 + t, byte)
+
+
+def _store_sf_bytes_per_warp(sf_g, sf, red, *, i, word0, mb):
+  """Layout C from a tile of ``n`` (a multiple of 4) 32x32 blocks in :func:`_warp_owned_blocks_layout` (GPU
+  only): the UE8M0 byte of block ``t`` of the float32 sf ``(n,)`` (in ``red``, each warp holding its own blocks)
+  becomes byte ``t % 4`` of word ``(word0 + t // 4, i)`` of ``sf_g``, stored by one lane of the warp that holds it
+  (8-bit stores, no cross-warp exchange). The last block row also zeroes the padding rows ``Mb .. Mp`` of its
+  words."""
+  byte = (lax.bitcast_convert_type(sf, jnp.int32) >> 23) & 0xFF
+  mp = sf_g.shape[1]
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), red, _SPLAT, _SPLAT))
+  def store(_, ref_, b, row, w0):
+    i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+    ptr = mgpu.utils.memref_ptr(ref_)
+    r, w0v = row.registers.item(), w0.registers.item()
+    c = lambda n: arith.constant(i32, n)
+
+    def one(val, idx):
+      t = arith.index_cast(i32, idx[0])
+      word = arith.addi(w0v, arith.shrui(t, c(2)))
+      off = arith.addi(arith.muli(arith.addi(arith.muli(word, c(mp)), r), c(4)), arith.andi(t, c(3)))
+      llvm.store(arith.trunci(i8, val), mgpu.utils.getelementptr(ptr, [off], i8))
+
+    with mgpu.utils.single_thread(mgpu.utils.ThreadSubset.WARP):
+      b.foreach(one)
+
+  store(sf_g, byte, i, word0)
+  if mp > mb:
+    @pl.when(i == mb - 1)
+    def _():
+      for t in range(sf.shape[0] // 4):
+        for r in range(mb, mp):
+          sf_g[word0 + t, r] = jnp.zeros((), sf_g.dtype)
 
 
 # Layout C from 128x128 blocks with K > 128 (a packed word spans 4 CTAs): each CTA stores its own UE8M0 byte of
 # the word, no XLA packing after the kernel. H200, 2026-11-29 (CUPTI, cold L2, bf16, bit-exact): M=4001 K=576 /
 # 2048 4.90 / 9.73 µs, M=8001 6.66 / 16.02 against 5.65 / 10.72 / 7.81 / 16.69 with layout A written by the kernel
 # and packed by XLA (TileKernels 4.53 / 9.69 / 7.23 / 16.54).
-def _store_sf_byte(sf_g, byte, *, i, j, mb, kb, interpret):
-  """Layout C from CTAs of one block each: block ``(i, j)``'s UE8M0 ``byte`` (int32 scalar) becomes byte ``j % 4``
+def _store_sf_byte(sf_g, byte, *, i, j, mb, kb, interpret, layout=None):
+  """Layout C from CTAs of one block each: block ``(i, j)``'s UE8M0 ``byte`` (int32 scalar, or a vector in the
+  register layout ``layout`` holding it in every element: :func:`_put_sf_byte`) becomes byte ``j % 4``
   of word ``(j // 4, i)`` of the int32 ``(ceil(Kb/4), Mp)`` buffer ``sf_g``. The CTA of the last block column also
   zeroes the padding bytes ``Kb % 4 .. 3`` of its word, and the CTAs of the last block row do both for the padding
   rows ``Mb .. Mp``: every byte of the buffer is written by exactly one CTA."""
@@ -299,15 +355,15 @@ def _store_sf_byte(sf_g, byte, *, i, j, mb, kb, interpret):
   pad = tuple(range(kb % 4, 4)) if kb % 4 else ()
   zero = jnp.int32(0)
 
-  def row(r, b):
-    _put_sf_byte(sf_g, j // 4, r, j % 4, b, interpret)
+  def row(r, b, lay=None):
+    _put_sf_byte(sf_g, j // 4, r, j % 4, b, interpret, lay)
     if pad:
       @pl.when(j == kb - 1)
       def _():
         for t in pad:
           _put_sf_byte(sf_g, kb // 4, r, t, zero, interpret)
 
-  row(i, byte)
+  row(i, byte, layout)
   if mp > mb:
     @pl.when(i == mb - 1)
     def _():
@@ -322,13 +378,17 @@ def _direct_kernel(x, *, block_size, round_sf, write_data, sf_layout, interpret)
 
   A CTA owns one block row and ``g`` blocks (:func:`_direct_tiles`: :data:`DIRECT_COLS` columns, fewer in the last
   CTA column). A CTA whose block row lies wholly inside the array loads its tile straight from GMEM into
-  registers (16-byte vectors; several blocks viewed as ``(bm, blocks, bk/8, 8)``, 4 or 8 of them in
-  :func:`_warp_owned_blocks_layout`, each warp owning whole blocks, others as ``view_of`` says; one block as rows in
-  :func:`jaxkern._layouts.row_layout`), reduces the block maxima in bf16 (exact), computes the sf
-  (:func:`jaxkern._ieee.exact_div`), and stores the e4m3 tile straight from registers; the sf go to GMEM as
-  scalars (or one vector for layout A), packed UE8M0 words assembled in registers, or stored byte by byte where a
-  word spans CTAs (:func:`_store_sf_byte`). The CTAs of a partial last block row instead bring their tile in by
-  one TMA box (clipped at the array edges, zero-filled) and store it through SMEM by a clipped TMA store.
+  registers (16-byte vectors) in row chunks (``chunk_rows``): four 32x32 blocks viewed as ``(8, 4, 4, 8)`` chunks
+  in :func:`_warp_owned_blocks_layout` (each warp owning whole blocks), two (the last CTA column where
+  ``K % 128 == 64``) whole as ``view_of`` says, one 128x128 block as rows in :func:`jaxkern._layouts.row_layout`,
+  in chunks of one vector a thread for ``K <=`` :data:`CHUNKED_MAX_K`, else whole. It reduces the block maxima in
+  bf16 (exact) and in-thread across the chunks first, computes the sf (``sf_div``), and stores each e4m3 chunk
+  straight from registers; the sf go to GMEM as scalars (or one vector for layout A), packed UE8M0 words
+  assembled in registers, bytes stored by the warp owning the block (:func:`_store_sf_bytes_per_warp`: tiles of
+  four 32x32 blocks, compiled), or byte by byte where a word spans CTAs (:func:`_store_sf_byte`). The CTAs of a
+  partial last block row instead bring their tile in by one TMA box (clipped at the array edges, zero-filled) and
+  store it through SMEM by a clipped TMA store. Interpret mode runs the same chunks, with
+  :func:`jaxkern._ieee.exact_div` and layout C's words assembled in registers (:func:`_sf_scalars`): the same bits.
   No automatic warpgroup barriers: no thread reads SMEM another wrote without a ``commit_smem()`` in between.
   """
   m, k = x.shape
@@ -338,6 +398,10 @@ def _direct_kernel(x, *, block_size, round_sf, write_data, sf_layout, interpret)
   w = g * bk
   wb = w if kt > 1 else last[0] * last[1]  # width of the TMA box (never wider than the array)
   tma = m % bm != 0
+  chunked128 = bm == 128 and k <= CHUNKED_MAX_K  # 128x128 blocks in chunks of one vector a thread
+  # The sf divisions as the PTX div.rn.f32 in the compiled 32x32 and chunked 128x128 kernels (the forms measured:
+  # DIRECT_COLS, CHUNKED_MAX_K), else exact_div: the same bits (inline PTX has no interpreter).
+  ptx_div = interpret is None and (bm == 32 or chunked128)
   out_type = [jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn)] if write_data else []
   mp = ref.cdiv(mb, 4) * 4
   out_type.append(jax.ShapeDtypeStruct({"A": (mb, kb), "B": (kb, mp), "C": (ref.cdiv(kb, 4), mp)}[sf_layout],
@@ -352,13 +416,13 @@ def _direct_kernel(x, *, block_size, round_sf, write_data, sf_layout, interpret)
   def view_of(nblk, bw, from_gmem):
     """The register view of a tile of ``nblk`` blocks ``bw`` wide and its layout: ``(bm, nblk, bw/vec, vec)``, or
     for one block the plain ``(bm, bw)`` rows (the amax is then a scalar: a one-element vector of the 4-D view
-    reduces to a scalar in no lowering). Only 32x32 blocks come several to a tile (:data:`DIRECT_COLS`); a tile
-    of 4 or 8 loaded from GMEM (``from_gmem``) is held in :func:`_warp_owned_blocks_layout`. Two cases keep
-    :func:`jaxkern._layouts.group_vectors_layout` (a block's vectors on consecutive lanes, warps over rows):
-    a tile of 2 or 6 blocks (the last or only CTA column where ``K % 128 != 0``: the warp-owned layout's tile is 4
-    blocks, one per warp), and the tile a CTA of a partial last block row loads from SMEM after its TMA box
-    (jax 0.11.2: with the warp-owned layout there, Mosaic GPU's layout inference of the kernel does not finish;
-    lowering for an H100 on a CPU ran past 2 minutes, against seconds)."""
+    reduces to a scalar in no lowering). Only 32x32 blocks come several to a tile (:data:`DIRECT_COLS`: 4, or 2
+    in the last or only CTA column where ``K % 128 == 64``); a tile of 4 loaded from GMEM (``from_gmem``) is held
+    in :func:`_warp_owned_blocks_layout`. Two cases keep :func:`jaxkern._layouts.group_vectors_layout` (a block's
+    vectors on consecutive lanes, warps over rows): a tile of 2 blocks (the warp-owned layout's tile is 4 blocks,
+    one per warp), and the tile a CTA of a partial last block row loads from SMEM after its TMA box (jax 0.11.2:
+    with the warp-owned layout there, Mosaic GPU's layout inference of the kernel does not finish; lowering for an
+    H100 on a CPU ran past 2 minutes, against seconds)."""
     if nblk == 1:
       return (bm, bw), row_layout(bw, x.dtype.itemsize)[0]
     vec = min(16 // x.dtype.itemsize, bw)
@@ -366,6 +430,17 @@ def _direct_kernel(x, *, block_size, round_sf, write_data, sf_layout, interpret)
     if from_gmem and nblk % 4 == 0:
       return view, _warp_owned_blocks_layout(nblk, bw, x.dtype.itemsize)
     return view, group_vectors_layout(nblk, bw, x.dtype.itemsize)[0]
+
+  def chunk_rows(nblk, bw):
+    """Rows per register chunk of a tile of ``nblk`` blocks ``bw`` wide loaded from GMEM: 8 for the warp-owned
+    layout (one row group of registers each: the block maxima take the chunks and the 8-value vector in-thread,
+    then one shuffle per block), the rows of one 16-byte vector a thread for a 128x128 block with
+    ``K <=`` :data:`CHUNKED_MAX_K` (one sf division a thread), else all ``bm`` (one chunk)."""
+    if nblk % 4 == 0:
+      return 8
+    if nblk == 1 and chunked128:
+      return row_layout(bw, x.dtype.itemsize)[1]
+    return bm
 
   @functools.partial(plgpu.kernel, out_type=tuple(out_type), grid=(mb, kt), grid_names=("i", "j"),
                      scratch_types=scratch, compiler_params=NO_AUTO_BARRIERS, interpret=interpret)
@@ -382,51 +457,77 @@ def _direct_kernel(x, *, block_size, round_sf, write_data, sf_layout, interpret)
     def when(cond, fn):  # fn under a CTA-column condition (None: always)
       fn() if cond is None else pl.when(cond)(fn)
 
-    def quantise(v, lay, nvalid_of):
-      """Block maxima, sf (stored) and the e4m3 tile (or None) of ``v`` (a :func:`view_of` view in ``lay``);
-      ``nvalid_of``: ``(condition or None, real blocks)`` of each CTA column branch (static counts)."""
-      if v.ndim == 2:  # one block: a scalar amax (rows first: packed maxima in-thread), the sf as splat vectors
-        a = _key16_float(jnp.max(jnp.max(_abs_key16(v, interpret), axis=0), axis=0), interpret)
-        sf, inv = ref.scale_factors(jnp.broadcast_to(a, (bm,)), jnp.broadcast_to(c_g[0], (bm,)), "e4m3", round_sf,
-                                    div=_ieee.exact_div)
+    def sf_div(lay, shape):  # the sf division of float32 ``shape`` arrays in ``lay`` (see ptx_div)
+      return _ieee.mosaic_ptx("div.rn.f32", lay, shape) if ptx_div else _ieee.exact_div
+
+    def quantise(vs, lay, nvalid_of):
+      """Block maxima, sf (stored) and the e4m3 chunks (or None) of a tile held as the row chunks ``vs`` (each a
+      :func:`view_of` view of fewer rows in ``lay``; one chunk: the whole tile); ``nvalid_of``: ``(condition or
+      None, real blocks)`` of each CTA column branch (static counts)."""
+      chunked = len(vs) > 1
+      keys = functools.reduce(jnp.maximum, [_abs_key16(u, interpret) for u in vs])  # in-thread across chunks
+      if keys.ndim == 2:  # one block: a scalar amax, the sf as vectors of the rows (splats without ptx_div)
+        # A chunk holds one vector of one row a thread: that vector first; whole rows: the rows first (packed
+        # maxima in-thread).
+        a = _key16_float(jnp.max(jnp.max(keys, axis=1 if chunked else 0), axis=0), interpret)
+        rl, n = lay.reduce(1), keys.shape[0]
+        ab, cb = jnp.broadcast_to(a, (n,)), jnp.broadcast_to(c_g[0], (n,))
+        if ptx_div:  # the inline PTX needs its operands' layout: one value per row a thread holds (1 for a chunk)
+          ab, cb = plgpu.layout_cast(ab, rl), plgpu.layout_cast(cb, rl)
+        sf, inv = ref.scale_factors(ab, cb, "e4m3", round_sf, div=sf_div(rl, (n,)))
         sf = gpu_nan(sf, interpret)
         byte = (lax.bitcast_convert_type(sf, jnp.int32) >> 23) & 0xFF
-        vals = [jnp.max(byte if sf_layout == "C" else sf, axis=0)]
-        for cond, _ in nvalid_of:
-          when(cond, lambda: store(vals))
+        if chunked and interpret is None and sf_layout == "C" and kt > 1:  # every thread holds the byte: stored
+          for cond, _ in nvalid_of:                                         # from one thread, no reduction
+            when(cond, lambda: _store_sf_byte(sf_g, byte, i=i, j=j, mb=mb, kb=kb, interpret=interpret, layout=rl))
+        else:
+          vals = [jnp.max(byte if sf_layout == "C" else sf, axis=0)]
+          for cond, _ in nvalid_of:
+            when(cond, lambda: store(vals))
         scale = inv[:, None]
       else:
-        a = _key16_float(jnp.max(jnp.max(jnp.max(_abs_key16(v, interpret), axis=0), axis=1), axis=1), interpret)
-        red = lay.reduce(0).reduce(1).reduce(1)
-        nblk = v.shape[1]
+        if chunked:  # 8-row chunks of the warp-owned layout: the vector and the rows in-thread first
+          a = jnp.max(jnp.max(jnp.max(keys, axis=3), axis=2), axis=0)
+          red = lay.reduce(3).reduce(2).reduce(0)
+        else:
+          a = jnp.max(jnp.max(jnp.max(keys, axis=0), axis=1), axis=1)
+          red = lay.reduce(0).reduce(1).reduce(1)
+        a = _key16_float(a, interpret)
+        nblk = keys.shape[1]
         sf, inv = ref.scale_factors(a, plgpu.layout_cast(jnp.broadcast_to(c_g[0], (nblk,)), red), "e4m3", round_sf,
-                                    div=_ieee.exact_div)
+                                    div=sf_div(red, (nblk,)))
         sf = gpu_nan(sf, interpret)
         for cond, nvalid in nvalid_of:
           if sf_layout == "A" and nvalid == nblk:
             def store_row(nblk=nblk):
               sf_g[i, pl.ds(j * g, nblk)] = sf
             when(cond, store_row)
+          elif sf_layout == "C" and chunked and interpret is None:  # warp-owned blocks: each warp its own bytes
+            when(cond, lambda: _store_sf_bytes_per_warp(sf_g, sf, red, i=i, word0=j * (g // 4), mb=mb))
           else:
             when(cond, lambda nvalid=nvalid: store(_sf_scalars(sf, red, sf_layout, nvalid, interpret)))
         scale = inv[None, :, None, None]
       if not write_data:
         return None
-      return to_e4m3(gpu_nan(v.astype(jnp.float32) * scale, interpret), interpret)
+      return [to_e4m3(gpu_nan(u.astype(jnp.float32) * scale, interpret), interpret) for u in vs]
 
     def direct(tile):
       view, lay = view_of(*tile, from_gmem=True)
+      rc = chunk_rows(*tile)
+      cview = (rc,) + view[1:]
       cols_ = pl.ds(j * w, tile[0] * tile[1])
+      crows = [pl.ds(i * bm + r0, rc) for r0 in range(0, bm, rc)]
       if interpret is not None:
-        v = x_g[rows, cols_].reshape(view)
+        vs = [x_g[r, cols_].reshape(cview) for r in crows]
       else:
-        v = plgpu.load(x_g.at[rows, cols_].reshape(*view), layout=lay, optimized=False)
-      q = quantise(v, lay, [(None, tile[0])])
-      if write_data:
-        if interpret is None and len(view) > 2:
-          o_g.at[rows, cols_].reshape(*view)[...] = q
-        else:
-          o_g[rows, cols_] = q.reshape(bm, -1)
+        vs = [plgpu.load(x_g.at[r, cols_].reshape(*cview), layout=lay, optimized=False) for r in crows]
+      qs = quantise(vs, lay, [(None, tile[0])])
+      if write_data:  # each chunk on its own
+        for r, q in zip(crows, qs):
+          if interpret is None and len(view) > 2:
+            o_g.at[r, cols_].reshape(*cview)[...] = q
+          else:
+            o_g[r, cols_] = q.reshape(rc, -1)
 
     def via_tma():
       tile = full if kt > 1 else last
@@ -439,12 +540,12 @@ def _direct_kernel(x, *, block_size, round_sf, write_data, sf_layout, interpret)
       else:
         v = plgpu.load(x_s.reshape(*view) if len(view) > 2 else x_s, layout=lay)
       nvalid_of = [(None, tile[0])] if kt == 1 or last == full else [(j < kt - 1, g), (j == kt - 1, last[0])]
-      q = quantise(v, lay, nvalid_of)
+      q = quantise([v], lay, nvalid_of)
       if write_data:
         if interpret is None and len(view) > 2:
-          o_s.reshape(*view)[...] = q
+          o_s.reshape(*view)[...] = q[0]
         else:
-          o_s[...] = q.reshape(bm, wb)
+          o_s[...] = q[0].reshape(bm, wb)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_s, o_g.at[rows, cols_])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -464,7 +565,6 @@ def _direct_kernel(x, *, block_size, round_sf, write_data, sf_layout, interpret)
 
   outs = list(kernel(x, np.full((1,), ref.MAX_VALUE["e4m3"], np.float32)))
   return (outs[0] if write_data else None), outs[-1]
-
 
 CHUNK_ROWS = 32  # rows per register chunk of the float32 -> e2m1 kernel
 KEPT_VALUES = 8192  # float32 -> e2m1: a CTA's values (nb blocks) stay in registers up to this many

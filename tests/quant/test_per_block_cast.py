@@ -308,14 +308,19 @@ def test_variant_choice():
   assert pbc._variant(jnp.float32, "e4m3", (32, 32), False) == "blocks"
 
 
-# The direct kernel: partial last block rows (TMA path) and whole ones (register path), last CTA columns with
-# fewer blocks (K = 320, 576: 2 of 8) or a partial 128-wide block (K = 576, 64), one CTA column (K = 64 / 192),
-# fewer rows than a block, and every sf layout: C from whole words per CTA (32x32) or byte by byte (128x128 with
-# K > 128: K = 576 with 3 padding bytes in the last word, K = 512 with none; 130 / 256 rows: padding rows).
+# The direct kernel: partial last block rows (TMA path) and whole ones (register path, in row chunks), 32x32 tiles
+# of 4 blocks (128 columns) with a last CTA column of 2 (K = 320, 576, 192, 448) or of 4 (K = 512, 384), one CTA
+# column (K = 64), fewer rows than a block, and every sf layout: C from one word per CTA (32x32; 64 rows: the last
+# block row, in registers, zeroes 2 padding rows) or byte by byte (128x128 with K > 128: K = 576 with 3 padding
+# bytes in the last word, K = 512 with none; 130 / 256 rows: padding rows). 128x128 blocks in chunks for
+# K <= CHUNKED_MAX_K (K = 1024 the largest), whole rows above (K = 1088: a partial last block, 3 padding bytes;
+# K = 2048).
 DIRECT_CASES = [(45, 320, (32, 32), "C"), (70, 576, (32, 32), "B"), (64, 512, (32, 32), "A"),
-                (5, 64, (32, 32), "C"), (96, 192, (32, 32), "A-round"), (130, 576, (128, 128), "A"),
+                (5, 64, (32, 32), "C"), (96, 192, (32, 32), "A-round"), (64, 384, (32, 32), "C"),
+                (100, 448, (32, 32), "B"), (130, 576, (128, 128), "A"),
                 (256, 320, (128, 128), "B"), (256, 256, (128, 128), "C"), (40, 64, (128, 128), "C"),
-                (130, 576, (128, 128), "C"), (256, 512, (128, 128), "C")]
+                (130, 576, (128, 128), "C"), (256, 512, (128, 128), "C"), (128, 1024, (128, 128), "A-round"),
+                (130, 1088, (128, 128), "C"), (200, 2048, (128, 128), "A")]
 
 
 @pytest.mark.parametrize("m, k, block, flags", DIRECT_CASES, ids=str)
@@ -328,14 +333,17 @@ def test_direct_kernel_bit_exact(key, m, k, block, flags):
   assert_bitwise_equal(quant.per_block_cast_with_sf_only(x, "e4m3", block, **FLAGS[flags]), want.sf)
 
 
-# Non-finite blocks in the last CTA column, whose sf are picked from the block vector one by one (K = 320: 2 of 8
-# blocks), and a NaN block's -0 sf with round_sf (A-round, B-round); 128x128 layout C byte by byte.
+# Non-finite blocks in the last CTA column, whose sf are picked from the block vector one by one (K = 320, 192: 2 of
+# 4 blocks), and a NaN block's -0 sf with round_sf (A-round, B-round); 128x128 layout C byte by byte, in chunks
+# (K = 320) and whole rows (K = 1088).
 NON_FINITE_FLAGS = dict(FLAGS, **{"B-round": dict(use_tma_aligned_col_major_sf=True, round_sf=True)})
 
 
 @pytest.mark.parametrize("m, k, block, flags", [(140, 192, (32, 32), "C"), (140, 192, (128, 128), "A"),
                                                 (140, 192, (32, 32), "A-round"), (101, 320, (32, 32), "A-round"),
-                                                (128, 320, (32, 32), "B-round"), (140, 320, (128, 128), "C")], ids=str)
+                                                (128, 320, (32, 32), "B-round"), (140, 320, (128, 128), "C"),
+                                                (128, 256, (32, 32), "C"), (140, 1088, (128, 128), "A-round")],
+                         ids=str)
 def test_direct_kernel_non_finite(m, k, block, flags):
   x = _non_finite(m, k, jnp.bfloat16)
   assert_same(quant.per_block_cast(x, "e4m3", block, **NON_FINITE_FLAGS[flags]),
@@ -344,15 +352,18 @@ def test_direct_kernel_non_finite(m, k, block, flags):
 
 def test_direct_tiles():
   from jaxkern.quant import _per_block_cast as pbc
-  assert pbc._direct_tiles(576, (32, 32)) == (8, 3, (8, 32), (2, 32))
+  assert pbc._direct_tiles(576, (32, 32)) == (4, 5, (4, 32), (2, 32))
+  assert pbc._direct_tiles(512, (32, 32)) == (4, 4, (4, 32), (4, 32))
   assert pbc._direct_tiles(576, (128, 128)) == (1, 5, (1, 128), (1, 64))
   assert pbc._direct_tiles(64, (32, 32)) == (2, 1, (2, 32), (2, 32))
+  assert 576 <= pbc.CHUNKED_MAX_K < 1088  # the chunked 128x128 cases above end at K = 1024, whole rows from 1088
 
 
-# 32x32: tiles of 8 blocks and a last one of 2 (K = 576) or 4 (K = 384), one CTA column of 4 blocks (K = 128).
+# 32x32: tiles of 4 blocks and a last one of 2 (K = 576), all of 4 (K = 384, 2048, 7168), one CTA column of 4 blocks
+# (K = 128); 128x128 in chunks (K = 576) and whole rows (K = 2048, 7168).
 @pytest.mark.parametrize("m, k, block", [(4001, 576, (32, 32)), (8001, 2048, (32, 32)), (4096, 7168, (32, 32)),
                                          (4001, 384, (32, 32)), (4096, 128, (32, 32)),
-                                         (4001, 576, (128, 128)), (8064, 7168, (128, 128))])
+                                         (4001, 576, (128, 128)), (4001, 2048, (128, 128)), (8064, 7168, (128, 128))])
 def test_direct_kernel_lowers_for_h100(m, k, block):
   s = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
   for flags in ("A", "B", "C"):
@@ -374,11 +385,13 @@ def test_direct_kernel_has_no_xla_epilogue(block):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, k, block", [
-    (4001, 576, (32, 32)), (8001, 2048, (32, 32)), (37, 64, (32, 32)), (4001, 320, (32, 32)), (4001, 384, (32, 32)),
-    (4096, 128, (32, 32)), (4001, 576, (128, 128)), (8064, 2560, (128, 128)), (4001, 512, (128, 128))], ids=str)
+    (4001, 576, (32, 32)), (8001, 576, (32, 32)), (8001, 2048, (32, 32)), (37, 64, (32, 32)), (4001, 320, (32, 32)),
+    (4001, 384, (32, 32)), (4096, 128, (32, 32)), (4001, 576, (128, 128)), (8001, 576, (128, 128)),
+    (4001, 2048, (128, 128)), (8064, 2560, (128, 128)), (4001, 512, (128, 128))], ids=str)
 def test_direct_kernel_gpu(key, m, k, block):
-  """The direct kernel, compiled, against the reference: layouts A, B, C (128x128 layout C byte by byte) and the
-  sf-only form."""
+  """The direct kernel, compiled, against the reference: layouts A, B, C (32x32 layout C's bytes stored per warp,
+  128x128 byte by byte; the sf divisions by div.rn.f32 for 32x32 and for 128x128 with K <= CHUNKED_MAX_K, K = 2048
+  and 2560 above it) and the sf-only form."""
   x = _input(key, m, k, jnp.bfloat16)
   x = x.at[m - 1, k - 1].set(jnp.bfloat16(3e4))
   for flags in ("A", "B", "C"):
