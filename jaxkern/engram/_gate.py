@@ -19,6 +19,9 @@ Kernels (the thresholds next to the module's constants say which measurement cho
   :func:`gate_fwd_rows_kernel`, persistent CTAs (:data:`FWD_ROWS_CTAS_PER_SM` per SM) over contiguous token
   ranges, one warp per stream: the three row sums ``Σx²``, ``Σk²``, ``Σx·wf·k``, the gate,
   ``out = bf16(x + g·v)``, the next token's ``x`` and ``k`` loaded while the current one finishes. Elsewhere,
+  where two CTAs' SMEM rings fit an SM (:func:`fwd_tma_applies`, ``D`` up to about 9500):
+  :func:`gate_fwd_tma_kernel`, the flat kernel's arithmetic (below) in persistent CTAs whose ``x`` and ``k`` rows
+  come into a ring of SMEM slots, and ``v`` into two, by bulk TMA copies issued a slot ahead. Above that,
   one token per CTA (grid ``T``): :func:`gate_fwd_flat_kernel` (the streams one after the other, each row
   spread over the warpgroup, the rows of all streams loaded up front where ``M·D <= PRELOAD_MAX_VALUES``; a
   ``D`` such as 2560 with ``M % 4 != 0`` in a 2048-column chunk of 16-byte vectors and a 512-column chunk of
@@ -194,12 +197,122 @@ def fwd_rows_ctas(t: int) -> int:
 def gate_fwd_kernel(x, k, v, wf, *, eps, clamp_value, save, interpret):
   """``x``, ``k`` ``(T, M, D)`` bf16, ``v`` ``(T, D)`` bf16, ``wf`` ``(M, D)`` float32 (``T >= 1``) ->
   ``(out, dot, gate, rstd_x, rstd_k)`` (the last four only with ``save``): :func:`gate_fwd_rows_kernel` in
-  :func:`fwd_rows_ctas` CTAs where :func:`fwd_rows_applies`, else :func:`gate_fwd_flat_kernel`."""
+  :func:`fwd_rows_ctas` CTAs where :func:`fwd_rows_applies`, else :func:`gate_fwd_tma_kernel` in
+  :data:`FWD_TMA_CTAS_PER_SM` CTAs per SM where :func:`fwd_tma_applies`, else :func:`gate_fwd_flat_kernel`."""
   t, m, d = x.shape
   if fwd_rows_applies(d, m):
     return gate_fwd_rows_kernel(x, k, v, wf, eps=eps, clamp_value=clamp_value, save=save, num_ctas=fwd_rows_ctas(t),
                                 interpret=interpret)
+  if fwd_tma_applies(d):
+    return gate_fwd_tma_kernel(x, k, v, wf, eps=eps, clamp_value=clamp_value, save=save,
+                               num_ctas=max(1, min(t, FWD_TMA_CTAS_PER_SM * _config.num_sms())), interpret=interpret)
   return gate_fwd_flat_kernel(x, k, v, wf, eps=eps, clamp_value=clamp_value, save=save, interpret=interpret)
+
+
+# The forward outside fwd_rows_applies: the flat kernel's arithmetic in persistent CTAs (FWD_TMA_CTAS_PER_SM per SM)
+# whose x and k rows come into an SMEM ring of FWD_TMA_SLOTS (token, stream) slots by bulk TMA copies, v into two
+# token slots (gate_fwd_tma_kernel), wherever that fits 2 CTAs per SM. H200, 2026-11-29, D = 7168, M = 4, CUPTI, cold
+# L2, median of 20, bit-exact against the flat kernel (one token per CTA) on every output: T=8001 save=True 401.5 ->
+# 375.0 µs (TileKernels 391.3), save=False 398.3 -> 371.4 (388.7); T=4001 207.2 -> 194.0 (199.7), 206.2 -> 190.6
+# (199.0). 3 slots with v loaded into registers instead of SMEM 382.3 / 380.2 / 198.8 / 196.5; 2 slots at 3 CTAs per SM
+# (v in registers) 445.6 / 391.5 / 233.4 / 203.4; 4 slots at 1 CTA per SM 474.3 / 470.6 / 252.2 / 249.1.
+FWD_TMA_SLOTS = 2
+FWD_TMA_CTAS_PER_SM = 2
+FWD_TMA_REDUCTION_SCRATCH = 1024  # bytes of Mosaic's reduction scratch (default 2048; 1024 is its unit)
+_IN_BOUNDS = plgpu.OOBFillMode.PROMISE_IN_BOUNDS  # contiguous rows: a plain bulk copy (cp.async.bulk), no tensor map
+
+
+def fwd_tma_smem_bytes(d: int) -> int:
+  """SMEM of :func:`gate_fwd_tma_kernel` as Mosaic sizes it: :data:`FWD_TMA_SLOTS` rows each of ``x`` and ``k`` and
+  2 of ``v`` (bf16), the reduction scratch, the barriers (8 bytes each)."""
+  return (2 * FWD_TMA_SLOTS + 2) * 2 * d + FWD_TMA_REDUCTION_SCRATCH + 8 * (FWD_TMA_SLOTS + 2)
+
+
+def fwd_tma_applies(d: int) -> bool:
+  """Whether the forward outside :func:`fwd_rows_applies` runs :func:`gate_fwd_tma_kernel`: where
+  :data:`FWD_TMA_CTAS_PER_SM` of its CTAs fit an SM's shared memory (``D`` up to about 9500 at 2 per SM)."""
+  return FWD_TMA_CTAS_PER_SM * (fwd_tma_smem_bytes(d) + 1024) <= SMEM_PER_SM
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "clamp_value", "save", "num_ctas", "interpret"))
+def gate_fwd_tma_kernel(x, k, v, wf, *, eps, clamp_value, save, num_ctas, interpret):
+  """The flat kernel's arithmetic (bit-identical: the same register layouts, loads converted the same way, the same
+  sums in the same order) in ``P = num_ctas`` persistent CTAs, CTA ``p`` the tokens
+  ``[p·ceil(T/P), min((p+1)·ceil(T/P), T))``. The CTA's (token, stream) units ``u`` (token-major) have their ``x``
+  and ``k`` rows brought by bulk TMA copies into slot ``u % S`` of an SMEM ring (``S =`` :data:`FWD_TMA_SLOTS`, one
+  mbarrier per slot), ``v`` into one of two token slots; a unit's slot is refilled with unit ``u + S`` as soon as
+  its three row sums are done (their cross-warp SMEM reductions have a warpgroup barrier that every thread reaches
+  only after its loads of the slot), ``v``'s slot for token ``q + 1`` once token ``q``'s first stream's sums are
+  done. ``wf``'s row is loaded from GMEM (the caches) before the wait for the unit's slot; ``out`` is stored from
+  registers. So the bytes in flight sit in SMEM, not in the registers that cap the flat kernel's occupancy."""
+  t, m, d = x.shape
+  slots = FWD_TMA_SLOTS
+  chunks = [(off, n, flat_layout(vec)) for off, n, vec in flat_chunks(d, 2)]
+  inv_d, s = float(np.float32(1.0 / d)), float(np.float32(np.float64(d) ** -0.5))
+  eps32, c = float(np.float32(eps)), float(np.float32(clamp_value))
+  out_type = _fwd_out_type(t, m, d, save)
+  per = -(-t // num_ctas)
+  scratch = dict(x_s=plgpu.SMEM((slots, d), jnp.bfloat16), k_s=plgpu.SMEM((slots, d), jnp.bfloat16),
+                 xk_bar=plgpu.Barrier(num_arrivals=2, num_barriers=slots),
+                 v_s=plgpu.SMEM((2, d), jnp.bfloat16), v_bar=plgpu.Barrier(num_arrivals=1, num_barriers=2))
+  params = plgpu.CompilerParams(unsafe_no_auto_barriers=True, reduction_scratch_bytes=FWD_TMA_REDUCTION_SCRATCH)
+
+  @functools.partial(plgpu.kernel, out_type=out_type, grid=(num_ctas,), grid_names=("p",), interpret=interpret,
+                     compiler_params=params, scratch_types=scratch)
+  def kernel(x_g, k_g, v_g, w_g, o_g, *saved, x_s, k_s, xk_bar, v_s, v_bar):
+    start = jnp.minimum(lax.axis_index("p") * per, t)
+    count = jnp.minimum(start + per, t) - start  # tokens of this CTA (0 for an empty range)
+
+    def issue_xk(q, j):  # unit (token start + q, stream j), j static
+      @pl.when(q < count)
+      def _():
+        slot = lax.rem(q * m + j, slots)
+        plgpu.copy_gmem_to_smem(x_g.at[start + q, j], x_s.at[slot], xk_bar.at[slot], oob_mode=_IN_BOUNDS)
+        plgpu.copy_gmem_to_smem(k_g.at[start + q, j], k_s.at[slot], xk_bar.at[slot], oob_mode=_IN_BOUNDS)
+
+    def issue_v(q):
+      @pl.when(q < count)
+      def _():
+        plgpu.copy_gmem_to_smem(v_g.at[start + q], v_s.at[lax.rem(q, 2)], v_bar.at[lax.rem(q, 2)],
+                                oob_mode=_IN_BOUNDS)
+
+    for u in range(slots):
+      issue_xk(jnp.int32(u // m), u % m)
+    issue_v(jnp.int32(0))
+
+    def token(q, carry):
+      i = start + q
+      vslot = lax.rem(q, 2)
+      for j in range(m):
+        slot = lax.rem(q * m + j, slots)
+        wcs = [plgpu.load(w_g.at[j, pl.ds(off, n)], layout=lay, optimized=False) for off, n, lay in chunks]
+        plgpu.barrier_wait(xk_bar.at[slot])
+        xs, sxx, skk, raw = [], 0.0, 0.0, 0.0
+        for (off, n, lay), wc in zip(chunks, wcs):
+          xc = _f32(plgpu.load(x_s.at[slot, pl.ds(off, n)], layout=lay, optimized=False))
+          kc = _f32(plgpu.load(k_s.at[slot, pl.ds(off, n)], layout=lay, optimized=False))
+          sxx, skk, raw = sxx + jnp.sum(xc * xc), skk + jnp.sum(kc * kc), raw + jnp.sum(xc * wc * kc)
+          xs.append(xc)
+        rx = lax.rsqrt(sxx * inv_d + eps32)
+        rk = lax.rsqrt(skk * inv_d + eps32)
+        g = _sigmoid(_signed_sqrt(raw * rx * rk * s, c))
+        # Every thread is past its loads of this slot (the sums' barriers): refill it with unit u + slots.
+        ahead = j + slots
+        issue_xk(q + ahead // m, ahead % m)
+        if j == 0:
+          issue_v(q + 1)  # its slot was last read by token q - 1's outputs
+          plgpu.barrier_wait(v_bar.at[vslot])
+        for (off, n, lay), xc in zip(chunks, xs):
+          vc = _f32(plgpu.load(v_s.at[vslot, pl.ds(off, n)], layout=lay, optimized=False))
+          o_g[i, j, pl.ds(off, n)] = (xc + g * vc).astype(jnp.bfloat16)
+        if save:
+          dot_g, gate_g, rx_g, rk_g = saved
+          dot_g[i, j], gate_g[i, j], rx_g[i, j], rk_g[i, j] = raw, g, rx, rk
+      return carry
+
+    lax.fori_loop(0, count, token, 0)
+
+  return kernel(x, k, v, wf)
 
 
 def _gate_of(raw, sxx, skk, *, d, eps, clamp_value):

@@ -20,8 +20,9 @@ import pytest
 
 from benchmarks.engram import conditioned_grad_out
 from jaxkern import engram, modeling
+from jaxkern.engram import _gate
 from jaxkern.reference import engram as ref
-from jaxkern.testing import calc_diff
+from jaxkern.testing import assert_bitwise_equal, calc_diff
 from tests.engram.test_reference import gate_inputs
 
 EPS, CLAMP = 1e-20, 1e-6
@@ -99,3 +100,21 @@ def test_gate_vjp_each_leaf(key, t, d):
   rows = [(name, float(calc_diff(a, b)), 2e-10 if name == "output" else VJP_GRAD_TOL)
           for name, a, b in zip(NAMES, got, want)]
   _report(f"jax.vjp(modeling.engram_gate) T={t} D={d}, conditioned cotangent", rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, d", [(8001, 7168), (4001, 7168), (8001, 6144), (4001, 4096), (4001, 2048), (5, 3072)])
+def test_gate_fwd_tma_kernel_matches_flat_gpu(key, t, d):
+  """The forward's TMA kernel (persistent CTAs, rows through an SMEM ring) gives the flat kernel's bits on every
+  output, with and without the saved intermediates."""
+  x, k, v, wh, we = gate_inputs(key, t, 4, d)
+  wf = engram.fused_weight(wh, we)
+  assert _gate.fwd_tma_applies(d) and not _gate.fwd_rows_applies(d, 4)
+  for save in (True, False):
+    got = jax.jit(lambda *a: engram.engram_gate_fwd(*a, eps=EPS, clamp_value=CLAMP, save_for_backward=save,
+                                                    implementation="pallas"))(x, k, v, wf)
+    want = _gate.gate_fwd_flat_kernel(x, k, v, wf, eps=EPS, clamp_value=CLAMP, save=save, interpret=False)
+    assert_bitwise_equal(got.output, want[0])
+    if save:
+      for a, b in zip(got[1:], want[1:]):
+        assert_bitwise_equal(a, b)

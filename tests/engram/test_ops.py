@@ -90,9 +90,9 @@ def _fwd(x, k, v, wf, save, implementation="interpret", eps=1e-20, clamp=1e-6):
                                                    implementation=implementation))(x, k, v, wf)
 
 
-# M = 4: one warp per stream where the flat kernel would need vectors narrower than 16 bytes (512, 2560), the flat
-# kernel with 16-byte vectors (4096, stream by stream); M = 3: the flat kernel, 2560 a 2048-column 16-byte chunk + a
-# 512-column 8-byte one, M·D <= PRELOAD_MAX_VALUES (2560) or not (3584)
+# M = 4: one warp per stream where the flat kernel would need vectors narrower than 16 bytes (512, 2560), the TMA
+# kernel (the flat kernel's arithmetic) with 16-byte vectors (4096, stream by stream); M = 3: the TMA kernel, 2560 a
+# 2048-column 16-byte chunk + a 512-column 8-byte one, M·D <= PRELOAD_MAX_VALUES (2560) or not (3584)
 @pytest.mark.parametrize("t, m, d", [(5, 4, 512), (3, 4, 2560), (2, 4, 4096), (3, 3, 2560), (2, 3, 3584)])
 def test_gate_fwd_kernel(key, t, m, d):
   assert _gate.fwd_rows_applies(d, m) == (m == 4 and d in (512, 2560))
@@ -121,6 +121,28 @@ def test_gate_fwd_rows_kernel_token_ranges(key, t, ctas):
   want = _fwd(x, k, v, wf, True)  # the default: fwd_rows_ctas(t) CTAs
   for a, b in zip(got, want):
     assert_bitwise_equal(a, b)
+
+
+# The TMA kernel against the flat kernel (one token per CTA): 7 tokens over 3 CTAs (3, 3, 1) and 4 (2, 2, 2, 1), 5
+# over 4 (2, 2, 1 and an empty range), 2 tokens in one CTA with 3 streams (units wrap the 2-slot ring mid-token) and
+# D = 2560 in two chunks (16- and 8-byte vectors)
+@pytest.mark.parametrize("t, m, d, ctas", [(7, 4, 1024, 3), (7, 4, 1024, 4), (5, 4, 1024, 4), (2, 3, 2560, 1),
+                                           (3, 3, 512, 2)])
+def test_gate_fwd_tma_kernel_matches_flat(key, t, m, d, ctas):
+  x, k, v, wh, we = gate_inputs(key, t, m, d)
+  wf = engram.fused_weight(wh, we)
+  for save in (True, False):
+    kw = dict(eps=1e-20, clamp_value=1e-6, save=save, interpret=plgpu.InterpretGPUParams())
+    got = _gate.gate_fwd_tma_kernel(x, k, v, wf, num_ctas=ctas, **kw)
+    want = _gate.gate_fwd_flat_kernel(x, k, v, wf, **kw)
+    assert len(got) == len(want) == (5 if save else 1)
+    for a, b in zip(got, want):
+      assert_bitwise_equal(a, b)
+
+
+def test_gate_fwd_kernel_choice():
+  assert not _gate.fwd_rows_applies(7168, 4) and _gate.fwd_tma_applies(7168)  # 2 CTAs per SM fit
+  assert _gate.fwd_tma_applies(9216) and not _gate.fwd_tma_applies(10240)  # the flat kernel above ~9500
 
 
 def test_gate_fwd_signed_sqrt_at_zero(key):
@@ -254,6 +276,14 @@ def test_gate_kernels_lower_for_h100(t, d, m, bwd_kernels):
                           implementation="pallas")
     assert "mosaic_gpu" in lower_for_h100(f, *args).as_text()
   assert _bwd_kernel_calls(t, d, m) == bwd_kernels
+
+
+def test_gate_fwd_flat_kernel_lowers_for_h100():
+  """The flat kernel, the forward where the TMA kernel's ring does not fit 2 CTAs per SM."""
+  b16 = sds((3, 4, 10240), jnp.bfloat16)
+  f = functools.partial(_gate.gate_fwd_flat_kernel, eps=1e-20, clamp_value=1e-6, save=True, interpret=False)
+  args = (b16, b16, sds((3, 10240), jnp.bfloat16), sds((4, 10240), jnp.float32))
+  assert "mosaic_gpu" in lower_for_h100(f, *args).as_text()
 
 
 def test_gate_bwd_onepass_lowers_for_h100_at_4096():
