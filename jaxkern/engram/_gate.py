@@ -19,9 +19,9 @@ Kernels (the thresholds next to the module's constants say which measurement cho
   :func:`gate_fwd_rows_kernel`, persistent CTAs (:data:`FWD_ROWS_CTAS_PER_SM` per SM) over contiguous token
   ranges, one warp per stream: the three row sums ``Σx²``, ``Σk²``, ``Σx·wf·k``, the gate,
   ``out = bf16(x + g·v)``, the next token's ``x`` and ``k`` loaded while the current one finishes. Elsewhere,
-  where two CTAs' SMEM rings fit an SM (:func:`fwd_tma_applies`, ``D`` up to about 9500):
+  from ``D = 6144`` where two CTAs' SMEM rings fit an SM (:func:`fwd_tma_applies`, ``D`` up to about 9500):
   :func:`gate_fwd_tma_kernel`, the flat kernel's arithmetic (below) in persistent CTAs whose ``x`` and ``k`` rows
-  come into a ring of SMEM slots, and ``v`` into two, by bulk TMA copies issued a slot ahead. Above that,
+  come into a ring of SMEM slots, and ``v`` into two, by bulk TMA copies issued a slot ahead. Otherwise
   one token per CTA (grid ``T``): :func:`gate_fwd_flat_kernel` (the streams one after the other, each row
   spread over the warpgroup, the rows of all streams loaded up front where ``M·D <= PRELOAD_MAX_VALUES``; a
   ``D`` such as 2560 with ``M % 4 != 0`` in a 2048-column chunk of 16-byte vectors and a 512-column chunk of
@@ -211,11 +211,15 @@ def gate_fwd_kernel(x, k, v, wf, *, eps, clamp_value, save, interpret):
 
 # The forward outside fwd_rows_applies: the flat kernel's arithmetic in persistent CTAs (FWD_TMA_CTAS_PER_SM per SM)
 # whose x and k rows come into an SMEM ring of FWD_TMA_SLOTS (token, stream) slots by bulk TMA copies, v into two
-# token slots (gate_fwd_tma_kernel), wherever that fits 2 CTAs per SM. H200, 2026-11-29, D = 7168, M = 4, CUPTI, cold
-# L2, median of 20, bit-exact against the flat kernel (one token per CTA) on every output: T=8001 save=True 401.5 ->
-# 375.0 µs (TileKernels 391.3), save=False 398.3 -> 371.4 (388.7); T=4001 207.2 -> 194.0 (199.7), 206.2 -> 190.6
-# (199.0). 3 slots with v loaded into registers instead of SMEM 382.3 / 380.2 / 198.8 / 196.5; 2 slots at 3 CTAs per SM
-# (v in registers) 445.6 / 391.5 / 233.4 / 203.4; 4 slots at 1 CTA per SM 474.3 / 470.6 / 252.2 / 249.1.
+# token slots (gate_fwd_tma_kernel), from D = FWD_TMA_MIN_D where that fits 2 CTAs per SM. H200, 2026-11-29, D = 7168,
+# M = 4, CUPTI, cold L2, median of 20, bit-exact against the flat kernel (one token per CTA) on every output: T=8001
+# save=True 401.5 -> 375.0 µs (TileKernels 391.3), save=False 398.3 -> 371.4 (388.7); T=4001 207.2 -> 194.0 (199.7),
+# 206.2 -> 190.6 (199.0). 3 slots with v loaded into registers instead of SMEM 382.3 / 380.2 / 198.8 / 196.5; 2 slots
+# at 3 CTAs per SM (v in registers) 445.6 / 391.5 / 233.4 / 203.4; 4 slots at 1 CTA per SM 474.3 / 470.6 / 252.2 /
+# 249.1. The runner's grid, flat -> TMA kernel (same call, µs, T=8001 save=False / save=True): D=2048 104.0 / 109.3 ->
+# 121.8 / 124.4, D=3072 158.9 / 159.4 -> 164.3 / 167.1, D=4096 213.8 / 215.1 -> 226.1 / 237.6, D=6144 347.0 / 359.0 ->
+# 318.8 / 324.6, D=7168 399.4 / 405.0 -> 370.5 / 372.7 (T=4001 alike): the flat kernel below 6144.
+FWD_TMA_MIN_D = 6144
 FWD_TMA_SLOTS = 2
 FWD_TMA_CTAS_PER_SM = 2
 FWD_TMA_REDUCTION_SCRATCH = 1024  # bytes of Mosaic's reduction scratch (default 2048; 1024 is its unit)
@@ -229,9 +233,10 @@ def fwd_tma_smem_bytes(d: int) -> int:
 
 
 def fwd_tma_applies(d: int) -> bool:
-  """Whether the forward outside :func:`fwd_rows_applies` runs :func:`gate_fwd_tma_kernel`: where
-  :data:`FWD_TMA_CTAS_PER_SM` of its CTAs fit an SM's shared memory (``D`` up to about 9500 at 2 per SM)."""
-  return FWD_TMA_CTAS_PER_SM * (fwd_tma_smem_bytes(d) + 1024) <= SMEM_PER_SM
+  """Whether the forward outside :func:`fwd_rows_applies` runs :func:`gate_fwd_tma_kernel`: from
+  :data:`FWD_TMA_MIN_D` where :data:`FWD_TMA_CTAS_PER_SM` of its CTAs fit an SM's shared memory (``D`` up to about
+  9500 at 2 per SM)."""
+  return d >= FWD_TMA_MIN_D and FWD_TMA_CTAS_PER_SM * (fwd_tma_smem_bytes(d) + 1024) <= SMEM_PER_SM
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "clamp_value", "save", "num_ctas", "interpret"))

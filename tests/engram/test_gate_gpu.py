@@ -103,7 +103,7 @@ def test_gate_vjp_each_leaf(key, t, d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t, d", [(8001, 7168), (4001, 7168), (8001, 6144), (4001, 4096), (4001, 2048), (5, 3072)])
+@pytest.mark.parametrize("t, d", [(8001, 7168), (4001, 7168), (8001, 6144), (5, 6144)])
 def test_gate_fwd_tma_kernel_matches_flat_gpu(key, t, d):
   """The forward's TMA kernel (persistent CTAs, rows through an SMEM ring) gives the flat kernel's bits on every
   output, with and without the saved intermediates."""

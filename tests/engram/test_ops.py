@@ -90,9 +90,10 @@ def _fwd(x, k, v, wf, save, implementation="interpret", eps=1e-20, clamp=1e-6):
                                                    implementation=implementation))(x, k, v, wf)
 
 
-# M = 4: one warp per stream where the flat kernel would need vectors narrower than 16 bytes (512, 2560), the TMA
-# kernel (the flat kernel's arithmetic) with 16-byte vectors (4096, stream by stream); M = 3: the TMA kernel, 2560 a
-# 2048-column 16-byte chunk + a 512-column 8-byte one, M·D <= PRELOAD_MAX_VALUES (2560) or not (3584)
+# M = 4: one warp per stream where the flat kernel would need vectors narrower than 16 bytes (512, 2560), the flat
+# kernel with 16-byte vectors (4096, stream by stream); M = 3: the flat kernel, 2560 a 2048-column 16-byte chunk + a
+# 512-column 8-byte one, M·D <= PRELOAD_MAX_VALUES (2560) or not (3584); the TMA kernel from D = 6144
+# (test_gate_fwd_tma_kernel_matches_flat)
 @pytest.mark.parametrize("t, m, d", [(5, 4, 512), (3, 4, 2560), (2, 4, 4096), (3, 3, 2560), (2, 3, 3584)])
 def test_gate_fwd_kernel(key, t, m, d):
   assert _gate.fwd_rows_applies(d, m) == (m == 4 and d in (512, 2560))
@@ -141,8 +142,9 @@ def test_gate_fwd_tma_kernel_matches_flat(key, t, m, d, ctas):
 
 
 def test_gate_fwd_kernel_choice():
-  assert not _gate.fwd_rows_applies(7168, 4) and _gate.fwd_tma_applies(7168)  # 2 CTAs per SM fit
-  assert _gate.fwd_tma_applies(9216) and not _gate.fwd_tma_applies(10240)  # the flat kernel above ~9500
+  assert not _gate.fwd_rows_applies(7168, 4) and _gate.fwd_tma_applies(7168) and _gate.fwd_tma_applies(6144)
+  assert not _gate.fwd_tma_applies(4096) and not _gate.fwd_tma_applies(2048)  # the flat kernel below 6144
+  assert _gate.fwd_tma_applies(9216) and not _gate.fwd_tma_applies(10240)  # 2 CTAs per SM fit up to ~9500
 
 
 def test_gate_fwd_signed_sqrt_at_zero(key):
