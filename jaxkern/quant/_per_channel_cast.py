@@ -248,6 +248,34 @@ def _warp_rows_layout(rows_per_warp: int, width: int, itemsize: int):
   return plgpu.Layout.TILED(lay.tiling, lay.warp_dims, lay.lane_dims, lay.vector_dim)
 
 
+def _cast_warpgroup_rows(v, maxv, o_g, sf_g, part_s, inv_s, joined, *, i, wg, rows, cols, lay, per_thread, round_sf,
+                         interpret):
+  """The two-warpgroup kernels' steps once warpgroup ``wg`` holds its rows ``v`` (``(4, h/4, c)`` in ``lay``, rows
+  ``rows`` and columns ``cols`` of the output): its 4 warps' partial column maxima into ``part_s``, the CTA barrier
+  ``joined``, the maxima of all partials one column per thread, the scale factors (warpgroup 0 stores the sf),
+  ``sf_inv`` through the warpgroup's row of ``inv_s`` to ``lay``, and its rows cast to e4m3 straight to GMEM."""
+  h, c = v.shape[0] * v.shape[1], v.shape[2]
+  part_s[pl.ds(wg * 4, 4)] = _warp_column_max(jnp.abs(v), interpret).astype(jnp.float32)
+  plgpu.barrier_arrive(joined)
+  plgpu.barrier_wait(joined)
+  parts = [part_s[t] if interpret else plgpu.load(part_s.at[t], layout=per_thread) for t in range(part_s.shape[0])]
+  a = _elementwise_max(parts, interpret)
+  sf, inv = ref.scale_factors(a, maxv, "e4m3", round_sf, div=_ieee.exact_div)
+
+  @pl.when(wg == 0)
+  def _():
+    sf_g[i, cols] = sf
+
+  inv_s[wg] = inv
+  plgpu.commit_smem()  # its warpgroup's threads read the row it wrote
+  inv = inv_s[wg] if interpret else plgpu.load(inv_s.at[wg], layout=lay.reduce(0).reduce(0), optimized=False)
+  q = _e4m3(v.astype(jnp.float32) * inv[None, None, :], interpret)
+  if interpret:
+    o_g[rows, cols] = q.reshape(h, c)
+  else:
+    o_g.at[rows, cols].reshape(4, h // 4, c)[...] = q
+
+
 @functools.partial(jax.jit, static_argnames=("round_sf", "interpret"))
 def _split_kernel(x, *, round_sf, interpret=False):
   """:func:`_kernel` for a plain bf16 ``x`` ``(M, K)`` (``M % 128 == 0``, ``K % 64 == 0``; ``npt = 128``, no
@@ -285,25 +313,8 @@ def _split_kernel(x, *, round_sf, interpret=False):
     plgpu.barrier_wait(bar.at[wg])
     view = x_s.at[wg]
     v = view[...] if interpret else plgpu.load(view, layout=lay)
-    part_s[pl.ds(wg * 4, 4)] = _warp_column_max(jnp.abs(v), interpret).astype(jnp.float32)
-    plgpu.barrier_arrive(joined)
-    plgpu.barrier_wait(joined)
-    parts = [part_s[t] if interpret else plgpu.load(part_s.at[t], layout=per_thread) for t in range(4 * nwg)]
-    a = _elementwise_max(parts, interpret)
-    sf, inv = ref.scale_factors(a, maxv, "e4m3", round_sf, div=_ieee.exact_div)
-
-    @pl.when(wg == 0)
-    def _():
-      sf_g[i, cols] = sf
-
-    inv_s[wg] = inv
-    plgpu.commit_smem()  # its warpgroup's threads read the row it wrote
-    inv = inv_s[wg] if interpret else plgpu.load(inv_s.at[wg], layout=lay.reduce(0).reduce(0), optimized=False)
-    q = _e4m3(v.astype(jnp.float32) * inv[None, None, :], interpret)
-    if interpret:
-      o_g[rows, cols] = q.reshape(h, c)
-    else:
-      o_g.at[rows, cols].reshape(4, h // 4, c)[...] = q
+    _cast_warpgroup_rows(v, maxv, o_g, sf_g, part_s, inv_s, joined, i=i, wg=wg, rows=rows, cols=cols, lay=lay,
+                         per_thread=per_thread, round_sf=round_sf, interpret=interpret)
 
   return kernel(x, _max_operand())
 
@@ -357,25 +368,8 @@ def _split_register_kernel(x, *, round_sf, interpret=False):
     v = src[...].reshape(4, h // 4, c) if interpret else plgpu.load(src.reshape(4, h // 4, c), layout=lay,
                                                                     optimized=False)
     maxv = _max_vector(c_g, c, per_thread)
-    part_s[pl.ds(wg * 4, 4)] = _warp_column_max(jnp.abs(v), interpret).astype(jnp.float32)
-    plgpu.barrier_arrive(joined)
-    plgpu.barrier_wait(joined)
-    parts = [part_s[t] if interpret else plgpu.load(part_s.at[t], layout=per_thread) for t in range(4 * nwg)]
-    a = _elementwise_max(parts, interpret)
-    sf, inv = ref.scale_factors(a, maxv, "e4m3", round_sf, div=_ieee.exact_div)
-
-    @pl.when(wg == 0)
-    def _():
-      sf_g[i, cols] = sf
-
-    inv_s[wg] = inv
-    plgpu.commit_smem()  # its warpgroup's threads read the row it wrote
-    inv = inv_s[wg] if interpret else plgpu.load(inv_s.at[wg], layout=lay.reduce(0).reduce(0), optimized=False)
-    q = _e4m3(v.astype(jnp.float32) * inv[None, None, :], interpret)
-    if interpret:
-      o_g[rows, cols] = q.reshape(h, c)
-    else:
-      o_g.at[rows, cols].reshape(4, h // 4, c)[...] = q
+    _cast_warpgroup_rows(v, maxv, o_g, sf_g, part_s, inv_s, joined, i=i, wg=wg, rows=rows, cols=cols, lay=lay,
+                         per_thread=per_thread, round_sf=round_sf, interpret=interpret)
 
   return kernel(x, _max_operand())
 
