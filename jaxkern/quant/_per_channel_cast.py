@@ -31,12 +31,20 @@ against 4.70 / 6.66 for the one-warpgroup register kernel it replaced (128-colum
 kernel above; from ``K = 2048`` the kernel above and the one below are faster than a one-warpgroup register kernel
 (10.00 against 10.51 µs at ``4096x2048``).
 
-Above :data:`DIRECT_MAX_K` ``per_channel_cast`` of a bf16 input runs :func:`_split_kernel`: the kernel above with
-each CTA's 128 rows over two warpgroups of 64 (TileKernels runs 256 threads per 128-row tile). Each warp's rows
-reduce to partial column maxima in-thread and by lane shuffles; the 8 partials of a column meet through SMEM after
-one CTA barrier (an mbarrier), and both warpgroups compute the same scale factors. H200 (2026-11-29), one -> two
-warpgroups: ``4096x2048`` 9.30 -> 8.93 µs, ``4096x7168`` 25.15 -> 24.50, ``8064x7168`` 45.90 -> 45.86; never slower
-on the op's shapes above ``K = 576`` (all figures at :func:`_plain_kernel`).
+Above :data:`DIRECT_MAX_K` ``per_channel_cast`` of a bf16 input with fewer than :data:`RING_MIN_ELEMENTS` elements
+runs :func:`_split_kernel`: the kernel above with each CTA's 128 rows over two warpgroups of 64 (TileKernels runs
+256 threads per 128-row tile). Each warp's rows reduce to partial column maxima in-thread and by lane shuffles; the
+8 partials of a column meet through SMEM after one CTA barrier (an mbarrier), and both warpgroups compute the same
+scale factors. H200 (2026-11-29), one -> two warpgroups: ``4096x2048`` 9.30 -> 8.93 µs, ``4096x7168`` 25.15 ->
+24.50, ``8064x7168`` 45.90 -> 45.86; never slower on the op's shapes above ``K = 576`` (all figures at
+:func:`_plain_kernel`).
+
+From :data:`RING_MIN_ELEMENTS` elements on (and ``K >`` :data:`DIRECT_MAX_K`) it runs :func:`_ring_kernel`, the same
+steps per tile in a persistent grid of two CTAs per SM, each walking its tiles with a ring of 3 TMA-loaded tiles in
+SMEM (the next two tiles' loads in flight while one is reduced and cast; a one-shot CTA of :func:`_split_kernel` has
+loads in flight only before its first step). H200 (2026-11-30), :func:`_split_kernel` -> :func:`_ring_kernel`:
+``4096x4096`` 15.46 -> 15.06 µs, ``8064x2048`` 15.28 -> 14.70, ``8064x3072`` 23.04 -> 20.51, ``8064x7168`` 45.31 ->
+44.45; slower up to ``4096x3072`` (12.26 -> 12.66; all figures at :data:`RING_MIN_ELEMENTS`).
 
 The Mosaic GPU kernels take the e4m3 maximum as a one-element constant operand, broadcast in registers
 (:func:`_max_operand`): an ``(C,)`` constant became an XLA broadcast kernel before every call. NVIDIA H200 (CUPTI,
@@ -319,7 +327,100 @@ def _split_kernel(x, *, round_sf, interpret=False):
   return kernel(x, _max_operand())
 
 
-# Largest K for which per_channel_cast of bf16 runs :func:`_split_register_kernel` (above it :func:`_split_kernel`).
+# per_channel_cast of bf16 above DIRECT_MAX_K runs :func:`_ring_kernel` from this many elements (M·K) on, below it
+# :func:`_split_kernel`. NVIDIA H200, 2026-11-30 (runner, CUPTI, cold L2, both kernels in the same run), µs,
+# _split_kernel -> _ring_kernel: M=4096: K=2048 8.93 -> 9.15, K=2560 10.70 -> 11.57, K=3072 12.26 -> 12.66 (12.6 M
+# elements, the largest where the ring was slower), K=4096 15.46 -> 15.06, K=6144 21.55 -> 20.75, K=7168 24.59 ->
+# 23.84; M=8064: K=2048 15.28 -> 14.70 (16.5 M elements, the smallest where it was faster), K=2560 18.16 -> 17.70,
+# K=3072 23.04 -> 20.51, K=4096 27.18 -> 26.51, K=6144 39.47 -> 38.46, K=7168 45.31 -> 44.45. Bit-exact on the card
+# (random inputs at all twelve shapes; non-finite inputs and round_sf at 8064x2048, 4096x4096, 8064x7168 and
+# 8064x2112). 64-column tiles (K not a multiple of 128) were not timed.
+RING_MIN_ELEMENTS = 14 * 2**20
+# CTAs per SM and TMA stages (128-row tiles in SMEM) per CTA of :func:`_ring_kernel`: 107 KiB of SMEM per CTA, two
+# CTAs resident per SM. One CTA per SM with 4 stages measured between _split_kernel and this on the shapes above
+# (H200, 2026-11-30).
+_RING_CTAS_PER_SM = 2
+_RING_STAGES = 3
+
+
+@functools.partial(jax.jit, static_argnames=("round_sf", "interpret"))
+def _ring_kernel(x, *, round_sf, interpret=False):
+  """:func:`_split_kernel` made persistent: ``(out (M, K) e4m3, sf (M/128, K) float32)`` for a plain bf16 ``x``
+  ``(M, K)`` (``M % 128 == 0``, ``K % 64 == 0``).
+
+  :data:`_RING_CTAS_PER_SM` CTAs per SM (``G = min(tiles, CTAs per SM x SMs)``, the SM count from
+  :func:`jaxkern._config.num_sms`) walk the ``(128, c)`` tiles (128 columns, 64 where 128 does not divide ``K``;
+  column tiles fastest; CTA ``b`` takes tiles ``b, b + G, ...``), each warpgroup with a ring of
+  :data:`_RING_STAGES` TMA-loaded slots for its 64 rows, so the loads of the next ``stages - 1`` tiles are in flight
+  while a tile's maxima, scales and cast run. Per tile the steps are :func:`_split_kernel`'s (two warpgroups of 64
+  rows, :func:`_cast_warpgroup_rows`), bit for bit.
+
+  Slot reuse: the fetch of tile ``t + stages - 1`` (at the top of step ``t``) overwrites the slot read in step
+  ``t - 1``; every thread of the CTA arrived at the ``joined`` barrier of step ``t - 1`` after its SMEM reads of
+  that slot (their values feed its partial maxima), and the issuing thread waited on it. The partial maxima
+  alternate between two SMEM buffers (a warpgroup past the barrier of step ``t`` writes its partials of step
+  ``t + 1`` while the other may still read those of step ``t``); ``inv_s`` rows are per warpgroup and written only
+  after the next ``joined`` wait, which every thread of the CTA reaches after its reads of the previous row."""
+  m, k = x.shape
+  r, nwg, stages = _ROWS, 2, _RING_STAGES
+  h = r // nwg
+  c = 128 if k % 128 == 0 else 64
+  gj = k // c
+  tiles = (m // r) * gj
+  ctas = min(tiles, _RING_CTAS_PER_SM * _config.num_sms())
+  lay = _warp_rows_layout(h // 4, c, x.dtype.itemsize)
+  per_thread = _per_thread(c)
+  untiled = (plgpu.TilingTransform((1, 64)),)
+
+  @functools.partial(
+      plgpu.kernel, grid=(ctas,), grid_names=("cta",), num_threads=nwg, thread_name="wg",
+      interpret=_config.mosaic_interpret(interpret),
+      out_type=(jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m // r, k), jnp.float32)),
+      scratch_types=dict(x_s=plgpu.SMEM((stages, nwg, 4, h // 4, c), x.dtype, transforms=untiled),
+                         part_s=plgpu.SMEM((2, 4 * nwg, c), jnp.float32), inv_s=plgpu.SMEM((nwg, c), jnp.float32),
+                         bar=plgpu.Barrier(num_arrivals=4, num_barriers=stages * nwg),
+                         joined=plgpu.Barrier(num_arrivals=nwg)),
+      compiler_params=NO_AUTO_BARRIERS)
+  def kernel(x_g, c_g, o_g, sf_g, x_s, part_s, inv_s, bar, joined):
+    cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
+    count = (tiles - cta + ctas - 1) // ctas  # tiles of this CTA (at least one: ctas <= tiles)
+
+    def where(t):  # step t of this CTA -> (row tile, column tile)
+      tile = cta + t * ctas
+      return tile // gj, tile % gj
+
+    def fetch(t):  # this warpgroup's 64 rows of step t's tile into slot t % stages, one box per warp's rows
+      @pl.when(t < count)
+      def _():
+        i, j = where(t)
+        s = t % stages
+        for w in range(4):
+          plgpu.copy_gmem_to_smem(x_g.at[pl.ds(i * r + wg * h + w * (h // 4), h // 4), pl.ds(j * c, c)],
+                                  x_s.at[s, wg, w], bar.at[s * nwg + wg])
+
+    for t in range(stages - 1):
+      fetch(t)
+
+    def body(t, carry):
+      fetch(t + stages - 1)
+      i, j = where(t)
+      s = t % stages
+      maxv = _max_vector(c_g, c, per_thread)
+      plgpu.barrier_wait(bar.at[s * nwg + wg])
+      view = x_s.at[s, wg]
+      v = view[...] if interpret else plgpu.load(view, layout=lay)
+      _cast_warpgroup_rows(v, maxv, o_g, sf_g, part_s.at[t % 2], inv_s, joined, i=i, wg=wg,
+                           rows=pl.ds(i * r + wg * h, h), cols=pl.ds(j * c, c), lay=lay, per_thread=per_thread,
+                           round_sf=round_sf, interpret=interpret)
+      return carry
+
+    lax.fori_loop(0, count, body, 0)
+
+  return kernel(x, _max_operand())
+
+
+# Largest K for which per_channel_cast of bf16 runs :func:`_split_register_kernel` (above it :func:`_split_kernel`,
+# or :func:`_ring_kernel` from RING_MIN_ELEMENTS elements on).
 # Set with the one-warpgroup register kernel this kernel replaced, H200, 2026-11-29 (CUPTI, cold L2): K=576 at
 # M=4096 / 8064 5.31 / 7.30 µs against 5.66 / 7.76 for the one-warpgroup TMA kernel :func:`_kernel`; K=2048 10.51 /
 # 16.46 against 10.00 / 15.98, K=2560 12.59 against 11.66, K=7168 47.81 against 46.77. The two-warpgroup register
@@ -572,8 +673,8 @@ def per_channel_cast(x: jax.typing.ArrayLike, fmt: str, num_per_tokens: int, *, 
     ValueError: another ``fmt`` or ``num_per_tokens``, another rank or dtype (bool included), ``M`` /
       ``K`` not multiples of 128 / 64, a non-array ``x``.
 
-  Mosaic GPU kernels (H200, 2026-11-29: ``8064x7168`` bf16 45.9 µs, 2.4x XLA; module docstring). XLA instead of a
-  kernel: only zero-size arrays.
+  Mosaic GPU kernels (H200, 2026-11-30: ``8064x7168`` bf16 44.45 µs; 45.9 µs, 2.4x XLA, on 2026-11-29 before the
+  persistent kernel; module docstring). XLA instead of a kernel: only zero-size arrays.
 
   Non-finite inputs give the reference's bits: the column maxima propagate NaN, so a NaN makes
   its group's ``sf`` and data NaN; an infinity gives ``sf = inf``, NaN for itself and signed zeros
@@ -592,8 +693,9 @@ def per_channel_cast(x: jax.typing.ArrayLike, fmt: str, num_per_tokens: int, *, 
 
 def _plain_kernel(x, round_sf, interpret):
   """:func:`per_channel_cast`'s kernel (``npt = 128``): for bf16 :func:`_split_register_kernel` with ``K <=``
-  :data:`DIRECT_MAX_K`, else :func:`_split_kernel`; for float32 :func:`_kernel` (the two-warpgroup kernels were built
-  and measured for bf16 only)."""
+  :data:`DIRECT_MAX_K`, else :func:`_ring_kernel` from :data:`RING_MIN_ELEMENTS` elements (``M·K``) on and
+  :func:`_split_kernel` below; for float32 :func:`_kernel` (the two-warpgroup kernels were built and measured for bf16
+  only)."""
   if x.dtype != jnp.bfloat16:
     return _kernel(x, npt=128, round_sf=round_sf, interpret=interpret)
   if x.shape[1] <= DIRECT_MAX_K:
@@ -603,7 +705,10 @@ def _plain_kernel(x, round_sf, interpret):
   # M=4096: K=2048 9.30 -> 8.93, K=2560 10.88 -> 10.53, K=3072 12.30 -> 12.27, K=4096 15.46 -> 15.44,
   # K=6144 21.94 -> 21.36, K=7168 25.15 -> 24.50; M=8064: K=2048 15.30 -> 15.26, K=2560 18.50 -> 18.29,
   # K=3072 21.60 -> 21.22, K=4096 27.62 -> 27.20, K=6144 39.63 -> 39.33, K=7168 45.90 -> 45.86. Never slower;
-  # bit-exact on the card (4096x2048, 4096x704, non-finite inputs, round_sf).
+  # bit-exact on the card (4096x2048, 4096x704, non-finite inputs, round_sf). From RING_MIN_ELEMENTS on the
+  # persistent form of the two-warpgroup kernel is faster.
+  if x.size >= RING_MIN_ELEMENTS:
+    return _ring_kernel(x, round_sf=round_sf, interpret=interpret)
   return _split_kernel(x, round_sf=round_sf, interpret=interpret)
 
 
