@@ -6,10 +6,13 @@ E5M6 is a 12-bit format, the top 12 bits of an fp16 pattern (the format's recipe
 conversions through inline PTX at the lane level (``plgpu.inline_mgpu``): the encoder's round-toward-zero
 conversion is the recipe's first step, two values per ``cvt.rz.f16x2.f32`` (:func:`_lane_pair_bits`); it saturates
 finite magnitudes from 65536 on, where the recipe goes to infinity, and only a NaN row with ``round_sf`` scales
-values that far, so those rows take per-value codes that correct it with one compare (:func:`_lane_code`). The
-decoder's ``cvt.f32.f16`` decodes a code exactly, for bf16 and float32 output (:func:`_hw_decode`). Interpret mode
-cannot run inline PTX: there both are integer bit manipulation on float32 patterns with the same bits
-(:func:`_encode_code`, :func:`_decode`).
+values that far, so those rows take per-value codes that correct it with one compare (:func:`_lane_code`). For bf16
+input with ``round_sf`` a row's ``sf_inv`` is a power of two: a row of amax up to 65024 scales its values exactly,
+and the recipe's rounding bump of a code is then the bf16 value's lowest mantissa bit (:func:`_lane_pair_bits_exact`,
+the bumps of a pair taken from the loaded pair with a rotation and an AND); its other rows (amax above 65024, inf,
+NaN) take the per-value codes. The decoder's ``cvt.f32.f16`` decodes a code exactly, for bf16 and float32 output
+(:func:`_hw_decode`). Interpret mode cannot run inline PTX: there both are integer bit manipulation on float32
+patterns with the same bits (:func:`_encode_code`, :func:`_decode`).
 
 Both Mosaic GPU kernels view a row as groups of 8 columns, ``(M, K/8, 8)``. The encoder reads them in
 :func:`jaxkern._layouts.group_layout`: each thread holds whole groups as 16-byte vectors, so the input moves as
@@ -47,9 +50,12 @@ NVIDIA H200 (2026-11-29, CUPTI, cold L2, median of 10; TileKernels' figures in p
 7168 bf16 with the register prefetch (29.65 / 54.23; one block per CTA 30.69 / 58.10 in the same run), 13.95 µs at
 4001 x 2048 float32 (14.65), 75.20 µs at 8001 x 7168 float32 (76.71) and 4.93 µs at 4001 x 576 bf16 (6.53); before
 its automatic barriers went, its values were widened per group inside the rows' branches and the largest value was
-loaded before the tile: 11.92 / 18.70, 30.58 / 58.03, 15.12, 76.58 and 5.04 µs. The decoder to bf16 takes 3.78 /
-5.36 µs at 4001 / 8001 x 576 (3.81 / 5.86), to float32 4.37 µs at 4001 x 576 (6.59; with a layout-C sf 4.32, 6.66)
-and 81.25 µs at 8001 x 7168 (119.18).
+loaded before the tile: 11.92 / 18.70, 30.58 / 58.03, 15.12, 76.58 and 5.04 µs. The bf16 rows' exact pair code
+(:func:`_lane_pair_bits_exact`; 2026-11-30, one run, before -> after, ``round_sf``): 9.73 -> 9.09 / 16.88 -> 15.42
+µs at 4001 / 8001 x 2048, 29.23 -> 28.14 / 55.07 -> 54.29 µs at 4001 / 8001 x 7168 (with the packed layout-C sf
+9.84 -> 8.83 / 16.83 -> 15.36, 29.11 -> 27.84 / 55.06 -> 53.44); float32 unchanged. The decoder to bf16 takes 3.78
+/ 5.36 µs at 4001 / 8001 x 576 (3.81 / 5.86), to float32 4.37 µs at 4001 x 576 (6.59; with a layout-C sf 4.32,
+6.66) and 81.25 µs at 8001 x 7168 (119.18).
 """
 
 from __future__ import annotations
@@ -189,6 +195,27 @@ def _lane_pair_bits(fa, fb):
   return arith.addi(arith.addi(base, arith.shli(bump(fa, 20), _i32(20))), arith.shli(bump(fb, 4), _i32(8)))
 
 
+def _lane_pair_bits_exact(pair, scale):
+  """As :func:`_lane_pair_bits` (the same 24 bits) for a bf16 pair (i32: value ``2c`` in the low half, ``2c + 1``
+  in the high half, as loaded) times ``scale``, a power of two ``2^k`` with ``k >= 0`` (the rows of amax up to 65024
+  with ``round_sf``; ``k <= 29`` from the amax clamp): the products are exact and at most 65024. The float32 pattern
+  ``u`` of such a product has its low 16 bits zero, so the recipe's ``r = u & 0x1FFFF`` is 0 or 0x10000 (bit 16 of
+  ``u``) and its bump ``(t & 1) + r > 0x10000`` is ``(t & 1) & (u >> 16)``; and where ``t`` is odd (``|v| >=
+  2^-20``, a normal product of a normal bf16 value) bit 16 of the product's pattern is bit 16 of the bf16 value's
+  float32 pattern, its mantissa's lowest bit: bit 0 of ``pair`` for the first value, bit 16 for the second. One
+  rotation by 12 moves both onto the codes' lowest bits in the conversion's pair (bits 20 and 4), one three-way AND
+  keeps the odd ones, and the bumps go in before the low code is moved up (no code here is 0xFFF, so neither
+  carries into its neighbour): a rotation, two ANDs and an add for both bumps, where :func:`_lane_pair_bits` takes
+  about a dozen operations."""
+  i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+  fa = arith.mulf(arith.bitcast(f32, arith.shli(pair, _i32(16))), scale)
+  fb = arith.mulf(arith.bitcast(f32, arith.andi(pair, _i32(0xFFFF0000))), scale)
+  p = llvm.inline_asm(i32, [fa, fb], "cvt.rz.f16x2.f32 $0, $1, $2;", "=r,f,f")
+  rot = arith.ori(arith.shrui(pair, _i32(12)), arith.shli(pair, _i32(20)))  # a funnel shift (shf.r.wrap)
+  z = arith.addi(p, arith.andi(arith.andi(rot, p), _i32(0x00100010)))
+  return arith.ori(arith.andi(z, _i32(0xFFF00000)), arith.andi(arith.shli(z, _i32(4)), _i32(0xFFFFF)))
+
+
 def _prmt(a, b, selector: int):
   """``prmt.b32``: byte ``i`` of the result is byte ``selector``'s nibble ``i`` of ``b:a`` (a's bytes 0-3)."""
   i32 = ir.IntegerType.get_signless(32)
@@ -242,9 +269,16 @@ def _hw_stage_scaled_words(xr, inv, w_s, lay, round_sf):
   codes two at a time (:func:`_lane_pair_bits`) and the words by byte permutations (:func:`_lane_pair_words`), so
   that only the loaded tile stays live. Products from 65536 on (finite) arise only in a NaN row with ``round_sf``
   (``sf_inv = -2^127``; an inf row's is ``-inf``): with ``round_sf`` a thread takes, per row, the per-value codes
-  of :func:`_lane_code` (which carry the saturation on to infinity) where the row's ``sf_inv`` is negative."""
+  of :func:`_lane_code` (which carry the saturation on to infinity) where the row's ``sf_inv`` is negative. For
+  bf16 with ``round_sf`` a row whose ``sf_inv`` is a power of two from 1 on (pattern from 0x3F800000 on: every row
+  of amax up to 65024) takes :func:`_lane_pair_bits_exact` on the loaded pairs instead (its products are the bf16
+  values shifted exactly), and every other row (amax above 65024, inf, NaN) the per-value codes."""
   word_lay = lay.reduce(2)
   rows, groups = xr.shape[:2]
+  # The exact pair code against :func:`_lane_pair_bits` for these rows (H200, 2026-11-30, CUPTI, cold L2, bf16,
+  # round_sf / packed): 4001 x 2048 9.73 -> 9.09 / 9.84 -> 8.83 µs, 8001 x 2048 16.88 -> 15.42 / 16.83 -> 15.36,
+  # 4001 x 7168 29.23 -> 28.14 / 29.11 -> 27.84, 8001 x 7168 55.07 -> 54.29 / 55.06 -> 53.44.
+  exact = round_sf and xr.dtype == jnp.bfloat16
 
   @plgpu.inline_mgpu(arg_types=(lay, word_lay, plgpu.RefType()))
   def stage(_, a, s, ref):
@@ -271,13 +305,28 @@ def _hw_stage_scaled_words(xr, inv, w_s, lay, round_sf):
     for idx, off in _register_offsets(dst, (rows, groups)).items():
       by_row.setdefault(off // groups, []).append((idx, off))
 
-    def emit(regs, scale, fast):
+    def bf16_pairs(off):
+      """The group's four bf16 pairs as loaded (i32; pair ``c``: values ``2c`` low, ``2c + 1`` high)."""
+      pairs = {}
+      for pos, reg in parts[off]:
+        n = ir.VectorType(reg.type).shape[0] // 2
+        vp = vector.bitcast(ir.VectorType.get((n,), i32), reg)
+        for e in range(n):
+          pairs[pos // 2 + e] = vector.extract(vp, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
+      return [pairs[c] for c in range(4)]
+
+    def emit(regs, scale, code):
+      """The rows' groups coded by ``code``: "exact" (:func:`_lane_pair_bits_exact`), "pairs"
+      (:func:`_lane_pair_bits`) or "values" (:func:`_lane_code`)."""
       for _, off in regs:
-        f = [arith.mulf(v, scale) for v in widened(off)]
-        if fast:
-          words = _lane_pair_words([_lane_pair_bits(f[c], f[c + 1]) for c in range(0, 8, 2)])
+        if code == "exact":
+          words = _lane_pair_words([_lane_pair_bits_exact(q, scale) for q in bf16_pairs(off)])
         else:
-          words = _lane_words([_lane_code(v) for v in f])
+          f = [arith.mulf(v, scale) for v in widened(off)]
+          if code == "pairs":
+            words = _lane_pair_words([_lane_pair_bits(f[c], f[c + 1]) for c in range(0, 8, 2)])
+          else:
+            words = _lane_words([_lane_code(v) for v in f])
         for w, word in enumerate(words):
           llvm.store(word, mgpu.utils.getelementptr(base, [3 * off + w], i32))
 
@@ -285,14 +334,18 @@ def _hw_stage_scaled_words(xr, inv, w_s, lay, round_sf):
       scale = vector.extract(s.registers[regs[0][0]], dynamic_position=[],
                              static_position=ir.DenseI64ArrayAttr.get([0]))
       if not round_sf:
-        emit(regs, scale, True)
+        emit(regs, scale, "pairs")
         continue
-      branch = scf.IfOp(arith.cmpi(arith.CmpIPredicate.slt, arith.bitcast(i32, scale), _i32(0)), has_else=True)
+      if exact:  # sf_inv >= 1 (NaN / inf rows: negative patterns)
+        pred, bound, then, other = arith.CmpIPredicate.sge, 0x3F800000, "exact", "values"
+      else:  # sf_inv < 0: a NaN or inf row
+        pred, bound, then, other = arith.CmpIPredicate.slt, 0, "values", "pairs"
+      branch = scf.IfOp(arith.cmpi(pred, arith.bitcast(i32, scale), _i32(bound)), has_else=True)
       with ir.InsertionPoint(branch.then_block):
-        emit(regs, scale, False)
+        emit(regs, scale, then)
         scf.yield_([])
       with ir.InsertionPoint(branch.else_block):
-        emit(regs, scale, True)
+        emit(regs, scale, other)
         scf.yield_([])
     mgpu.utils.warpgroup_barrier()
 

@@ -10,7 +10,7 @@ import jaxkern
 from jaxkern import quant
 from jaxkern.quant import _validate as validate
 from jaxkern.reference import quant as ref
-from jaxkern.testing import assert_bitwise_equal, assert_diff_below, lower_for_h100, randn
+from jaxkern.testing import assert_bitwise_equal, assert_diff_below, capture_mosaic_modules, lower_for_h100, randn
 
 FLAGS = {"A": (False, False, False), "A_round": (False, True, False), "B": (True, False, False),
          "B_round": (True, True, False), "C": (True, True, True)}
@@ -203,6 +203,46 @@ def test_lane_pair_formulas_match_reference(monkeypatch):
   assert_bitwise_equal(np.stack(e5._lane_pair_words(blocks), axis=1), want_words)
 
 
+def test_lane_pair_exact_formula_matches_reference(monkeypatch):
+  """The encoder's pair code for bf16 rows with ``round_sf`` whose ``sf_inv = 2^k`` is at least 1 (every row of
+  amax up to 65024; k at most 29 from the amax clamp): :func:`_lane_pair_bits_exact`, the bumps from the bf16 pair's
+  mantissa bits, on numpy, against the reference. Exhaustive: every finite bf16 pattern times every 2^k, k = 0..30,
+  that keeps it up to 65024 (1,015,746 values), each once as the first and once as the second value of a pair with
+  the same k; and the words of groups of eight (:func:`_lane_pair_words`)."""
+  from jaxkern.quant import _e5m6 as e5
+
+  class Dialects(_NumpyDialects):
+    bitcast = staticmethod(lambda t, x: x.view(np.float32) if t is np.float32 else x.view(np.uint32))
+    mulf = staticmethod(lambda a, b: (a * b).astype(np.float32))
+
+  for name in ("ir", "arith", "llvm"):
+    monkeypatch.setattr(e5, name, Dialects)
+  rng = np.random.default_rng(6)
+  b = np.arange(1 << 16, dtype=np.uint32)
+  b = b[(b & 0x7F80) != 0x7F80]  # finite bf16 patterns
+  lo, hi, scale, groups, group_scale = [], [], [], [], []
+  for k in range(31):
+    s = np.float32(2.0**k)
+    v = b[np.abs((b << 16).view(np.float32)) <= np.float32(65024.0) / s]  # exact: a power of two
+    lo.append(v)
+    hi.append(rng.permutation(v))  # a partner of the same k; every value once in each half
+    scale.append(np.full(len(v), s))
+    g = rng.permutation(v)[: len(v) // 8 * 8].reshape(-1, 8)
+    groups.append(g)
+    group_scale.append(np.full((len(g), 1), s))
+  lo, hi, scale = np.concatenate(lo), np.concatenate(hi), np.concatenate(scale)
+  assert len(lo) == 1015746
+  encode = jax.jit(lambda f: ref.encode_e5m6(f).astype(jnp.uint32))
+  value = lambda h, s: (h << 16).view(np.float32) * s
+  got = e5._lane_pair_bits_exact(lo | (hi << 16), scale)
+  assert_bitwise_equal(np.stack([got >> 20, (got >> 8) & 0xFFF], axis=1),
+                       np.stack([encode(value(lo, scale)), encode(value(hi, scale))], axis=1))
+  g, gs = np.concatenate(groups), np.concatenate(group_scale)
+  want_words = np.asarray(ref.pack_e5m6(encode(value(g, gs)).astype(jnp.int32))).view("<u4").reshape(-1, 3)
+  blocks = [e5._lane_pair_bits_exact(g[:, c] | (g[:, c + 1] << 16), gs[:, 0]) for c in range(0, 8, 2)]
+  assert_bitwise_equal(np.stack(e5._lane_pair_words(blocks), axis=1), want_words)
+
+
 def test_pack_unpack_and_decode_match_numpy():
   rng = np.random.default_rng(1)
   codes = rng.integers(0, 4096, (3, 48))
@@ -353,6 +393,22 @@ def test_lowers_for_h100(m, k, flags):
     assert "mosaic_gpu" in lower_for_h100(back, jax.ShapeDtypeStruct((m, 3 * k // 2), jnp.uint8), sf).as_text()
 
 
+@pytest.mark.parametrize("m, k, dtype, flags, exact", [
+    (4001, 2048, jnp.bfloat16, "A_round", True), (4001, 2048, jnp.bfloat16, "C", True),
+    (8001, 7168, jnp.bfloat16, "C", True),  # the prefetch grid
+    (4001, 2048, jnp.bfloat16, "A", False), (4001, 2048, jnp.float32, "C", False)])
+def test_exact_pair_code_lowers_for_h100(monkeypatch, m, k, dtype, flags, exact):
+  """Where the encoder takes the exact pair code (:func:`_lane_pair_bits_exact`: bf16 with ``round_sf`` only),
+  lowered for an H100: its rows' branch on ``sf_inv >= 1`` (the pattern 0x3F800000) and its bump mask 0x00100010
+  in the Mosaic GPU module."""
+  modules = capture_mosaic_modules(monkeypatch)
+  cast = lambda x: quant.per_token_cast_to_e5m6(x, k, **_flags(flags), implementation="pallas")
+  lower_for_h100(cast, jax.ShapeDtypeStruct((m, k), dtype))
+  (text,) = modules
+  assert ("arith.constant 1065353216 : i32" in text) == exact
+  assert ("arith.constant 1048592 : i32" in text) == exact
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 def test_every_exponent_gpu(dtype):
@@ -384,6 +440,31 @@ def test_every_exponent_gpu(dtype):
     for fmt in ("bf16", "fp32"):
       back = jax.jit(lambda q, s: quant.cast_back_e5m6((q, s), fmt, (1, 768), x_use_tma_aligned_col_major_sf=col))
       assert_bitwise_equal(back(q, sf), ref.cast_back_e5m6((q, sf), fmt, (1, 768), x_use_tma_aligned_col_major_sf=col))
+
+
+def _every_scale_rows(k):
+  """bf16 rows of ``k`` columns: every finite bf16 value up to 65024 (both signs), with 65024 in each row's first
+  column, scaled by 2^-e for e = 0..29 (with ``round_sf``: ``sf_inv = 2^e``, every power of two from 1 up to the
+  amax clamp's); then the same rows led by 65280 (the bf16 value after 65024) and by 2^100 (amax above 65024)."""
+  v = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
+  v = v[np.abs(v) <= 65024.0]  # NaN and inf compare false
+  block = np.zeros((-(-len(v) // (k - 1)), k), np.float32)
+  block[:, 1:].flat[: len(v)] = v
+  block[:, 0] = 65024.0
+  over = [np.concatenate([np.full((len(block), 1), a, np.float32), block[:, 1:]], axis=1) for a in (65280.0, 2.0**100)]
+  return jnp.asarray(np.concatenate([block * np.float32(2.0**-e) for e in range(30)] + over)).astype(jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", ["A_round", "C"])
+def test_exact_pair_code_every_scale_gpu(flags):
+  """The compiled encoder on bf16 rows with ``round_sf`` at every ``sf_inv`` it takes the exact pair code for
+  (:func:`_lane_pair_bits_exact`, ``2^0`` to ``2^29``, every finite bf16 value up to 65024 scaled) and on rows of
+  amax above 65024 (the per-value codes), against the reference."""
+  x = _every_scale_rows(2048)
+  f = _flags(flags)
+  got = jax.jit(lambda x: quant.per_token_cast_to_e5m6(x, 2048, **f))(x)
+  assert_bitwise_equal(got, jax.jit(lambda x: ref.per_token_cast_to_e5m6(x, 2048, **f))(x))
 
 
 @pytest.mark.gpu
