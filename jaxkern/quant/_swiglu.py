@@ -72,14 +72,6 @@ from jaxkern.types import QuantTensor, QuantTensorWithClampedCount
 NUM_COUNTERS = 3  # #(left > C), #(right > C), #(right < -C)
 
 
-def rn_div(a, b, layout):
-  """Correctly rounded float32 ``a / b`` inside a compiled Mosaic GPU kernel: PTX ``div.rn.f32`` (IEEE round
-  to nearest even, subnormals kept) on every element, through inline Mosaic GPU code. ``a`` and ``b`` are
-  float32 arrays of one shape held in the register layout ``layout``; the quotient comes back in it. Not for
-  interpret mode (no PTX there: :func:`jaxkern._ieee.newton_div` gives the same bits)."""
-  return _ieee.mosaic_ptx("div.rn.f32", layout, a.shape)(a, b)
-
-
 # |l| at most this keeps the swish denominator d = 1 + exp(-l) in [1, 2^126) (1 + e^87 ~ 6.1e37 < 2^126 ~ 8.5e37;
 # e^88 ~ 1.7e38 is past it), where div.rn.f32's Newton fast path needs none of its rescaling: rcp.approx.ftz of d
 # stays normal (not flushed to zero) and the quotient is ±0, a subnormal l over d = 2 exactly (exp(-l) rounds to
@@ -175,7 +167,7 @@ def _silu_times(left, right, clamp, count, div=_ieee.newton_div):
   elementwise 0 / 1 float32 indicators of ``left > C``, ``right > C``, ``right < -C``, which the caller sums
   elementwise over its groups and reduces along the row once (a row reduction per group and counter cost
   cross-lane shuffles). ``div``: the correctly rounded division of ``l / (1 + exp(-l))``
-  (:func:`jaxkern._ieee.newton_div`, or :func:`guarded_div` / :func:`rn_div` in a compiled kernel that can hold
+  (:func:`jaxkern._ieee.newton_div`, or :func:`guarded_div` in a compiled kernel that can hold
   it)."""
   counts = None
   if count:

@@ -10,10 +10,11 @@ warpgroup (one group each), or, where :data:`_WIDE_COLS` divides ``h``, 256 colu
 at npt 128 and 8-row steps with 256 columns on a barrier each, so that a chunk's activation starts when its rows
 arrive) and reads both in the rows of :func:`jaxkern._layouts.row_layout`, so each value meets its partner in one
 thread, which computes the float32 activation (optional clamp, ``e = exp(-l)``, ``d = 1 + e``, ``g = l / d``
-correctly rounded by PTX ``div.rn.f32`` (:func:`jaxkern.quant._swiglu.rn_div`; :func:`jaxkern._ieee.newton_div` in
-interpret mode), ``act = g · r``), rounds it to bf16 and stores it over the gate tile in SMEM (with the transpose
-128-byte swizzled, so the WGMMA-layout reads below are free of bank conflicts; each thread overwrites only what it
-read), keeping the elementwise maximum of ``|act|`` of each group in its registers.
+correctly rounded, with and without the transpose, by :func:`jaxkern.quant._swiglu.guarded_div` (div.rn.f32's
+Newton fast path with one range check and branch per register vector, as the per-token kernel; div.rn.f32's bits;
+:func:`jaxkern._ieee.newton_div` in interpret mode), ``act = g · r``), rounds it to bf16 and stores it over the gate
+tile in SMEM (with the transpose 128-byte swizzled, so the WGMMA-layout reads below are free of bank conflicts; each
+thread overwrites only what it read), keeping the elementwise maximum of ``|act|`` of each group in its registers.
 
 Column maxima and scale factors: each thread writes its elementwise maxima to SMEM (``(warpgroup, group, layout
 rows, columns)``), then one thread per column reduces them; where a group spans both warpgroups (npt 128, and the
@@ -38,6 +39,10 @@ npt 128 M=4096 without the transpose 9.55 -> 8.37 (8.33), M=8064 12.62 -> 11.50 
 h=7168 87.22 -> 84.83 (81.11), then 82.94 with 32 rows per warpgroup (from h = :data:`_WIDE_ROWS32_MIN_H` on). ncu
 of the one-warpgroup kernel (npt 128, M=8064 h=576 without the transpose): 14.8 achieved warps per SM, no eligible
 warp in 54% of cycles (latency-bound); TileKernels runs 256 threads per CTA.
+The swish quotient by :func:`jaxkern.quant._swiglu.guarded_div` instead of PTX ``div.rn.f32`` on every value:
+H200, CUPTI, cold L2, 2026-11-30, without the transpose, µs, bit-exact on the GPU: npt 32 M=8064 h=7168 82.78 -> 78.56, M=4096 h=7168 44.93 -> 43.38, M=4096 h=2048 16.42 -> 15.70, M=8064 h=576
+11.65 -> 11.39; npt 128 M=4096 h=576 8.35 -> 7.78, M=8064 h=576 11.42 -> 10.83, M=4096 h=7168 45.73 -> 44.51,
+M=8064 h=7168 85.54 -> 84.29; no shape timed slower by more than 0.3%. The transposed shapes were not timed with it.
 Earlier steps (H200, 2026-11-29, one warpgroup per CTA): 64-row CTAs at npt 32 instead of 128 rows (M=8064 h=576
 15.5 / 16.1 -> 12.7 / 13.5 without / with the transpose, h=7168 transposed 116.3 -> 108.6), the 32-row chunks on a
 barrier each at npt 128 (M=8064 h=576 13.3 -> 12.7 without the transpose), 32 x 256 tiles without the transpose at
@@ -68,7 +73,7 @@ from jaxkern import _checks, _config, _dispatch, _ieee
 from jaxkern._layouts import NO_AUTO_BARRIERS, row_layout
 from jaxkern.quant import _per_channel_cast as pcc
 from jaxkern.quant import _validate as validate
-from jaxkern.quant._swiglu import _silu_times, rn_div
+from jaxkern.quant._swiglu import _SWISH_FAST_LIMIT, _silu_times, guarded_div
 from jaxkern.quant._tiling import BM
 from jaxkern.reference import quant as ref
 from jaxkern.types import QuantTensor
@@ -98,9 +103,11 @@ _CAST_VALUES = 16  # values per thread in each step of the cast without the tran
 
 def _act_rows(load, clamp, layout, interpret):
   """The SwiGLU activation (:func:`jaxkern.quant._swiglu._silu_times`) of the gate and value rows
-  that ``load(0)`` / ``load(1)`` return in ``layout``, rounded to bf16."""
+  that ``load(0)`` / ``load(1)`` return in ``layout``, rounded to bf16: the swish quotient by
+  :func:`jaxkern.quant._swiglu.guarded_div` (module docstring), in interpret mode :func:`jaxkern._ieee.newton_div`
+  (the same bits)."""
   left, right = (load(half).astype(jnp.float32) for half in (0, 1))
-  div = _ieee.newton_div if interpret else functools.partial(rn_div, layout=layout)
+  div = _ieee.newton_div if interpret else guarded_div(layout, left.shape, _SWISH_FAST_LIMIT)
   return _silu_times(left, right, clamp, False, div)[0].astype(jnp.bfloat16)
 
 

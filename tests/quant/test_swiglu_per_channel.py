@@ -3,6 +3,7 @@ jit) vs the reference bit for bit on the same backend, the reference vs a float6
 the activation before the cast), argument checks, zero rows, lowering for an H100, the spec grid on a GPU."""
 
 import functools
+import re
 
 import chex
 import jax
@@ -15,8 +16,9 @@ import jaxkern
 from jaxkern import quant
 from jaxkern.quant import _swiglu_per_channel as swpc
 from jaxkern.reference import quant as ref
-from jaxkern.testing import assert_bitwise_equal, hidden_sizes, lower_for_h100
+from jaxkern.testing import assert_bitwise_equal, capture_mosaic_modules, hidden_sizes, lower_for_h100
 from jaxkern.types import QuantTensor
+from tests.quant.test_swiglu import _unreconciled_casts
 
 OP = quant.swiglu_forward_and_per_channel_cast_and_transpose
 REF = ref.swiglu_forward_and_per_channel_cast_and_transpose
@@ -227,6 +229,36 @@ def test_lowers_for_h100(h, npt, without_transpose, round_sf, clamp):
                    swiglu_clamp_value=clamp, implementation="pallas")
   text = lower_for_h100(f, jax.ShapeDtypeStruct((8064, 2 * h), jnp.bfloat16)).as_text()
   assert "mosaic_gpu" in text
+
+
+def _divisions(module):
+  """``(values per thread through the guarded swish division, plain div.rn.f32 inline-PTX ops, the guards' bounds,
+  unreconciled casts)`` of a lowered Mosaic GPU module: a guarded block
+  (:func:`jaxkern.quant._swiglu.guarded_div`) is the inline PTX with ``rcp.approx.ftz.f32``, one per value."""
+  asm = re.findall(r'llvm\.inline_asm(?: has_side_effects)? "([^"]*)"', str(module))
+  guarded = [a for a in asm if "rcp.approx.ftz.f32" in a]
+  bounds = {b for a in guarded for b in re.findall(r"setp\.gtu(?:\.or)?\.f32 p, a, (0f[0-9A-F]{8})", a)}
+  return (sum(a.count("rcp.approx.ftz.f32") for a in guarded), sum(a == "div.rn.f32 $0, $1, $2;" for a in asm),
+          bounds, _unreconciled_casts(module))
+
+
+# Every CTA shape (swpc._tile), with and without the transpose.
+@pytest.mark.parametrize("h, npt, without_transpose, round_sf", [
+    (576, 32, True, False), (2048, 32, True, True), (4096, 32, True, False),  # CTAs of 64 x 64, 32 x 256, 64 x 256
+    (576, 128, True, True), (576, 32, False, False), (192, 128, False, False),  # 128 x 64
+])
+def test_swish_division_lowers_guarded(monkeypatch, h, npt, without_transpose, round_sf):
+  """The compiled kernel divides every swish quotient through :func:`jaxkern.quant._swiglu.guarded_div` (its
+  bound :data:`jaxkern.quant._swiglu._SWISH_FAST_LIMIT`), not by per-value ``div.rn.f32``, which is left to the
+  scale factors only (sf and sf_inv, or sf alone with round_sf, for each of the warpgroup's groups and each column
+  a thread holds), and the module has no cast the GPU's pipeline cannot fold (inline PTX operands)."""
+  modules = capture_mosaic_modules(monkeypatch, keep=_divisions)
+  lower_for_h100(lambda x: OP(x, "e4m3", npt, round_sf=round_sf, without_transpose=without_transpose,
+                              implementation="pallas"), jax.ShapeDtypeStruct((256, 2 * h), jnp.bfloat16))
+  wg_rows, c, _ = swpc._tile(h, npt, not without_transpose)
+  groups = 1 if wg_rows < npt else wg_rows // npt
+  limit = "0f%08X" % np.float32(swpc._SWISH_FAST_LIMIT).view(np.uint32)
+  assert modules == [(wg_rows * c // 128, groups * (1 if round_sf else 2) * max(1, c // 128), {limit}, [])]
 
 
 @pytest.mark.gpu
