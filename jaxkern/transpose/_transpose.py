@@ -14,12 +14,21 @@ the kernel is latency-bound; equal or slower elsewhere).
 viewed as 16-bit words, each holding two neighbouring bytes of a row, and the two row parities as
 separate planes, so that a 2x2 block of bytes is two words, one per plane. Swapping bytes between
 the planes (shifts and masks) transposes every 2x2 block, and a 16-bit transpose of each plane
-moves the blocks. Below 8 MB this runs one CTA per tile of 128 rows x 64 bytes
+moves the blocks. Where neither of the two kernels below takes the array (below 8 MB in interpret
+mode; N below 256 above their sizes), this runs one CTA per tile of 128 rows x 64 bytes
 (:func:`_pair_tile_kernel`, :data:`_PAIR_TILE`).
 
-Large 2-D transposes of 8-bit data (from 8 MB) and of mid-sized 16-bit data (12-64 MiB) take a
-persistent kernel instead (:func:`_ring_kernel`): one CTA per SM walks its tiles with a ring of 5
-TMA loads in flight and double-buffered TMA stores, on the same byte-pair words for 8-bit data.
+On a GPU, 2-D 8-bit transposes of up to :data:`SMEM_TRANSPOSE_MAX_ELEMENTS` (4032x3072) take a
+kernel without TMA (:func:`_smem_transpose_kernel`, one CTA of 128 threads per tile of 64 or 128
+bytes each way): each thread loads 4-byte words of 4 input rows, transposes every 4x4 byte block in
+registers with 8 byte permutes (PTX ``prmt``) and stores the words into a padded SMEM tile; after
+one barrier the output rows are written in 16-byte chunks. It is lane-level code
+(``plgpu.inline_mgpu``), which interpret mode cannot run: there these arrays keep the other kernels.
+
+Large 2-D transposes of 8-bit data (from 8 MB; on a GPU above :data:`SMEM_TRANSPOSE_MAX_ELEMENTS`)
+and of mid-sized 16-bit data (12-64 MiB) take a persistent kernel instead (:func:`_ring_kernel`):
+one CTA per SM walks its tiles with a ring of 5 TMA loads in flight and double-buffered TMA stores,
+on the same byte-pair words for 8-bit data (it needs M >= 128 and N >= 256 there).
 H200, µs (one CTA per tile, 8-bit bytes widened / ring): e4m3 8064x7168 30.2 / 29.9 (90.3% of copy),
 8064x4096 18.0 / 16.9, 4032x7168 16.8 / 15.6, 8064x2048 10.1 / 9.2; bf16 4032x2048 9.6 / 9.3,
 4032x4096 17.3 / 16.9, 8064x2048 17.4 / 17.1. Larger 16-bit arrays (8064x7168: 58.4 / 59.3) and
@@ -34,7 +43,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+import jax.experimental.mosaic.gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, gpu, llvm
 
 from jaxkern import _checks, _config, _dispatch
 from jaxkern._layouts import NO_AUTO_BARRIERS
@@ -225,7 +237,7 @@ _PAIR_TILE = (64, 32)
 
 def _use_pair_tiles(x) -> bool:
   """2-D 8-bit data of at least one tile each way (every M but 64; N is at least 64) take
-  :func:`_pair_tile_kernel` (when below the ring kernel's size)."""
+  :func:`_pair_tile_kernel` (when neither :func:`_smem_transpose_kernel` nor the ring kernel takes them)."""
   (m, n), (bw, cw) = x.shape, _PAIR_TILE
   return x.dtype.itemsize == 1 and m >= 2 * bw and n >= 2 * cw
 
@@ -266,6 +278,165 @@ def _pair_tile_kernel(x: jax.Array, interpret=None) -> jax.Array:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return _bytes_of_pair_words(kernel(w), x.dtype)
+
+
+# 2-D 8-bit transposes of up to this many elements run :func:`_smem_transpose_kernel` on a GPU, larger ones the
+# kernels above. H200, 2026-11-30 (benchmark runner, CUPTI, cold L2, one call), e4m3, µs, kernels above / smem
+# kernel: 4032x576 3.36 / 2.98, 8064x576 4.54 / 4.40, 4032x2048 6.72 / 5.97, 4032x2560 7.94 / 7.17, 4032x3072
+# 8.69 / 8.37; slower from 4032x4096 (9.84 / 10.72) and 8064x2048 (9.50 / 9.89), and at every larger shape.
+SMEM_TRANSPOSE_MAX_ELEMENTS = 4032 * 3072
+# Tiles (bytes, input rows x columns) of the smem kernel: 64x64 below this size (the ring kernel's 8-bit
+# threshold), from it 128 along each dimension that is a multiple of 128. Timed above (H200, 2026-11-30): 64x64
+# at 4032x576 and 8064x576, 64x128 at 4032x2048, 4032x2560 and 4032x3072.
+_SMEM_TRANSPOSE_WIDE_BYTES = 8_000_000
+
+
+def _use_smem_transpose(x) -> bool:
+  """2-D 8-bit arrays of up to :data:`SMEM_TRANSPOSE_MAX_ELEMENTS` take :func:`_smem_transpose_kernel` (on a GPU;
+  interpret mode cannot run it)."""
+  return x.dtype.itemsize == 1 and x.size <= SMEM_TRANSPOSE_MAX_ELEMENTS
+
+
+def _smem_transpose_tile(m: int, n: int) -> tuple[int, int]:
+  """The CTA tile ``(BR, BC)`` in bytes (input rows, input columns) for an ``(m, n)`` array."""
+  wide = m * n >= _SMEM_TRANSPOSE_WIDE_BYTES
+  return (128 if wide and m % 128 == 0 else 64), (128 if wide and n % 128 == 0 else 64)
+
+
+def _log2(v: int) -> int:
+  assert v > 0 and v & (v - 1) == 0, v
+  return v.bit_length() - 1
+
+
+def _transpose4(ops, w):
+  """Words ``w[j]`` (byte ``k`` = element ``(j, k)`` of a 4x4 byte block) -> the block's transposed words."""
+  a_lo, a_hi = ops.prmt(w[0], w[1], 0x5140), ops.prmt(w[0], w[1], 0x7362)  # (w0.0 w1.0 w0.1 w1.1), (.2, .3)
+  b_lo, b_hi = ops.prmt(w[2], w[3], 0x5140), ops.prmt(w[2], w[3], 0x7362)
+  return [ops.prmt(a_lo, b_lo, 0x5410), ops.prmt(a_lo, b_lo, 0x7632),
+          ops.prmt(a_hi, b_hi, 0x5410), ops.prmt(a_hi, b_hi, 0x7632)]
+
+
+def _smem_transpose_program(ops, m, n, bi, bj, tid):
+  """One thread's program (a generator; it yields at the CTA barrier) of CTA ``(bi, bj)`` (row tile, column
+  tile) of :func:`_smem_transpose_kernel`: ``ops`` gives the memory accesses (byte offsets; ``x`` is ``(m, n)``,
+  the output ``(n, m)``, the SMEM tile flat) and byte permutes, on ints (a test's emulator) or lane-level MLIR
+  values (the kernel). ``bi, bj, tid`` support ``+ * >> &``.
+
+  Phase 1: the lanes run along the input rows' 4-byte columns (coalesced loads); each thread loads ``nb``
+  4x4 byte blocks (2 per 64x64 bytes of the tile), transposes them and stores their words into the output tile in
+  SMEM (``BC`` rows of ``BR + 4`` bytes: the padding spreads the stores over the banks). Phase 2, after the
+  barrier: 16-byte chunks of the output rows, the lanes along the row.
+  """
+  BR, BC = _smem_transpose_tile(m, n)
+  S, nb = BR + 4, BR * BC // (16 * 128)
+  cpr = BC // 4
+  bc, brb = tid & (cpr - 1), tid >> _log2(cpr)
+  step = 4 * (128 // cpr)  # input rows between a thread's blocks
+  xin = (((bi * BR) + (brb * 4)) * n) + ((bj * BC) + (bc * 4))
+  sbase = (bc * (4 * S)) + (brb * 4)
+  w = [[ops.gload(xin + (s * step + j) * n) for j in range(4)] for s in range(nb)]
+  for s in range(nb):
+    for k, o in enumerate(_transpose4(ops, w[s])):
+      ops.sts(sbase + (k * S + s * step), o)
+  yield
+  cq = BR // 16
+  q, r = tid & (cq - 1), tid >> _log2(cq)
+  rstep = 128 // cq
+  lbase = (r * S) + (q * 16)
+  obase = (((bj * BC) + r) * m) + ((bi * BR) + (q * 16))
+  for s in range(nb):
+    ops.gstore(obase + s * rstep * m, [ops.lds(lbase + (s * rstep * S + 4 * e)) for e in range(4)])
+
+
+class _Idx:
+  """An i32 MLIR value with ``+ * >> &`` against ints or other ``_Idx``."""
+
+  def __init__(self, v):
+    self.v = v
+
+  @staticmethod
+  def _val(o):
+    return o.v if isinstance(o, _Idx) else arith.constant(ir.IntegerType.get_signless(32), o)
+
+  def __add__(self, o):
+    return self if isinstance(o, int) and o == 0 else _Idx(arith.addi(self.v, self._val(o)))
+
+  __radd__ = __add__
+
+  def __mul__(self, o):
+    return self if isinstance(o, int) and o == 1 else _Idx(arith.muli(self.v, self._val(o)))
+
+  __rmul__ = __mul__
+
+  def __rshift__(self, o):
+    return self if o == 0 else _Idx(arith.shrui(self.v, self._val(o)))
+
+  def __and__(self, o):
+    return _Idx(arith.andi(self.v, self._val(o)))
+
+
+class _LaneOps:
+  """:func:`_smem_transpose_program`'s memory accesses and byte permutes as lane-level MLIR (inline PTX)."""
+
+  def __init__(self, x_ptr, o_ptr, s_ptr):
+    self.x, self.o, self.s = x_ptr, o_ptr, s_ptr
+    self.i8, self.i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+
+  def _at(self, ptr, off):
+    return mgpu.utils.getelementptr(ptr, [off.v if isinstance(off, _Idx) else off], self.i8)
+
+  def gload(self, off):
+    return mgpu.utils.inline_ptx("ld.global.nc.b32 $0, [$1];", self._at(self.x, off), result_types=self.i32)
+
+  def gstore(self, off, words):
+    assert len(words) == 4, words
+    mgpu.utils.inline_ptx("st.global.v4.b32 [$0], {$1, $2, $3, $4};", self._at(self.o, off), *words,
+                          has_side_effects=True)
+
+  def sts(self, off, word):
+    llvm.store(word, self._at(self.s, off), alignment=4)
+
+  def lds(self, off):
+    return llvm.load(self.i32, self._at(self.s, off), alignment=4)
+
+  def prmt(self, a, b, sel):
+    return mgpu.utils.inline_ptx(f"prmt.b32 $0, $1, $2, {sel:#x};", a, b, result_types=self.i32)
+
+
+_SPLAT = plgpu.Layout.WG_SPLAT(shape=())
+
+
+@jax.jit
+def _smem_transpose_kernel(x: jax.Array) -> jax.Array:
+  """2-D 8-bit ``(M, N) -> (N, M)`` on 32-bit words, one CTA (128 threads) per tile (:func:`_smem_transpose_tile`),
+  no TMA: each thread transposes 4x4 byte blocks in registers with 8 byte permutes (PTX ``prmt``) and stores them
+  into an SMEM tile; after one barrier the output rows are written in 16-byte chunks
+  (:func:`_smem_transpose_program`). Lane-level code (``plgpu.inline_mgpu``): GPU only, no interpret mode."""
+  m, n = x.shape
+  BR, BC = _smem_transpose_tile(m, n)
+
+  @functools.partial(
+      plgpu.kernel,
+      out_type=jax.ShapeDtypeStruct((n, m), x.dtype),
+      grid=(m // BR, n // BC),
+      grid_names=("i", "j"),
+      scratch_types=[plgpu.SMEM((BC * (BR + 4),), jnp.uint8)],
+      compiler_params=NO_AUTO_BARRIERS,
+  )
+  def kernel(x_g, o_g, o_s):
+    refs = (x_g, o_g, o_s)
+
+    @plgpu.inline_mgpu(arg_types=(tuple(plgpu.RefType() for _ in refs), _SPLAT, _SPLAT))
+    def body(_, refs, bi, bj):
+      ops = _LaneOps(*[mgpu.utils.memref_ptr(r) for r in refs])
+      i32 = ir.IntegerType.get_signless(32)
+      tid = _Idx(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)))
+      for _ in _smem_transpose_program(ops, m, n, _Idx(bi.registers.item()), _Idx(bj.registers.item()), tid):
+        mgpu.utils.warpgroup_barrier()
+
+    body(refs, lax.axis_index("i"), lax.axis_index("j"))
+
+  return kernel(x)
 
 
 def _check(name: str, x, ndim: int):
@@ -323,8 +494,11 @@ def transpose(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
   """2-D transpose ``(M, N) -> (N, M)``, bit-exact; arguments, errors and XLA cases as
   :func:`batched_transpose` (with ``x`` of rank 2).
 
-  Large 8-bit arrays (from 8 MB) and 16-bit arrays of 12-64 MiB run the persistent ring kernel;
-  smaller 8-bit arrays of at least 128 rows the one-tile kernel on byte pairs (no widening); every
+  On a GPU, 8-bit arrays of up to 4032x3072 elements (:data:`SMEM_TRANSPOSE_MAX_ELEMENTS`) run a kernel that
+  transposes 4x4 byte blocks in registers and writes them through a padded SMEM tile (no TMA); larger 8-bit
+  arrays and 16-bit arrays of 12-64 MiB run the persistent ring kernel. Interpret mode cannot run the first
+  kernel: there 8-bit arrays from 8 MB run the ring kernel. 8-bit arrays that neither takes (N below 256 for
+  the ring kernel) run the one-tile kernel on byte pairs (no widening) if they have at least 128 rows; every
   other array the one-tile kernel (module docstring).
 
   Differentiable (custom_vjp): the cotangent is transposed back by the same implementation; integer data has
@@ -336,6 +510,8 @@ def transpose(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
 
 def _transpose(x, implementation: str):
   def kernel(interpret):
+    if not interpret and _use_smem_transpose(x):
+      return _smem_transpose_kernel(x)
     if _use_ring(x):
       return _ring_kernel(x, interpret=_config.mosaic_interpret(interpret))
     if _use_pair_tiles(x):

@@ -131,13 +131,15 @@ def test_ring_kernel_bit_exact(key, monkeypatch, dtype, shape, tile, ctas):
   """The persistent kernel of large 8-bit and mid-sized 16-bit 2-D transposes (size thresholds
   lowered, tiles in words): row and column tiles moved back at the edges (192 rows = 1.5 8-bit
   tiles, 320 / 576 columns), tiles not shared evenly by the CTAs, fewer tiles than pipeline stages
-  and one CTA going round the 5-stage ring (9 or more tiles)."""
+  and one CTA going round the 5-stage ring (9 or more tiles). The smem kernel's threshold is lowered too, so
+  that a GPU runs the ring kernel on the 8-bit arrays."""
   itemsize = jnp.dtype(dtype).itemsize
   monkeypatch.setattr(module, "_RING_BYTES", {itemsize: (0, None)})
   monkeypatch.setattr(module, "_RING_TILE", {itemsize: tile})
+  monkeypatch.setattr(module, "SMEM_TRANSPOSE_MAX_ELEMENTS", 0)
   monkeypatch.setattr(jaxkern._config, "num_sms", lambda: ctas)
   x = random_bits(key, shape, dtype)
-  assert module._use_ring(x)
+  assert module._use_ring(x) and not module._use_smem_transpose(x)
   assert_bitwise_equal(_poisoned_call(transpose, x), np.asarray(x).T)
 
 
@@ -182,11 +184,13 @@ def test_list_and_bool_inputs():
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", [(256, 192), (192, 320)], ids=str)
-def test_pair_tile_kernel_bit_exact(key, dtype, shape):
-  """The one-tile byte-pair kernel of small 2-D 8-bit transposes (64x32-word tiles): 3 column tiles of 32
-  words, and 96 word rows (a row tile moved back at the edge) with 5 column tiles."""
+def test_pair_tile_kernel_bit_exact(key, monkeypatch, dtype, shape):
+  """The one-tile byte-pair kernel of small 2-D 8-bit transposes in interpret mode (64x32-word tiles): 3 column
+  tiles of 32 words, and 96 word rows (a row tile moved back at the edge) with 5 column tiles. The smem kernel's
+  threshold is lowered, so that a GPU runs the byte-pair kernel too."""
+  monkeypatch.setattr(module, "SMEM_TRANSPOSE_MAX_ELEMENTS", 0)
   x = random_bits(key, shape, dtype)
-  assert module._use_pair_tiles(x) and not module._use_ring(x)
+  assert module._use_pair_tiles(x) and not module._use_ring(x) and not module._use_smem_transpose(x)
   assert_bitwise_equal(_poisoned_call(transpose, x), np.asarray(x).T)
 
 
@@ -197,18 +201,132 @@ def test_pair_tile_kernel_choice():
   assert not module._use_pair_tiles(jax.ShapeDtypeStruct((4032, 576), jnp.bfloat16))
 
 
-_PAIR_SHAPES = [(8064, 576), (4032, 576)]
+# The smem kernel of small 2-D 8-bit transposes (lane-level code: compiled on a GPU only, never interpreted).
+_SMEM_SHAPES = [(4032, 576), (8064, 576), (4032, 2048), (4032, 2560), (4032, 3072)]  # the shapes it was timed at
+_SMEM_ODD_SHAPES = [(64, 64), (64, 576), (128, 192), (192, 320), (320, 64), (8064, 1536)]
+_SMEM_MARK = "prmt.b32 $0, $1, $2, 0x5140"  # its inline PTX, in the serialized Mosaic GPU module
+
+
+# On a GPU the byte-pair kernel runs 8-bit arrays above SMEM_TRANSPOSE_MAX_ELEMENTS too narrow for the ring kernel
+# (196608x64); at N = 576 only in interpret mode (the smem kernel's threshold is lowered to reach it).
+_PAIR_SHAPES = [(8064, 576), (4032, 576), (196608, 64)]
 
 
 @pytest.mark.parametrize("shape", _PAIR_SHAPES, ids=str)
-def test_pair_tile_kernel_lowers_for_h100(shape):
+def test_pair_tile_kernel_lowers_for_h100(monkeypatch, shape):
+  if shape[0] * shape[1] <= module.SMEM_TRANSPOSE_MAX_ELEMENTS:
+    monkeypatch.setattr(module, "SMEM_TRANSPOSE_MAX_ELEMENTS", 0)
   x = jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn)
-  assert module._use_pair_tiles(x) and not module._use_ring(x)
-  assert "mosaic_gpu" in lower_for_h100(functools.partial(transpose, implementation="pallas"), x).as_text()
+  assert module._use_pair_tiles(x) and not module._use_ring(x) and not module._use_smem_transpose(x)
+  text = lower_for_h100(functools.partial(transpose, implementation="pallas"), x).as_text()
+  assert "mosaic_gpu" in text and _SMEM_MARK not in text
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", _PAIR_SHAPES, ids=str)
-def test_pair_tile_kernel_gpu(key, shape):
+def test_pair_tile_kernel_gpu(key, monkeypatch, shape):
+  if shape[0] * shape[1] <= module.SMEM_TRANSPOSE_MAX_ELEMENTS:
+    monkeypatch.setattr(module, "SMEM_TRANSPOSE_MAX_ELEMENTS", 0)
   x = random_bits(key, shape, jnp.float8_e4m3fn)
+  assert module._use_pair_tiles(x) and not module._use_smem_transpose(x)
+  assert_bitwise_equal(_poisoned_call(transpose, x), np.asarray(x).T)  # not jitted: the threshold is read per call
+
+
+def _prmt(a, b, sel):
+  """PTX ``prmt.b32`` (default mode): byte ``i`` of the result is byte ``sel[4i:4i+4]`` of ``b:a``."""
+  src = a | b << 32
+  assert all((sel >> (4 * i)) & 0xF < 8 for i in range(4))  # the sign-replicating selectors are not used
+  return sum(((src >> (8 * ((sel >> (4 * i)) & 0xF))) & 0xFF) << (8 * i) for i in range(4))
+
+
+class _SmemTransposeEmulator:
+  """The memory accesses of :func:`module._smem_transpose_program` on numpy bytes; counts the writes of every
+  output byte and checks the alignment of every access."""
+
+  def __init__(self, x, out, writes, tile_bytes):
+    self.x, self.o, self.writes, self.s = x, out, writes, np.zeros(tile_bytes, np.uint8)
+
+  def gload(self, off):
+    assert off % 4 == 0, off
+    return int.from_bytes(self.x[off:off + 4].tobytes(), "little")
+
+  def gstore(self, off, words):
+    assert off % 16 == 0 and len(words) == 4, off
+    self.o[off:off + 16] = np.frombuffer(b"".join(w.to_bytes(4, "little") for w in words), np.uint8)
+    self.writes[off:off + 16] += 1
+
+  def sts(self, off, word):
+    assert off % 4 == 0 and off + 4 <= self.s.size, off
+    self.s[off:off + 4] = np.frombuffer(word.to_bytes(4, "little"), np.uint8)
+
+  def lds(self, off):
+    assert off % 4 == 0 and off + 4 <= self.s.size, off
+    return int.from_bytes(self.s[off:off + 4].tobytes(), "little")
+
+  prmt = staticmethod(_prmt)
+
+
+@pytest.mark.parametrize("shape, wide, tile", [((64, 64), False, (64, 64)), ((192, 320), False, (64, 64)),
+                                               ((192, 256), True, (64, 128)), ((256, 384), True, (128, 128))],
+                         ids=str)
+def test_smem_transpose_thread_program(monkeypatch, shape, wide, tile):
+  """Every thread's program of the smem kernel, run on a CPU with ``prmt`` emulated bit for bit (interpret mode
+  cannot run the kernel): the output is ``x.T``, every output byte is written once and every access is aligned.
+  ``wide``: the 128-byte tiles of arrays from 8 MB, forced on a small array."""
+  if wide:
+    monkeypatch.setattr(module, "_SMEM_TRANSPOSE_WIDE_BYTES", 0)
+  m, n = shape
+  assert module._smem_transpose_tile(m, n) == tile
+  br, bc = tile
+  x = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
+  out, writes = np.zeros(m * n, np.uint8), np.zeros(m * n, np.int32)
+  for bi in range(m // br):
+    for bj in range(n // bc):
+      ops = _SmemTransposeEmulator(x.reshape(-1), out, writes, bc * (br + 4))  # the kernel's SMEM tile
+      threads = [module._smem_transpose_program(ops, m, n, bi, bj, t) for t in range(128)]
+      for phase in range(2):  # the barrier: every thread finishes phase 1 before any starts phase 2
+        assert [next(t, "done") for t in threads] == [None if phase == 0 else "done"] * 128
+  assert (writes == 1).all()
+  np.testing.assert_array_equal(out.reshape(n, m), x.T)
+
+
+@pytest.mark.parametrize("dtype, shape, smem, path", [
+    (jnp.float8_e4m3fn, (4032, 576), True, None), (jnp.float8_e4m3fn, (4032, 3072), True, None),
+    (jnp.float8_e4m3fn, (8064, 1536), True, None), (jnp.float8_e4m3fn, (64, 64), True, None),
+    (jnp.int8, (64, 576), True, None), (jnp.uint8, (192, 320), True, None),
+    (jnp.float8_e4m3fn, (4032, 3136), False, "ring"), (jnp.float8_e4m3fn, (8064, 2048), False, "ring"),
+    (jnp.float8_e4m3fn, (196608, 64), False, "pairs"), (jnp.float8_e4m3fn, (64, 196608), False, "widened"),
+    (jnp.bfloat16, (64, 64), False, "widened")], ids=str)
+def test_smem_transpose_choice(dtype, shape, smem, path):
+  """2-D 8-bit arrays of up to 4032x3072 elements take the smem kernel (it tiles every shape of multiples of 64);
+  larger ones and other dtypes keep the kernels they took before."""
+  x = jax.ShapeDtypeStruct(shape, dtype)
+  assert module._use_smem_transpose(x) == smem
+  if not smem:
+    assert path == ("ring" if module._use_ring(x) else "pairs" if module._use_pair_tiles(x) else "widened")
+
+
+@pytest.mark.parametrize("shape", _SMEM_SHAPES + [(64, 64), (8064, 1536), (4032, 3136), (4032, 4096)], ids=str)
+def test_smem_transpose_lowers_for_h100(shape):
+  """The smem kernel runs where it was measured faster (up to 4032x3072 elements), the ring kernel above."""
+  x = jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn)
+  text = lower_for_h100(functools.partial(transpose, implementation="pallas"), x).as_text()
+  assert "mosaic_gpu" in text
+  assert (_SMEM_MARK in text) == (shape[0] * shape[1] <= module.SMEM_TRANSPOSE_MAX_ELEMENTS)
+
+
+def test_smem_transpose_not_interpreted():
+  """Interpret mode (which cannot run lane-level code) keeps the byte-pair kernel for small 8-bit arrays."""
+  x = jax.ShapeDtypeStruct((128, 192), jnp.float8_e4m3fn)
+  with jaxkern.use_implementation("interpret"):
+    text = jax.jit(transpose).lower(x).as_text()
+  assert _SMEM_MARK not in text and "ld.global" not in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", _SMEM_SHAPES + _SMEM_ODD_SHAPES, ids=str)
+def test_smem_transpose_gpu(key, shape, dtype):
+  x = random_bits(key, shape, dtype)
+  assert module._use_smem_transpose(x)
   assert_bitwise_equal(_poisoned_call(jax.jit(transpose), x), np.asarray(x).T)
