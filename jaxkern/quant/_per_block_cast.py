@@ -21,11 +21,13 @@ each CTA owns one block row and 128 columns (four 32x32 blocks, one packed sf wo
 loaded straight from GMEM into registers (16-byte vectors, in row chunks; TMA only for a partial last block
 row), reduced in bf16 (exact) and stored straight from registers; the kernel writes the sf in the requested
 layout itself (A, B, C; where a packed word spans CTAs, 128x128 blocks with ``K > 128``, each CTA stores its
-byte of the word), so no XLA kernel follows it. H200 (2026-11-29, layout C, bf16, CUPTI, cold L2): 32x32
-``4001x576`` 4.22-4.32 µs (TileKernels 4.20), ``8001x576`` 6.11-6.25 (6.40), ``K >= 2048`` level with the
-earlier 256-column tiles (``8001x2048`` 15.54, TileKernels 16.11); 128x128 ``4001x576`` 4.56-4.61 (4.53),
-``8001x2048`` 16.02 (16.54). The choices and their figures: :data:`DIRECT_COLS`, :data:`CHUNKED_MAX_K`,
-:func:`_warp_owned_blocks_layout`.
+byte of the word), so no XLA kernel follows it. 128x128 blocks are launched block row last to first (the
+partial last block row, on the TMA path, first) and take the e4m3 maximum as a constant. H200 (2026-11-29, layout
+C, bf16, CUPTI, cold L2): 32x32 ``4001x576`` 4.22-4.32 µs (TileKernels 4.20), ``8001x576`` 6.11-6.25 (6.40),
+``K >= 2048`` level with the earlier 256-column tiles (``8001x2048`` 15.54, TileKernels 16.11); 128x128, block
+rows still in order, ``4001x576`` 4.56-4.61 (4.53), ``8001x2048`` 16.02 (16.54). The choices and their figures:
+:data:`DIRECT_COLS`, :data:`CHUNKED_MAX_K`, :func:`_warp_owned_blocks_layout`, the comment above
+:func:`_direct_kernel` (the reversed order, 2026-11-30).
 
 ``per_block_cast_lossless`` computes the exponents per block in XLA (small: one value per input
 block) and moves the data through the packed-e2m1 row kernel of :mod:`jaxkern.quant._cast_back`
@@ -371,6 +373,14 @@ def _store_sf_byte(sf_g, byte, *, i, j, mb, kb, interpret, layout=None):
         row(r, zero)
 
 
+# 128x128 blocks: the direct kernel launches the block rows in reverse (grid row ``r`` is block row ``mb - 1 - r``),
+# so the CTAs of the partial last block row, which take the slower TMA path, start first instead of forming the
+# kernel's tail, and it takes the e4m3 maximum 448 as an in-kernel constant instead of reading it from GMEM. H200,
+# 2026-11-30 (runner, CUPTI, cold L2, bf16, layout C), µs, block rows in order with the maximum from GMEM -> reversed
+# with the constant: M=4001 K=2048 9.65-9.94 -> 8.80-8.85, K=2560 11.26-11.31 -> 10.53-10.56, K=4096 15.86-16.03 ->
+# 14.82-14.88, K=6144 21.25 -> 20.29; M=8001 K=4096 26.98-28.58 -> 25.66-25.84, K=6144 38.30 -> 36.94; the other
+# shapes 1-7% faster except M=4001 K=576 (level). 32x32 blocks: the reversed order, the constant and both were
+# within the spread of the kernel in row order with the maximum from GMEM, which they keep.
 @functools.partial(jax.jit, static_argnames=("block_size", "round_sf", "write_data", "sf_layout", "interpret"))
 def _direct_kernel(x, *, block_size, round_sf, write_data, sf_layout, interpret):
   """e4m3 with computed sf from bf16 ``x`` ``(M, K)`` (``M >= 1``): ``(out (M, K) e4m3 | None, sf)`` with the sf in
@@ -387,7 +397,10 @@ def _direct_kernel(x, *, block_size, round_sf, write_data, sf_layout, interpret)
   assembled in registers, bytes stored by the warp owning the block (:func:`_store_sf_bytes_per_warp`: tiles of
   four 32x32 blocks, compiled), or byte by byte where a word spans CTAs (:func:`_store_sf_byte`). The CTAs of a
   partial last block row instead bring their tile in by one TMA box (clipped at the array edges, zero-filled) and
-  store it through SMEM by a clipped TMA store. Interpret mode runs the same chunks, with
+  store it through SMEM by a clipped TMA store. 128x128 blocks run their block rows in reverse launch order (grid
+  row ``r`` is block row ``mb - 1 - r``: the partial last block row first) and take the e4m3 maximum as an
+  in-kernel constant; 32x32 tiles take the block rows in order and read the maximum from the one-element GMEM
+  input (which 128x128 kernels are passed but do not read). Interpret mode runs the same chunks, with
   :func:`jaxkern._ieee.exact_div` and layout C's words assembled in registers (:func:`_sf_scalars`): the same bits.
   No automatic warpgroup barriers: no thread reads SMEM another wrote without a ``commit_smem()`` in between.
   """
@@ -448,6 +461,8 @@ def _direct_kernel(x, *, block_size, round_sf, write_data, sf_layout, interpret)
     o_g = rest[0] if write_data else None
     sf_g = rest[-1]
     i, j = lax.axis_index("i"), lax.axis_index("j")
+    if bm == 128:  # block rows in reverse launch order: the partial last block row (TMA path) first
+      i = mb - 1 - i
     rows = pl.ds(i * bm, bm)
     if sf_layout == "C" and g == 1 and kt > 1:  # a packed word spans 4 CTAs: each stores its byte
       store = lambda vals: _store_sf_byte(sf_g, vals[0], i=i, j=j, mb=mb, kb=kb, interpret=interpret)
@@ -466,12 +481,12 @@ def _direct_kernel(x, *, block_size, round_sf, write_data, sf_layout, interpret)
       None, real blocks)`` of each CTA column branch (static counts)."""
       chunked = len(vs) > 1
       keys = functools.reduce(jnp.maximum, [_abs_key16(u, interpret) for u in vs])  # in-thread across chunks
-      if keys.ndim == 2:  # one block: a scalar amax, the sf as vectors of the rows (splats without ptx_div)
-        # A chunk holds one vector of one row a thread: that vector first; whole rows: the rows first (packed
-        # maxima in-thread).
+      if keys.ndim == 2:  # one block (128x128 only): a scalar amax, the sf as vectors of the rows (splats without
+        # ptx_div). A chunk holds one vector of one row a thread: that vector first; whole rows: the rows first
+        # (packed maxima in-thread). The e4m3 maximum is a constant here, not the GMEM c_g.
         a = _key16_float(jnp.max(jnp.max(keys, axis=1 if chunked else 0), axis=0), interpret)
         rl, n = lay.reduce(1), keys.shape[0]
-        ab, cb = jnp.broadcast_to(a, (n,)), jnp.broadcast_to(c_g[0], (n,))
+        ab, cb = jnp.broadcast_to(a, (n,)), jnp.broadcast_to(jnp.float32(ref.MAX_VALUE["e4m3"]), (n,))
         if ptx_div:  # the inline PTX needs its operands' layout: one value per row a thread holds (1 for a chunk)
           ab, cb = plgpu.layout_cast(ab, rl), plgpu.layout_cast(cb, rl)
         sf, inv = ref.scale_factors(ab, cb, "e4m3", round_sf, div=sf_div(rl, (n,)))
@@ -563,7 +578,7 @@ def _direct_kernel(x, *, block_size, round_sf, write_data, sf_layout, interpret)
     else:
       direct_tiles()
 
-  outs = list(kernel(x, np.full((1,), ref.MAX_VALUE["e4m3"], np.float32)))
+  outs = list(kernel(x, np.full((1,), ref.MAX_VALUE["e4m3"], np.float32)))  # the maximum: read by 32x32 tiles
   return (outs[0] if write_data else None), outs[-1]
 
 CHUNK_ROWS = 32  # rows per register chunk of the float32 -> e2m1 kernel

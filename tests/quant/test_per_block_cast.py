@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 import jaxkern
 from jaxkern import quant
 from jaxkern.reference import quant as ref
-from jaxkern.testing import assert_bitwise_equal, assert_diff_below, lower_for_h100, randn
+from jaxkern.testing import (assert_bitwise_equal, assert_diff_below, capture_mosaic_modules, lower_for_h100,
+                             randn)
 from jaxkern.types import QuantTensor
 
 FLAGS = {"A": {}, "A-round": dict(round_sf=True), "B": dict(use_tma_aligned_col_major_sf=True),
@@ -348,6 +349,42 @@ def test_direct_kernel_non_finite(m, k, block, flags):
   x = _non_finite(m, k, jnp.bfloat16)
   assert_same(quant.per_block_cast(x, "e4m3", block, **NON_FINITE_FLAGS[flags]),
               ref.per_block_cast(x, "e4m3", block, **NON_FINITE_FLAGS[flags]))
+
+
+# 128x128 blocks run their block rows in reverse launch order (grid row r is block row mb - 1 - r): 4 block rows, the
+# last partial (417 = 3 * 128 + 33), scaled by 8 ** r so that every block row has its own sf (a block row's data or sf
+# stored at another row, or the TMA path taken by a whole row, shows); in chunks (K = 576) and whole rows (K = 1088),
+# the sf stored per block row (A, B) and byte by byte (C).
+@pytest.mark.parametrize("k, flags", [(576, "A"), (576, "C"), (1088, "B"), (1088, "C")], ids=str)
+def test_direct_kernel_reversed_block_rows(key, k, flags):
+  m = 3 * 128 + 33
+  scale = jnp.exp2(3.0 * (jnp.arange(m) // 128)).astype(jnp.float32)[:, None]
+  x = (jax.random.normal(key, (m, k)) * scale).astype(jnp.bfloat16)
+  want = ref.per_block_cast(x, "e4m3", (128, 128), **FLAGS[flags])
+  sf_a = np.asarray(ref.per_block_cast(x, "e4m3", (128, 128)).sf)
+  assert all(len(set(sf_a[:, c])) == 4 for c in range(sf_a.shape[1]))  # every block row its own sf
+  assert_same(quant.per_block_cast(x, "e4m3", (128, 128), **FLAGS[flags]), want)
+  assert_bitwise_equal(quant.per_block_cast_with_sf_only(x, "e4m3", (128, 128), **FLAGS[flags]), want.sf)
+
+
+@pytest.mark.parametrize("block", [(128, 128), (32, 32)])
+def test_direct_kernel_row_order_and_max_lowered(monkeypatch, block):
+  """4001x2048 lowered for an H100: 128x128 blocks take block row ``mb - 1 - r`` in grid row ``r`` (32 block rows)
+  and the e4m3 maximum 448 as a constant (no float32 scalar read from GMEM); 32x32 keeps the rows in order and reads
+  the maximum from its GMEM input."""
+  modules = capture_mosaic_modules(monkeypatch)
+  f = functools.partial(quant.per_block_cast, fmt="e4m3", block_size=block, **FLAGS["C"], implementation="pallas")
+  lower_for_h100(f, jax.ShapeDtypeStruct((4001, 2048), jnp.bfloat16))
+  assert len(modules) == 1
+  text = modules[0]
+  mb = -(-4001 // block[0])
+  row = re.search(r"(%\w+) = arith.index_cast %block_id_y : index to i32", text).group(1)  # grid row (CUDA y)
+  reversed_ = re.search(rf"= arith.subi %c{mb - 1}_i32(_\d+)?, {row} : i32", text) is not None
+  gmem_max = re.search(r"memref.load %\w+\[\] : memref<f32, strided<\[\]>>", text)
+  if block == (128, 128):
+    assert reversed_ and not gmem_max and "arith.constant 4.480000e+02 : f32" in text
+  else:
+    assert not reversed_ and gmem_max
 
 
 def test_direct_tiles():
