@@ -1,7 +1,9 @@
 """Engram gate forward and backward (docs/engram.md, "Gate"): Mosaic GPU kernels.
 
-Every kernel moves the hidden rows straight GMEM -> registers -> GMEM in 16-byte vectors (8-byte ones where
-``D`` asks for it) and does all arithmetic in float32. Two register layouts of a token's ``(M, D)`` rows:
+Every kernel moves the hidden rows GMEM -> registers -> GMEM in 16-byte vectors (8-byte ones where ``D`` asks for
+it; two kernels stage the rows they read in SMEM by TMA copies first: the forward's :func:`gate_fwd_tma_kernel` and
+the large-``D`` backward's :func:`gate_bwd_ring_kernel`) and does all arithmetic in float32. Two register layouts of
+a token's ``(M, D)`` rows:
 
 * One warp per stream (:func:`stream_rows_layout`, ``M % 4 == 0``): a warp's lanes hold 16-byte vectors of
   256-column segments of its stream's row (512 contiguous bytes per access, any ``D % 256 == 0``, so
@@ -33,15 +35,18 @@ Kernels (the thresholds next to the module's constants say which measurement cho
   ``grad_x``, ``grad_k``, ``grad_v = bf16(Σ_m go_m·g_m)`` (``m`` in order) and the weight-gradient partial
   ``Σ_t G·x⊙k`` in an ``(M, D)`` float32 SMEM accumulator. ``44·T·D`` bytes from HBM (every array read or
   written once).
-* Backward, one pass for large ``D`` (:func:`gate_bwd_onepass_kernel`, where :func:`onepass_applies` and the
-  fused kernel does not: ``M = 4``, ``D % 2048 == 0`` above ``FUSED_MAX_D``, 4096 and 6144 among the benchmarked
-  sizes): one persistent CTA per SM of two warpgroups, each one half of every row (16-byte vectors); per token
+* Backward, one pass for large ``D`` (:func:`gate_bwd_ring_kernel`, where :func:`onepass_applies` and the
+  fused kernel does not: ``M = 4``, ``D % 2048 == 0`` above ``FUSED_MAX_D`` where its SMEM fits one CTA, 4096 and
+  6144): one persistent CTA per SM of two warpgroups, each one half of every row (16-byte vectors), the rows of
+  ``go``, ``x``, ``k``, ``v`` and the saved vectors brought into SMEM by bulk TMA copies issued ahead (``go``'s
+  row and ``v``'s a token ahead, ``x`` and ``k`` in a ring of :data:`RING_XK_SLOTS` column-block slots); per token
   each warpgroup's half of ``dldg = Σ go·v`` (one warp per stream, :func:`stream_rows_layout`), the two halves
-  exchanged through SMEM behind an mbarrier, ``G``, then its half's columns as in the fused kernel (the
-  weight-gradient partial in an ``(M, D)`` float32 SMEM accumulator). ``44·T·D`` bytes from HBM (``go``'s
-  column blocks re-read from the caches).
+  exchanged through SMEM behind an mbarrier, ``G``, then its half's columns as in the fused kernel (``wf``'s
+  blocks from the caches, the weight-gradient partial in an ``(M, D)`` float32 SMEM accumulator). ``44·T·D``
+  bytes from HBM.
 * Backward, two passes (elsewhere: ``D`` above ``FUSED_MAX_D`` whose halves are not multiples of 1024 columns,
-  such as 7168; ``D`` such as 2560 with narrower vectors; other ``M``):
+  such as 7168, or too wide for the one-pass kernel's SMEM, from 8192; ``D`` such as 2560 with narrower vectors;
+  other ``M``):
 
   1. Row pass, one token per CTA (grid ``T``; :func:`gate_bwd_rows_kernel`, one warp per stream where
      ``M % 4 == 0``): ``v`` and the ``M`` rows of ``go``, ``dldg = Σ go·v`` per stream, then ``G`` and the
@@ -62,8 +67,10 @@ Kernels (the thresholds next to the module's constants say which measurement cho
 :func:`default_num_partials` picks ``P`` (the rows of ``grad_w_partial``) for every backward.
 
 No kernel relies on Pallas's automatic warpgroup barriers (``NO_AUTO_BARRIERS``): no thread reads SMEM that
-another wrote, except inside Mosaic's reductions, which synchronise themselves, and the large-``D`` one-pass
-backward's half-row sums, read after an mbarrier that every thread of both warpgroups arrives at.
+another wrote, except inside Mosaic's reductions, which synchronise themselves, rows written by TMA copies, read
+after their mbarriers, and the large-``D`` one-pass backward's half-row sums, read after an mbarrier that every
+thread of both warpgroups arrives at. A TMA copy refills a slot only after every thread that read it is past its
+reads: the forward's after its row sums' barriers, the backward's after an mbarrier of the reading warpgroup.
 
 Signed square root at ``d = ±0`` (docs/engram.md, "Gate"): the kernel uses ``copysign`` (``u = ±sqrt(c)``, so
 the gate is ``σ(±sqrt(c))``), the ``jnp`` reference upstream's ``sign`` (``u = 0``, gate 0.5).
@@ -670,102 +677,188 @@ def gate_bwd_fused_kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k, *, clamp_v
   return kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k)
 
 
-ONEPASS_WARPGROUPS = 2  # warpgroups per CTA of the one-pass kernel (each one half of every row)
+ONEPASS_WARPGROUPS = 2  # warpgroups per CTA of the large-D one-pass kernel (each one half of every row)
+# x / k slots of gate_bwd_ring_kernel per warpgroup, (M, 1024) bf16 (token, column block) units of each: the count
+# measured (gate_bwd_kernel gives the measurement). 3 slots do not fit one CTA at D = 6144 (about 261 KB of SMEM,
+# more than the 232448 bytes a CTA may have).
+RING_XK_SLOTS = 2
+RING_REDUCTION_SCRATCH = 1024  # bytes of Mosaic's reduction scratch (no reduction of the ring kernel crosses warps)
+
+
+def ring_smem_bytes(d: int, m: int) -> int:
+  """SMEM of :func:`gate_bwd_ring_kernel` as Mosaic lays it out (each buffer from a 1024-byte boundary, then the
+  reduction scratch and the barriers, 8 bytes each): the ``(M, D)`` float32 weight-gradient partial, ``go``'s
+  ``(M, D)`` row and ``v``'s (bf16), the 4 saved ``(M,)`` vectors and the half-row sums (float32),
+  :data:`RING_XK_SLOTS` ``(M, block)`` slots of ``x`` and of ``k`` per warpgroup (bf16). 175208 bytes at
+  ``D = 4096``, 228472 at 6144, 281736 at 8192."""
+  nw, slots = ONEPASS_WARPGROUPS, RING_XK_SLOTS
+  cb = fused_block(d // nw)
+  buffers = (4 * m * d, 2 * m * d, 2 * d, nw * 4 * m * 4, 2 * nw * m * 4, nw * slots * m * cb * 2,
+             nw * slots * m * cb * 2)
+  barriers = nw * (d // nw // cb) + nw + nw * slots + nw + 1  # go pieces, token, x / k slots, free, both
+  return sum(-(-b // 1024) * 1024 for b in buffers) + RING_REDUCTION_SCRATCH + 8 * barriers
 
 
 def onepass_applies(d: int, m: int) -> bool:
-  """Whether :func:`gate_bwd_onepass_kernel` takes ``(D, M)``: ``M = 4`` (one warp per stream in each
-  warpgroup, the ``(M, D)`` float32 accumulator in SMEM) and halves of ``D`` in 16-byte vectors
-  (:func:`column_block` 1024: ``D % 2048 == 0``). Narrower vectors are not taken: at ``D = 2560`` (halves of
-  1280 columns in 4-byte vectors) Mosaic's layout inference found no solution (after minutes, 2026-11-29)."""
+  """Whether :func:`gate_bwd_ring_kernel` takes ``(D, M)``: ``M = 4`` (one warp per stream in each warpgroup),
+  halves of ``D`` in 16-byte vectors (:func:`column_block` 1024: ``D % 2048 == 0``) and its SMEM
+  (:func:`ring_smem_bytes`) within one CTA's 227 KiB: ``D`` up to 6144. Narrower vectors are not taken: at
+  ``D = 2560`` (halves of 1280 columns in 4-byte vectors) Mosaic's layout inference found no solution (after
+  minutes, 2026-11-29)."""
   half = d // ONEPASS_WARPGROUPS
-  return m == 4 and half % 1024 == 0
+  return m == 4 and half % 1024 == 0 and ring_smem_bytes(d, m) <= SMEM_PER_SM - 1024
 
 
 def onepass_ctas(t: int) -> int:
-  """CTAs of :func:`gate_bwd_onepass_kernel` for ``T >= 1`` tokens: one per SM (the ``(M, D)`` float32
-  accumulator takes 96 KiB of SMEM at ``D = 6144``, the two warpgroups most of the registers), at most ``T``."""
+  """CTAs of :func:`gate_bwd_ring_kernel` for ``T >= 1`` tokens: one per SM (its SMEM takes nearly all of an
+  SM's at ``D = 6144``), at most ``T``."""
   return max(1, min(t, _config.num_sms()))
 
 
 @functools.partial(jax.jit, static_argnames=("clamp_value", "num_partials", "interpret"))
-def gate_bwd_onepass_kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k, *, clamp_value, num_partials, interpret):
-  """The backward in one pass for large ``D`` (``T >= 1``, :func:`onepass_applies`): ``P`` persistent CTAs of
-  two warpgroups, CTA ``p`` the tokens ``[p·ceil(T/P), min((p+1)·ceil(T/P), T))`` one after the other,
-  warpgroup ``h`` the columns ``[h·D/2, (h+1)·D/2)`` of every row. Per token, each warpgroup: its half of the
-  ``M`` rows of ``go`` and of ``v`` one warp per stream (:func:`stream_rows_layout`), the half-row sums
-  ``Σ go·v`` by warp shuffles (no SMEM), written to SMEM; an mbarrier of both warpgroups; ``dldg`` = first
-  half's sum + second half's, ``G`` (the row pass's formulas); then per :func:`fused_block` of its half
-  (:func:`block_rows_layout`, every stream's same columns in one thread) ``grad_x``, ``grad_k``,
-  ``grad_v = bf16(Σ_m go_m·g_m)`` (``m`` in order) and the weight-gradient partial ``Σ G·x⊙k`` in an
-  ``(M, D)`` float32 SMEM accumulator (each thread its own positions), stored into ``grad_w_partial[p]`` at the
-  end. ``go``'s block is re-loaded for the columns (from the caches: the half-row read just before), so HBM
-  sees every array once (``44·T·D`` bytes). The loads of the first block of ``go``, ``x``, ``k``, ``wf`` are
-  issued before the barrier, each next block's before the current block's arithmetic (two blocks of the four
-  operands in registers per thread). The half-row sums sit in two SMEM slots by token parity, so a warpgroup a
-  token ahead never overwrites a sum the other has not read."""
+def gate_bwd_ring_kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k, *, clamp_value, num_partials, interpret):
+  """The backward in one pass for large ``D`` (``T >= 1``, :func:`onepass_applies`), its operands staged in SMEM
+  by bulk TMA copies (``cp.async.bulk`` of contiguous row pieces, :data:`_IN_BOUNDS`), so that the bytes in flight
+  sit in SMEM, not in registers. ``P`` persistent CTAs of two warpgroups, CTA ``p`` the tokens
+  ``[p·ceil(T/P), min((p+1)·ceil(T/P), T))`` one after the other, warpgroup ``h`` the columns
+  ``[h·D/2, (h+1)·D/2)`` of every row.
+
+  Per token, each warpgroup: its half of the ``M`` rows of ``go`` and of ``v`` one warp per stream
+  (:func:`stream_rows_layout`), the half-row sums ``Σ go·v`` by warp shuffles (no SMEM), written to SMEM; an
+  mbarrier of both warpgroups; ``dldg`` = first half's sum + second half's, ``G`` (the row pass's formulas);
+  then per :func:`fused_block` of its half (:func:`block_rows_layout`, every stream's same columns in one thread)
+  ``grad_x``, ``grad_k``, ``grad_v = bf16(Σ_m go_m·g_m)`` (``m`` in order), stored from registers, and the
+  weight-gradient partial ``Σ G·x⊙k`` in an ``(M, D)`` float32 SMEM buffer (each thread its own positions),
+  stored into ``grad_w_partial[p]`` at the end. ``wf``'s blocks are loaded from GMEM (the caches) every token, one
+  block ahead (into registers, during the previous block's arithmetic; block 0 of the next token a ``fori_loop``
+  carry). The half-row sums sit in two SMEM slots by token parity, so a warpgroup a token ahead never overwrites
+  a sum the other has not read. HBM sees every array once (``44·T·D`` bytes).
+
+  Each warpgroup issues and waits for its own copies:
+
+  * ``go``: the warpgroup's ``(M, D/2)`` part of one token, as :func:`fused_block` pieces with an mbarrier each;
+    piece ``b`` of token ``q + 1`` is issued as soon as every thread of the warpgroup has read piece ``b`` of token
+    ``q`` (its column block ``b``).
+  * ``v``'s half row and the 4 saved ``(M,)`` vectors (``dot``, ``gate``, ``rstd_x``, ``rstd_k``) of one token,
+    one mbarrier; token ``q + 1``'s are issued right after the mbarrier of both warpgroups that exchanges the
+    half-row sums (every thread read them before arriving there).
+  * ``x`` and ``k``: a ring of :data:`RING_XK_SLOTS` ``(M, block)`` slots over the (token, column block) units; a
+    unit's slot is refilled with the unit :data:`RING_XK_SLOTS` ahead once every thread has read it.
+
+  "Every thread has read it": an mbarrier per warpgroup that all its 128 threads arrive at right after their SMEM
+  loads of the block and wait for after the block's arithmetic and stores, before the refills are issued."""
   t, m, d = x.shape
   p = num_partials
   per = -(-t // p)
-  half = d // ONEPASS_WARPGROUPS
+  nw, slots = ONEPASS_WARPGROUPS, RING_XK_SLOTS
+  half = d // nw
   s_lay = stream_rows_layout()
   s_rows, s_row = _tiled(s_lay), _tiled(s_lay.reduce((0,)))
   b_lay, cb = block_rows_layout(column_block(half)), fused_block(half)
   b_rows, b_per_stream = _tiled(b_lay), _tiled(b_lay.reduce((1,)))
   offsets = list(range(0, half, cb))
+  nb = len(offsets)
   inv_d = float(np.float32(1.0 / d))
-  out_type = (jax.ShapeDtypeStruct((t, m, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, m, d), jnp.bfloat16),
-              jax.ShapeDtypeStruct((t, d), jnp.bfloat16), jax.ShapeDtypeStruct((p, m, d), jnp.float32))
-  scratch = [plgpu.SMEM((m, d), jnp.float32), plgpu.SMEM((2, ONEPASS_WARPGROUPS, m), jnp.float32),
-             plgpu.Barrier(num_arrivals=ONEPASS_WARPGROUPS)]
+  f32, bf16 = jnp.float32, jnp.bfloat16
+  out_type = (jax.ShapeDtypeStruct((t, m, d), bf16), jax.ShapeDtypeStruct((t, m, d), bf16),
+              jax.ShapeDtypeStruct((t, d), bf16), jax.ShapeDtypeStruct((p, m, d), f32))
+  scratch = dict(
+      acc_s=plgpu.SMEM((m, d), f32),
+      go_s=plgpu.SMEM((nw, m, half), bf16), v_s=plgpu.SMEM((nw, half), bf16), sc_s=plgpu.SMEM((nw, 4, m), f32),
+      x_s=plgpu.SMEM((nw, slots, m, cb), bf16), k_s=plgpu.SMEM((nw, slots, m, cb), bf16),
+      sums_s=plgpu.SMEM((2, nw, m), f32),
+      go_bar=plgpu.Barrier(num_arrivals=m, num_barriers=nw * nb),
+      tok_bar=plgpu.Barrier(num_arrivals=5, num_barriers=nw),
+      xk_bar=plgpu.Barrier(num_arrivals=2 * m, num_barriers=nw * slots),
+      free=plgpu.Barrier(num_arrivals=1, num_barriers=nw),
+      both=plgpu.Barrier(num_arrivals=nw))
+  params = plgpu.CompilerParams(unsafe_no_auto_barriers=True, reduction_scratch_bytes=RING_REDUCTION_SCRATCH)
 
   def load(ref, layout=b_rows):
     return plgpu.load(ref, layout=layout, optimized=False)
 
-  @functools.partial(plgpu.kernel, out_type=out_type, grid=(p,), grid_names=("p",), num_threads=ONEPASS_WARPGROUPS,
-                     thread_name="wg", interpret=interpret, scratch_types=scratch, compiler_params=NO_AUTO_BARRIERS)
-  def kernel(go_g, x_g, k_g, v_g, w_g, dot_g, gate_g, rx_g, rk_g, gx_g, gk_g, gv_g, gw_g, acc_s, sums_s, both):
+  @functools.partial(plgpu.kernel, out_type=out_type, grid=(p,), grid_names=("p",), num_threads=nw,
+                     thread_name="wg", interpret=interpret, scratch_types=scratch, compiler_params=params)
+  def kernel(go_g, x_g, k_g, v_g, w_g, dot_g, gate_g, rx_g, rk_g, gx_g, gk_g, gv_g, gw_g, *, acc_s, go_s, v_s,
+             sc_s, x_s, k_s, sums_s, go_bar, tok_bar, xk_bar, free, both):
     pid, wg = lax.axis_index("p"), lax.axis_index("wg")
     base = wg * half
     start = jnp.minimum(pid * per, t)
-    end = jnp.minimum(start + per, t)
+    count = jnp.minimum(start + per, t) - start  # tokens of this CTA (0 for an empty range)
 
     def cols(off):
       return pl.ds(base + off, cb)
 
+    def issue_go(q, b):  # piece b (static) of token start + q
+      @pl.when(q < count)
+      def _():
+        for j in range(m):
+          plgpu.copy_gmem_to_smem(go_g.at[start + q, j, cols(offsets[b])], go_s.at[wg, j, pl.ds(offsets[b], cb)],
+                                  go_bar.at[wg * nb + b], oob_mode=_IN_BOUNDS)
+
+    def issue_tok(q):  # v's half row and the saved vectors of token start + q
+      @pl.when(q < count)
+      def _():
+        i = start + q
+        plgpu.copy_gmem_to_smem(v_g.at[i, pl.ds(base, half)], v_s.at[wg], tok_bar.at[wg], oob_mode=_IN_BOUNDS)
+        for r, ref in enumerate((dot_g, gate_g, rx_g, rk_g)):
+          plgpu.copy_gmem_to_smem(ref.at[i], sc_s.at[wg, r], tok_bar.at[wg], oob_mode=_IN_BOUNDS)
+
+    def issue_xk(q, b):  # unit (token start + q, block b static) into slot (q·nb + b) % slots
+      @pl.when(q < count)
+      def _():
+        slot = lax.rem(q * nb + b, slots)
+        for j in range(m):
+          for src, dst in ((x_g, x_s), (k_g, k_s)):
+            plgpu.copy_gmem_to_smem(src.at[start + q, j, cols(offsets[b])], dst.at[wg, slot, j],
+                                    xk_bar.at[wg * slots + slot], oob_mode=_IN_BOUNDS)
+
     for off in offsets:
-      acc_s[:, cols(off)] = plgpu.layout_cast(jnp.zeros((m, cb), jnp.float32), b_rows)
+      acc_s[:, cols(off)] = plgpu.layout_cast(jnp.zeros((m, cb), f32), b_rows)
+    for b in range(nb):
+      issue_go(jnp.int32(0), b)
+    issue_tok(jnp.int32(0))
+    for u in range(slots):
+      issue_xk(jnp.int32(u // nb), u % nb)
 
-    def block_loads(i, off):
-      return (load(go_g.at[i, :, cols(off)]), load(x_g.at[i, :, cols(off)]), load(k_g.at[i, :, cols(off)]),
-              load(w_g.at[:, cols(off)]))
-
-    def token(i, carry):
-      slot = lax.rem(i - start, 2)
-      go_half = load(go_g.at[i, :, pl.ds(base, half)], s_rows)
-      v_half = load(v_g.at[i, pl.ds(base, half)], s_row)
-      ahead = block_loads(i, offsets[0])
-      sums_s[slot, wg] = 0.0 + jnp.sum(_f32(go_half) * _f32(v_half)[None, :], axis=1)
+    def token(q, w_next):
+      i = start + q
+      par = lax.rem(q, 2)
+      for b in range(nb):
+        plgpu.barrier_wait(go_bar.at[wg * nb + b])
+      plgpu.barrier_wait(tok_bar.at[wg])
+      go_half = load(go_s.at[wg], s_rows)
+      v_half = load(v_s.at[wg], s_row)
+      sums_s[par, wg] = 0.0 + jnp.sum(_f32(go_half) * _f32(v_half)[None, :], axis=1)
+      raw, g, rx, rk = (load(sc_s.at[wg, r], b_per_stream) for r in range(4))
       plgpu.barrier_arrive(both)
       plgpu.barrier_wait(both)
-      dldg = load(sums_s.at[slot, 0], b_per_stream)
-      for h in range(1, ONEPASS_WARPGROUPS):
-        dldg = dldg + load(sums_s.at[slot, h], b_per_stream)
-      raw, g, rx, rk = (load(ref.at[i], b_per_stream) for ref in (dot_g, gate_g, rx_g, rk_g))
+      issue_tok(q + 1)  # every thread of this warpgroup read v_s[wg] and sc_s[wg] before arriving at `both`
+      dldg = load(sums_s.at[par, 0], b_per_stream)
+      for h in range(1, nw):
+        dldg = dldg + load(sums_s.at[par, h], b_per_stream)
       big_g = _big_g(dldg, raw, g, rx, rk, d=d, clamp_value=clamp_value)[:, None]
       cx, ck = (raw * rx * rx * inv_d)[:, None], (raw * rk * rk * inv_d)[:, None]
       for b, off in enumerate(offsets):
-        current = ahead
-        if b + 1 < len(offsets):
-          ahead = block_loads(i, offsets[b + 1])
-        goc, xc, kc, wb = _f32(current[0]), _f32(current[1]), _f32(current[2]), current[3]
-        gx_g[i, :, cols(off)] = (goc + big_g * (kc * wb - xc * cx)).astype(jnp.bfloat16)
-        gk_g[i, :, cols(off)] = (big_g * (xc * wb - kc * ck)).astype(jnp.bfloat16)
-        acc_s[:, cols(off)] = load(acc_s.at[:, cols(off)]) + big_g * xc * kc
-        gv_g[i, cols(off)] = jnp.sum(goc * g[:, None], axis=0).astype(jnp.bfloat16)  # m in order (fused_block)
-      return carry
+        slot = lax.rem(q * nb + b, slots)
+        plgpu.barrier_wait(xk_bar.at[wg * slots + slot])
+        goc = _f32(load(go_s.at[wg, :, pl.ds(off, cb)]))
+        xc, kc = _f32(load(x_s.at[wg, slot])), _f32(load(k_s.at[wg, slot]))
+        # wf's next block (block 0 of the next token after the last) from GMEM (the caches), a block ahead
+        wb, a = w_next, load(acc_s.at[:, cols(off)])
+        w_next = load(w_g.at[:, cols(offsets[(b + 1) % nb])])
+        plgpu.barrier_arrive(free.at[wg])  # this thread's reads of go's piece b and of the x / k slot are done
+        gx_g[i, :, cols(off)] = (goc + big_g * (kc * wb - xc * cx)).astype(bf16)
+        gk_g[i, :, cols(off)] = (big_g * (xc * wb - kc * ck)).astype(bf16)
+        acc_s[:, cols(off)] = a + big_g * xc * kc
+        gv_g[i, cols(off)] = jnp.sum(goc * g[:, None], axis=0).astype(bf16)  # m in order (fused_block)
+        plgpu.barrier_wait(free.at[wg])  # every thread of the warpgroup is past its reads: refill
+        ahead = b + slots
+        issue_xk(q + ahead // nb, ahead % nb)
+        issue_go(q + 1, b)
+      return w_next
 
-    lax.fori_loop(start, end, token, 0)
+    lax.fori_loop(0, count, token, load(w_g.at[:, cols(0)]))
     for off in offsets:
       gw_g[pid, :, cols(off)] = load(acc_s.at[:, cols(off)])
 
@@ -774,22 +867,27 @@ def gate_bwd_onepass_kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k, *, clamp
 
 def gate_bwd_kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k, *, clamp_value, num_partials, interpret):
   """The backward (``T >= 1``) -> ``(grad_x, grad_k, grad_v, grad_w_partial (P, M, D) float32)``:
-  :func:`gate_bwd_fused_kernel` where :func:`fused_applies`, else :func:`gate_bwd_onepass_kernel` where
+  :func:`gate_bwd_fused_kernel` where :func:`fused_applies`, else :func:`gate_bwd_ring_kernel` where
   :func:`onepass_applies`, else the two-pass kernels. On the benchmark grid (``M = 4``): fused at ``D`` = 2048,
-  3072; the large-``D`` one-pass kernel at 4096, 6144; two passes at 2560 (8-byte vectors) and 7168 (halves of
-  3584 columns)."""
+  3072; the large-``D`` one-pass (ring) kernel at 4096, 6144; two passes at 2560 (8-byte vectors) and 7168 (halves
+  of 3584 columns)."""
   d, m = x.shape[2], x.shape[1]
   if fused_applies(d, m):
     return gate_bwd_fused_kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k, clamp_value=clamp_value,
                                  num_partials=num_partials, interpret=interpret)
   # The large-D one-pass kernel rather than the two passes. H200, 2026-11-29, M=4, CUPTI, cold L2, median of 20, the
   # runner's check passed, every leaf against the reference below calc_diff 1e-8: T=8001 D=6144 two passes 637.82
-  # µs, one pass 620.13 (628.97 with only the first column block's loads issued early; TileKernels 566.43); T=8001
-  # D=4096 two passes 429.92, one pass 396.25 (TileKernels 407.53); runner, T=4001: D=6144 325.5 -> 308.5, D=4096
-  # 223.0 -> 211.0.
+  # µs, one pass with its rows loaded into registers 620.13 (628.97 with only the first column block's loads issued
+  # early; TileKernels 566.43); T=8001 D=4096 two passes 429.92, one pass 396.25 (TileKernels 407.53); runner,
+  # T=4001: D=6144 325.5 -> 308.5, D=4096 223.0 -> 211.0.
+  # Its rows staged in SMEM by TMA (gate_bwd_ring_kernel) rather than loaded into registers: H200, 2026-11-30, CUPTI,
+  # cold L2, every output bit-identical to the register kernel's: T=8001 D=6144 619-621 -> 553 µs; runner: T=8001
+  # D=6144 551.6 µs (TileKernels 568), T=4001 D=6144 284.2 (292; registers 310.6), T=8001 D=4096 371.1 (registers
+  # about 396), T=4001 D=4096 194.6 (about 211). With the partial in registers and wf in SMEM instead: 1091 µs at
+  # T=8001 D=6144 (spills).
   if onepass_applies(d, m):
-    return gate_bwd_onepass_kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k, clamp_value=clamp_value,
-                                   num_partials=num_partials, interpret=interpret)
+    return gate_bwd_ring_kernel(go, x, k, v, wf, dot, gate, rstd_x, rstd_k, clamp_value=clamp_value,
+                                num_partials=num_partials, interpret=interpret)
   factors = gate_bwd_rows_kernel(go, v, dot, gate, rstd_x, rstd_k, clamp_value=clamp_value, interpret=interpret)
   return gate_bwd_cols_kernel(go, x, k, wf, factors, num_partials=num_partials, interpret=interpret)
 
@@ -931,10 +1029,11 @@ def engram_gate_bwd(grad_out: jax.Array, hidden_states: jax.Array, k: jax.Array,
 
   Kernels (module docstring): one pass (persistent CTAs over token ranges, the weight-gradient partial in
   shared memory; ``44·T·D`` bytes of traffic, every array once) for ``D`` up to 3072 in 16-byte vectors and
-  ``M <= 4`` (whole rows per warpgroup), and for ``M = 4`` with ``D % 2048 == 0`` above that (two warpgroups per
-  CTA, one half of every row each: ``D`` = 4096, 6144); else a row pass (``G`` per token and stream) and a
-  column pass (everything else, the weight-gradient partial of each token chunk kept in registers; ``52·T·D``
-  bytes: ``go`` is read by both), e.g. at ``D`` = 2560, 7168.
+  ``M <= 4`` (whole rows per warpgroup), and for ``M = 4`` with ``D % 2048 == 0`` above that up to 6144 (two
+  warpgroups per CTA, one half of every row each, the rows staged in shared memory by TMA copies: ``D`` = 4096,
+  6144); else a row pass (``G`` per token and stream) and a column pass (everything else, the weight-gradient
+  partial of each token chunk kept in registers; ``52·T·D`` bytes: ``go`` is read by both), e.g. at ``D`` = 2560,
+  7168, 8192.
 
   Numerics: float32, other summation orders than the reference (within ``calc_diff < 1e-8``, the tests' tolerance);
   the weight-gradient partials are deterministic for a fixed ``P``.

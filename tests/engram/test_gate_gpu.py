@@ -22,7 +22,8 @@ from benchmarks.engram import conditioned_grad_out
 from jaxkern import engram, modeling
 from jaxkern.engram import _gate
 from jaxkern.reference import engram as ref
-from jaxkern.testing import assert_bitwise_equal, calc_diff
+from jaxkern.testing import assert_bitwise_equal, assert_diff_below, calc_diff
+from tests.engram.test_ops import exact_bwd_inputs
 from tests.engram.test_reference import gate_inputs
 
 EPS, CLAMP = 1e-20, 1e-6
@@ -31,7 +32,8 @@ EPS, CLAMP = 1e-20, 1e-6
 # upstream's 1e-8: grad_k at T=8001 D=2560 measured 2.8e-8 on an H100 (2026-11-26), every other leaf below 3e-9.
 VJP_GRAD_TOL = 1e-7
 SHAPES = [(8001, 7168), (8001, 2560)]  # the two-pass backward (7168 in 16-byte vectors, 2560 in 8-byte ones)
-# + the fused backward (one pass) at its widest D, the one-pass backward for large D (two warpgroups per CTA)
+# + the fused backward (one pass) at its widest D, the one-pass backward for large D (the ring kernel: two warpgroups
+# per CTA, rows staged in SMEM by TMA)
 BWD_SHAPES = SHAPES + [(8001, 3072), (8001, 6144), (8001, 4096)]
 
 
@@ -61,6 +63,26 @@ def test_gate_bwd_each_leaf(key, t, d):
   rows += [(name, float(calc_diff(a, b)), 1e-8) for name, a, b in zip(("grad_wh", "grad_we"), gw_got, gw_want)]
   print(f"\nP = {got.grad_w_partial.shape[0]} token chunks")
   _report(f"engram_gate_bwd T={t} D={d} (kernel fed the reference intermediates)", rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, d", [(8001, 6144), (4001, 6144), (8001, 4096), (4001, 4096), (5, 6144)])
+def test_gate_bwd_ring_kernel_exact_gpu(key, t, d):
+  """The ring kernel (the large-D one-pass backward) on inputs whose sums are exact in any order
+  (:func:`tests.engram.test_ops.exact_bwd_inputs`), over one CTA per SM: ``grad_v`` and the weight-gradient partials
+  bit for bit as the reference's (any slot read before its copy landed, or refilled before every thread read it,
+  changes them), ``grad_x`` and ``grad_k`` (products rounded, or fused into FMAs, by each compiler its own way)
+  within ``calc_diff < 1e-8``."""
+  assert _gate.onepass_applies(d, 4) and not _gate.fused_applies(d, 4)
+  args, clamp = exact_bwd_inputs(key, t, d)
+  got = jax.jit(lambda *a: engram.engram_gate_bwd(*a, clamp_value=clamp, implementation="pallas"))(*args)
+  p = got.grad_w_partial.shape[0]
+  assert p == _gate.onepass_ctas(t)  # one CTA per SM
+  want = jax.jit(lambda *a: ref.engram_gate_bwd(*a, clamp_value=clamp, num_partials=p))(*args)
+  assert_bitwise_equal(got.grad_v, want.grad_v)
+  np.testing.assert_array_equal(np.asarray(got.grad_w_partial), np.asarray(want.grad_w_partial))  # ±0 alike
+  for a, b in zip(got[:2], want[:2]):
+    assert_diff_below(a, b, 1e-8)
 
 
 def _vjp(gate, x, k, v, wh, we, go):

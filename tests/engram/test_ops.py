@@ -15,7 +15,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern.engram import _gate
 from jaxkern.reference import engram as ref
-from jaxkern.testing import assert_bitwise_equal, assert_diff_below, lower_for_h100
+from jaxkern.testing import assert_bitwise_equal, assert_diff_below, capture_mosaic_modules, lower_for_h100
 from tests.engram.test_reference import gate_inputs, hash_inputs, python_hash
 
 sds = jax.ShapeDtypeStruct
@@ -173,17 +173,18 @@ def _median_clamp(key, t, d, m=4):
 
 
 # fused (one pass, D <= FUSED_MAX_D in 16-byte vectors): 1024 / 2048 / 3072 in 1024-column steps. One pass for large
-# D (two warpgroups, one half of every row each): 4096 (two 1024-column blocks per half: chunks of 2 tokens, 1), 6144
-# (three; p > t). Two-pass: 5120 (16-byte vectors above FUSED_MAX_D, halves of 2560 columns), 2560 (8-byte vectors),
-# 512, 768 (4-byte vectors), all with the row pass one warp per stream; M = 3: the flat row pass, M·D above
-# PRELOAD_MAX_VALUES. Token chunks of 3 tokens, 1, 5; p > t: empty chunks write zeros.
+# D (the ring kernel: two warpgroups, one half of every row each, rows staged in SMEM by TMA): 4096 (two 1024-column
+# blocks per half: chunks of 2 tokens, 1), 6144 (three; p > t). Two-pass: 5120 (16-byte vectors above FUSED_MAX_D,
+# halves of 2560 columns), 2560 (8-byte vectors), 512, 768 (4-byte vectors), all with the row pass one warp per
+# stream; M = 3: the flat row pass, M·D above PRELOAD_MAX_VALUES. Token chunks of 3 tokens, 1, 5; p > t: empty chunks
+# write zeros.
 @pytest.mark.parametrize("t, d, p, m, kernel", [
-    (2, 3072, 4, 4, "fused"), (5, 1024, 1, 4, "fused"), (3, 2048, 3, 4, "fused"), (3, 4096, 2, 4, "onepass"),
-    (2, 6144, 3, 4, "onepass"), (2, 5120, 3, 4, "two_pass"), (7, 512, 3, 4, "two_pass"), (4, 768, 2, 4, "two_pass"),
+    (2, 3072, 4, 4, "fused"), (5, 1024, 1, 4, "fused"), (3, 2048, 3, 4, "fused"), (3, 4096, 2, 4, "ring"),
+    (2, 6144, 3, 4, "ring"), (2, 5120, 3, 4, "two_pass"), (7, 512, 3, 4, "two_pass"), (4, 768, 2, 4, "two_pass"),
     (2, 2560, 4, 4, "two_pass"), (2, 3584, 2, 3, "two_pass")])
 def test_gate_bwd_kernel(key, t, d, p, m, kernel):
   assert _gate.fused_applies(d, m) == (kernel == "fused")
-  assert (_gate.onepass_applies(d, m) and not _gate.fused_applies(d, m)) == (kernel == "onepass")
+  assert (_gate.onepass_applies(d, m) and not _gate.fused_applies(d, m)) == (kernel == "ring")
   clamp = _median_clamp(key, t, d, m)  # the clamp is active for about half the (token, stream) pairs
   args = _bwd_inputs(key, t, d, clamp, m)
   got = jax.jit(lambda *a: engram.engram_gate_bwd(*a, clamp_value=clamp, num_partials=p,
@@ -200,6 +201,53 @@ def test_gate_bwd_kernel(key, t, d, p, m, kernel):
     assert not np.any(np.asarray(got.grad_w_partial)[t:])
   active = np.abs(np.asarray(args[5])) * d**-0.5 * np.asarray(args[7] * args[8]) >= clamp
   assert 0 < active.mean() < 1
+
+
+def exact_bwd_inputs(key, t, d, m=4):
+  """Backward inputs on which every sum is exact in any order, so that a kernel gives the reference's bits:
+  integer ``go``, ``v``, ``x``, ``k`` (``Σ go·v`` exact), ``rx``, ``rk`` in {1/2, 1, 2}, ``gate`` in {1/4, 1/2,
+  3/4} and ``|dot| = s·rx·rk / 4^n`` (``s = fp32(D^-1/2)``, ``n`` in {0, 1}), so that ``G = dldg·g(1-g)/2·2^n``
+  is a short binary fraction and so is every ``G·x·k``; ``dot = 0`` for about a third of the (token, stream) pairs
+  (``G = 0``). ``wf`` is any float32 (it only enters products that both sides round alike). Returns the
+  arguments of :func:`jaxkern.engram.engram_gate_bwd` and a clamp at the median of the nonzero ``|d|`` (active for
+  about half of those pairs too)."""
+  ks = jax.random.split(key, 9)
+  go, x, k = (jax.random.randint(kk, (t, m, d), -2, 3).astype(jnp.bfloat16) for kk in ks[:3])
+  v = jax.random.randint(ks[3], (t, d), -2, 3).astype(jnp.bfloat16)
+  wf = jax.random.normal(ks[4], (m, d), jnp.float32)
+
+  def pick(kk, values):
+    return jnp.asarray(values, jnp.float32)[jax.random.randint(kk, (t, m), 0, len(values))]
+
+  rx, rk = pick(ks[5], [0.5, 1.0, 2.0]), pick(ks[6], [0.5, 1.0, 2.0])
+  gate = pick(ks[7], [0.25, 0.5, 0.75])
+  s = np.float32(np.float64(d) ** -0.5)
+  scale = pick(ks[8], [1.0, 0.25, -1.0, -0.25, 0.0, 0.0])
+  dot = s * rx * rk * scale
+  dd = np.abs(np.asarray(dot)) * s * np.asarray(rx) * np.asarray(rk)
+  return (go, x, k, v, wf, dot, gate, rx, rk), float(np.median(dd[dd > 0]))
+
+
+# The ring kernel (large D, one pass) on exact inputs: every output bit for bit as the reference's. 5 tokens over 2
+# CTAs (3 and 2: go / v / x / k slots refilled across tokens, nb = 2 column blocks per half, 2 x / k slots), 7 over
+# 1 (the mbarriers' phases wrap many times), D = 6144 (nb = 3: the x / k units wrap the 2-slot ring mid-token), 2
+# tokens over 3 CTAs (an empty range writes zeros).
+@pytest.mark.parametrize("t, d, p", [(5, 4096, 2), (7, 4096, 1), (5, 6144, 1), (2, 6144, 3)])
+def test_gate_bwd_ring_kernel_bit_exact(key, t, d, p):
+  assert _gate.onepass_applies(d, 4) and not _gate.fused_applies(d, 4)
+  args, clamp = exact_bwd_inputs(key, t, d)
+  got = jax.jit(lambda *a: engram.engram_gate_bwd(*a, clamp_value=clamp, num_partials=p,
+                                                  implementation="interpret"))(*args)
+  want = ref.engram_gate_bwd(*args, clamp_value=clamp, num_partials=p)
+  for name in ("grad_hidden_states", "grad_k", "grad_v"):
+    assert_bitwise_equal(getattr(got, name), getattr(want, name), name)
+  # the partials: equal values; a zero's sign may differ (the kernel's sums start from +0, the reference's sum of
+  # one token keeps a -0 term)
+  assert got.grad_w_partial.dtype == want.grad_w_partial.dtype and got.grad_w_partial.shape == (p, 4, d)
+  np.testing.assert_array_equal(np.asarray(got.grad_w_partial), np.asarray(want.grad_w_partial))
+  big_g = np.asarray(ref.gate_factor(jnp.sum(args[0].astype(jnp.float32) * args[3].astype(jnp.float32)[:, None],
+                                             axis=-1), *args[5:], clamp, d))
+  assert 0 < np.mean(big_g != 0) < 1 and np.any(np.asarray(got.grad_w_partial)[: min(p, t)] != 0)
 
 
 @pytest.mark.parametrize("m", [4, 3])  # one warp per stream; the flat row pass
@@ -231,12 +279,14 @@ def test_gate_bwd_default_partials():
   assert _gate.default_num_partials(40, 2048) == 40
   assert _gate.default_num_partials(8001, 2048) == _gate.fused_ctas_per_sm(2048, 4) * 132
   assert _gate.default_num_partials(0, 2048) == 1
-  # one pass for large D: one CTA per SM, at most T
-  widths = (2048, 2560, 4096, 5120, 6144, 7168)
+  # one pass for large D (the ring kernel, where its SMEM fits one CTA): one CTA per SM, at most T
+  widths = (2048, 2560, 4096, 5120, 6144, 7168, 8192)
   assert [d for d in widths if _gate.onepass_applies(d, 4)] == [2048, 4096, 6144]  # 2048: the fused kernel first
   assert not _gate.onepass_applies(4096, 3) and not _gate.onepass_applies(4096, 8)
+  assert _gate.ring_smem_bytes(6144, 4) <= _gate.SMEM_PER_SM - 1024 < _gate.ring_smem_bytes(8192, 4)
   assert _gate.default_num_partials(8001, 6144) == _gate.default_num_partials(4001, 4096) == 132
   assert _gate.default_num_partials(40, 6144) == 40 and _gate.default_num_partials(0, 4096) == 1
+  assert _gate.default_num_partials(40, 8192) == 3  # 8192: two-pass (the ring does not fit)
   # two-pass: column blocks x token chunks
   assert _gate.default_num_partials(8001, 7168) == 8 * 132 // 7 == 150  # 7 column blocks x 150 chunks
   assert _gate.default_num_partials(40, 7168) == 3
@@ -288,9 +338,19 @@ def test_gate_fwd_flat_kernel_lowers_for_h100():
   assert "mosaic_gpu" in lower_for_h100(f, *args).as_text()
 
 
-def test_gate_bwd_onepass_lowers_for_h100_at_4096():
-  """The large-D one-pass backward with two column blocks per half, 4001 tokens over one CTA per SM."""
-  assert _bwd_kernel_calls(4001, 4096, 4) == 1
+@pytest.mark.parametrize("t, d", [(8001, 6144), (8001, 4096), (4001, 4096)])
+def test_gate_bwd_ring_kernel_lowers_for_h100(monkeypatch, t, d):
+  """The large-D one-pass backward is the ring kernel (three / two column blocks per half, tokens over one CTA per
+  SM): one Mosaic kernel, its rows brought by bulk TMA copies, its SMEM as :func:`_gate.ring_smem_bytes` counts it
+  (within one CTA's)."""
+  ring, calls = _gate.gate_bwd_ring_kernel, []
+  monkeypatch.setattr(_gate, "gate_bwd_ring_kernel", lambda *a, **kw: calls.append(a[1].shape) or ring(*a, **kw))
+  modules = capture_mosaic_modules(monkeypatch)
+  assert _bwd_kernel_calls(t, d, 4) == 1
+  assert calls == [(t, 4, d)] and len(modules) == 1
+  assert "cp.async.bulk.shared::cta.global" in modules[0]
+  smem = _gate.ring_smem_bytes(d, 4)
+  assert f"dynamic_shared_memory_size %c{smem}_i32" in modules[0] and smem <= _gate.SMEM_PER_SM - 1024
 
 
 def test_gate_unsupported_runs_xla():
