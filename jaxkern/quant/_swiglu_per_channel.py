@@ -39,10 +39,12 @@ npt 128 M=4096 without the transpose 9.55 -> 8.37 (8.33), M=8064 12.62 -> 11.50 
 h=7168 87.22 -> 84.83 (81.11), then 82.94 with 32 rows per warpgroup (from h = :data:`_WIDE_ROWS32_MIN_H` on). ncu
 of the one-warpgroup kernel (npt 128, M=8064 h=576 without the transpose): 14.8 achieved warps per SM, no eligible
 warp in 54% of cycles (latency-bound); TileKernels runs 256 threads per CTA.
-The swish quotient by :func:`jaxkern.quant._swiglu.guarded_div` instead of PTX ``div.rn.f32`` on every value:
-H200, CUPTI, cold L2, 2026-11-30, without the transpose, µs, bit-exact on the GPU: npt 32 M=8064 h=7168 82.78 -> 78.56, M=4096 h=7168 44.93 -> 43.38, M=4096 h=2048 16.42 -> 15.70, M=8064 h=576
-11.65 -> 11.39; npt 128 M=4096 h=576 8.35 -> 7.78, M=8064 h=576 11.42 -> 10.83, M=4096 h=7168 45.73 -> 44.51,
-M=8064 h=7168 85.54 -> 84.29; no shape timed slower by more than 0.3%. The transposed shapes were not timed with it.
+The swish quotient by :func:`jaxkern.quant._swiglu.guarded_div` instead of PTX ``div.rn.f32`` on every value
+(H200, CUPTI, cold L2, 2026-11-30, µs, bit-exact on the GPU): without the transpose npt 32 M=8064 h=7168 82.78 ->
+78.56, M=4096 h=7168 44.93 -> 43.38, M=4096 h=2048 16.42 -> 15.70, M=8064 h=576 11.65 -> 11.39; npt 128 M=4096
+h=576 8.35 -> 7.78, M=8064 h=576 11.42 -> 10.83, M=4096 h=7168 45.73 -> 44.51, M=8064 h=7168 85.54 -> 84.29 (no
+shape slower by more than 0.3%); with the transpose (another call) npt 32 M=8064 h=7168 90.22 -> 89.71, M=8064
+h=576 12.27 -> 11.55, npt 128 M=8064 h=7168 91.74 -> 87.25, M=4096 h=576 9.02 -> 8.61.
 Earlier steps (H200, 2026-11-29, one warpgroup per CTA): 64-row CTAs at npt 32 instead of 128 rows (M=8064 h=576
 15.5 / 16.1 -> 12.7 / 13.5 without / with the transpose, h=7168 transposed 116.3 -> 108.6), the 32-row chunks on a
 barrier each at npt 128 (M=8064 h=576 13.3 -> 12.7 without the transpose), 32 x 256 tiles without the transpose at
