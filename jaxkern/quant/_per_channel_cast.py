@@ -400,12 +400,12 @@ def _ring_kernel(x, *, round_sf, interpret=False):
 
     for t in range(stages - 1):
       fetch(t)
+    maxv = _max_vector(c_g, c, per_thread)  # the same for every tile: read once
 
     def body(t, carry):
       fetch(t + stages - 1)
       i, j = where(t)
       s = t % stages
-      maxv = _max_vector(c_g, c, per_thread)
       plgpu.barrier_wait(bar.at[s * nwg + wg])
       view = x_s.at[s, wg]
       v = view[...] if interpret else plgpu.load(view, layout=lay)
