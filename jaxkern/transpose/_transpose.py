@@ -21,8 +21,9 @@ mode; N below 256 above their sizes), this runs one CTA per tile of 128 rows x 6
 On a GPU, 2-D 8-bit transposes of up to :data:`SMEM_TRANSPOSE_MAX_ELEMENTS` (4032x3072) take a
 kernel without TMA (:func:`_smem_transpose_kernel`, one CTA of 128 threads per tile of 64 or 128
 bytes each way): each thread loads 4-byte words of 4 input rows, transposes every 4x4 byte block in
-registers with 8 byte permutes (PTX ``prmt``) and stores the words into a padded SMEM tile; after
-one barrier the output rows are written in 16-byte chunks. It is lane-level code
+registers with 8 byte permutes (PTX ``prmt``) and stores the words into an SMEM tile whose words are
+XOR-swizzled by row (no bank conflicts); after one barrier the output rows are written in 16-byte
+chunks. It is lane-level code
 (``plgpu.inline_mgpu``), which interpret mode cannot run: there these arrays keep the other kernels.
 
 Large 2-D transposes of 8-bit data (from 8 MB; on a GPU above :data:`SMEM_TRANSPOSE_MAX_ELEMENTS`)
@@ -283,7 +284,9 @@ def _pair_tile_kernel(x: jax.Array, interpret=None) -> jax.Array:
 # 2-D 8-bit transposes of up to this many elements run :func:`_smem_transpose_kernel` on a GPU, larger ones the
 # kernels above. H200, 2026-11-30 (benchmark runner, CUPTI, cold L2, one call), e4m3, µs, kernels above / smem
 # kernel: 4032x576 3.36 / 2.98, 8064x576 4.54 / 4.40, 4032x2048 6.72 / 5.97, 4032x2560 7.94 / 7.17, 4032x3072
-# 8.69 / 8.37; slower from 4032x4096 (9.84 / 10.72) and 8064x2048 (9.50 / 9.89), and at every larger shape.
+# 8.69 / 8.37; slower from 4032x4096 (9.84 / 10.72) and 8064x2048 (9.50 / 9.89), and at every larger shape. These
+# smem figures are of its earlier padded SMEM tile with plain loads; its swizzled tile with L2::256B loads, timed
+# the same day up to 4032x3072 only, is faster at each of the five shapes (:func:`_smem_transpose_kernel`).
 SMEM_TRANSPOSE_MAX_ELEMENTS = 4032 * 3072
 # Tiles (bytes, input rows x columns) of the smem kernel: 64x64 below this size (the ring kernel's 8-bit
 # threshold), from it 128 along each dimension that is a multiple of 128. Timed above (H200, 2026-11-30): 64x64
@@ -316,40 +319,59 @@ def _transpose4(ops, w):
           ops.prmt(a_hi, b_hi, 0x5410), ops.prmt(a_hi, b_hi, 0x7632)]
 
 
+def _smem_row_swizzle(row, tile):
+  """The XOR applied to the word indices of row ``row`` of the smem kernel's SMEM tile (``tile``: ``(BR, BC)``).
+
+  XOR-linear in ``row``, so every SMEM access of a thread is its base address XOR a constant
+  (:func:`_smem_transpose_program`). The swizzle depends on the tile: each was picked among eight XOR-linear
+  candidates (shifts of the row XOR its low bits) by counting the banks of warp 0's accesses, and none of them is
+  conflict-free at both the 64x64 and the 64x128 tile. With these, each warp's 32 stores (phase 1) and 32 loads
+  (phase 2) hit 32 different banks at the 64x64, 64x128 and 128x128 tiles; the padded tile they replace (4 bytes
+  per row) had 2-way conflicts at 64x64 (both phases) and 4-way on the phase-1 stores at 64x128, the wide shapes'
+  tile. At 128x64 (not timed) no candidate is conflict-free; this one is 2-way at worst.
+  """
+  if tile[1] == 64:
+    return (row >> 1) & 31
+  return ((row >> 2) ^ (row & (2 if tile[0] == 64 else 3))) & 31
+
+
 def _smem_transpose_program(ops, m, n, bi, bj, tid):
   """One thread's program (a generator; it yields at the CTA barrier) of CTA ``(bi, bj)`` (row tile, column
   tile) of :func:`_smem_transpose_kernel`: ``ops`` gives the memory accesses (byte offsets; ``x`` is ``(m, n)``,
   the output ``(n, m)``, the SMEM tile flat) and byte permutes, on ints (a test's emulator) or lane-level MLIR
-  values (the kernel). ``bi, bj, tid`` support ``+ * >> &``.
+  values (the kernel). ``bi, bj, tid`` support ``+ * >> & ^``.
 
   Phase 1: the lanes run along the input rows' 4-byte columns (coalesced loads); each thread loads ``nb``
   4x4 byte blocks (2 per 64x64 bytes of the tile), transposes them and stores their words into the output tile in
-  SMEM (``BC`` rows of ``BR + 4`` bytes: the padding spreads the stores over the banks). Phase 2, after the
-  barrier: 16-byte chunks of the output rows, the lanes along the row.
+  SMEM: ``BC`` rows of ``BR`` bytes, word ``c`` of row ``R`` at word ``(R * BR / 4) ^ c ^ H(R)``
+  (:func:`_smem_row_swizzle`, no padding). A thread's rows and words are its own part XOR a constant (no carries),
+  so each of its accesses is its base address XOR a constant. Phase 2, after the barrier: 16-byte chunks of the
+  output rows, the lanes along the row, each chunk read as 4 words.
   """
   BR, BC = _smem_transpose_tile(m, n)
-  S, nb = BR + 4, BR * BC // (16 * 128)
+  nb = BR * BC // (16 * 128)
   cpr = BC // 4
   bc, brb = tid & (cpr - 1), tid >> _log2(cpr)
   step = 4 * (128 // cpr)  # input rows between a thread's blocks
   xin = (((bi * BR) + (brb * 4)) * n) + ((bj * BC) + (bc * 4))
-  sbase = (bc * (4 * S)) + (brb * 4)
+  row = lambda R: (R * (BR // 4)) ^ _smem_row_swizzle(R, (BR, BC))  # SMEM word of word 0 of the tile's row R
+  sbase = (row(bc * 4) ^ brb) * 4  # the thread's rows bc * 4 + k, words brb + s * step / 4
   w = [[ops.gload(xin + (s * step + j) * n) for j in range(4)] for s in range(nb)]
   for s in range(nb):
     for k, o in enumerate(_transpose4(ops, w[s])):
-      ops.sts(sbase + (k * S + s * step), o)
+      ops.sts(sbase ^ ((row(k) ^ (s * (step // 4))) * 4), o)
   yield
   cq = BR // 16
   q, r = tid & (cq - 1), tid >> _log2(cq)
   rstep = 128 // cq
-  lbase = (r * S) + (q * 16)
   obase = (((bj * BC) + r) * m) + ((bi * BR) + (q * 16))
+  lbase = (row(r) ^ (q * 4)) * 4  # the thread's rows r + s * rstep, words q * 4 + e
   for s in range(nb):
-    ops.gstore(obase + s * rstep * m, [ops.lds(lbase + (s * rstep * S + 4 * e)) for e in range(4)])
+    ops.gstore(obase + s * rstep * m, [ops.lds(lbase ^ ((row(s * rstep) ^ e) * 4)) for e in range(4)])
 
 
 class _Idx:
-  """An i32 MLIR value with ``+ * >> &`` against ints or other ``_Idx``."""
+  """An i32 MLIR value with ``+ * >> & ^`` against ints or other ``_Idx``."""
 
   def __init__(self, v):
     self.v = v
@@ -374,6 +396,9 @@ class _Idx:
   def __and__(self, o):
     return _Idx(arith.andi(self.v, self._val(o)))
 
+  def __xor__(self, o):
+    return _Idx(arith.xori(self.v, self._val(o)))
+
 
 class _LaneOps:
   """:func:`_smem_transpose_program`'s memory accesses and byte permutes as lane-level MLIR (inline PTX)."""
@@ -386,7 +411,9 @@ class _LaneOps:
     return mgpu.utils.getelementptr(ptr, [off.v if isinstance(off, _Idx) else off], self.i8)
 
   def gload(self, off):
-    return mgpu.utils.inline_ptx("ld.global.nc.b32 $0, [$1];", self._at(self.x, off), result_types=self.i32)
+    # L2::256B: the L2 may fetch the 256 bytes around each access, which the neighbouring 64-byte column tiles
+    # share (launched one after the other: Mosaic launches the last grid dimension fastest)
+    return mgpu.utils.inline_ptx("ld.global.nc.L2::256B.b32 $0, [$1];", self._at(self.x, off), result_types=self.i32)
 
   def gstore(self, off, words):
     assert len(words) == 4, words
@@ -409,9 +436,16 @@ _SPLAT = plgpu.Layout.WG_SPLAT(shape=())
 @jax.jit
 def _smem_transpose_kernel(x: jax.Array) -> jax.Array:
   """2-D 8-bit ``(M, N) -> (N, M)`` on 32-bit words, one CTA (128 threads) per tile (:func:`_smem_transpose_tile`),
-  no TMA: each thread transposes 4x4 byte blocks in registers with 8 byte permutes (PTX ``prmt``) and stores them
-  into an SMEM tile; after one barrier the output rows are written in 16-byte chunks
-  (:func:`_smem_transpose_program`). Lane-level code (``plgpu.inline_mgpu``): GPU only, no interpret mode."""
+  no TMA: each thread loads 4-byte words (``ld.global.nc.L2::256B``), transposes 4x4 byte blocks in registers with
+  8 byte permutes (PTX ``prmt``) and stores them into an SMEM tile without padding, its words XOR-swizzled by row
+  (:func:`_smem_row_swizzle`, no bank conflicts); after one barrier the output rows are written in 16-byte chunks
+  (:func:`_smem_transpose_program`). Lane-level code (``plgpu.inline_mgpu``): GPU only, no interpret mode.
+
+  H200, 2026-11-30 (CUPTI, cold L2, median of 30, two passes), e4m3, µs, padded SMEM tile and plain loads / this
+  kernel: 4032x576 2.94-2.95 / 2.83-2.85 (TileKernels 3.16), 8064x576 4.38-4.42 / 4.21-4.26, 4032x2048 5.82 / 5.79,
+  4032x2560 7.22-7.23 / 6.69-6.75, 4032x3072 8.38-8.43 / 8.26-8.29. Benchmark runner (one call): 4032x576 2.85,
+  8064x576 4.13, 4032x2048 5.60, 4032x2560 6.67, 4032x3072 8.18.
+  """
   m, n = x.shape
   BR, BC = _smem_transpose_tile(m, n)
 
@@ -420,7 +454,7 @@ def _smem_transpose_kernel(x: jax.Array) -> jax.Array:
       out_type=jax.ShapeDtypeStruct((n, m), x.dtype),
       grid=(m // BR, n // BC),
       grid_names=("i", "j"),
-      scratch_types=[plgpu.SMEM((BC * (BR + 4),), jnp.uint8)],
+      scratch_types=[plgpu.SMEM((BC * BR,), jnp.uint8)],
       compiler_params=NO_AUTO_BARRIERS,
   )
   def kernel(x_g, o_g, o_s):
@@ -495,7 +529,7 @@ def transpose(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
   :func:`batched_transpose` (with ``x`` of rank 2).
 
   On a GPU, 8-bit arrays of up to 4032x3072 elements (:data:`SMEM_TRANSPOSE_MAX_ELEMENTS`) run a kernel that
-  transposes 4x4 byte blocks in registers and writes them through a padded SMEM tile (no TMA); larger 8-bit
+  transposes 4x4 byte blocks in registers and writes them through a swizzled SMEM tile (no TMA); larger 8-bit
   arrays and 16-bit arrays of 12-64 MiB run the persistent ring kernel. Interpret mode cannot run the first
   kernel: there 8-bit arrays from 8 MB run the ring kernel. 8-bit arrays that neither takes (N below 256 for
   the ring kernel) run the one-tile kernel on byte pairs (no widening) if they have at least 128 rows; every

@@ -8,7 +8,8 @@ import pytest
 
 import jaxkern
 from jaxkern import reference
-from jaxkern.testing import assert_bitwise_equal, hidden_sizes, lower_for_h100, num_tokens, randn, random_bits
+from jaxkern.testing import (assert_bitwise_equal, capture_mosaic_modules, hidden_sizes, lower_for_h100, num_tokens,
+                             randn, random_bits)
 from jaxkern.transpose import _transpose as module
 from jaxkern.transpose import batched_transpose, transpose
 
@@ -240,11 +241,20 @@ def _prmt(a, b, sel):
 
 
 class _SmemTransposeEmulator:
-  """The memory accesses of :func:`module._smem_transpose_program` on numpy bytes; counts the writes of every
-  output byte and checks the alignment of every access."""
+  """The memory accesses of thread ``tid``'s :func:`module._smem_transpose_program` on numpy bytes (``smem``, the
+  CTA's SMEM tile, shared by its threads); counts the writes of every output byte and the accesses of every SMEM
+  word, records the SMEM words of each of the thread's SMEM instructions in ``banks[(kind, warp, i)]`` and checks
+  the alignment of every access."""
 
-  def __init__(self, x, out, writes, tile_bytes):
-    self.x, self.o, self.writes, self.s = x, out, writes, np.zeros(tile_bytes, np.uint8)
+  def __init__(self, x, out, writes, smem, smem_count, banks, tid):
+    self.x, self.o, self.writes, self.s, self.s_count = x, out, writes, smem, smem_count
+    self.banks, self.warp, self.n = banks, tid // 32, {"sts": 0, "lds": 0}
+
+  def _smem(self, kind, off):
+    assert off % 4 == 0 and off + 4 <= self.s.size, off
+    self.s_count[off // 4] += 1
+    self.banks.setdefault((kind, self.warp, self.n[kind]), set()).add(off // 4)
+    self.n[kind] += 1
 
   def gload(self, off):
     assert off % 4 == 0, off
@@ -256,23 +266,25 @@ class _SmemTransposeEmulator:
     self.writes[off:off + 16] += 1
 
   def sts(self, off, word):
-    assert off % 4 == 0 and off + 4 <= self.s.size, off
+    self._smem("sts", off)
     self.s[off:off + 4] = np.frombuffer(word.to_bytes(4, "little"), np.uint8)
 
   def lds(self, off):
-    assert off % 4 == 0 and off + 4 <= self.s.size, off
+    self._smem("lds", off)
     return int.from_bytes(self.s[off:off + 4].tobytes(), "little")
 
   prmt = staticmethod(_prmt)
 
 
-@pytest.mark.parametrize("shape, wide, tile", [((64, 64), False, (64, 64)), ((192, 320), False, (64, 64)),
-                                               ((192, 256), True, (64, 128)), ((256, 384), True, (128, 128))],
-                         ids=str)
-def test_smem_transpose_thread_program(monkeypatch, shape, wide, tile):
+@pytest.mark.parametrize("shape, wide, tile, conflicts", [
+    ((64, 64), False, (64, 64), 1), ((192, 320), False, (64, 64), 1), ((192, 256), True, (64, 128), 1),
+    ((256, 384), True, (128, 128), 1), ((256, 192), True, (128, 64), 2)], ids=str)
+def test_smem_transpose_thread_program(monkeypatch, shape, wide, tile, conflicts):
   """Every thread's program of the smem kernel, run on a CPU with ``prmt`` emulated bit for bit (interpret mode
-  cannot run the kernel): the output is ``x.T``, every output byte is written once and every access is aligned.
-  ``wide``: the 128-byte tiles of arrays from 8 MB, forced on a small array."""
+  cannot run the kernel): the output is ``x.T``, every output byte is written once, every access is aligned, the
+  swizzled SMEM tile (no padding) has each word stored once and loaded once, and no warp's SMEM instruction hits a
+  bank with more than ``conflicts`` words (none at the 64x64, 64x128 and 128x128 tiles). ``wide``: the 128-byte
+  tiles of arrays from 8 MB, forced on a small array."""
   if wide:
     monkeypatch.setattr(module, "_SMEM_TRANSPOSE_WIDE_BYTES", 0)
   m, n = shape
@@ -282,10 +294,16 @@ def test_smem_transpose_thread_program(monkeypatch, shape, wide, tile):
   out, writes = np.zeros(m * n, np.uint8), np.zeros(m * n, np.int32)
   for bi in range(m // br):
     for bj in range(n // bc):
-      ops = _SmemTransposeEmulator(x.reshape(-1), out, writes, bc * (br + 4))  # the kernel's SMEM tile
-      threads = [module._smem_transpose_program(ops, m, n, bi, bj, t) for t in range(128)]
+      smem, smem_count, banks = np.zeros(bc * br, np.uint8), np.zeros(bc * br // 4, np.int32), {}  # the SMEM tile
+      threads = [module._smem_transpose_program(
+          _SmemTransposeEmulator(x.reshape(-1), out, writes, smem, smem_count, banks, t), m, n, bi, bj, t)
+          for t in range(128)]
       for phase in range(2):  # the barrier: every thread finishes phase 1 before any starts phase 2
         assert [next(t, "done") for t in threads] == [None if phase == 0 else "done"] * 128
+        assert (smem_count == phase + 1).all()  # phase 1 stores every word once, phase 2 loads every word once
+      assert {kind for kind, _, _ in banks} == {"sts", "lds"} and all(len(words) == 32 for words in banks.values())
+      worst = max(max(np.bincount([w % 32 for w in words], minlength=32)) for words in banks.values())
+      assert worst == conflicts
   assert (writes == 1).all()
   np.testing.assert_array_equal(out.reshape(n, m), x.T)
 
@@ -306,13 +324,22 @@ def test_smem_transpose_choice(dtype, shape, smem, path):
     assert path == ("ring" if module._use_ring(x) else "pairs" if module._use_pair_tiles(x) else "widened")
 
 
-@pytest.mark.parametrize("shape", _SMEM_SHAPES + [(64, 64), (8064, 1536), (4032, 3136), (4032, 4096)], ids=str)
-def test_smem_transpose_lowers_for_h100(shape):
-  """The smem kernel runs where it was measured faster (up to 4032x3072 elements), the ring kernel above."""
+@pytest.mark.parametrize("shape", _SMEM_SHAPES + [(64, 64), (8064, 1536), (8064, 1088), (4032, 3136), (4032, 4096)],
+                         ids=str)
+def test_smem_transpose_lowers_for_h100(monkeypatch, shape):
+  """The smem kernel runs where it was measured faster (up to 4032x3072 elements), the ring kernel above; it loads
+  with ``ld.global.nc.L2::256B`` and its SMEM tile has no padding (tiles 64x64, 64x128, 128x128 and 128x64)."""
+  modules = capture_mosaic_modules(monkeypatch)
   x = jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn)
   text = lower_for_h100(functools.partial(transpose, implementation="pallas"), x).as_text()
   assert "mosaic_gpu" in text
-  assert (_SMEM_MARK in text) == (shape[0] * shape[1] <= module.SMEM_TRANSPOSE_MAX_ELEMENTS)
+  smem = shape[0] * shape[1] <= module.SMEM_TRANSPOSE_MAX_ELEMENTS
+  assert (_SMEM_MARK in text) == smem
+  if smem:
+    br, bc = module._smem_transpose_tile(*shape)
+    (mod,) = modules
+    assert "ld.global.nc.L2::256B.b32" in mod and "arith.xori" in mod
+    assert f"memref<{br * bc}xi8, #gpu.address_space<workgroup>>" in mod
 
 
 def test_smem_transpose_not_interpreted():
