@@ -12,7 +12,7 @@ a token's ``(M, D)`` rows:
 * Rows spread over the warpgroup (:func:`jaxkern._layouts.flat_layout` for one row,
   :func:`block_rows_layout` for ``M`` rows): a thread holds the same columns of every stream, so sums over
   streams are in-thread and row reductions end in an SMEM step across the 4 warps (one barrier pair, for
-  all ``M`` rows at once in :func:`block_rows_layout`).
+  all rows of a block at once in :func:`block_rows_layout`).
 
 Kernels (the thresholds next to the module's constants say which measurement chose them):
 
@@ -24,11 +24,13 @@ Kernels (the thresholds next to the module's constants say which measurement cho
   from ``D = 6144`` where two CTAs' SMEM rings fit an SM (:func:`fwd_tma_applies`, ``D`` up to about 9500):
   :func:`gate_fwd_tma_kernel`, the flat kernel's arithmetic (below) in persistent CTAs whose ``x`` and ``k`` rows
   come into a ring of SMEM slots, and ``v`` into two, by bulk TMA copies issued a slot ahead. Otherwise
-  one token per CTA (grid ``T``): :func:`gate_fwd_flat_kernel` (the streams one after the other, each row
-  spread over the warpgroup, the rows of all streams loaded up front where ``M·D <= PRELOAD_MAX_VALUES``; a
-  ``D`` such as 2560 with ``M % 4 != 0`` in a 2048-column chunk of 16-byte vectors and a 512-column chunk of
-  8-byte ones, :func:`jaxkern._layouts.flat_chunks`). ``wf`` (``4·M·D`` bytes) is re-read for every token
-  (from the caches).
+  one token per CTA (grid ``T``): :func:`gate_fwd_flat_kernel`, the streams one after the other, each row
+  spread over the warpgroup; where ``M·D <= PRELOAD_MAX_VALUES`` (``D = 2048`` at ``M = 4``) the rows of all
+  streams loaded up front and each stream's three row sums in three cross-warp reductions, above it (``D = 3072,
+  4096`` at ``M = 4``) the rows stream by stream, each stream's three sums in one cross-warp reduction and ``x``,
+  ``v`` held as packed bf16 (fewer registers); a ``D`` such as 2560 with ``M % 4 != 0`` in a 2048-column chunk of
+  16-byte vectors and a 512-column chunk of 8-byte ones (:func:`jaxkern._layouts.flat_chunks`). ``wf``
+  (``4·M·D`` bytes) is re-read for every token (from the caches).
 * Backward, one pass (:func:`gate_bwd_fused_kernel`, where :func:`fused_applies`: 16-byte vectors,
   ``D <= FUSED_MAX_D``, ``M <= 4``): persistent CTAs over token ranges, whole rows (:func:`block_rows_layout`);
   per token ``dldg = Σ go·v`` of all streams in one reduction, ``G`` (docs/engram.md, "Gate"), then
@@ -105,6 +107,15 @@ FUSED_MAX_STREAMS = 4  # hc_mult the fused backward takes (registers: a thread h
 # keep the next stream's loads from being issued early. 4·2560 (M = 4, D <= 2560: 80 registers of packed bf16 x, k
 # per thread). H100, 2026-11-26, bit-identical: forward D = 2048 / 2560 1.01-1.06x faster (D = 2560 from 85-94% to
 # 88-96% of copy), D = 3072 unchanged (already 95-98%); the backward row pass unchanged.
+# It also picks the forward flat kernel's form (gate_fwd_flat_kernel): above it each stream's three row sums in one
+# cross-warp reduction instead of three, x and v held as packed bf16 instead of float32; at or below it the three
+# reductions with float32 x and v. H200, 2026-11-30, M = 4, CUPTI, cold L2, one process, every output bit-identical,
+# µs three reductions -> one reduction with packed x and v (the loading unchanged: stream by stream at D = 3072 /
+# 4096, preloaded at 2048), save=True / save=False: T=8001 D=4096 214.04 -> 205.63 / 212.98 -> 204.70, T=4001 D=4096
+# 112.28 -> 106.09 / 110.57 -> 105.73, T=8001 D=3072 159.75 -> 155.30 / 158.46 -> 154.88, T=4001 D=3072 82.70 ->
+# 82.02 / 82.41 -> 81.53; preloaded, slower: T=8001 D=2048 109.47 -> 118.36 / 104.33 -> 110.62, T=4001 D=2048 60.08
+# -> 63.27 / 56.94 -> 58.89. ptxas registers (save=False / save=True): D=4096 147 / 154 -> 109 / 109, 3072 119 /
+# 127 -> 88 / 93, 2048 114 / 122 -> 102 / 111.
 PRELOAD_MAX_VALUES = 4 * 2560
 # The fused backward (one pass) takes D up to this (only with 16-byte vectors, column_block(D) = 1024), the large-D
 # one-pass kernel (onepass_applies; gate_bwd_kernel gives its measurement) or the two-pass kernels (row pass one warp
@@ -248,15 +259,16 @@ def fwd_tma_applies(d: int) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("eps", "clamp_value", "save", "num_ctas", "interpret"))
 def gate_fwd_tma_kernel(x, k, v, wf, *, eps, clamp_value, save, num_ctas, interpret):
-  """The flat kernel's arithmetic (bit-identical: the same register layouts, loads converted the same way, the same
-  sums in the same order) in ``P = num_ctas`` persistent CTAs, CTA ``p`` the tokens
-  ``[p·ceil(T/P), min((p+1)·ceil(T/P), T))``. The CTA's (token, stream) units ``u`` (token-major) have their ``x``
-  and ``k`` rows brought by bulk TMA copies into slot ``u % S`` of an SMEM ring (``S =`` :data:`FWD_TMA_SLOTS`, one
-  mbarrier per slot), ``v`` into one of two token slots; a unit's slot is refilled with unit ``u + S`` as soon as
-  its three row sums are done (their cross-warp SMEM reductions have a warpgroup barrier that every thread reaches
-  only after its loads of the slot), ``v``'s slot for token ``q + 1`` once token ``q``'s first stream's sums are
-  done. ``wf``'s row is loaded from GMEM (the caches) before the wait for the unit's slot; ``out`` is stored from
-  registers. So the bytes in flight sit in SMEM, not in the registers that cap the flat kernel's occupancy."""
+  """The flat kernel's arithmetic (its preloading form's: the same register layouts, loads converted the same way, the
+  same sums in the same order; on the GPU the bits of either form, :func:`gate_fwd_flat_kernel`) in ``P = num_ctas``
+  persistent CTAs, CTA ``p`` the tokens ``[p·ceil(T/P), min((p+1)·ceil(T/P), T))``. The CTA's (token, stream) units
+  ``u`` (token-major) have their ``x`` and ``k`` rows brought by bulk TMA copies into slot ``u % S`` of an SMEM ring
+  (``S =`` :data:`FWD_TMA_SLOTS`, one mbarrier per slot), ``v`` into one of two token slots; a unit's slot is refilled
+  with unit ``u + S`` as soon as its three row sums are done (their cross-warp SMEM reductions have a warpgroup
+  barrier that every thread reaches only after its loads of the slot), ``v``'s slot for token ``q + 1`` once token
+  ``q``'s first stream's sums are done. ``wf``'s row is loaded from GMEM (the caches) before the wait for the unit's
+  slot; ``out`` is stored from registers. So the bytes in flight sit in SMEM, not in the registers that cap the flat
+  kernel's occupancy."""
   t, m, d = x.shape
   slots = FWD_TMA_SLOTS
   chunks = [(off, n, flat_layout(vec)) for off, n, vec in flat_chunks(d, 2)]
@@ -389,39 +401,102 @@ def gate_fwd_rows_kernel(x, k, v, wf, *, eps, clamp_value, save, num_ctas, inter
   return kernel(x, k, v, wf)
 
 
+def _f32_by_bits(a):
+  """bf16 -> float32 as ``bits << 16``: the value of ``a.astype(float32)`` (NaN payloads aside) by other operations
+  than ``astype``'s, so that LLVM does not merge it with an earlier conversion of the same registers (and keep that
+  conversion's float32 registers alive instead of the packed bf16 ones)."""
+  b = lax.bitcast_convert_type(a, jnp.int16).astype(jnp.int32)
+  return lax.bitcast_convert_type(b << 16, jnp.float32)
+
+
+def _three_products(xc, wc, kc):
+  """The ``(3, n)`` block ``[x², k², x·wf·k]`` of ``(1, n)`` float32 rows (:func:`block_rows_layout`)."""
+  return jnp.concatenate([xc * xc, kc * kc, xc * wc * kc], axis=0)
+
+
+def _three_sums(p):
+  """``(Σx², Σk², Σx·wf·k)`` of :func:`_three_products`' block in one cross-warp reduction (one barrier pair).
+  Bit-identical to three ``jnp.sum`` of the same rows in :func:`jaxkern._layouts.flat_layout` on the GPU (the same
+  in-thread order, the same shuffles; the cross-warp step adds the four warps' parts as ``(p0 + p1) + (p2 + p3)`` up
+  to the commutation of each ``+``), not in interpret mode (XLA's order for a ``(3, n)`` block)."""
+  s = jnp.sum(p, axis=1)  # (3,), in every thread
+  # Row r as a scalar: the in-thread sum of s with the other rows zeroed (Mosaic GPU cannot index s[r]); exact, as
+  # x + 0 = x but for -0 -> +0, which the callers' 0 + sum applies anyway (and Σx², Σk² are never -0).
+  rows = lax.broadcasted_iota(jnp.int32, (3,), 0)
+  return tuple(jnp.sum(jnp.where(rows == r, s, 0.0)) for r in range(3))
+
+
 @functools.partial(jax.jit, static_argnames=("eps", "clamp_value", "save", "interpret"))
 def gate_fwd_flat_kernel(x, k, v, wf, *, eps, clamp_value, save, interpret):
-  """The forward with each row spread over the warpgroup (:func:`jaxkern._layouts.flat_layout`; any ``M``):
-  the module docstring's flat design."""
+  """The forward with each row spread over the warpgroup (any ``M``): one token per CTA (grid ``T``), the streams
+  one after the other (the module docstring's flat design), in one of two forms (:data:`PRELOAD_MAX_VALUES` gives
+  the measurements that chose each):
+
+  * ``M·D <= PRELOAD_MAX_VALUES``: the ``x`` and ``k`` rows of all streams loaded before any arithmetic, rows of
+    :func:`jaxkern._layouts.flat_layout`, ``v`` converted to float32 once for all streams; each stream's ``Σx²``,
+    ``Σk²``, ``Σx·wf·k`` in three cross-warp reductions (a barrier pair each).
+  * Above (``D = 3072, 4096`` at ``M = 4``): stream by stream (its ``x``, ``k``, ``wf``, then ``v``; the first
+    stream's ``v`` before its rows), the rows as ``(1, n)`` blocks of :func:`block_rows_layout`; the three sums in
+    one cross-warp reduction of a ``(3, n)`` block (:func:`_three_sums`: one barrier pair per stream instead of
+    three), ``x`` kept as packed bf16 until the output (:func:`_f32_by_bits`) and ``v`` re-loaded per stream as
+    packed bf16 (from the caches after the first stream) instead of held in float32 for the whole token: about
+    ``D/128`` fewer registers per thread.
+
+  The two forms give the same bits on the GPU (H200, D = 2048 / 3072 / 4096, every output); in interpret mode the
+  second sums in XLA's order (:func:`_three_sums`)."""
   t, m, d = x.shape
-  chunks = [(off, n, flat_layout(vec)) for off, n, vec in flat_chunks(d, 2)]
+  preload = m * d <= PRELOAD_MAX_VALUES
+  chunks = [(off, n, flat_layout(vec) if preload else _tiled(block_rows_layout(128 * vec)))
+            for off, n, vec in flat_chunks(d, 2)]
   inv_d, s = float(np.float32(1.0 / d)), float(np.float32(np.float64(d) ** -0.5))
   eps32, c = float(np.float32(eps)), float(np.float32(clamp_value))
   out_type = _fwd_out_type(t, m, d, save)
+
+  def load(ref, lay):
+    return plgpu.load(ref, layout=lay, optimized=False)
 
   @functools.partial(plgpu.kernel, out_type=out_type, grid=(t,), grid_names=("t",), interpret=interpret,
                      compiler_params=NO_AUTO_BARRIERS)
   def kernel(x_g, k_g, v_g, w_g, o_g, *saved):
     i = lax.axis_index("t")
-    vs = [_f32(plgpu.load(v_g.at[i, pl.ds(off, n)], layout=lay, optimized=False)) for off, n, lay in chunks]
 
-    def load_rows(j):
-      return [(plgpu.load(x_g.at[i, j, pl.ds(off, n)], layout=lay, optimized=False),
-               plgpu.load(k_g.at[i, j, pl.ds(off, n)], layout=lay, optimized=False)) for off, n, lay in chunks]
+    def load_v():  # the second form's v: packed bf16, (1, n) blocks
+      return [load(v_g.at[pl.ds(i, 1), pl.ds(off, n)], lay) for off, n, lay in chunks]
 
-    preloaded = [load_rows(j) for j in range(m)] if m * d <= PRELOAD_MAX_VALUES else None
+    if preload:
+      vs = [_f32(load(v_g.at[i, pl.ds(off, n)], lay)) for off, n, lay in chunks]
+      rows = [[(load(x_g.at[i, j, pl.ds(off, n)], lay), load(k_g.at[i, j, pl.ds(off, n)], lay))
+               for off, n, lay in chunks] for j in range(m)]
+    else:
+      v_first = load_v()
     for j in range(m):
-      xs, sxx, skk, raw = [], 0.0, 0.0, 0.0
-      for (off, n, lay), (xc, kc) in zip(chunks, preloaded[j] if preloaded else load_rows(j)):
-        xc, kc = _f32(xc), _f32(kc)
-        wc = plgpu.load(w_g.at[j, pl.ds(off, n)], layout=lay, optimized=False)
-        sxx, skk, raw = sxx + jnp.sum(xc * xc), skk + jnp.sum(kc * kc), raw + jnp.sum(xc * wc * kc)
-        xs.append(xc)
+      if preload:
+        xs, sxx, skk, raw = [], 0.0, 0.0, 0.0
+        for (off, n, lay), (xc, kc) in zip(chunks, rows[j]):
+          xc, kc = _f32(xc), _f32(kc)
+          wc = load(w_g.at[j, pl.ds(off, n)], lay)
+          sxx, skk, raw = sxx + jnp.sum(xc * xc), skk + jnp.sum(kc * kc), raw + jnp.sum(xc * wc * kc)
+          xs.append(xc)
+      else:
+        xks = [(load(x_g.at[i, pl.ds(j, 1), pl.ds(off, n)], lay), load(k_g.at[i, pl.ds(j, 1), pl.ds(off, n)], lay))
+               for off, n, lay in chunks]
+        wcs = [load(w_g.at[pl.ds(j, 1), pl.ds(off, n)], lay) for off, n, lay in chunks]
+        vbs = v_first if j == 0 else load_v()
+        fs = [(_f32(xb), _f32(kb), wc) for (xb, kb), wc in zip(xks, wcs)]
+        blocks = [_three_products(xc, wc, kc) for xc, kc, wc in fs]
+        sxx, skk, raw = 0.0, 0.0, 0.0
+        for a, b, e in [_three_sums(p) for p in blocks]:
+          sxx, skk, raw = sxx + a, skk + b, raw + e
       rx = lax.rsqrt(sxx * inv_d + eps32)
       rk = lax.rsqrt(skk * inv_d + eps32)
       g = _sigmoid(_signed_sqrt(raw * rx * rk * s, c))
-      for (off, n, _), xc, vc in zip(chunks, xs, vs):
-        o_g[i, j, pl.ds(off, n)] = (xc + g * vc).astype(jnp.bfloat16)
+      if preload:
+        for (off, n, _), xc, vc in zip(chunks, xs, vs):
+          o_g[i, j, pl.ds(off, n)] = (xc + g * vc).astype(jnp.bfloat16)
+      else:
+        vcs = [_f32(vb) for vb in vbs]
+        for (off, n, _), (xb, _), vc in zip(chunks, xks, vcs):
+          o_g[i, pl.ds(j, 1), pl.ds(off, n)] = (_f32_by_bits(xb) + g * vc).astype(jnp.bfloat16)
       if save:
         dot_g, gate_g, rx_g, rk_g = saved
         dot_g[i, j], gate_g[i, j], rx_g[i, j], rk_g[i, j] = raw, g, rx, rk

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from benchmarks.engram import conditioned_grad_out
-from jaxkern import engram, modeling
+from jaxkern import _config, engram, modeling
 from jaxkern.engram import _gate
 from jaxkern.reference import engram as ref
 from jaxkern.testing import assert_bitwise_equal, assert_diff_below, calc_diff
@@ -128,7 +128,8 @@ def test_gate_vjp_each_leaf(key, t, d):
 @pytest.mark.parametrize("t, d", [(8001, 7168), (4001, 7168), (8001, 6144), (5, 6144)])
 def test_gate_fwd_tma_kernel_matches_flat_gpu(key, t, d):
   """The forward's TMA kernel (persistent CTAs, rows through an SMEM ring) gives the flat kernel's bits on every
-  output, with and without the saved intermediates."""
+  output, with and without the saved intermediates (at these D the flat kernel's form above
+  ``PRELOAD_MAX_VALUES``: one cross-warp reduction of each stream's three sums, against the TMA kernel's three)."""
   x, k, v, wh, we = gate_inputs(key, t, 4, d)
   wf = engram.fused_weight(wh, we)
   assert _gate.fwd_tma_applies(d) and not _gate.fwd_rows_applies(d, 4)
@@ -136,6 +137,29 @@ def test_gate_fwd_tma_kernel_matches_flat_gpu(key, t, d):
     got = jax.jit(lambda *a: engram.engram_gate_fwd(*a, eps=EPS, clamp_value=CLAMP, save_for_backward=save,
                                                     implementation="pallas"))(x, k, v, wf)
     want = _gate.gate_fwd_flat_kernel(x, k, v, wf, eps=EPS, clamp_value=CLAMP, save=save, interpret=False)
+    assert_bitwise_equal(got.output, want[0])
+    if save:
+      for a, b in zip(got[1:], want[1:]):
+        assert_bitwise_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, d", [(8001, 4096), (4001, 4096), (8001, 3072), (4001, 3072), (5, 3072)])
+def test_gate_fwd_flat_kernel_one_reduction_exact_gpu(key, t, d):
+  """The flat kernel above ``PRELOAD_MAX_VALUES`` (stream by stream, each stream's three sums in one cross-warp
+  reduction, ``x`` and ``v`` as packed bf16) gives the bits of three reductions per stream (the TMA kernel's
+  arithmetic, :func:`_gate.gate_fwd_tma_kernel`, run here below its threshold) on every output, with and without the
+  saved intermediates."""
+  assert 4 * d > _gate.PRELOAD_MAX_VALUES and not _gate.fwd_tma_applies(d) and not _gate.fwd_rows_applies(d, 4)
+  x, k, v, wh, we = gate_inputs(key, t, 4, d)
+  wf = engram.fused_weight(wh, we)
+  ctas = max(1, min(t, _gate.FWD_TMA_CTAS_PER_SM * _config.num_sms()))
+  for save in (True, False):
+    got = jax.jit(lambda *a: engram.engram_gate_fwd(*a, eps=EPS, clamp_value=CLAMP, save_for_backward=save,
+                                                    implementation="pallas"))(x, k, v, wf)
+    want = _gate.gate_fwd_tma_kernel(x, k, v, wf, eps=EPS, clamp_value=CLAMP, save=save, num_ctas=ctas,
+                                     interpret=False)
+    assert len(want) == (5 if save else 1)
     assert_bitwise_equal(got.output, want[0])
     if save:
       for a, b in zip(got[1:], want[1:]):

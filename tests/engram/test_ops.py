@@ -91,9 +91,10 @@ def _fwd(x, k, v, wf, save, implementation="interpret", eps=1e-20, clamp=1e-6):
 
 
 # M = 4: one warp per stream where the flat kernel would need vectors narrower than 16 bytes (512, 2560), the flat
-# kernel with 16-byte vectors (4096, stream by stream); M = 3: the flat kernel, 2560 a 2048-column 16-byte chunk + a
-# 512-column 8-byte one, M·D <= PRELOAD_MAX_VALUES (2560) or not (3584); the TMA kernel from D = 6144
-# (test_gate_fwd_tma_kernel_matches_flat)
+# kernel with 16-byte vectors (4096: M·D above PRELOAD_MAX_VALUES, stream by stream, one reduction per stream); M = 3:
+# the flat kernel, 2560 a 2048-column 16-byte chunk + a 512-column 8-byte one, M·D <= PRELOAD_MAX_VALUES (2560,
+# preloaded, three reductions per stream) or not (3584); the TMA kernel from D = 6144
+# (test_gate_fwd_tma_kernel_matches_flat). Bit for bit on exact inputs: test_gate_fwd_flat_kernel_bit_exact
 @pytest.mark.parametrize("t, m, d", [(5, 4, 512), (3, 4, 2560), (2, 4, 4096), (3, 3, 2560), (2, 3, 3584)])
 def test_gate_fwd_kernel(key, t, m, d):
   assert _gate.fwd_rows_applies(d, m) == (m == 4 and d in (512, 2560))
@@ -126,7 +127,8 @@ def test_gate_fwd_rows_kernel_token_ranges(key, t, ctas):
 
 # The TMA kernel against the flat kernel (one token per CTA): 7 tokens over 3 CTAs (3, 3, 1) and 4 (2, 2, 2, 1), 5
 # over 4 (2, 2, 1 and an empty range), 2 tokens in one CTA with 3 streams (units wrap the 2-slot ring mid-token) and
-# D = 2560 in two chunks (16- and 8-byte vectors)
+# D = 2560 in two chunks (16- and 8-byte vectors). All with M·D <= PRELOAD_MAX_VALUES: the flat kernel's other form
+# (one reduction of a (3, n) block per stream) sums in XLA's order in interpret mode, not in the TMA kernel's.
 @pytest.mark.parametrize("t, m, d, ctas", [(7, 4, 1024, 3), (7, 4, 1024, 4), (5, 4, 1024, 4), (2, 3, 2560, 1),
                                            (3, 3, 512, 2)])
 def test_gate_fwd_tma_kernel_matches_flat(key, t, m, d, ctas):
@@ -139,6 +141,42 @@ def test_gate_fwd_tma_kernel_matches_flat(key, t, m, d, ctas):
     assert len(got) == len(want) == (5 if save else 1)
     for a, b in zip(got, want):
       assert_bitwise_equal(a, b)
+
+
+def exact_fwd_inputs(key, t, m, d):
+  """Forward inputs on which every row sum is exact in any order (integer ``x``, ``k`` in [-2, 2] and ``wf`` in
+  [-3, 3]), so that a kernel gives the reference's bits where it computes the same formulas from the sums; ``v``
+  any bf16."""
+  ks = jax.random.split(key, 4)
+  x, k = (jax.random.randint(kk, (t, m, d), -2, 3).astype(jnp.bfloat16) for kk in ks[:2])
+  v = jax.random.normal(ks[2], (t, d)).astype(jnp.bfloat16)
+  wf = jax.random.randint(ks[3], (m, d), -3, 4).astype(jnp.float32)
+  return x, k, v, wf
+
+
+# The flat kernel bit for bit as the reference on exact inputs, both forms, with and without the saved
+# intermediates: M·D above PRELOAD_MAX_VALUES (stream by stream, one cross-warp reduction per stream, x and v as
+# packed bf16): D = 3072, 4096 at M = 4 (one 16-byte chunk), 3584 at M = 3 (a 16- and an 8-byte chunk); at or below
+# it (preloaded, three reductions per stream): 2048 at M = 4.
+@pytest.mark.parametrize("t, m, d", [(2, 4, 3072), (2, 4, 4096), (2, 3, 3584), (3, 4, 2048)])
+def test_gate_fwd_flat_kernel_bit_exact(key, t, m, d):
+  assert not _gate.fwd_rows_applies(d, m) and not _gate.fwd_tma_applies(d)  # the flat kernel
+  assert (m * d > _gate.PRELOAD_MAX_VALUES) == (d != 2048)
+  x, k, v, wf = exact_fwd_inputs(key, t, m, d)
+  saved = ref.engram_gate_fwd(x, k, v, wf, eps=1e-20, clamp_value=1e-6)
+  dd = np.abs(np.asarray(saved.dot * saved.rstd_x * saved.rstd_k)) * np.float32(np.float64(d) ** -0.5)
+  clamp = float(np.median(dd))  # active for about half the (token, stream) pairs
+  assert np.all(dd > 0)  # raw = ±0 (copysign against sign) nowhere
+  for save in (True, False):
+    got = _fwd(x, k, v, wf, save, clamp=clamp)
+    want = ref.engram_gate_fwd(x, k, v, wf, eps=1e-20, clamp_value=clamp, save_for_backward=save)
+    assert len(got) == len(want)
+    for name, a, b in zip(got._fields, got, want):
+      if b is None:
+        assert a is None, name
+      else:
+        assert_bitwise_equal(a, b, name)
+  assert 0 < np.mean(dd >= clamp) < 1
 
 
 def test_gate_fwd_kernel_choice():
@@ -328,6 +366,21 @@ def test_gate_kernels_lower_for_h100(t, d, m, bwd_kernels):
                           implementation="pallas")
     assert "mosaic_gpu" in lower_for_h100(f, *args).as_text()
   assert _bwd_kernel_calls(t, d, m) == bwd_kernels
+
+
+# The flat kernel's two forms lowered for an H100 through the op, both save values: above PRELOAD_MAX_VALUES (D =
+# 3072, 4096 at M = 4) each stream's three sums in one cross-warp reduction (a barrier pair: 2·M bar.sync per
+# token), at or below it (2048) in three (6·M).
+@pytest.mark.parametrize("t, d, bar_syncs", [(8001, 3072, 8), (4001, 4096, 8), (8001, 4096, 8), (8001, 2048, 24)])
+def test_gate_fwd_flat_kernel_forms_lower_for_h100(monkeypatch, t, d, bar_syncs):
+  assert not _gate.fwd_rows_applies(d, 4) and not _gate.fwd_tma_applies(d)
+  modules = capture_mosaic_modules(monkeypatch)
+  b16 = sds((t, 4, d), jnp.bfloat16)
+  for save in (True, False):
+    f = functools.partial(engram.engram_gate_fwd, eps=1e-20, clamp_value=1e-6, save_for_backward=save,
+                          implementation="pallas")
+    lower_for_h100(f, b16, b16, sds((t, d), jnp.bfloat16), sds((4, d), jnp.float32))
+  assert [module.count("bar.sync") for module in modules] == [bar_syncs] * 2
 
 
 def test_gate_fwd_flat_kernel_lowers_for_h100():
