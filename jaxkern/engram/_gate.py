@@ -30,7 +30,10 @@ Kernels (the thresholds next to the module's constants say which measurement cho
   4096`` at ``M = 4``) the rows stream by stream, each stream's three sums in one cross-warp reduction and ``x``,
   ``v`` held as packed bf16 (fewer registers); a ``D`` such as 2560 with ``M % 4 != 0`` in a 2048-column chunk of
   16-byte vectors and a 512-column chunk of 8-byte ones (:func:`jaxkern._layouts.flat_chunks`). ``wf``
-  (``4·M·D`` bytes) is re-read for every token (from the caches).
+  (``4·M·D`` bytes) is re-read for every token (from the caches). The saved ``(T, M)`` float32 intermediates
+  (``save``): the rows kernel stores them after the token's output, from lane 0 of each stream's warp; the flat
+  kernel (``M`` = 2 or 4) at the token's end as one ``M``-wide vector per array from one thread; the TMA kernel (and
+  the flat kernel at other ``M``) each stream's scalars after its output, from every thread.
 * Backward, one pass (:func:`gate_bwd_fused_kernel`, where :func:`fused_applies`: 16-byte vectors,
   ``D <= FUSED_MAX_D``, ``M <= 4``): persistent CTAs over token ranges, whole rows (:func:`block_rows_layout`);
   per token ``dldg = Σ go·v`` of all streams in one reduction, ``G`` (docs/engram.md, "Gate"), then
@@ -88,7 +91,13 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith as arith_d
+from jaxlib.mlir.dialects import llvm as llvm_d
+from jaxlib.mlir.dialects import memref as memref_d
+from jaxlib.mlir.dialects import vector as vector_d
 
 from jaxkern import _config
 from jaxkern._layouts import NO_AUTO_BARRIERS, flat_chunks, flat_layout
@@ -354,6 +363,118 @@ def _fwd_out_type(t, m, d, save):
   return (jax.ShapeDtypeStruct((t, m, d), jnp.bfloat16),) + (jax.ShapeDtypeStruct((t, m), jnp.float32),) * (4 * save)
 
 
+_SCALAR = plgpu.Layout.WG_SPLAT(shape=())  # a scalar operand of inline Mosaic GPU code
+
+
+def _compiled(interpret) -> bool:
+  """Whether a kernel runs compiled for the GPU (``interpret`` None or False), where inline Mosaic GPU code
+  (``plgpu.inline_mgpu``) can run; interpret mode cannot run it."""
+  return interpret is None or interpret is False
+
+
+def _first_thread():
+  """(Inline Mosaic GPU) the i1 ``thread index % 128 == 0``: thread 0 of its warpgroup."""
+  i32 = ir.IntegerType.get_signless(32)
+  tid = arith_d.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
+  return arith_d.cmpi(arith_d.CmpIPredicate.eq, tid, mgpu_utils.c(0, i32))
+
+
+def _store_rows_one_thread(refs, i, rows):
+  """``refs[r][i, :] = rows[r]`` (``(T, M)`` float32 arrays, ``rows[r]`` ``M`` warpgroup-uniform float32 scalars,
+  ``M`` = 2 or 4) as one ``M``-wide vector store per array (``st.global.v4.f32`` at ``M = 4``) from thread 0 of the
+  warpgroup only (inline Mosaic GPU: GPU only). The store assumes the ABI alignment of ``vector<M x f32>`` (``4·M``
+  bytes), which row ``i`` has: it starts at ``4·M·i`` bytes of its array."""
+  n, m = len(refs), len(rows[0])
+
+  @plgpu.inline_mgpu(arg_types=((plgpu.RefType(),) * n, _SCALAR, ((_SCALAR,) * m,) * n))
+  def body(_, refs_, i_, rows_):
+    i32, i64, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.F32Type.get()
+    with mgpu_utils.when(_first_thread()):
+      first = arith_d.muli(arith_d.extui(i64, i_.registers.item()), mgpu_utils.c(m, i64))
+      for ref, row in zip(refs_, rows_):
+        vec = llvm_d.mlir_undef(ir.VectorType.get((m,), f32))
+        for e, val in enumerate(row):
+          vec = llvm_d.insertelement(vec, val.registers.item(), mgpu_utils.c(e, i32))
+        llvm_d.store(vec, mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [first], f32))
+
+  body(tuple(refs), jnp.asarray(i, jnp.int32), tuple(tuple(r) for r in rows))
+
+
+def _replicated_row_layout(m: int):
+  """A ``(M,)`` float32 register layout held whole (one ``M``-wide vector) by every thread of the warpgroup."""
+  return plgpu.Layout.TILED(mgpu_fa.Tiling(((m,),)), (mgpu_fa.Replicated(4),), (mgpu_fa.Replicated(32),), -1)
+
+
+def _store_rows_all_threads(refs, i, rows):
+  """:func:`_store_rows_one_thread`'s stores in plain Pallas: every thread stores the same ``M``-wide vector of
+  each array (:func:`_replicated_row_layout`)."""
+  m = len(rows[0])
+  iota = plgpu.broadcasted_iota(jnp.int32, (m,), 0, layout=_replicated_row_layout(m))
+  for ref, row in zip(refs, rows):
+    vec = jnp.zeros((m,), jnp.float32)
+    for j, val in enumerate(row):
+      vec = jnp.where(iota == j, val, vec)
+    ref[i] = vec
+
+
+def saved_rows_apply(m: int) -> bool:
+  """Whether :func:`gate_fwd_flat_kernel` stores a token's saved scalars at its end as one ``M``-wide row per array
+  (:func:`_store_saved_rows`): ``M`` = 2 or 4 (8- or 16-byte vectors); otherwise each stream's four scalars after
+  its output, by every thread."""
+  return m in (2, 4)
+
+
+def _store_saved_rows(saved, i, streams, interpret):
+  """``dot``, ``gate``, ``rstd_x``, ``rstd_k`` ``[i, :]`` of the flat kernel (``saved``) from ``streams``, the ``M``
+  streams' ``(raw, g, rx, rk)`` (warpgroup-uniform float32 scalars), at the token's end: compiled, four ``M``-wide
+  vector stores by thread 0 of the warpgroup (:func:`_store_rows_one_thread`, 4 store requests per token at
+  ``M = 4``), instead of each stream's four scalars stored by every thread after its output (``16·M`` warp-level
+  store requests per token; counted, not profiled: at ``D = 2048`` about a tenth of the token's requests to L2,
+  against under 3% at 7168). In interpret mode, which
+  cannot run inline Mosaic GPU code, every thread stores the same rows (:func:`_store_rows_all_threads`): the same
+  values, so the same bits.
+
+  H200, 2026-11-30, M = 4, save=True, CUPTI, cold L2, one process, median of 20, two rounds, every output
+  bit-identical, µs every thread's scalar stores -> this: T=4001 D=2048 59.92 -> 57.62 (TileKernels about 58.3),
+  T=8001 D=2048 108.85 -> 104.38, T=8001 D=3072 155.42 -> 155.39, T=4001 D=3072 81.97 -> 81.81, T=8001 D=4096
+  205.48 -> 204.46, T=4001 D=4096 106.14 -> 105.60. Thread 0 storing the four scalars per stream instead (no
+  vectors): T=4001 / 8001 D=2048 59.16 / 107.32, but D=3072 85.26 / 164.08; every thread storing the rows
+  (:func:`_store_rows_all_threads`): D=2048 58.07 / 107.24. ptxas registers (save=True) 122 -> 121 at D=2048, 93 ->
+  94 at 3072, 109 at 4096. The TMA kernel (D=7168) keeps every thread's scalar stores: each of these forms was within
+  ±0.3% there."""
+  rows = [tuple(s[a] for s in streams) for a in range(len(saved))]
+  if _compiled(interpret):
+    _store_rows_one_thread(saved, i, rows)
+  else:
+    _store_rows_all_threads(saved, i, rows)
+
+
+def _store_rows_lane0(refs, i, vals, layout):
+  """``refs[r][i] = vals[r]`` for ``(M,)`` float32 arrays in ``layout`` (:func:`gate_fwd_rows_kernel`'s
+  ``stream_rows_layout().reduce((1,))``: a stream's value in every lane of its warp), stored by lane 0 of each warp
+  only (inline Mosaic GPU: GPU only), after the token's output stores.
+
+  H200, 2026-11-30, D=2560, M = 4, save=True, CUPTI, cold L2, one process, median of 20, two rounds, every output
+  bit-identical, µs all 32 lanes storing before the ``v`` load -> lane 0 after the output: T=4001 72.67 -> 70.96,
+  T=8001 137.46 -> 135.57; all lanes after the output 71.46 / 135.36, lane 0 before the ``v`` load 71.25 / 137.37.
+  ptxas registers 242 either way."""
+  n = len(refs)
+
+  @plgpu.inline_mgpu(arg_types=((plgpu.RefType(),) * n, _SCALAR, (layout,) * n))
+  def body(_, refs_, i_, vals_):
+    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+    lane = arith_d.remui(mgpu_utils.thread_idx(), mgpu_utils.c(32, i32))
+    with mgpu_utils.when(arith_d.cmpi(arith_d.CmpIPredicate.eq, lane, mgpu_utils.c(0, i32))):
+      row = arith_d.index_cast(index, i_.registers.item())
+      for ref, fa in zip(refs_, vals_):
+        for (col,), reg in zip(fa.layout.thread_idxs(fa.shape), fa.registers.flat):
+          for e in range(ir.VectorType(reg.type).shape[0]):
+            val = vector_d.extract(reg, [], [e])
+            memref_d.store(val, ref, [row, arith_d.addi(col, mgpu_utils.c(e, index)) if e else col])
+
+  body(tuple(refs), jnp.asarray(i, jnp.int32), tuple(vals))
+
+
 @functools.partial(jax.jit, static_argnames=("eps", "clamp_value", "save", "num_ctas", "interpret"))
 def gate_fwd_rows_kernel(x, k, v, wf, *, eps, clamp_value, save, num_ctas, interpret):
   """The forward with one warp per stream (:func:`stream_rows_layout`, ``M % 4 == 0``; ``T >= 1``) in
@@ -363,12 +484,16 @@ def gate_fwd_rows_kernel(x, k, v, wf, *, eps, clamp_value, save, num_ctas, inter
   in registers), their three row sums without any barrier, then ``out = bf16(x + g·v)`` with ``v`` loaded by
   every warp and ``x`` kept in registers (``D/32`` values of each row per thread). The next token's ``x`` and
   ``k`` (a ``lax.fori_loop`` carry) are loaded as soon as the row sums are done, so they are in flight during
-  the gate, the ``v`` load and the stores."""
+  the gate, the ``v`` load and the stores. With ``save`` the token's saved ``(M,)`` rows ``dot``, ``gate``,
+  ``rstd_x``, ``rstd_k`` are stored after its output, each stream's values by lane 0 of its warp
+  (:func:`_store_rows_lane0`, which gives the measurement; in interpret mode, which cannot run that inline Mosaic GPU
+  code, by plain stores of the same values)."""
   t, m, d = x.shape
   per = -(-t // num_ctas)
   lay = stream_rows_layout()
   rows, row_v = _tiled(lay), _tiled(lay.reduce((0,)))
   out_type = _fwd_out_type(t, m, d, save)
+  saved_layout, one_lane = _tiled(lay.reduce((1,))), _compiled(interpret)
 
   def load(ref, layout=rows):
     return plgpu.load(ref, layout=layout, optimized=False)
@@ -389,11 +514,13 @@ def gate_fwd_rows_kernel(x, k, v, wf, *, eps, clamp_value, save, num_ctas, inter
       g, rx, rk = _gate_of(raw, jnp.sum(xf * xf, axis=1), jnp.sum(kf * kf, axis=1), d=d, eps=eps,
                            clamp_value=clamp_value)
       ahead = x_k_of(i + 1)
-      if save:
-        dot_g, gate_g, rx_g, rk_g = saved
-        dot_g[i], gate_g[i], rx_g[i], rk_g[i] = raw, g, rx, rk
       vf = _f32(load(v_g.at[i], row_v))
       o_g[i] = (xf + g[:, None] * vf[None, :]).astype(jnp.bfloat16)
+      if save and one_lane:  # after the output (_store_rows_lane0 gives the measurement)
+        _store_rows_lane0(saved, i, (raw, g, rx, rk), saved_layout)
+      elif save:
+        for ref, val in zip(saved, (raw, g, rx, rk)):
+          ref[i] = val
       return ahead
 
     lax.fori_loop(start, end, token, x_k_of(start))
@@ -443,9 +570,15 @@ def gate_fwd_flat_kernel(x, k, v, wf, *, eps, clamp_value, save, interpret):
     ``D/128`` fewer registers per thread.
 
   The two forms give the same bits on the GPU (H200, D = 2048 / 3072 / 4096, every output); in interpret mode the
-  second sums in XLA's order (:func:`_three_sums`)."""
+  second sums in XLA's order (:func:`_three_sums`).
+
+  With ``save``, where :func:`saved_rows_apply` (``M`` = 2 or 4), the token's saved ``dot``, ``gate``, ``rstd_x``,
+  ``rstd_k`` rows are stored at its end, one ``M``-wide vector per array from thread 0 of the warpgroup
+  (:func:`_store_saved_rows`, which gives the measurement; in interpret mode, which cannot run that inline Mosaic
+  GPU code, the same rows from every thread); for other ``M`` each stream's four scalars after its output, by every
+  thread."""
   t, m, d = x.shape
-  preload = m * d <= PRELOAD_MAX_VALUES
+  preload, rows_at_end = m * d <= PRELOAD_MAX_VALUES, saved_rows_apply(m)
   chunks = [(off, n, flat_layout(vec) if preload else _tiled(block_rows_layout(128 * vec)))
             for off, n, vec in flat_chunks(d, 2)]
   inv_d, s = float(np.float32(1.0 / d)), float(np.float32(np.float64(d) ** -0.5))
@@ -459,6 +592,7 @@ def gate_fwd_flat_kernel(x, k, v, wf, *, eps, clamp_value, save, interpret):
                      compiler_params=NO_AUTO_BARRIERS)
   def kernel(x_g, k_g, v_g, w_g, o_g, *saved):
     i = lax.axis_index("t")
+    streams = []  # each stream's saved (raw, g, rx, rk), stored at the token's end (saved_rows_apply)
 
     def load_v():  # the second form's v: packed bf16, (1, n) blocks
       return [load(v_g.at[pl.ds(i, 1), pl.ds(off, n)], lay) for off, n, lay in chunks]
@@ -497,9 +631,13 @@ def gate_fwd_flat_kernel(x, k, v, wf, *, eps, clamp_value, save, interpret):
         vcs = [_f32(vb) for vb in vbs]
         for (off, n, _), (xb, _), vc in zip(chunks, xks, vcs):
           o_g[i, pl.ds(j, 1), pl.ds(off, n)] = (_f32_by_bits(xb) + g * vc).astype(jnp.bfloat16)
-      if save:
-        dot_g, gate_g, rx_g, rk_g = saved
-        dot_g[i, j], gate_g[i, j], rx_g[i, j], rk_g[i, j] = raw, g, rx, rk
+      if save and rows_at_end:
+        streams.append((raw, g, rx, rk))
+      elif save:
+        for ref, val in zip(saved, (raw, g, rx, rk)):
+          ref[i, j] = val
+    if streams:
+      _store_saved_rows(saved, i, streams, interpret)
 
   return kernel(x, k, v, wf)
 

@@ -13,6 +13,8 @@ benchmark's fwd+bwd check failed at T=8001 D=7168 with calc_diff 3.4e-5 without 
 Run with ``pytest -s`` to see the per-leaf table.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +25,7 @@ from jaxkern import _config, engram, modeling
 from jaxkern.engram import _gate
 from jaxkern.reference import engram as ref
 from jaxkern.testing import assert_bitwise_equal, assert_diff_below, calc_diff
-from tests.engram.test_ops import exact_bwd_inputs
+from tests.engram.test_ops import exact_bwd_inputs, exact_fwd_inputs
 from tests.engram.test_reference import gate_inputs
 
 EPS, CLAMP = 1e-20, 1e-6
@@ -164,3 +166,36 @@ def test_gate_fwd_flat_kernel_one_reduction_exact_gpu(key, t, d):
     if save:
       for a, b in zip(got[1:], want[1:]):
         assert_bitwise_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, m, d", [(4001, 4, 2048), (8001, 4, 2048), (4001, 4, 2560), (8001, 4, 2560),
+                                     (4001, 2, 2048), (5, 2, 2048), (7, 8, 512)])
+def test_gate_fwd_saved_exact_gpu(key, t, m, d):
+  """The forward's saved intermediates where one thread stores them: the flat kernel at ``M`` = 4 and 2 (thread 0
+  of the warpgroup, one ``M``-wide vector per array at the token's end; D = 3072 / 4096 in
+  :func:`test_gate_fwd_flat_kernel_one_reduction_exact_gpu`) and the rows kernel (lane 0 of each stream's warp,
+  after the output). On inputs whose row sums are exact in any order (:func:`tests.engram.test_ops.exact_fwd_inputs`):
+  ``dot`` as the reference's (the same exact sums, so every element in its place), ``rstd_x``, ``rstd_k`` and (where
+  ``dot != 0``: copysign against sign) ``gate_score`` within a few ulp of it (``rsqrt`` / ``sqrt`` / ``exp`` of
+  another compiler); the flat kernel's every output bit for bit as :func:`_gate.gate_fwd_tma_kernel`'s (the same
+  arithmetic, each stream's saved scalars stored by every thread)."""
+  x, k, v, wf = exact_fwd_inputs(key, t, m, d)
+  fwd = functools.partial(engram.engram_gate_fwd, eps=EPS, clamp_value=CLAMP, implementation="pallas")
+  got, want = jax.jit(fwd)(x, k, v, wf), jax.jit(functools.partial(ref.engram_gate_fwd, eps=EPS, clamp_value=CLAMP))(
+      x, k, v, wf)
+  dot = np.asarray(want.dot)
+  np.testing.assert_array_equal(np.asarray(got.dot), dot)
+  for name in ("rstd_x", "rstd_k"):
+    np.testing.assert_allclose(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), rtol=1e-5,
+                               err_msg=name)
+  nonzero = dot != 0
+  assert nonzero.mean() > 0.9
+  np.testing.assert_allclose(np.asarray(got.gate_score)[nonzero], np.asarray(want.gate_score)[nonzero], rtol=1e-5)
+  if _gate.fwd_rows_applies(d, m):
+    return
+  assert _gate.saved_rows_apply(m) and not _gate.fwd_tma_applies(d)
+  ctas = max(1, min(t, _gate.FWD_TMA_CTAS_PER_SM * _config.num_sms()))
+  tma = _gate.gate_fwd_tma_kernel(x, k, v, wf, eps=EPS, clamp_value=CLAMP, save=True, num_ctas=ctas, interpret=False)
+  for name, a, b in zip(got._fields, got, tma):
+    assert_bitwise_equal(a, b, name)

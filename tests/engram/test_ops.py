@@ -157,8 +157,9 @@ def exact_fwd_inputs(key, t, m, d):
 # The flat kernel bit for bit as the reference on exact inputs, both forms, with and without the saved
 # intermediates: M·D above PRELOAD_MAX_VALUES (stream by stream, one cross-warp reduction per stream, x and v as
 # packed bf16): D = 3072, 4096 at M = 4 (one 16-byte chunk), 3584 at M = 3 (a 16- and an 8-byte chunk); at or below
-# it (preloaded, three reductions per stream): 2048 at M = 4.
-@pytest.mark.parametrize("t, m, d", [(2, 4, 3072), (2, 4, 4096), (2, 3, 3584), (3, 4, 2048)])
+# it (preloaded, three reductions per stream): 2048 at M = 4 and 2. The saved rows: M-wide vectors at the token's end
+# (M = 4, 2: in interpret mode from every thread, _gate._store_rows_all_threads), else scalars (M = 3).
+@pytest.mark.parametrize("t, m, d", [(2, 4, 3072), (2, 4, 4096), (2, 3, 3584), (3, 4, 2048), (3, 2, 2048)])
 def test_gate_fwd_flat_kernel_bit_exact(key, t, m, d):
   assert not _gate.fwd_rows_applies(d, m) and not _gate.fwd_tma_applies(d)  # the flat kernel
   assert (m * d > _gate.PRELOAD_MAX_VALUES) == (d != 2048)
@@ -381,6 +382,70 @@ def test_gate_fwd_flat_kernel_forms_lower_for_h100(monkeypatch, t, d, bar_syncs)
                           implementation="pallas")
     lower_for_h100(f, b16, b16, sds((t, d), jnp.bfloat16), sds((4, d), jnp.float32))
   assert [module.count("bar.sync") for module in modules] == [bar_syncs] * 2
+
+
+def _thread_branches(module, n):
+  """``(line, body)`` of each ``scf.if`` of a lowered Mosaic GPU module (text) whose condition is ``thread index % n
+  == 0`` (the inline Mosaic GPU stores of one thread per warpgroup, ``n = 128``, or lane 0 per warp, ``n = 32``):
+  the line of the ``scf.if`` and the lines of its region."""
+  lines = module.splitlines()
+  defs = {m.group(1): m.group(2) for m in (re.match(r"\s*(%\w+) = (.*)", line) for line in lines) if m}
+  found = []
+  for a, line in enumerate(lines):
+    head = re.match(r"(\s*)scf\.if (%\w+) \{$", line)
+    cond = head and re.match(r"arith\.cmpi eq, (%\w+), %c0_i32", defs.get(head.group(2), ""))
+    if cond and re.match(rf"arith\.remui %\w+, %c{n}_i32", defs.get(cond.group(1), "")):
+      end = next(b for b in range(a + 1, len(lines)) if lines[b].startswith(head.group(1) + "}"))
+      found.append((a, lines[a + 1:end]))
+  return found
+
+
+# The flat kernel's saved intermediates lowered for an H100 through the op (D = 2048 preloaded; 3072, 4096 stream by
+# stream): at M = 4 and 2 one M-wide float32 vector store per saved array, four in all, all inside one branch of
+# thread 0 of the warpgroup (_gate._store_saved_rows), and no scalar store; at M = 3 each stream's four scalars by
+# every thread. None of these at save=False.
+@pytest.mark.parametrize("t, m, d", [(4001, 4, 2048), (8001, 4, 3072), (4001, 4, 4096), (64, 2, 2048), (64, 3, 2048)])
+def test_gate_fwd_flat_kernel_saved_stores_lower_for_h100(monkeypatch, t, m, d):
+  assert not _gate.fwd_rows_applies(d, m) and not _gate.fwd_tma_applies(d)
+  modules = capture_mosaic_modules(monkeypatch)
+  b16 = sds((t, m, d), jnp.bfloat16)
+  for save in (True, False):
+    f = functools.partial(engram.engram_gate_fwd, eps=1e-20, clamp_value=1e-6, save_for_backward=save,
+                          implementation="pallas")
+    lower_for_h100(f, b16, b16, sds((t, d), jnp.bfloat16), sds((m, d), jnp.float32))
+  with_save, without = modules
+  vector_store = re.compile(rf"llvm\.store %\w+, %\w+ : vector<{m}xf32>, !llvm\.ptr")
+  branches = _thread_branches(with_save, 128)
+  if _gate.saved_rows_apply(m):
+    assert len(branches) == 1
+    assert sum(bool(vector_store.search(line)) for line in branches[0][1]) == 4
+    assert len(vector_store.findall(with_save)) == 4 and "memref.store" not in with_save
+  else:
+    assert not branches and not vector_store.search(with_save)
+    assert with_save.count("memref.store") == 4 * m and f"memref<{t}x{m}xf32>" in with_save
+  assert not _thread_branches(without, 128) and not vector_store.search(without) and "memref.store" not in without
+
+
+# The rows kernel's saved intermediates lowered for an H100 through the op (D = 2560 and 512, M = 4 and 8): stored by
+# lane 0 of each warp (_gate._store_rows_lane0: one branch, a scalar store per saved array and row of the warp's),
+# after the token's output stores; none at save=False.
+@pytest.mark.parametrize("t, m, d", [(4001, 4, 2560), (8001, 4, 2560), (64, 8, 512)])
+def test_gate_fwd_rows_kernel_saved_stores_lower_for_h100(monkeypatch, t, m, d):
+  assert _gate.fwd_rows_applies(d, m)
+  modules = capture_mosaic_modules(monkeypatch)
+  b16 = sds((t, m, d), jnp.bfloat16)
+  for save in (True, False):
+    f = functools.partial(engram.engram_gate_fwd, eps=1e-20, clamp_value=1e-6, save_for_backward=save,
+                          implementation="pallas")
+    lower_for_h100(f, b16, b16, sds((t, d), jnp.bfloat16), sds((m, d), jnp.float32))
+  with_save, without = modules
+  (line, body), = _thread_branches(with_save, 32)
+  stores = [s for s in body if "memref.store" in s]
+  assert len(stores) == 4 * (m // 4) and all(f"memref<{t}x{m}xf32>" in s for s in stores)
+  assert with_save.count("memref.store") == len(stores) and ": vector<1xf32>, !llvm.ptr" not in with_save
+  outputs = [a for a, s in enumerate(with_save.splitlines()) if re.search(r"llvm\.store .* : vector<8xbf16>", s)]
+  assert outputs and max(outputs) < line  # after the output stores
+  assert not _thread_branches(without, 32) and "memref.store" not in without
 
 
 def test_gate_fwd_flat_kernel_lowers_for_h100():
