@@ -125,11 +125,27 @@ def run(op: str, implementation: str | None, *, kernel: Callable[[bool], Any] | 
   logger.debug("%s: %s (%s)", op, d.path, d.reason)
   for record in getattr(_recorders, "stack", ()):
     record.append(d)
-  if d.path in ("pallas", "interpret"):
-    return kernel(d.path == "interpret")
+  if d.path == "pallas":
+    return kernel(False)
+  if d.path == "interpret":
+    return _finished_if_eager(kernel(True))
   if d.path == "reference" and reference is not None:
     return reference()
   return xla()
+
+
+def _finished_if_eager(result):
+  """``result`` of an interpret-mode kernel, waited for when it is concrete (called outside ``jax.jit``).
+
+  Pallas interpret mode runs a Mosaic GPU kernel's threads in host callbacks that dispatch JAX operations
+  themselves. If the caller dispatches more eager operations while those callbacks still run, the CPU client can
+  deadlock: on a 2-core CI machine (2026-11-30) a test hung for over 15 minutes, one callback thread waiting in
+  ``apply_primitive`` and the main thread in an eager comparison on the kernel's output. Waiting for the result
+  before returning it keeps eager calls in order. Under ``jax.jit`` the result is a tracer and is returned as is.
+  """
+  if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(result)):
+    return result
+  return jax.block_until_ready(result)
 
 
 @contextlib.contextmanager

@@ -156,3 +156,18 @@ def test_shape_checks_stay_on_when_chex_asserts_are_off():
       jaxkern.engram.fused_weight(wh, we, implementation="xla")
   finally:
     chex.enable_asserts()
+
+
+def test_interpret_results_are_finished_when_called_eagerly(monkeypatch):
+  # Interpret mode's host callbacks dispatch JAX operations; an eager caller gets a finished result (so its next
+  # eager operations cannot interleave with the kernel's callbacks), a jitted caller its tracer untouched.
+  from jaxkern import _dispatch
+  waited = []
+  monkeypatch.setattr(jax, "block_until_ready", lambda r: waited.append(r) or r)
+  x = jnp.arange(8.0)
+  run = functools.partial(_dispatch.run, "op", "interpret", xla=lambda: None)
+  assert run(kernel=lambda interpret: (x * 2, x)) is waited[0]
+  jax.jit(lambda y: run(kernel=lambda interpret: y * 2))(x)
+  assert len(waited) == 1
+  assert _dispatch.run("op", "reference", kernel=lambda interpret: x, xla=lambda: x) is x
+  assert len(waited) == 1
