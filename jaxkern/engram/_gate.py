@@ -366,12 +366,6 @@ def _fwd_out_type(t, m, d, save):
 _SCALAR = plgpu.Layout.WG_SPLAT(shape=())  # a scalar operand of inline Mosaic GPU code
 
 
-def _compiled(interpret) -> bool:
-  """Whether a kernel runs compiled for the GPU (``interpret`` None or False), where inline Mosaic GPU code
-  (``plgpu.inline_mgpu``) can run; interpret mode cannot run it."""
-  return interpret is None or interpret is False
-
-
 def _first_thread():
   """(Inline Mosaic GPU) the i1 ``thread index % 128 == 0``: thread 0 of its warpgroup."""
   i32 = ir.IntegerType.get_signless(32)
@@ -443,7 +437,7 @@ def _store_saved_rows(saved, i, streams, interpret):
   94 at 3072, 109 at 4096. The TMA kernel (D=7168) keeps every thread's scalar stores: each of these forms was within
   ±0.3% there."""
   rows = [tuple(s[a] for s in streams) for a in range(len(saved))]
-  if _compiled(interpret):
+  if not interpret:  # inline Mosaic GPU code cannot run in interpret mode
     _store_rows_one_thread(saved, i, rows)
   else:
     _store_rows_all_threads(saved, i, rows)
@@ -493,7 +487,7 @@ def gate_fwd_rows_kernel(x, k, v, wf, *, eps, clamp_value, save, num_ctas, inter
   lay = stream_rows_layout()
   rows, row_v = _tiled(lay), _tiled(lay.reduce((0,)))
   out_type = _fwd_out_type(t, m, d, save)
-  saved_layout, one_lane = _tiled(lay.reduce((1,))), _compiled(interpret)
+  saved_layout, one_lane = _tiled(lay.reduce((1,))), not interpret
 
   def load(ref, layout=rows):
     return plgpu.load(ref, layout=layout, optimized=False)

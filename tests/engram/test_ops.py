@@ -400,6 +400,17 @@ def _thread_branches(module, n):
   return found
 
 
+def _fwd_modules_with_and_without_save(monkeypatch, t, m, d):
+  """The Mosaic modules of ``engram_gate_fwd`` lowered for an H100 at ``(T, M, D)``, with and without ``save``."""
+  modules = capture_mosaic_modules(monkeypatch)
+  b16 = sds((t, m, d), jnp.bfloat16)
+  for save in (True, False):
+    f = functools.partial(engram.engram_gate_fwd, eps=1e-20, clamp_value=1e-6, save_for_backward=save,
+                          implementation="pallas")
+    lower_for_h100(f, b16, b16, sds((t, d), jnp.bfloat16), sds((m, d), jnp.float32))
+  return modules
+
+
 # The flat kernel's saved intermediates lowered for an H100 through the op (D = 2048 preloaded; 3072, 4096 stream by
 # stream): at M = 4 and 2 one M-wide float32 vector store per saved array, four in all, all inside one branch of
 # thread 0 of the warpgroup (_gate._store_saved_rows), and no scalar store; at M = 3 each stream's four scalars by
@@ -407,13 +418,7 @@ def _thread_branches(module, n):
 @pytest.mark.parametrize("t, m, d", [(4001, 4, 2048), (8001, 4, 3072), (4001, 4, 4096), (64, 2, 2048), (64, 3, 2048)])
 def test_gate_fwd_flat_kernel_saved_stores_lower_for_h100(monkeypatch, t, m, d):
   assert not _gate.fwd_rows_applies(d, m) and not _gate.fwd_tma_applies(d)
-  modules = capture_mosaic_modules(monkeypatch)
-  b16 = sds((t, m, d), jnp.bfloat16)
-  for save in (True, False):
-    f = functools.partial(engram.engram_gate_fwd, eps=1e-20, clamp_value=1e-6, save_for_backward=save,
-                          implementation="pallas")
-    lower_for_h100(f, b16, b16, sds((t, d), jnp.bfloat16), sds((m, d), jnp.float32))
-  with_save, without = modules
+  with_save, without = _fwd_modules_with_and_without_save(monkeypatch, t, m, d)
   vector_store = re.compile(rf"llvm\.store %\w+, %\w+ : vector<{m}xf32>, !llvm\.ptr")
   branches = _thread_branches(with_save, 128)
   if _gate.saved_rows_apply(m):
@@ -432,13 +437,7 @@ def test_gate_fwd_flat_kernel_saved_stores_lower_for_h100(monkeypatch, t, m, d):
 @pytest.mark.parametrize("t, m, d", [(4001, 4, 2560), (8001, 4, 2560), (64, 8, 512)])
 def test_gate_fwd_rows_kernel_saved_stores_lower_for_h100(monkeypatch, t, m, d):
   assert _gate.fwd_rows_applies(d, m)
-  modules = capture_mosaic_modules(monkeypatch)
-  b16 = sds((t, m, d), jnp.bfloat16)
-  for save in (True, False):
-    f = functools.partial(engram.engram_gate_fwd, eps=1e-20, clamp_value=1e-6, save_for_backward=save,
-                          implementation="pallas")
-    lower_for_h100(f, b16, b16, sds((t, d), jnp.bfloat16), sds((m, d), jnp.float32))
-  with_save, without = modules
+  with_save, without = _fwd_modules_with_and_without_save(monkeypatch, t, m, d)
   (line, body), = _thread_branches(with_save, 32)
   stores = [s for s in body if "memref.store" in s]
   assert len(stores) == 4 * (m // 4) and all(f"memref<{t}x{m}xf32>" in s for s in stores)
