@@ -44,7 +44,9 @@ steps per tile in a persistent grid of two CTAs per SM, each walking its tiles w
 SMEM (the next two tiles' loads in flight while one is reduced and cast; a one-shot CTA of :func:`_split_kernel` has
 loads in flight only before its first step). H200 (2026-11-30), :func:`_split_kernel` -> :func:`_ring_kernel`:
 ``4096x4096`` 15.46 -> 15.06 µs, ``8064x2048`` 15.28 -> 14.70, ``8064x3072`` 23.04 -> 20.51, ``8064x7168`` 45.31 ->
-44.45; slower up to ``4096x3072`` (12.26 -> 12.66; all figures at :data:`RING_MIN_ELEMENTS`).
+44.45; slower up to ``4096x3072`` (12.26 -> 12.66; all figures at :data:`RING_MIN_ELEMENTS`). From
+:data:`TICKET_MIN_ELEMENTS` elements on its CTAs take their tiles by ticket from a counter, so the SMs whose loads
+arrive sooner take more of them (H200, 2026-11-30: ``8064x7168`` 45.14 -> 43.12 µs, ``8064x6144`` 38.53 -> 37.34).
 
 The Mosaic GPU kernels take the e4m3 maximum as a one-element constant operand, broadcast in registers
 (:func:`_max_operand`): an ``(C,)`` constant became an XLA broadcast kernel before every call. NVIDIA H200 (CUPTI,
@@ -83,8 +85,10 @@ from jax import lax
 from jax.experimental import checkify
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as plt
+from jaxlib.mlir import ir
 
 from jaxkern import _checks, _config, _dispatch, _ieee
 from jaxkern._layouts import NO_AUTO_BARRIERS, row_layout
@@ -341,26 +345,101 @@ RING_MIN_ELEMENTS = 14 * 2**20
 # (H200, 2026-11-30).
 _RING_CTAS_PER_SM = 2
 _RING_STAGES = 3
+# From this many elements on, per_channel_cast's ring takes its tiles by ticket (_ring_kernel's ``tickets``) instead
+# of each CTA walking tiles b, b + G, ... NVIDIA H200, 2026-11-30 (runner, CUPTI, cold L2, fixed tiles and tickets
+# alternating, two runs of each in one process group), µs, fixed -> tickets: 8064x7168 45.14 / 45.22 -> 43.12 /
+# 43.28, 8064x6144 38.53 -> 37.34 / 37.34, 8064x4096 26.51 / 26.61 -> 26.10 / 26.11, 4096x7168 (28 Mi elements)
+# 23.97 / 23.92 -> 23.68 / 23.74; level at 8064x3072 (20.62 / 20.59 -> 20.58 / 20.67) and 4096x6144 (20.89 / 20.72
+# -> 20.77 / 20.91), slower at 8064x2560 (17.66 / 17.60 -> 17.94 / 17.79), where a CTA takes fewer than 5 tiles.
+# Every output bit-identical.
+TICKET_MIN_ELEMENTS = 28 * 2**20
+_STATIC_STEPS = 3  # steps of the ticket ring whose tiles are fixed (b, b + G, b + 2G); later: 3G + a ticket
+_TICKETS_HELD = 8  # entries of the SMEM ring of published tile numbers (one per step, reused 8 steps later)
+_SCALAR = plgpu.Layout.WG_SPLAT(shape=())  # a scalar operand or result of inline Mosaic GPU code
 
 
-@functools.partial(jax.jit, static_argnames=("round_sf", "interpret"))
-def _ring_kernel(x, *, round_sf, interpret=False):
+def _on_thread0(ptx: str, *operands, result: bool = False):
+  """(Inline Mosaic GPU) ``ptx`` run by thread 0 of the CTA only, its instructions predicated on ``p``; the thread
+  index is operand ``$0`` (``$1`` with an int32 ``result``, which is ``$0`` then), ``operands`` follow."""
+  tid = "$1" if result else "$0"
+  text = f"{{\n.reg .pred p;\nsetp.eq.u32 p, {tid}, 0;\n{ptx}\n}}"
+  if not result:
+    return mgpu_utils.inline_ptx(text, mgpu_utils.thread_idx(), *operands, has_side_effects=True)
+  value = mgpu_utils.inline_ptx(text, mgpu_utils.thread_idx(), *operands, result_types=ir.IntegerType.get_signless(32),
+                                has_side_effects=True)
+  return mgpu_fa.FragmentedArray.splat(value, (), layout=mgpu_fa.WGSplatFragLayout(shape=()), is_signed=True)
+
+
+def _reset_counter(counter):
+  """Thread 0 of the CTA: ``counter[0] = 0`` (``atom.exch``, at L2). GPU only."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def body(_, counter_):
+    _on_thread0("@p atom.global.exch.b32 _, [$1], 0;", mgpu_utils.memref_ptr(counter_))
+
+  body(counter)
+
+
+def _take_ticket(counter):
+  """Thread 0 of the CTA: the next ticket of ``counter`` (``atom.global.add``: 0, 1, ... in the order the CTAs
+  ask), a scalar only thread 0 holds (the other threads' copy is undefined); first used a step later
+  (:func:`_publish_ticket`), which hides the atomic's latency. GPU only."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=_SCALAR))
+  def body(_, counter_):
+    return _on_thread0("@p atom.global.add.u32 $0, [$2], 1;", mgpu_utils.memref_ptr(counter_), result=True)
+
+  return body(counter)
+
+
+def _publish_ticket(tile_s, index, ticket):
+  """Thread 0 of the CTA: ``tile_s[index] = ticket`` (SMEM). GPU only."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SCALAR, _SCALAR))
+  def body(_, tile_s_, index_, ticket_):
+    i32 = ir.IntegerType.get_signless(32)
+    entry = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(tile_s_), [index_.registers.item()], i32)
+    _on_thread0("@p st.shared.u32 [$1], $2;", entry, ticket_.registers.item())
+
+  body(tile_s, jnp.asarray(index, jnp.int32), ticket)
+
+
+@functools.partial(jax.jit, static_argnames=("round_sf", "tickets", "interpret"))
+def _ring_kernel(x, *, round_sf, tickets=False, interpret=False):
   """:func:`_split_kernel` made persistent: ``(out (M, K) e4m3, sf (M/128, K) float32)`` for a plain bf16 ``x``
   ``(M, K)`` (``M % 128 == 0``, ``K % 64 == 0``).
 
   :data:`_RING_CTAS_PER_SM` CTAs per SM (``G = min(tiles, CTAs per SM x SMs)``, the SM count from
   :func:`jaxkern._config.num_sms`) walk the ``(128, c)`` tiles (128 columns, 64 where 128 does not divide ``K``;
-  column tiles fastest; CTA ``b`` takes tiles ``b, b + G, ...``), each warpgroup with a ring of
-  :data:`_RING_STAGES` TMA-loaded slots for its 64 rows, so the loads of the next ``stages - 1`` tiles are in flight
-  while a tile's maxima, scales and cast run. Per tile the steps are :func:`_split_kernel`'s (two warpgroups of 64
-  rows, :func:`_cast_warpgroup_rows`), bit for bit.
+  column tiles fastest), each warpgroup with a ring of :data:`_RING_STAGES` TMA-loaded slots for its 64 rows, so the
+  loads of the next ``stages - 1`` tiles are in flight while a tile's maxima, scales and cast run. Per tile the
+  steps are :func:`_split_kernel`'s (two warpgroups of 64 rows, :func:`_cast_warpgroup_rows`), bit for bit.
+
+  Which tiles a CTA takes: CTA ``b`` takes tiles ``b, b + G, ...``, and each warpgroup loads its own half of them.
+  With ``tickets`` (GPU only) steps 0-2 keep that order and every later tile is ``3G +`` a ticket from a counter in
+  GMEM, so a CTA whose loads arrive sooner takes more tiles: with fixed tiles the SMs finish up to a third of the run
+  apart (a trace of 8064x7168 on an H200, 2026-11-30: an SM's last tile ends between 31 and 45 µs). Thread 0 takes a
+  ticket right after its wait in step ``t`` (:func:`_take_ticket`) and publishes it in SMEM at the top of step
+  ``t + 1`` (:func:`_publish_ticket`) as the tile of step ``t + 3``, which warpgroup 0 then loads, both halves, after
+  a warpgroup barrier; the CTA stops at the first step whose tile is out of range (tickets only grow).
+
+  The counter is a 4-byte output of the kernel (dropped), set to 0 by CTA 0 as it starts (:func:`_reset_counter`),
+  so no XLA op runs before the kernel: a buffer zeroed by XLA was a memcpy before every call, which cost more than
+  the tickets saved (H200, 2026-11-30: 200 calls back to back, 53-61 µs a call at 8064x7168 against 50-53 with
+  fixed tiles). A CTA takes its first ticket once its first tile has arrived, about 1.5 µs or more after the CTAs
+  start within 0.2 µs of each other (the same trace), so after the reset. Were a ticket ever taken before it (the
+  reset is not synchronised), the results stay exact: the fixed steps cover tiles ``0 .. 3G - 1``; CTA 0 takes
+  tickets only after its own reset, so every later value is handed out; a ticket from the unset counter stops its
+  CTA or repeats a tile, with the same bits.
 
   Slot reuse: the fetch of tile ``t + stages - 1`` (at the top of step ``t``) overwrites the slot read in step
   ``t - 1``; every thread of the CTA arrived at the ``joined`` barrier of step ``t - 1`` after its SMEM reads of
   that slot (their values feed its partial maxima), and the issuing thread waited on it. The partial maxima
   alternate between two SMEM buffers (a warpgroup past the barrier of step ``t`` writes its partials of step
   ``t + 1`` while the other may still read those of step ``t``); ``inv_s`` rows are per warpgroup and written only
-  after the next ``joined`` wait, which every thread of the CTA reaches after its reads of the previous row."""
+  after the next ``joined`` wait, which every thread of the CTA reaches after its reads of the previous row. A
+  published tile number (``tile_s``) is read two steps later, after two ``joined`` barriers, and rewritten
+  :data:`_TICKETS_HELD` steps later."""
   m, k = x.shape
   r, nwg, stages = _ROWS, 2, _RING_STAGES
   h = r // nwg
@@ -371,52 +450,104 @@ def _ring_kernel(x, *, round_sf, interpret=False):
   lay = _warp_rows_layout(h // 4, c, x.dtype.itemsize)
   per_thread = _per_thread(c)
   untiled = (plgpu.TilingTransform((1, 64)),)
+  ticket_scratch = dict(tile_s=plgpu.SMEM((_TICKETS_HELD,), jnp.int32)) if tickets else {}
+  counter_type = (jax.ShapeDtypeStruct((1,), jnp.int32),) if tickets else ()
 
   @functools.partial(
       plgpu.kernel, grid=(ctas,), grid_names=("cta",), num_threads=nwg, thread_name="wg",
       interpret=_config.mosaic_interpret(interpret),
-      out_type=(jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m // r, k), jnp.float32)),
+      out_type=(jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m // r, k), jnp.float32),
+                *counter_type),
       scratch_types=dict(x_s=plgpu.SMEM((stages, nwg, 4, h // 4, c), x.dtype, transforms=untiled),
                          part_s=plgpu.SMEM((2, 4 * nwg, c), jnp.float32), inv_s=plgpu.SMEM((nwg, c), jnp.float32),
-                         bar=plgpu.Barrier(num_arrivals=4, num_barriers=stages * nwg),
+                         **ticket_scratch, bar=plgpu.Barrier(num_arrivals=4, num_barriers=stages * nwg),
                          joined=plgpu.Barrier(num_arrivals=nwg)),
       compiler_params=NO_AUTO_BARRIERS)
-  def kernel(x_g, c_g, o_g, sf_g, x_s, part_s, inv_s, bar, joined):
+  def kernel(x_g, c_g, o_g, sf_g, *counter, x_s, part_s, inv_s, bar, joined, tile_s=None):
     cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
-    count = (tiles - cta + ctas - 1) // ctas  # tiles of this CTA (at least one: ctas <= tiles)
 
-    def where(t):  # step t of this CTA -> (row tile, column tile)
-      tile = cta + t * ctas
-      return tile // gj, tile % gj
+    def load(t, tile, half):  # rows ``half`` (of 64) of ``tile`` into slot t % stages, one box per warp's rows
+      i, j = tile // gj, tile % gj
+      s = t % stages
+      for w in range(4):
+        plgpu.copy_gmem_to_smem(x_g.at[pl.ds(i * r + half * h + w * (h // 4), h // 4), pl.ds(j * c, c)],
+                                x_s.at[s, half, w], bar.at[s * nwg + half])
 
-    def fetch(t):  # this warpgroup's 64 rows of step t's tile into slot t % stages, one box per warp's rows
-      @pl.when(t < count)
-      def _():
-        i, j = where(t)
-        s = t % stages
-        for w in range(4):
-          plgpu.copy_gmem_to_smem(x_g.at[pl.ds(i * r + wg * h + w * (h // 4), h // 4), pl.ds(j * c, c)],
-                                  x_s.at[s, wg, w], bar.at[s * nwg + wg])
-
-    for t in range(stages - 1):
-      fetch(t)
-    maxv = _max_vector(c_g, c, per_thread)  # the same for every tile: read once
-
-    def body(t, carry):
-      fetch(t + stages - 1)
-      i, j = where(t)
+    def step(t, tile, after_wait=lambda: None):  # maxima, scales and cast of ``tile``, which step t loaded
+      i, j = tile // gj, tile % gj
       s = t % stages
       plgpu.barrier_wait(bar.at[s * nwg + wg])
+      taken = after_wait()
       view = x_s.at[s, wg]
       v = view[...] if interpret else plgpu.load(view, layout=lay)
       _cast_warpgroup_rows(v, maxv, o_g, sf_g, part_s.at[t % 2], inv_s, joined, i=i, wg=wg,
                            rows=pl.ds(i * r + wg * h, h), cols=pl.ds(j * c, c), lay=lay, per_thread=per_thread,
                            round_sf=round_sf, interpret=interpret)
-      return carry
+      return taken
 
-    lax.fori_loop(0, count, body, 0)
+    if not tickets:
+      count = (tiles - cta + ctas - 1) // ctas  # tiles of this CTA (at least one: ctas <= tiles)
 
-  return kernel(x, _max_operand())
+      def fetch(t):  # this warpgroup's half of step t's tile
+        @pl.when(t < count)
+        def _():
+          load(t, cta + t * ctas, wg)
+
+      for t in range(stages - 1):
+        fetch(t)
+      maxv = _max_vector(c_g, c, per_thread)  # the same for every tile: read once
+
+      def body(t, carry):
+        fetch(t + stages - 1)
+        step(t, cta + t * ctas)
+        return carry
+
+      lax.fori_loop(0, count, body, 0)
+      return
+
+    (counter,) = counter
+
+    @pl.when(cta == 0)
+    def _():
+      _reset_counter(counter)  # long before any CTA takes a ticket: each does after its first tile has arrived
+
+    def tile_of(t):
+      return jnp.where(t < _STATIC_STEPS, cta + t * ctas, _STATIC_STEPS * ctas + tile_s[t % _TICKETS_HELD])
+
+    def in_range(tile):
+      return (tile >= 0) & (tile < tiles)
+
+    def fetch_both(t):  # warpgroup 0: both halves of step t's tile, if there is one
+      tile = tile_of(t)
+
+      @pl.when(in_range(tile))
+      def _():
+        for half in range(nwg):
+          load(t, tile, half)
+
+    @pl.when(wg == 0)
+    def _():
+      for t in range(stages - 1):
+        fetch_both(t)
+
+    maxv = _max_vector(c_g, c, per_thread)
+
+    def body(carry):
+      t, ticket = carry
+      tile, ahead = tile_of(t), t + stages - 1
+      # The ticket taken in step t - 1 is step t + 2's tile (at t = 0 the entry is unused: step 2's tile is fixed).
+      _publish_ticket(tile_s, ahead % _TICKETS_HELD, ticket)
+
+      @pl.when(wg == 0)
+      def _():
+        plgpu.commit_smem()  # the published ticket, seen by the whole warpgroup
+        fetch_both(ahead)
+
+      return t + 1, step(t, tile, after_wait=lambda: _take_ticket(counter))
+
+    lax.while_loop(lambda carry: in_range(tile_of(carry[0])), body, (jnp.int32(0), jnp.int32(0)))
+
+  return kernel(x, _max_operand())[:2]
 
 
 # Largest K for which per_channel_cast of bf16 runs :func:`_split_register_kernel` (above it :func:`_split_kernel`,
@@ -673,7 +804,7 @@ def per_channel_cast(x: jax.typing.ArrayLike, fmt: str, num_per_tokens: int, *, 
     ValueError: another ``fmt`` or ``num_per_tokens``, another rank or dtype (bool included), ``M`` /
       ``K`` not multiples of 128 / 64, a non-array ``x``.
 
-  Mosaic GPU kernels (H200, 2026-11-30: ``8064x7168`` bf16 44.45 µs; 45.9 µs, 2.4x XLA, on 2026-11-29 before the
+  Mosaic GPU kernels (H200, 2026-11-30: ``8064x7168`` bf16 43.1 µs, 2.6x XLA; 45.9 µs on 2026-11-29 before the
   persistent kernel; module docstring). XLA instead of a kernel: only zero-size arrays.
 
   Non-finite inputs give the reference's bits: the column maxima propagate NaN, so a NaN makes
@@ -708,7 +839,8 @@ def _plain_kernel(x, round_sf, interpret):
   # bit-exact on the card (4096x2048, 4096x704, non-finite inputs, round_sf). From RING_MIN_ELEMENTS on the
   # persistent form of the two-warpgroup kernel is faster.
   if x.size >= RING_MIN_ELEMENTS:
-    return _ring_kernel(x, round_sf=round_sf, interpret=interpret)
+    tickets = x.size >= TICKET_MIN_ELEMENTS and not interpret  # interpret mode cannot run the tickets' PTX
+    return _ring_kernel(x, round_sf=round_sf, tickets=tickets, interpret=interpret)
   return _split_kernel(x, round_sf=round_sf, interpret=interpret)
 
 

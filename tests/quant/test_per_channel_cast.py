@@ -358,10 +358,12 @@ def test_non_finite_inputs_gpu(key, round_sf):
 
 def test_kernel_choice():
   """bf16 with K <= DIRECT_MAX_K: the two-warpgroup register kernel; wider: the two-warpgroup TMA kernel, from
-  RING_MIN_ELEMENTS elements on its persistent form; float32: the one-warpgroup TMA kernel."""
+  RING_MIN_ELEMENTS elements on its persistent form, which takes tiles by ticket from TICKET_MIN_ELEMENTS on;
+  float32: the one-warpgroup TMA kernel."""
   from jaxkern.testing import lower_for_h100
 
   assert 4096 * 3072 < module.RING_MIN_ELEMENTS <= 8064 * 2048  # the measured shapes on either side
+  assert 4096 * 6144 < module.TICKET_MIN_ELEMENTS <= 4096 * 7168  # the measured shapes on either side
   m_ring = -(-module.RING_MIN_ELEMENTS // (2048 * 128)) * 128  # the fewest rows of 2048 columns taking the ring
   for m, k, dtype, kernel in ((256, 576, jnp.bfloat16, "_split_register_kernel"),
                               (256, 320, jnp.bfloat16, "_split_register_kernel"),
@@ -376,10 +378,12 @@ def test_kernel_choice():
     f = lambda x: quant.per_channel_cast(x, "e4m3", 128, implementation="pallas")
     text = lower_for_h100(f, jax.ShapeDtypeStruct((m, k), dtype)).as_text()
     assert set(re.findall(r"@(_\w*kernel)\b", text)) == {kernel}, (m, k, dtype)
+    tickets = kernel == "_ring_kernel" and m * k >= module.TICKET_MIN_ELEMENTS
+    assert ("atom.global.add" in text) == tickets, (m, k, dtype)
     outside = "\n".join(line for line in text.splitlines() if "mosaic_gpu" not in line)
     assert "broadcast_in_dim" not in outside  # the kernels' constant operand: no XLA kernel before them
     # nor a uniform constant of more than one element, which XLA rewrites into a broadcast kernel
-    assert re.findall(r"stablehlo\.constant dense<[^>]*> : tensor<([0-9x]+)xf32>", outside) == ["1"], (m, k, dtype)
+    assert re.findall(r"stablehlo\.constant dense<[^>]*> : tensor<([0-9x]+)x\w+>", outside) == ["1"], (m, k, dtype)
 
 
 # The register kernel of bf16 per_channel_cast (two warpgroups of 64 rows, 64-column tiles): K = 576, and K = 64 x odd
@@ -472,13 +476,16 @@ def test_ring_kernel_bit_exact(key, monkeypatch, m, k, sms, round_sf):
   assert calls and set(calls) == {(m, k)}  # traced at least once (a trace of the same shape is reused)
 
 
-@pytest.mark.parametrize("m, k", [(8064, 7168), (8064, 2048), (8064, 2112)])  # 8064x2112: 64-column tiles
+# 8064x2112, 8064x3776: 64-column tiles; 8064x3776 and 8064x7168 take tiles by ticket (GPU only: interpret mode runs
+# the same steps with fixed tiles)
+@pytest.mark.parametrize("m, k", [(8064, 7168), (8064, 2048), (8064, 2112), (8064, 3776)])
 def test_ring_kernel_lowers_for_h100(m, k):
   from jaxkern.testing import lower_for_h100
   for round_sf in (False, True):
     f = lambda x: quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf, implementation="pallas")
     text = lower_for_h100(f, jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).as_text()
     assert set(re.findall(r"@(_\w*kernel)\b", text)) == {"_ring_kernel"}
+    assert ("atom.global.add" in text) == (m * k >= module.TICKET_MIN_ELEMENTS)
 
 
 @pytest.mark.gpu
@@ -494,12 +501,31 @@ def test_split_kernel_gpu(key, m, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, k", [(8064, 2048), (4096, 4096), (8064, 7168), (8064, 2112)])
+@pytest.mark.parametrize("m, k", [(8064, 2048), (4096, 4096), (8064, 7168), (8064, 2112), (8064, 3776)])
 def test_ring_kernel_gpu(key, m, k):
-  """The persistent two-warpgroup kernel (from RING_MIN_ELEMENTS elements on; 8064x2112 in 64-column tiles),
-  compiled, against the reference compiled by XLA, with and without round_sf: random values with non-finite ones in
-  the first and the last tile (:func:`_non_finite_ends`)."""
+  """The persistent two-warpgroup kernel (from RING_MIN_ELEMENTS elements on; by ticket from TICKET_MIN_ELEMENTS
+  on: 8064x7168 and 8064x3776; 8064x2112 and 8064x3776 in 64-column tiles), compiled, against the reference compiled
+  by XLA, with and without round_sf: random values with non-finite ones in the first and the last tile
+  (:func:`_non_finite_ends`)."""
   assert m * k >= module.RING_MIN_ELEMENTS and k > module.DIRECT_MAX_K
+  x = _non_finite_ends(key, m, k)
+  for round_sf in (False, True):
+    want = jax.jit(lambda x: ref.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))(x)
+    got = jax.jit(lambda x: quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))(x)
+    _assert_quant_equal(got, want)
+    _check_non_finite_semantics(got, round_sf)
+
+
+# The ticket ring on few SMs (TICKET_MIN_ELEMENTS and RING_MIN_ELEMENTS lowered to 0), so that a few CTAs take
+# hundreds of tickets each and the SMEM ring of published tickets wraps many times: 1024x2048 on 1 SM (2 CTAs, 128
+# tiles), 1152x2112 on 3 SMs (6 CTAs, 297 tiles of 64 columns), 256x256 on 66 SMs (more CTAs than tiles: G = 4).
+# Shapes no other test compiles (the SM count is read when the kernel is traced).
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, sms", [(1024, 2048, 1), (1152, 2112, 3), (256, 256, 66)], ids=str)
+def test_ring_kernel_tickets_gpu(key, monkeypatch, m, k, sms):
+  monkeypatch.setattr(module, "RING_MIN_ELEMENTS", 0)
+  monkeypatch.setattr(module, "TICKET_MIN_ELEMENTS", 0)
+  monkeypatch.setattr(jaxkern._config, "num_sms", lambda: sms)
   x = _non_finite_ends(key, m, k)
   for round_sf in (False, True):
     want = jax.jit(lambda x: ref.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))(x)
