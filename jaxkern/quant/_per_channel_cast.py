@@ -424,9 +424,9 @@ def _ring_kernel(x, *, round_sf, tickets=False, interpret=False):
   a warpgroup barrier; the CTA stops at the first step whose tile is out of range (tickets only grow).
 
   The counter is a 4-byte output of the kernel (dropped), set to 0 by CTA 0 as it starts (:func:`_reset_counter`),
-  so no XLA op runs before the kernel: a buffer zeroed by XLA was a memcpy before every call, which cost more than
-  the tickets saved (H200, 2026-11-30: 200 calls back to back, 53-61 µs a call at 8064x7168 against 50-53 with
-  fixed tiles). A CTA takes its first ticket once its first tile has arrived, about 1.5 µs or more after the CTAs
+  so no XLA op runs before the kernel: a buffer zeroed by XLA is a device-to-device copy before every call, which
+  CUPTI's kernel times do not show (H200, 2026-11-30: 200 calls back to back took 53-61 µs a call at 8064x7168
+  with it, 50-53 with fixed tiles; host-bound timing). A CTA takes its first ticket once its first tile has arrived, about 1.5 µs or more after the CTAs
   start within 0.2 µs of each other (the same trace), so after the reset. Were a ticket ever taken before it (the
   reset is not synchronised), the results stay exact: the fixed steps cover tiles ``0 .. 3G - 1``; CTA 0 takes
   tickets only after its own reset, so every later value is handed out; a ticket from the unset counter stops its
