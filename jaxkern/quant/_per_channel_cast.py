@@ -426,11 +426,11 @@ def _ring_kernel(x, *, round_sf, tickets=False, interpret=False):
   The counter is a 4-byte output of the kernel (dropped), set to 0 by CTA 0 as it starts (:func:`_reset_counter`),
   so no XLA op runs before the kernel: a buffer zeroed by XLA is a device-to-device copy before every call, which
   CUPTI's kernel times do not show (H200, 2026-11-30: 200 calls back to back took 53-61 µs a call at 8064x7168
-  with it, 50-53 with fixed tiles; host-bound timing). A CTA takes its first ticket once its first tile has arrived, about 1.5 µs or more after the CTAs
-  start within 0.2 µs of each other (the same trace), so after the reset. Were a ticket ever taken before it (the
-  reset is not synchronised), the results stay exact: the fixed steps cover tiles ``0 .. 3G - 1``; CTA 0 takes
-  tickets only after its own reset, so every later value is handed out; a ticket from the unset counter stops its
-  CTA or repeats a tile, with the same bits.
+  with it, 50-53 with fixed tiles; host-bound timing). A CTA takes its first ticket once its first tile has
+  arrived, about 1.5 µs or more after the CTAs start within 0.2 µs of each other (the same trace), so after the
+  reset. Were a ticket ever taken before it (the reset is not synchronised), the results stay exact: the fixed
+  steps cover tiles ``0 .. 3G - 1``; CTA 0 takes tickets only after its own reset, so every later value is handed
+  out; a ticket from the unset counter stops its CTA or repeats a tile, with the same bits.
 
   Slot reuse: the fetch of tile ``t + stages - 1`` (at the top of step ``t``) overwrites the slot read in step
   ``t - 1``; every thread of the CTA arrived at the ``joined`` barrier of step ``t - 1`` after its SMEM reads of
