@@ -500,6 +500,15 @@ def test_split_kernel_gpu(key, m, k):
     _assert_quant_equal(jax.jit(lambda x: quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))(x), want)
 
 
+def _check_compiled_against_reference(x):
+  """per_channel_cast of ``x``, compiled, against the reference compiled by XLA, with and without round_sf."""
+  for round_sf in (False, True):
+    want = jax.jit(lambda x: ref.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))(x)
+    got = jax.jit(lambda x: quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))(x)
+    _assert_quant_equal(got, want)
+    _check_non_finite_semantics(got, round_sf)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, k", [(8064, 2048), (4096, 4096), (8064, 7168), (8064, 2112), (8064, 3776)])
 def test_ring_kernel_gpu(key, m, k):
@@ -508,12 +517,7 @@ def test_ring_kernel_gpu(key, m, k):
   by XLA, with and without round_sf: random values with non-finite ones in the first and the last tile
   (:func:`_non_finite_ends`)."""
   assert m * k >= module.RING_MIN_ELEMENTS and k > module.DIRECT_MAX_K
-  x = _non_finite_ends(key, m, k)
-  for round_sf in (False, True):
-    want = jax.jit(lambda x: ref.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))(x)
-    got = jax.jit(lambda x: quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))(x)
-    _assert_quant_equal(got, want)
-    _check_non_finite_semantics(got, round_sf)
+  _check_compiled_against_reference(_non_finite_ends(key, m, k))
 
 
 # The ticket ring on few SMs (TICKET_MIN_ELEMENTS and RING_MIN_ELEMENTS lowered to 0), so that a few CTAs take
@@ -526,9 +530,4 @@ def test_ring_kernel_tickets_gpu(key, monkeypatch, m, k, sms):
   monkeypatch.setattr(module, "RING_MIN_ELEMENTS", 0)
   monkeypatch.setattr(module, "TICKET_MIN_ELEMENTS", 0)
   monkeypatch.setattr(jaxkern._config, "num_sms", lambda: sms)
-  x = _non_finite_ends(key, m, k)
-  for round_sf in (False, True):
-    want = jax.jit(lambda x: ref.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))(x)
-    got = jax.jit(lambda x: quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))(x)
-    _assert_quant_equal(got, want)
-    _check_non_finite_semantics(got, round_sf)
+  _check_compiled_against_reference(_non_finite_ends(key, m, k))
