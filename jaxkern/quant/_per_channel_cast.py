@@ -299,7 +299,14 @@ def _split_kernel(x, *, round_sf, interpret=False):
   the maxima of the 8 partials one column per thread and computes the scale factors (both warpgroups the same
   bits; warpgroup 0 stores the sf), passes ``sf_inv`` through its own SMEM row to its layout and casts its rows
   straight from registers to GMEM. 128-column tiles, 64 where 128 does not divide ``K``; no automatic warpgroup
-  barriers. Interpret mode reads and writes the refs whole instead of in the layout (the same values)."""
+  barriers. Interpret mode reads and writes the refs whole instead of in the layout (the same values).
+
+  Row tiles are the grid's fastest axis, as TileKernels launches its CTAs. NVIDIA H200, 2026-11-30 (runner, CUPTI,
+  cold L2, the two orders alternating, two runs each in each of two calls), µs, column tiles fastest -> row tiles
+  fastest: 4096x2048 8.96 / 8.88 / 9.06 / 9.02 -> 8.82 / 8.78 / 8.80 / 8.93, 4096x2560 10.61 / 10.64 / 10.58 / 10.62
+  -> 10.43 / 10.53 / 10.62 / 10.46, 4096x3072 12.24 / 12.32 / 12.26 / 12.29 -> 12.00 / 12.13 / 11.94 / 11.84.
+  :func:`_ring_kernel` keeps column tiles fastest: row tiles fastest there took 1-4% longer in the same call
+  (8064x7168 43.02 / 43.17 -> 44.93 / 45.38, 4096x4096 14.66 / 14.59 -> 14.90 / 14.94)."""
   m, k = x.shape
   r, nwg = _ROWS, 2
   h = r // nwg
@@ -309,7 +316,7 @@ def _split_kernel(x, *, round_sf, interpret=False):
   untiled = (plgpu.TilingTransform((1, 64)),)  # row-major (see jaxkern.quant._per_block_cast._untiled)
 
   @functools.partial(
-      plgpu.kernel, grid=(k // c, m // r), grid_names=("j", "i"), num_threads=nwg, thread_name="wg",
+      plgpu.kernel, grid=(m // r, k // c), grid_names=("i", "j"), num_threads=nwg, thread_name="wg",
       interpret=_config.mosaic_interpret(interpret),
       out_type=(jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m // r, k), jnp.float32)),
       scratch_types=dict(x_s=plgpu.SMEM((nwg, 4, h // 4, c), x.dtype, transforms=untiled),
@@ -572,13 +579,15 @@ def _split_register_kernel(x, *, round_sf, interpret=False):
   warpgroup) each warpgroup takes the maximum of the 8 partials one column per thread and computes the scale
   factors (the same bits in both; warpgroup 0 stores the sf), passes ``sf_inv`` through its own SMEM row to its
   layout and casts its rows, still in registers, straight to GMEM (:func:`_split_kernel` without the TMA load).
-  64-column tiles (:data:`_REGISTER_COLS`); no automatic warpgroup barriers. Interpret mode reads and writes the refs
-  whole instead of in the layout (the same values).
+  64-column tiles (:data:`_REGISTER_COLS`), row tiles fastest in the grid (as :func:`_split_kernel`); no automatic
+  warpgroup barriers. Interpret mode reads and writes the refs whole instead of in the layout (the same values).
 
   NVIDIA H200, 2026-11-29 (runner, CUPTI, cold L2), µs, against the one-warpgroup register kernel it replaced
   (128-column tiles, a 64-column last one; TileKernels in brackets): ``4096x576`` 4.70 -> 4.38 (4.53), ``8064x576``
   6.66 -> 6.33 (6.30); bit-exact on the card, non-finite inputs and ``round_sf`` included. With 128-column tiles
-  (a 64-column last one) this kernel took 4.38 at ``4096x576`` but 7.20 at ``8064x576``.
+  (a 64-column last one) this kernel took 4.38 at ``4096x576`` but 7.20 at ``8064x576``. Row tiles fastest instead
+  of column tiles (H200, 2026-11-30, two calls, two runs of each order in each): ``8064x576`` 6.40 / 6.34 / 6.43 /
+  6.37 -> 6.11 / 6.19 / 6.26 / 6.14, ``4096x576`` 4.42 / 4.42 / 4.51 / 4.45 -> 4.42 / 4.42 / 4.42 / 4.51.
   """
   m, k = x.shape
   r, c, nwg = _ROWS, _REGISTER_COLS, 2
@@ -587,7 +596,7 @@ def _split_register_kernel(x, *, round_sf, interpret=False):
   per_thread = _per_thread(c)
 
   @functools.partial(
-      plgpu.kernel, grid=(k // c, m // r), grid_names=("j", "i"), num_threads=nwg, thread_name="wg",
+      plgpu.kernel, grid=(m // r, k // c), grid_names=("i", "j"), num_threads=nwg, thread_name="wg",
       interpret=_config.mosaic_interpret(interpret),
       out_type=(jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m // r, k), jnp.float32)),
       scratch_types=dict(part_s=plgpu.SMEM((4 * nwg, c), jnp.float32), inv_s=plgpu.SMEM((nwg, c), jnp.float32),
