@@ -541,6 +541,18 @@ def _wide_tile(e, c0, r0, t0, *, wg, wm, bn, ks, stages, first_cols_cases, x_s, 
       plgpu.copy_smem_to_gmem(out_s.at[wg], o_g.at[pl.ds(pl.multiple_of(r0, wm), wm), pl.ds(c0, bn)])
 
 
+def _check_wide_tile(bn: int) -> None:
+  """A ``bn``-column tile of the 192-column kernels must straddle at most two 128-column weight-scale blocks from
+  every first column it can start at (a multiple of ``gcd(bn, 128)``): ``bn - gcd(bn, 128) <= 128``, so ``bn`` is 160
+  or 192 (224 would start 96 columns into a block and reach a third; 256 divides into whole blocks, the 128-column
+  kernels' case). H200, 2026-11-30 (CUPTI, cold L2, M = 32768, two rounds of 10), TF/s, ``"pair192_r32"`` against
+  ``bn = 160``: G = 4 / 8, N = 7168, K = 2048 1303.5 / 1303.9 against 1233.4 / 1233.8 (45 column tiles of which 0.4%
+  are computed twice instead of 38 and 1.8%; 5 ring stages instead of 4: 1219); G = 8, N = 4096, K = 7168
+  (``"pair192"``) 1307.3 against 1257.1; bit-identical."""
+  if not (BLOCK < bn < 2 * BLOCK and bn % 32 == 0 and bn - np.gcd(bn, BLOCK) <= BLOCK):
+    raise ValueError(f"bn={bn}: the 192-column kernels take 160 or 192 columns per tile")
+
+
 def _tile_w_scales_loader(wsf_g, sw_s, sw_full, sw_free, *, ks, expert_index=lambda e: e):
   """The memory warpgroup's hooks (``on_item``, ``on_end`` of :func:`_ring_memory_warpgroup`) for SMEM weight
   scales: per loaded item the TMA of the tile's two rows of weight scales (column blocks ``c0 // 128`` and the next,
@@ -598,7 +610,7 @@ def _wide_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_
   """
   m, k = xq.shape
   _, n, _ = wq.shape
-  assert BLOCK < bn < 2 * BLOCK and bn % 32 == 0, bn
+  _check_wide_tile(bn)
   if n < bn:
     return _ring_kernel(block_expert, xq, sfx_t, wq, wsf, out_dtype=out_dtype, interpret=interpret, num_sms=num_sms,
                         stages=stages)
@@ -732,7 +744,7 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
   cluster = 2  # CTAs per cluster: one row block each
   m, k = xq.shape
   g, n, _ = wq.shape
-  assert BLOCK < bn < 2 * BLOCK and bn % 32 == 0, bn
+  _check_wide_tile(bn)
   m_iters = m // BLOCK
   if n < bn or m_iters % cluster:
     return _wide_kernel(block_expert, xq, sfx_t, wq, wsf, out_dtype=out_dtype, interpret=interpret, num_sms=num_sms,

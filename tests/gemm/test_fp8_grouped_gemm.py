@@ -321,3 +321,12 @@ def test_default_variant_by_contraction():
   assert {_grouped.default_variant(k, n) for k in (1024, 2048, 4096, 7168) for n in (128, 1024, 2048, 4096, 7168)} \
       | {"simple"} == set(_grouped.VARIANTS)  # and the independent check
   assert [_grouped.half_row_group(t) for t in (1, 8, 16, 32, 56, 57, 59)] == [1, 8, 16, 16, 28, 19, 59]
+
+
+def test_wide_tile_widths():
+  # 160 and 192 columns straddle at most two weight-scale blocks from any first column; 224 could reach a third
+  for bn in (160, 192):
+    _grouped._check_wide_tile(bn)
+  for bn in (128, 176, 224, 256):
+    with pytest.raises(ValueError, match="160 or 192"):
+      _grouped._check_wide_tile(bn)
