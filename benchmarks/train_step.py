@@ -713,6 +713,10 @@ def main(argv=None) -> int:
   if counts and max(counts) > len(jax.devices()):
     print(f"--devices {args.devices}: only {len(jax.devices())} devices here", file=sys.stderr)
     raise SystemExit(2)
+  uneven = [n for n in counts if config.moe.num_experts % n]
+  if uneven:  # the routed experts are split over the devices
+    parser.error(f"--devices {args.devices}: {config.moe.num_experts} routed experts do not split over {uneven[0]} "
+                 f"devices (give --experts, a multiple of every count)")
   if counts:  # the sharded step splits the batch's sequences over the devices: one global batch for all counts
     multiple = args.batch_multiple or max(counts)
     batch_size = -(-batch_size // multiple) * multiple

@@ -669,8 +669,28 @@ def sharded_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array], mesh: Mesh,
 
 
 def shard_params(params: Any, mesh: Mesh, param_specs: Any) -> Any:
-  """``params`` placed on ``mesh`` with ``param_specs`` (``jax.device_put`` with ``NamedSharding``)."""
+  """``params`` placed on ``mesh`` with ``param_specs`` (``jax.device_put`` with ``NamedSharding``).
+
+  Raises:
+    ValueError: a param's dimension is not a multiple of the devices it is split over (e.g. routed experts on more
+      devices than there are experts, or not a multiple of them); the message names the param.
+  """
+  _check_divisible(params, dict(mesh.shape), param_specs)
   return jax.tree.map(lambda p, spec: jax.device_put(p, NamedSharding(mesh, spec)), params, param_specs)
+
+
+def _check_divisible(params: Any, axis_sizes: dict[str, int], param_specs: Any) -> None:
+  """Raises ``ValueError`` naming the first leaf of ``params`` whose dimension is not a multiple of the devices
+  (the product of ``axis_sizes`` over the mesh axes its ``PartitionSpec`` entry names) it is split over."""
+  def check(path, p, spec):
+    for dim, entry in enumerate(spec):
+      axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+      ways = math.prod(axis_sizes[a] for a in axes)
+      if ways > 1 and p.shape[dim] % ways:
+        raise ValueError(f"params{jax.tree_util.keystr(path)}: dimension {dim} of shape {tuple(p.shape)} is split "
+                         f"over mesh axes {axes} ({ways} devices) and is not a multiple of {ways}")
+
+  jax.tree_util.tree_map_with_path(check, params, param_specs)
 
 
 def init_optimizer_state(optimizer: Any, params: Any, mesh: Mesh, *,

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from tests.modeling.multi_device import EIGHT, mesh as _mesh, needs_8, run_8dev_tests
 from jaxkern.modeling import block
-from jaxkern.modeling.sharding import MoeEpParams, shard_params
+from jaxkern.modeling.sharding import MoeEpParams, _check_divisible, shard_params
 
 # A small block for the references (the kernels would need hidden >= 1024).
 CONFIG = block.BlockConfig(num_layers=1, hidden=256, vocab_size=32, engram_table_size=61, engram_embed_dim=8)
@@ -144,6 +144,28 @@ def test_errors():
   with pytest.raises(ValueError, match="router_bias_rate"):
     block.sharded_train_step(dataclasses.replace(CONFIG, router_bias_rate=0.01), optax.sgd(0.1), mesh,
                              expert_axis="data")
+
+  # 8 routed experts split over 16 / 3 / 2x3 devices: shard_params's check names the param (one device: no split)
+  ep = block.ep_params(block.init_block_params(jax.random.key(0), CONFIG), CONFIG)
+  specs = block.block_param_specs(ep, "data")
+  _check_divisible(ep, {"data": 8}, specs)
+  for sizes in ({"data": 16}, {"data": 3}):
+    with pytest.raises(ValueError, match=r"\.layers\[0\]\.moe\.w_gate: dimension 0 of shape \(8, 256, 128\)"):
+      _check_divisible(ep, sizes, specs)
+  two_axes = jax.tree.map(lambda spec: P(("data", "model")) if spec == P("data") else spec, specs,
+                          is_leaf=lambda x: isinstance(x, P))
+  _check_divisible(ep, {"data": 4, "model": 2}, two_axes)
+  with pytest.raises(ValueError, match=r"axes \('data', 'model'\) \(6 devices\)"):
+    _check_divisible(ep, {"data": 2, "model": 3}, two_axes)
+  ep_on_mesh = shard_params(ep, mesh, specs)
+  assert ep_on_mesh.layers[0].moe.w_gate.sharding.spec == P("data")
+
+
+@needs_8
+def test_shard_params_8dev_uneven():
+  expected = r"params\['w'\]: dimension 0 of shape \(4, 2\) is split over mesh axes \('data',\) \(8 devices\)"
+  with pytest.raises(ValueError, match=expected):
+    shard_params({"w": jnp.zeros((4, 2))}, _mesh((8,), ("data",)), {"w": P("data")})
 
 
 @needs_8
