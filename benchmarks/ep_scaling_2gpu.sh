@@ -21,11 +21,7 @@ if [ "$part" = A ]; then
   run 2gpu_t16k_ag 170 --devices 2 --batch 8 --no-split
   run 2gpu_t16k_a2a 170 --devices 2 --batch 8 --no-split --ep-exchange all_to_all
 elif [ "$part" = P ]; then  # how much of the exchange the chunks hide: the profile split, 1 and 2 chunks
-  for chunks in 1 2; do
-    timeout 250 python3 -m benchmarks.profile_step --config v3 --fp8-gemm --devices 2 --batch 8 \
-      --ep-capacity-factor 1.1 --ep-combine-dtype bfloat16 --grad-reduce-dtype bfloat16 --shard-optimizer \
-      --ep-exchange all_to_all --ep-exchange-chunks $chunks --rows $D/profile.jsonl > $D/profile_c$chunks.txt 2>&1
-  done
+  profile_chunks 2 8 250
 else
   run 2gpu_t16k_a2a_c2 150 --devices 2 --batch 8 --no-split --ep-exchange all_to_all --ep-exchange-chunks 2
   run 2gpu_t16k_a2a_split 220 --devices 2 --batch 8 --ep-exchange all_to_all --check

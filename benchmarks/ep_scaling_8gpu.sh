@@ -31,10 +31,6 @@ elif [ "$part" = C ]; then
   run 8gpu_t64k_a2a_split 260 --devices 8 --batch 32 --ep-exchange all_to_all
   run 8gpu_t16k_a2a_check 280 --devices 8 --batch 8 --no-split --ep-exchange all_to_all --check
 else  # how much of the exchange the chunks hide: the profile split, 1 and 2 chunks
-  for chunks in 1 2; do
-    timeout 270 python3 -m benchmarks.profile_step --config v3 --fp8-gemm --devices 8 --batch 32 \
-      --ep-capacity-factor $CAPACITY --ep-combine-dtype bfloat16 --grad-reduce-dtype bfloat16 --shard-optimizer \
-      --ep-exchange all_to_all --ep-exchange-chunks $chunks --rows $D/profile.jsonl > $D/profile_c$chunks.txt 2>&1
-  done
+  profile_chunks 8 32 270
 fi
 grep -h "^step \|GB/s\|check .*: \(ok\|FAIL\)" $D/*.txt > $D/summary_$part.txt

@@ -1,6 +1,7 @@
 # Sourced by benchmarks/ep_scaling_2gpu.sh and ep_scaling_4gpu.sh (set CAPACITY first): the call's part ($1, default
 # A), the output folder $OUT/a2a, the GPU and XLA setup, and run NAME TIMEOUT ARGS... (one benchmarks.train_step run
-# with the common flags, rows in $D/NAME.jsonl, its output in $D/NAME.txt, a line in $D/log_$part.txt).
+# with the common flags, rows in $D/NAME.jsonl, its output in $D/NAME.txt, a line in $D/log_$part.txt), and
+# profile_chunks DEVICES BATCH TIMEOUT (the profile split of the all-to-all step with 1 and 2 chunks).
 part=${1:-A}
 D=$OUT/a2a
 mkdir -p $D
@@ -15,4 +16,12 @@ run() {  # name, timeout, args...
   echo "== $name: $*" >> $D/log_$part.txt
   timeout $limit python3 -m benchmarks.train_step $COMMON "$@" --out $D/$name.jsonl > $D/$name.txt 2>&1
   echo "   exit $? at $(date +%T)" >> $D/log_$part.txt
+}
+profile_chunks() {  # devices, global batch, timeout: benchmarks/profile_step.py's split, rows in $D/profile.jsonl
+  local devices=$1 batch=$2 limit=$3 chunks
+  for chunks in 1 2; do
+    timeout $limit python3 -m benchmarks.profile_step --config v3 --fp8-gemm --devices $devices --batch $batch \
+      --ep-capacity-factor $CAPACITY --ep-combine-dtype bfloat16 --grad-reduce-dtype bfloat16 --shard-optimizer \
+      --ep-exchange all_to_all --ep-exchange-chunks $chunks --rows $D/profile.jsonl > $D/profile_c$chunks.txt 2>&1
+  done
 }
