@@ -23,30 +23,14 @@ of copy, 2.4x XLA), ``4096x576`` 5.6 µs (1.9x); the previous kernel (WGMMA-layo
 avoided by the same one-column-per-thread step) took 72.1 / 10.8 µs. Walking 2 or 4 column tiles per CTA through a
 TMA pipeline, 64- or 256-column tiles and the column-major grid order measured equal or slower.
 
-``per_channel_cast`` of a bf16 input with ``K <=`` :data:`DIRECT_MAX_K` runs :func:`_split_register_kernel`: the
-same three steps with each CTA's ``(128, 64)`` tile over two warpgroups of 64 rows, loaded straight from GMEM into
-registers (no TMA, no SMEM copy of the data) and kept there for step 3; the partial column maxima of the 8 warps meet
-in SMEM after one mbarrier. H200 (2026-11-29): ``4096x576`` 4.38 µs, ``8064x576`` 6.33 (TileKernels 4.53 / 6.30),
-against 4.70 / 6.66 for the one-warpgroup register kernel it replaced (128-column tiles) and 5.66 / 7.76 for the
-kernel above; from ``K = 2048`` the kernel above and the one below are faster than a one-warpgroup register kernel
-(10.00 against 10.51 µs at ``4096x2048``).
-
-Above :data:`DIRECT_MAX_K` ``per_channel_cast`` of a bf16 input with fewer than :data:`RING_MIN_ELEMENTS` elements
-runs :func:`_split_kernel`: the kernel above with each CTA's 128 rows over two warpgroups of 64 (TileKernels runs
-256 threads per 128-row tile). Each warp's rows reduce to partial column maxima in-thread and by lane shuffles; the
-8 partials of a column meet through SMEM after one CTA barrier (an mbarrier), and both warpgroups compute the same
-scale factors. H200 (2026-11-29), one -> two warpgroups: ``4096x2048`` 9.30 -> 8.93 µs, ``4096x7168`` 25.15 ->
-24.50, ``8064x7168`` 45.90 -> 45.86; never slower on the op's shapes above ``K = 576`` (all figures at
-:func:`_plain_kernel`).
-
-From :data:`RING_MIN_ELEMENTS` elements on (and ``K >`` :data:`DIRECT_MAX_K`) it runs :func:`_ring_kernel`, the same
-steps per tile in a persistent grid of two CTAs per SM, each walking its tiles with a ring of 3 TMA-loaded tiles in
-SMEM (the next two tiles' loads in flight while one is reduced and cast; a one-shot CTA of :func:`_split_kernel` has
-loads in flight only before its first step). H200 (2026-11-30), :func:`_split_kernel` -> :func:`_ring_kernel`:
-``4096x4096`` 15.46 -> 15.06 µs, ``8064x2048`` 15.28 -> 14.70, ``8064x3072`` 23.04 -> 20.51, ``8064x7168`` 45.31 ->
-44.45; slower up to ``4096x3072`` (12.26 -> 12.66; all figures at :data:`RING_MIN_ELEMENTS`). From
-:data:`TICKET_MIN_ELEMENTS` elements on its CTAs take their tiles by ticket from a counter, so the SMs whose loads
-arrive sooner take more of them (H200, 2026-11-30: ``8064x7168`` 45.14 -> 43.12 µs, ``8064x6144`` 38.53 -> 37.34).
+``per_channel_cast`` of a bf16 input runs :func:`_split_register_kernel`: the same three steps with each CTA's
+``(128, 128)`` tile (``(128, 64)`` where 128 does not divide ``K``) over two warpgroups of 64 rows (TileKernels runs
+256 threads per 128-row tile), loaded straight from GMEM into registers (no TMA, no SMEM copy of the data) and kept
+there for step 3; each warp's rows reduce to partial column maxima in-thread and by lane shuffles, the 8 partials
+of a column meet in SMEM after one mbarrier, and both warpgroups compute the same scale factors. H200 (2026-11-30,
+runner, three runs): ``4096x576`` 4.40-4.45 µs, ``4096x2048`` 8.62-8.74, ``8064x7168`` 43.09-43.33 (TileKernels 4.53 /
+8.73 / 46.19). From ``K = 2048`` it replaced a TMA-loaded form of the same steps and that form's persistent grid (a
+ring of tiles per CTA), which were level or slower on every shape of the op's grid (:data:`_REGISTER_COLS`).
 
 The Mosaic GPU kernels take the e4m3 maximum as a one-element constant operand, broadcast in registers
 (:func:`_max_operand`): an ``(C,)`` constant became an XLA broadcast kernel before every call. NVIDIA H200 (CUPTI,
@@ -85,10 +69,8 @@ from jax import lax
 from jax.experimental import checkify
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as plt
-from jaxlib.mlir import ir
 
 from jaxkern import _checks, _config, _dispatch, _ieee
 from jaxkern._layouts import NO_AUTO_BARRIERS, row_layout
@@ -288,309 +270,46 @@ def _cast_warpgroup_rows(v, maxv, o_g, sf_g, part_s, inv_s, joined, *, i, wg, ro
     o_g.at[rows, cols].reshape(4, h // 4, c)[...] = q
 
 
-@functools.partial(jax.jit, static_argnames=("round_sf", "interpret"))
-def _split_kernel(x, *, round_sf, interpret=False):
-  """:func:`_kernel` for a plain bf16 ``x`` ``(M, K)`` (``M % 128 == 0``, ``K % 64 == 0``; ``npt = 128``, no
-  transpose) with the CTA's 128 rows over two warpgroups of 64 rows: ``(out (M, K) e4m3, sf (M/128, K) float32)``.
-
-  Each warpgroup TMA-loads its half (four 16-row boxes), reads it in :func:`_warp_rows_layout` and writes its 4
-  warps' partial column maxima to SMEM (no cross-warp reduction by Mosaic GPU: its reduction scratch lies at one
-  SMEM address for every warpgroup); after a CTA barrier (an mbarrier every thread arrives at) each warpgroup takes
-  the maxima of the 8 partials one column per thread and computes the scale factors (both warpgroups the same
-  bits; warpgroup 0 stores the sf), passes ``sf_inv`` through its own SMEM row to its layout and casts its rows
-  straight from registers to GMEM. 128-column tiles, 64 where 128 does not divide ``K``; no automatic warpgroup
-  barriers. Interpret mode reads and writes the refs whole instead of in the layout (the same values).
-
-  Row tiles are the grid's fastest axis, as TileKernels launches its CTAs. NVIDIA H200, 2026-11-30 (runner, CUPTI,
-  cold L2, the two orders alternating, two runs each in each of two calls), µs, column tiles fastest -> row tiles
-  fastest: 4096x2048 8.96 / 8.88 / 9.06 / 9.02 -> 8.82 / 8.78 / 8.80 / 8.93, 4096x2560 10.61 / 10.64 / 10.58 / 10.62
-  -> 10.43 / 10.53 / 10.62 / 10.46, 4096x3072 12.24 / 12.32 / 12.26 / 12.29 -> 12.00 / 12.13 / 11.94 / 11.84.
-  :func:`_ring_kernel` keeps column tiles fastest: row tiles fastest there took 1-4% longer in the same call
-  (8064x7168 43.02 / 43.17 -> 44.93 / 45.38, 4096x4096 14.66 / 14.59 -> 14.90 / 14.94)."""
-  m, k = x.shape
-  r, nwg = _ROWS, 2
-  h = r // nwg
-  c = 128 if k % 128 == 0 else 64
-  lay = _warp_rows_layout(h // 4, c, x.dtype.itemsize)
-  per_thread = _per_thread(c)
-  untiled = (plgpu.TilingTransform((1, 64)),)  # row-major (see jaxkern.quant._per_block_cast._untiled)
-
-  @functools.partial(
-      plgpu.kernel, grid=(m // r, k // c), grid_names=("i", "j"), num_threads=nwg, thread_name="wg",
-      interpret=_config.mosaic_interpret(interpret),
-      out_type=(jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m // r, k), jnp.float32)),
-      scratch_types=dict(x_s=plgpu.SMEM((nwg, 4, h // 4, c), x.dtype, transforms=untiled),
-                         part_s=plgpu.SMEM((4 * nwg, c), jnp.float32), inv_s=plgpu.SMEM((nwg, c), jnp.float32),
-                         bar=plgpu.Barrier(num_arrivals=4, num_barriers=nwg), joined=plgpu.Barrier(num_arrivals=nwg)),
-      compiler_params=NO_AUTO_BARRIERS)
-  def kernel(x_g, c_g, o_g, sf_g, x_s, part_s, inv_s, bar, joined):
-    i, j, wg = lax.axis_index("i"), lax.axis_index("j"), lax.axis_index("wg")
-    cols, rows = pl.ds(j * c, c), pl.ds(i * r + wg * h, h)
-    for w in range(4):  # one TMA box per warp's rows: the buffer is the (4, h/4, c) view (no SMEM reshape lowers)
-      plgpu.copy_gmem_to_smem(x_g.at[pl.ds(i * r + wg * h + w * (h // 4), h // 4), cols], x_s.at[wg, w], bar.at[wg])
-    maxv = _max_vector(c_g, c, per_thread)
-    plgpu.barrier_wait(bar.at[wg])
-    view = x_s.at[wg]
-    v = view[...] if interpret else plgpu.load(view, layout=lay)
-    _cast_warpgroup_rows(v, maxv, o_g, sf_g, part_s, inv_s, joined, i=i, wg=wg, rows=rows, cols=cols, lay=lay,
-                         per_thread=per_thread, round_sf=round_sf, interpret=interpret)
-
-  return kernel(x, _max_operand())
-
-
-# per_channel_cast of bf16 above DIRECT_MAX_K runs :func:`_ring_kernel` from this many elements (M·K) on, below it
-# :func:`_split_kernel`. NVIDIA H200, 2026-11-30 (runner, CUPTI, cold L2, both kernels in the same run), µs,
-# _split_kernel -> _ring_kernel: M=4096: K=2048 8.93 -> 9.15, K=2560 10.70 -> 11.57, K=3072 12.26 -> 12.66 (12.6 M
-# elements, the largest where the ring was slower), K=4096 15.46 -> 15.06, K=6144 21.55 -> 20.75, K=7168 24.59 ->
-# 23.84; M=8064: K=2048 15.28 -> 14.70 (16.5 M elements, the smallest where it was faster), K=2560 18.16 -> 17.70,
-# K=3072 23.04 -> 20.51, K=4096 27.18 -> 26.51, K=6144 39.47 -> 38.46, K=7168 45.31 -> 44.45. Bit-exact on the card
-# (random inputs at all twelve shapes; non-finite inputs and round_sf at 8064x2048, 4096x4096, 8064x7168 and
-# 8064x2112). 64-column tiles (K not a multiple of 128) were not timed.
-RING_MIN_ELEMENTS = 14 * 2**20
-# CTAs per SM and TMA stages (128-row tiles in SMEM) per CTA of :func:`_ring_kernel`: 107 KiB of SMEM per CTA, two
-# CTAs resident per SM. One CTA per SM with 4 stages measured between _split_kernel and this on the shapes above
-# (H200, 2026-11-30).
-_RING_CTAS_PER_SM = 2
-_RING_STAGES = 3
-# From this many elements on, per_channel_cast's ring takes its tiles by ticket (_ring_kernel's ``tickets``) instead
-# of each CTA walking tiles b, b + G, ... NVIDIA H200, 2026-11-30 (runner, CUPTI, cold L2, fixed tiles and tickets
-# alternating, two runs of each in one process group), µs, fixed -> tickets: 8064x7168 45.14 / 45.22 -> 43.12 /
-# 43.28, 8064x6144 38.53 -> 37.34 / 37.34, 8064x4096 26.51 / 26.61 -> 26.10 / 26.11, 4096x7168 (28 Mi elements)
-# 23.97 / 23.92 -> 23.68 / 23.74; level at 8064x3072 (20.62 / 20.59 -> 20.58 / 20.67) and 4096x6144 (20.89 / 20.72
-# -> 20.77 / 20.91), slower at 8064x2560 (17.66 / 17.60 -> 17.94 / 17.79), where a CTA takes fewer than 5 tiles.
-# Every output bit-identical.
-TICKET_MIN_ELEMENTS = 28 * 2**20
-_STATIC_STEPS = 3  # steps of the ticket ring whose tiles are fixed (b, b + G, b + 2G); later: 3G + a ticket
-_TICKETS_HELD = 8  # entries of the SMEM ring of published tile numbers (one per step, reused 8 steps later)
-_SCALAR = plgpu.Layout.WG_SPLAT(shape=())  # a scalar operand or result of inline Mosaic GPU code
-
-
-def _on_thread0(ptx: str, *operands, result: bool = False):
-  """(Inline Mosaic GPU) ``ptx`` run by thread 0 of the CTA only, its instructions predicated on ``p``; the thread
-  index is operand ``$0`` (``$1`` with an int32 ``result``, which is ``$0`` then), ``operands`` follow."""
-  tid = "$1" if result else "$0"
-  text = f"{{\n.reg .pred p;\nsetp.eq.u32 p, {tid}, 0;\n{ptx}\n}}"
-  if not result:
-    return mgpu_utils.inline_ptx(text, mgpu_utils.thread_idx(), *operands, has_side_effects=True)
-  value = mgpu_utils.inline_ptx(text, mgpu_utils.thread_idx(), *operands, result_types=ir.IntegerType.get_signless(32),
-                                has_side_effects=True)
-  return mgpu_fa.FragmentedArray.splat(value, (), layout=mgpu_fa.WGSplatFragLayout(shape=()), is_signed=True)
-
-
-def _reset_counter(counter):
-  """Thread 0 of the CTA: ``counter[0] = 0`` (``atom.exch``, at L2). GPU only."""
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-  def body(_, counter_):
-    _on_thread0("@p atom.global.exch.b32 _, [$1], 0;", mgpu_utils.memref_ptr(counter_))
-
-  body(counter)
-
-
-def _take_ticket(counter):
-  """Thread 0 of the CTA: the next ticket of ``counter`` (``atom.global.add``: 0, 1, ... in the order the CTAs
-  ask), a scalar only thread 0 holds (the other threads' copy is undefined); first used a step later
-  (:func:`_publish_ticket`), which hides the atomic's latency. GPU only."""
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=_SCALAR))
-  def body(_, counter_):
-    return _on_thread0("@p atom.global.add.u32 $0, [$2], 1;", mgpu_utils.memref_ptr(counter_), result=True)
-
-  return body(counter)
-
-
-def _publish_ticket(tile_s, index, ticket):
-  """Thread 0 of the CTA: ``tile_s[index] = ticket`` (SMEM). GPU only."""
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _SCALAR, _SCALAR))
-  def body(_, tile_s_, index_, ticket_):
-    i32 = ir.IntegerType.get_signless(32)
-    entry = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(tile_s_), [index_.registers.item()], i32)
-    _on_thread0("@p st.shared.u32 [$1], $2;", entry, ticket_.registers.item())
-
-  body(tile_s, jnp.asarray(index, jnp.int32), ticket)
-
-
-@functools.partial(jax.jit, static_argnames=("round_sf", "tickets", "interpret"))
-def _ring_kernel(x, *, round_sf, tickets=False, interpret=False):
-  """:func:`_split_kernel` made persistent: ``(out (M, K) e4m3, sf (M/128, K) float32)`` for a plain bf16 ``x``
-  ``(M, K)`` (``M % 128 == 0``, ``K % 64 == 0``).
-
-  :data:`_RING_CTAS_PER_SM` CTAs per SM (``G = min(tiles, CTAs per SM x SMs)``, the SM count from
-  :func:`jaxkern._config.num_sms`) walk the ``(128, c)`` tiles (128 columns, 64 where 128 does not divide ``K``;
-  column tiles fastest), each warpgroup with a ring of :data:`_RING_STAGES` TMA-loaded slots for its 64 rows, so the
-  loads of the next ``stages - 1`` tiles are in flight while a tile's maxima, scales and cast run. Per tile the
-  steps are :func:`_split_kernel`'s (two warpgroups of 64 rows, :func:`_cast_warpgroup_rows`), bit for bit.
-
-  Which tiles a CTA takes: CTA ``b`` takes tiles ``b, b + G, ...``, and each warpgroup loads its own half of them.
-  With ``tickets`` (GPU only) steps 0-2 keep that order and every later tile is ``3G +`` a ticket from a counter in
-  GMEM, so a CTA whose loads arrive sooner takes more tiles: with fixed tiles the SMs finish up to a third of the run
-  apart (a trace of 8064x7168 on an H200, 2026-11-30: an SM's last tile ends between 31 and 45 µs). Thread 0 takes a
-  ticket right after its wait in step ``t`` (:func:`_take_ticket`) and publishes it in SMEM at the top of step
-  ``t + 1`` (:func:`_publish_ticket`) as the tile of step ``t + 3``, which warpgroup 0 then loads, both halves, after
-  a warpgroup barrier; the CTA stops at the first step whose tile is out of range (tickets only grow).
-
-  The counter is a 4-byte output of the kernel (dropped), set to 0 by CTA 0 as it starts (:func:`_reset_counter`),
-  so no XLA op runs before the kernel: a buffer zeroed by XLA is a device-to-device copy before every call, which
-  CUPTI's kernel times do not show (H200, 2026-11-30: 200 calls back to back took 53-61 µs a call at 8064x7168
-  with it, 50-53 with fixed tiles; host-bound timing). A CTA takes its first ticket once its first tile has
-  arrived, about 1.5 µs or more after the CTAs start within 0.2 µs of each other (the same trace), so after the
-  reset. Were a ticket ever taken before it (the reset is not synchronised), the results stay exact: the fixed
-  steps cover tiles ``0 .. 3G - 1``; CTA 0 takes tickets only after its own reset, so every later value is handed
-  out; a ticket from the unset counter stops its CTA or repeats a tile, with the same bits.
-
-  Slot reuse: the fetch of tile ``t + stages - 1`` (at the top of step ``t``) overwrites the slot read in step
-  ``t - 1``; every thread of the CTA arrived at the ``joined`` barrier of step ``t - 1`` after its SMEM reads of
-  that slot (their values feed its partial maxima), and the issuing thread waited on it. The partial maxima
-  alternate between two SMEM buffers (a warpgroup past the barrier of step ``t`` writes its partials of step
-  ``t + 1`` while the other may still read those of step ``t``); ``inv_s`` rows are per warpgroup and written only
-  after the next ``joined`` wait, which every thread of the CTA reaches after its reads of the previous row. A
-  published tile number (``tile_s``) is read two steps later, after two ``joined`` barriers, and rewritten
-  :data:`_TICKETS_HELD` steps later."""
-  m, k = x.shape
-  r, nwg, stages = _ROWS, 2, _RING_STAGES
-  h = r // nwg
-  c = 128 if k % 128 == 0 else 64
-  gj = k // c
-  tiles = (m // r) * gj
-  ctas = min(tiles, _RING_CTAS_PER_SM * _config.num_sms())
-  lay = _warp_rows_layout(h // 4, c, x.dtype.itemsize)
-  per_thread = _per_thread(c)
-  untiled = (plgpu.TilingTransform((1, 64)),)
-  ticket_scratch = dict(tile_s=plgpu.SMEM((_TICKETS_HELD,), jnp.int32)) if tickets else {}
-  counter_type = (jax.ShapeDtypeStruct((1,), jnp.int32),) if tickets else ()
-
-  @functools.partial(
-      plgpu.kernel, grid=(ctas,), grid_names=("cta",), num_threads=nwg, thread_name="wg",
-      interpret=_config.mosaic_interpret(interpret),
-      out_type=(jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m // r, k), jnp.float32),
-                *counter_type),
-      scratch_types=dict(x_s=plgpu.SMEM((stages, nwg, 4, h // 4, c), x.dtype, transforms=untiled),
-                         part_s=plgpu.SMEM((2, 4 * nwg, c), jnp.float32), inv_s=plgpu.SMEM((nwg, c), jnp.float32),
-                         **ticket_scratch, bar=plgpu.Barrier(num_arrivals=4, num_barriers=stages * nwg),
-                         joined=plgpu.Barrier(num_arrivals=nwg)),
-      compiler_params=NO_AUTO_BARRIERS)
-  def kernel(x_g, c_g, o_g, sf_g, *counter, x_s, part_s, inv_s, bar, joined, tile_s=None):
-    cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
-
-    def load(t, tile, half):  # rows ``half`` (of 64) of ``tile`` into slot t % stages, one box per warp's rows
-      i, j = tile // gj, tile % gj
-      s = t % stages
-      for w in range(4):
-        plgpu.copy_gmem_to_smem(x_g.at[pl.ds(i * r + half * h + w * (h // 4), h // 4), pl.ds(j * c, c)],
-                                x_s.at[s, half, w], bar.at[s * nwg + half])
-
-    def step(t, tile, after_wait=lambda: None):  # maxima, scales and cast of ``tile``, which step t loaded
-      i, j = tile // gj, tile % gj
-      s = t % stages
-      plgpu.barrier_wait(bar.at[s * nwg + wg])
-      taken = after_wait()
-      view = x_s.at[s, wg]
-      v = view[...] if interpret else plgpu.load(view, layout=lay)
-      _cast_warpgroup_rows(v, maxv, o_g, sf_g, part_s.at[t % 2], inv_s, joined, i=i, wg=wg,
-                           rows=pl.ds(i * r + wg * h, h), cols=pl.ds(j * c, c), lay=lay, per_thread=per_thread,
-                           round_sf=round_sf, interpret=interpret)
-      return taken
-
-    if not tickets:
-      count = (tiles - cta + ctas - 1) // ctas  # tiles of this CTA (at least one: ctas <= tiles)
-
-      def fetch(t):  # this warpgroup's half of step t's tile
-        @pl.when(t < count)
-        def _():
-          load(t, cta + t * ctas, wg)
-
-      for t in range(stages - 1):
-        fetch(t)
-      maxv = _max_vector(c_g, c, per_thread)  # the same for every tile: read once
-
-      def body(t, carry):
-        fetch(t + stages - 1)
-        step(t, cta + t * ctas)
-        return carry
-
-      lax.fori_loop(0, count, body, 0)
-      return
-
-    (counter,) = counter
-
-    @pl.when(cta == 0)
-    def _():
-      _reset_counter(counter)  # long before any CTA takes a ticket: each does after its first tile has arrived
-
-    def tile_of(t):
-      return jnp.where(t < _STATIC_STEPS, cta + t * ctas, _STATIC_STEPS * ctas + tile_s[t % _TICKETS_HELD])
-
-    def in_range(tile):
-      return (tile >= 0) & (tile < tiles)
-
-    def fetch_both(t):  # warpgroup 0: both halves of step t's tile, if there is one
-      tile = tile_of(t)
-
-      @pl.when(in_range(tile))
-      def _():
-        for half in range(nwg):
-          load(t, tile, half)
-
-    @pl.when(wg == 0)
-    def _():
-      for t in range(stages - 1):
-        fetch_both(t)
-
-    maxv = _max_vector(c_g, c, per_thread)
-
-    def body(carry):
-      t, ticket = carry
-      tile, ahead = tile_of(t), t + stages - 1
-      # The ticket taken in step t - 1 is step t + 2's tile (at t = 0 the entry is unused: step 2's tile is fixed).
-      _publish_ticket(tile_s, ahead % _TICKETS_HELD, ticket)
-
-      @pl.when(wg == 0)
-      def _():
-        plgpu.commit_smem()  # the published ticket, seen by the whole warpgroup
-        fetch_both(ahead)
-
-      return t + 1, step(t, tile, after_wait=lambda: _take_ticket(counter))
-
-    lax.while_loop(lambda carry: in_range(tile_of(carry[0])), body, (jnp.int32(0), jnp.int32(0)))
-
-  return kernel(x, _max_operand())[:2]
-
-
-# Largest K for which per_channel_cast of bf16 runs :func:`_split_register_kernel` (above it :func:`_split_kernel`,
-# or :func:`_ring_kernel` from RING_MIN_ELEMENTS elements on).
-# Set with the one-warpgroup register kernel this kernel replaced, H200, 2026-11-29 (CUPTI, cold L2): K=576 at
-# M=4096 / 8064 5.31 / 7.30 µs against 5.66 / 7.76 for the one-warpgroup TMA kernel :func:`_kernel`; K=2048 10.51 /
-# 16.46 against 10.00 / 15.98, K=2560 12.59 against 11.66, K=7168 47.81 against 46.77. The two-warpgroup register
-# kernel was timed at K=576 only.
-DIRECT_MAX_K = 576
-_REGISTER_COLS = 64  # columns per CTA of the register kernel (128 measured slower at 8064x576 on an H200)
+# Columns per CTA of :func:`_split_register_kernel` where 128 divides ``K`` (64 elsewhere, e.g. ``K = 576``). With
+# them this kernel replaced, from ``K = 2048``, the TMA-loaded form of the same two-warpgroup steps (one 128x128 tile
+# per CTA, below 14 Mi elements) and that form's persistent grid (a ring of 3 tiles per CTA, tiles by ticket from 28
+# Mi). NVIDIA H200, 2026-11-30 (runner, CUPTI, cold L2, two runs of each alternating in one call), µs, replaced ->
+# this kernel: 4096x2048 8.80 / 8.85 -> 8.74 / 8.67, 4096x2560 10.40 / 10.43 -> 10.06 / 10.08, 4096x3072 12.02 /
+# 11.94 -> 11.74 / 11.71, 8064x2048 14.64 / 14.56 -> 14.40 / 14.35, 8064x2560 17.66 / 17.68 -> 17.22 / 17.28,
+# 8064x3072 20.51 / 20.66 -> 20.16 / 20.18, 8064x7168 43.15 / 43.01 -> 43.33 / 43.09, the other shapes of the
+# op's grid within the runs' spread; median vs TileKernels over the 14 shapes 1.048 / 1.027 -> 1.056 / 1.056. Where
+# 128 does not divide ``K`` (64-column tiles; median of 20, two rounds): 4096x704 4.96-5.02 -> 4.64-4.69, 8064x2112
+# 15.97-16.18 -> 15.84-15.95, 8064x3776 24.88-24.94 -> 25.46-25.57 (the ticket ring 2.5% faster there). 64-column
+# tiles at K = 2048-3072 were 2-7% slower than the TMA kernel.
+_REGISTER_COLS = 128
 
 
 @functools.partial(jax.jit, static_argnames=("round_sf", "interpret"))
 def _split_register_kernel(x, *, round_sf, interpret=False):
   """Per-channel cast of a plain bf16 ``x`` ``(M, K)`` (``M % 128 == 0``, ``K % 64 == 0``), one group of 128 rows,
-  with each CTA's ``(128, 64)`` tile over two warpgroups of 64 rows (256 threads per tile, as TileKernels) held in
-  registers: ``(out (M, K) e4m3, sf (M/128, K) float32)``.
+  with each CTA's ``(128, c)`` tile over two warpgroups of 64 rows (256 threads per tile, as TileKernels) held in
+  registers: ``(out (M, K) e4m3, sf (M/128, K) float32)``; ``c`` = :data:`_REGISTER_COLS` (128) where it divides
+  ``K``, else 64.
 
   Each warpgroup loads its 64 rows straight from GMEM into registers in :func:`_warp_rows_layout` (warp ``w`` holds
   16 consecutive rows; no TMA, no SMEM copy of the data), reduces each warp's rows to partial column maxima in-thread
   and by lane shuffles and writes its 4 partials to SMEM; after one CTA barrier (an mbarrier, one arrival per
   warpgroup) each warpgroup takes the maximum of the 8 partials one column per thread and computes the scale
   factors (the same bits in both; warpgroup 0 stores the sf), passes ``sf_inv`` through its own SMEM row to its
-  layout and casts its rows, still in registers, straight to GMEM (:func:`_split_kernel` without the TMA load).
-  64-column tiles (:data:`_REGISTER_COLS`), row tiles fastest in the grid (as :func:`_split_kernel`); no automatic
-  warpgroup barriers. Interpret mode reads and writes the refs whole instead of in the layout (the same values).
+  layout and casts its rows, still in registers, straight to GMEM. Row tiles are the grid's fastest axis, as
+  TileKernels launches its CTAs; no automatic warpgroup barriers. Interpret mode reads and writes the refs whole
+  instead of in the layout (the same values).
 
   NVIDIA H200, 2026-11-29 (runner, CUPTI, cold L2), µs, against the one-warpgroup register kernel it replaced
   (128-column tiles, a 64-column last one; TileKernels in brackets): ``4096x576`` 4.70 -> 4.38 (4.53), ``8064x576``
   6.66 -> 6.33 (6.30); bit-exact on the card, non-finite inputs and ``round_sf`` included. With 128-column tiles
-  (a 64-column last one) this kernel took 4.38 at ``4096x576`` but 7.20 at ``8064x576``. Row tiles fastest instead
+  and a 64-column last one this kernel took 4.38 at ``4096x576`` but 7.20 at ``8064x576``. Row tiles fastest instead
   of column tiles (H200, 2026-11-30, two calls, two runs of each order in each): ``8064x576`` 6.40 / 6.34 / 6.43 /
-  6.37 -> 6.11 / 6.19 / 6.26 / 6.14, ``4096x576`` 4.42 / 4.42 / 4.51 / 4.45 -> 4.42 / 4.42 / 4.42 / 4.51.
+  6.37 -> 6.11 / 6.19 / 6.26 / 6.14, ``4096x576`` 4.42 / 4.42 / 4.51 / 4.45 -> 4.42 / 4.42 / 4.42 / 4.51. Above
+  ``K = 576``: :data:`_REGISTER_COLS`.
   """
   m, k = x.shape
-  r, c, nwg = _ROWS, _REGISTER_COLS, 2
+  r, c, nwg = _ROWS, (_REGISTER_COLS if k % _REGISTER_COLS == 0 else 64), 2
   h = r // nwg  # rows per warpgroup
   lay = _warp_rows_layout(h // 4, c, x.dtype.itemsize)
   per_thread = _per_thread(c)
@@ -813,8 +532,8 @@ def per_channel_cast(x: jax.typing.ArrayLike, fmt: str, num_per_tokens: int, *, 
     ValueError: another ``fmt`` or ``num_per_tokens``, another rank or dtype (bool included), ``M`` /
       ``K`` not multiples of 128 / 64, a non-array ``x``.
 
-  Mosaic GPU kernels (H200, 2026-11-30: ``8064x7168`` bf16 43.1 µs, 2.6x XLA; 45.9 µs on 2026-11-29 before the
-  persistent kernel; module docstring). XLA instead of a kernel: only zero-size arrays.
+  Mosaic GPU kernels (H200, 2026-11-30: ``8064x7168`` bf16 43.1-43.3 µs, 2.6x XLA, 1.07x TileKernels; module
+  docstring). XLA instead of a kernel: only zero-size arrays.
 
   Non-finite inputs give the reference's bits: the column maxima propagate NaN, so a NaN makes
   its group's ``sf`` and data NaN; an infinity gives ``sf = inf``, NaN for itself and signed zeros
@@ -832,25 +551,11 @@ def per_channel_cast(x: jax.typing.ArrayLike, fmt: str, num_per_tokens: int, *, 
 
 
 def _plain_kernel(x, round_sf, interpret):
-  """:func:`per_channel_cast`'s kernel (``npt = 128``): for bf16 :func:`_split_register_kernel` with ``K <=``
-  :data:`DIRECT_MAX_K`, else :func:`_ring_kernel` from :data:`RING_MIN_ELEMENTS` elements (``M·K``) on and
-  :func:`_split_kernel` below; for float32 :func:`_kernel` (the two-warpgroup kernels were built and measured for bf16
-  only)."""
+  """:func:`per_channel_cast`'s kernel (``npt = 128``): for bf16 :func:`_split_register_kernel`; for float32
+  :func:`_kernel` (the two-warpgroup kernel was built and measured for bf16 only)."""
   if x.dtype != jnp.bfloat16:
     return _kernel(x, npt=128, round_sf=round_sf, interpret=interpret)
-  if x.shape[1] <= DIRECT_MAX_K:
-    return _split_register_kernel(x, round_sf=round_sf, interpret=interpret)
-  # Two warpgroups per 128-row tile (TileKernels runs 256 threads per tile) rather than :func:`_kernel`'s one.
-  # NVIDIA H200, 2026-11-29 (runner, CUPTI, cold L2, both kernels in the same run), µs, one -> two warpgroups:
-  # M=4096: K=2048 9.30 -> 8.93, K=2560 10.88 -> 10.53, K=3072 12.30 -> 12.27, K=4096 15.46 -> 15.44,
-  # K=6144 21.94 -> 21.36, K=7168 25.15 -> 24.50; M=8064: K=2048 15.30 -> 15.26, K=2560 18.50 -> 18.29,
-  # K=3072 21.60 -> 21.22, K=4096 27.62 -> 27.20, K=6144 39.63 -> 39.33, K=7168 45.90 -> 45.86. Never slower;
-  # bit-exact on the card (4096x2048, 4096x704, non-finite inputs, round_sf). From RING_MIN_ELEMENTS on the
-  # persistent form of the two-warpgroup kernel is faster.
-  if x.size >= RING_MIN_ELEMENTS:
-    tickets = x.size >= TICKET_MIN_ELEMENTS and not interpret  # interpret mode cannot run the tickets' PTX
-    return _ring_kernel(x, round_sf=round_sf, tickets=tickets, interpret=interpret)
-  return _split_kernel(x, round_sf=round_sf, interpret=interpret)
+  return _split_register_kernel(x, round_sf=round_sf, interpret=interpret)
 
 
 def per_channel_cast_and_transpose(x: jax.typing.ArrayLike, fmt: str, num_per_tokens: int, *, round_sf: bool = False,

@@ -357,39 +357,33 @@ def test_non_finite_inputs_gpu(key, round_sf):
 
 
 def test_kernel_choice():
-  """bf16 with K <= DIRECT_MAX_K: the two-warpgroup register kernel; wider: the two-warpgroup TMA kernel, from
-  RING_MIN_ELEMENTS elements on its persistent form, which takes tiles by ticket from TICKET_MIN_ELEMENTS on;
-  float32: the one-warpgroup TMA kernel."""
+  """bf16: the two-warpgroup register kernel at every K; float32: the one-warpgroup TMA kernel."""
   from jaxkern.testing import lower_for_h100
 
-  assert 4096 * 3072 < module.RING_MIN_ELEMENTS <= 8064 * 2048  # the measured shapes on either side
-  assert 4096 * 6144 < module.TICKET_MIN_ELEMENTS <= 4096 * 7168  # the measured shapes on either side
-  m_ring = -(-module.RING_MIN_ELEMENTS // (2048 * 128)) * 128  # the fewest rows of 2048 columns taking the ring
   for m, k, dtype, kernel in ((256, 576, jnp.bfloat16, "_split_register_kernel"),
                               (256, 320, jnp.bfloat16, "_split_register_kernel"),
                               (8064, 576, jnp.bfloat16, "_split_register_kernel"),
-                              (256, 2048, jnp.bfloat16, "_split_kernel"), (256, 704, jnp.bfloat16, "_split_kernel"),
-                              (4096, 3072, jnp.bfloat16, "_split_kernel"),
-                              (m_ring - 128, 2048, jnp.bfloat16, "_split_kernel"),
-                              (m_ring, 2048, jnp.bfloat16, "_ring_kernel"), (8064, 2048, jnp.bfloat16, "_ring_kernel"),
-                              (4096, 4096, jnp.bfloat16, "_ring_kernel"), (8064, 7168, jnp.bfloat16, "_ring_kernel"),
+                              (256, 2048, jnp.bfloat16, "_split_register_kernel"),
+                              (256, 704, jnp.bfloat16, "_split_register_kernel"),
+                              (4096, 3072, jnp.bfloat16, "_split_register_kernel"),
+                              (8064, 7168, jnp.bfloat16, "_split_register_kernel"),
                               (256, 576, jnp.float32, "_kernel"), (256, 2048, jnp.float32, "_kernel"),
                               (8064, 7168, jnp.float32, "_kernel")):
     f = lambda x: quant.per_channel_cast(x, "e4m3", 128, implementation="pallas")
     text = lower_for_h100(f, jax.ShapeDtypeStruct((m, k), dtype)).as_text()
     assert set(re.findall(r"@(_\w*kernel)\b", text)) == {kernel}, (m, k, dtype)
-    tickets = kernel == "_ring_kernel" and m * k >= module.TICKET_MIN_ELEMENTS
-    assert ("atom.global.add" in text) == tickets, (m, k, dtype)
     outside = "\n".join(line for line in text.splitlines() if "mosaic_gpu" not in line)
     assert "broadcast_in_dim" not in outside  # the kernels' constant operand: no XLA kernel before them
     # nor a uniform constant of more than one element, which XLA rewrites into a broadcast kernel
     assert re.findall(r"stablehlo\.constant dense<[^>]*> : tensor<([0-9x]+)x\w+>", outside) == ["1"], (m, k, dtype)
 
 
-# The register kernel of bf16 per_channel_cast (two warpgroups of 64 rows, 64-column tiles): K = 576, and K = 64 x odd
-# (320, 192: an odd number of column tiles); M = 384 (an odd number of 128-row tiles); round_sf; non-finite values in
-# both warpgroups' rows (rows 0-63 and 64-127 of the first block). Interpret mode takes about 0.4 s a CTA.
-@pytest.mark.parametrize("m, k, round_sf", [(256, 576, True), (384, 320, False), (128, 192, True)], ids=str)
+# The register kernel of bf16 per_channel_cast (two warpgroups of 64 rows): 128-column tiles where 128 divides K (K =
+# 256 with two CTA rows, K = 640: five column tiles), 64-column tiles elsewhere (K = 576, and K = 64 x odd: 320, 192,
+# an odd number of column tiles); M = 384 (an odd number of 128-row tiles); round_sf; non-finite values in both
+# warpgroups' rows (rows 0-63 and 64-127 of the first block). Interpret mode takes about 0.4 s a CTA.
+@pytest.mark.parametrize("m, k, round_sf", [(256, 576, True), (384, 320, False), (128, 192, True), (256, 256, False),
+                                            (128, 640, True)], ids=str)
 def test_split_register_kernel_bit_exact(key, m, k, round_sf):
   x = randn(key, (m, k), jnp.bfloat16) * jnp.exp2(jnp.arange(k, dtype=jnp.float32) % 17 - 8)
   got = quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf)
@@ -401,7 +395,8 @@ def test_split_register_kernel_bit_exact(key, m, k, round_sf):
     _check_non_finite_semantics(got, rs)
 
 
-@pytest.mark.parametrize("m, k", [(4096, 576), (8064, 576), (4096, 512), (4096, 320)])
+@pytest.mark.parametrize("m, k", [(4096, 576), (8064, 576), (4096, 512), (4096, 320), (4096, 704), (4096, 2048),
+                                  (8064, 7168)])
 def test_split_register_kernel_lowers_for_h100(m, k):
   from jaxkern.testing import lower_for_h100
   for round_sf in (False, True):
@@ -410,94 +405,21 @@ def test_split_register_kernel_lowers_for_h100(m, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("direct_max_k, m, k", [(576, 4096, 576), (576, 8064, 576), (0, 4096, 576), (8192, 8064, 2560)])
-def test_per_channel_cast_spec_shapes_gpu(key, monkeypatch, m, k, direct_max_k):
-  """per_channel_cast's kernels (the two-warpgroup register kernel up to ``DIRECT_MAX_K``, at 4096x576 and 8064x576;
-  the two-warpgroup TMA kernel above), compiled, against numpy; non-finite inputs: :func:`test_split_kernel_gpu`
-  (both kernels)."""
-  monkeypatch.setattr(module, "DIRECT_MAX_K", direct_max_k)
+@pytest.mark.parametrize("m, k", [(4096, 576), (8064, 576), (8064, 2560), (8064, 7168)])
+def test_per_channel_cast_spec_shapes_gpu(key, m, k):
+  """per_channel_cast's kernel at spec shapes (64-column tiles at K = 576, 128 above), compiled, against numpy;
+  non-finite inputs: :func:`test_split_register_kernel_gpu`."""
   x = randn(key, (m, k), jnp.bfloat16)
   for round_sf in (False, True):
     got = jax.jit(lambda x: quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))(x)
     _assert_quant_equal(got, _oracle(np.asarray(x, np.float32), 128, round_sf))
 
 
-# per_channel_cast's kernel for bf16 above DIRECT_MAX_K (two warpgroups of 64 rows per 128-row tile), at small K with
-# DIRECT_MAX_K = 0 (interpret mode takes about 0.4 s a CTA): 128-column tiles (K = 256, two CTA rows), 64-column
-# tiles (K = 192), and at K = 640 as per_channel_cast picks it; round_sf, non-finite values in both warpgroups' rows
-# (rows 0-63 and 64-127 of the first block).
-@pytest.mark.parametrize("m, k, direct_max_k", [(256, 256, 0), (128, 192, 0), (128, 640, 576)], ids=str)
-@pytest.mark.parametrize("round_sf", [False, True])
-def test_split_kernel_bit_exact(key, monkeypatch, m, k, direct_max_k, round_sf):
-  monkeypatch.setattr(module, "DIRECT_MAX_K", direct_max_k)
-  x = randn(key, (m, k), jnp.bfloat16) * jnp.exp2(jnp.arange(k, dtype=jnp.float32) % 17 - 8)
-  got = quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf)
-  _assert_quant_equal(got, _oracle(np.asarray(x, np.float32), 128, round_sf))
-  x = _non_finite(key, (m, k), jnp.bfloat16)
-  got = quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf)
-  _assert_quant_equal(got, ref.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))
-  _check_non_finite_semantics(got, round_sf)
-
-
-@pytest.mark.parametrize("m, k", [(4096, 640), (4096, 704), (4096, 3072)])
-def test_split_kernel_lowers_for_h100(m, k):
-  from jaxkern.testing import lower_for_h100
-  f = lambda x: quant.per_channel_cast(x, "e4m3", 128, round_sf=True, implementation="pallas")
-  text = lower_for_h100(f, jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).as_text()
-  assert set(re.findall(r"@(_\w*kernel)\b", text)) == {"_split_kernel"}
-
-
 def _non_finite_ends(key, m, k):
   """:func:`_non_finite` (bf16) plus NaN / +inf / -inf in the last 128-row block and the last 3 columns (rows of
-  both warpgroups): the first and the last tile of the persistent kernel."""
+  both warpgroups): the first and the last tile."""
   x = _non_finite(key, (m, k), jnp.bfloat16)
   return x.at[m - 1, k - 1].set(jnp.nan).at[m - 100, k - 2].set(jnp.inf).at[m - 30, k - 3].set(-jnp.inf)
-
-
-# per_channel_cast's persistent kernel for bf16 (RING_MIN_ELEMENTS and DIRECT_MAX_K lowered to 0) on few SMs, so that
-# CTAs walk several tiles and their 3-slot rings wrap: 384x512 on 1 SM (2 CTAs of 6 tiles), 256x384 on 2 SMs (6
-# tiles over 4 CTAs: 2, 2, 1, 1), 256x192 on 1 SM (64-column tiles, 2 CTAs of 3); random values, non-finite ones in
-# the first and the last tile, round_sf.
-@pytest.mark.parametrize("m, k, sms", [(384, 512, 1), (256, 384, 2), (256, 192, 1)], ids=str)
-@pytest.mark.parametrize("round_sf", [False, True])
-def test_ring_kernel_bit_exact(key, monkeypatch, m, k, sms, round_sf):
-  monkeypatch.setattr(module, "RING_MIN_ELEMENTS", 0)
-  monkeypatch.setattr(module, "DIRECT_MAX_K", 0)
-  monkeypatch.setattr(jaxkern._config, "num_sms", lambda: sms)
-  ring, calls = module._ring_kernel, []
-  monkeypatch.setattr(module, "_ring_kernel", lambda x, **kw: calls.append(x.shape) or ring(x, **kw))
-  x = randn(key, (m, k), jnp.bfloat16) * jnp.exp2(jnp.arange(k, dtype=jnp.float32) % 17 - 8)
-  got = quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf)
-  _assert_quant_equal(got, _oracle(np.asarray(x, np.float32), 128, round_sf))
-  x = _non_finite_ends(key, m, k)
-  got = quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf)
-  _assert_quant_equal(got, ref.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))
-  _check_non_finite_semantics(got, round_sf)
-  assert calls and set(calls) == {(m, k)}  # traced at least once (a trace of the same shape is reused)
-
-
-# 8064x2112, 8064x3776: 64-column tiles; 8064x3776 and 8064x7168 take tiles by ticket (GPU only: interpret mode runs
-# the same steps with fixed tiles)
-@pytest.mark.parametrize("m, k", [(8064, 7168), (8064, 2048), (8064, 2112), (8064, 3776)])
-def test_ring_kernel_lowers_for_h100(m, k):
-  from jaxkern.testing import lower_for_h100
-  for round_sf in (False, True):
-    f = lambda x: quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf, implementation="pallas")
-    text = lower_for_h100(f, jax.ShapeDtypeStruct((m, k), jnp.bfloat16)).as_text()
-    assert set(re.findall(r"@(_\w*kernel)\b", text)) == {"_ring_kernel"}
-    assert ("atom.global.add" in text) == (m * k >= module.TICKET_MIN_ELEMENTS)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m, k", [(4096, 2048), (4096, 3072), (4096, 704), (4096, 576), (8064, 576), (384, 320)])
-def test_split_kernel_gpu(key, m, k):
-  """The two-warpgroup kernels (TMA above DIRECT_MAX_K, registers up to it; below RING_MIN_ELEMENTS), compiled,
-  against the reference compiled by XLA, with and without round_sf: random values with non-finite ones in the first
-  block (:func:`_non_finite`); the persistent kernel: :func:`test_ring_kernel_gpu`."""
-  x = _non_finite(key, (m, k), jnp.bfloat16)
-  for round_sf in (False, True):
-    want = jax.jit(lambda x: ref.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))(x)
-    _assert_quant_equal(jax.jit(lambda x: quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf))(x), want)
 
 
 def _check_compiled_against_reference(x):
@@ -510,24 +432,10 @@ def _check_compiled_against_reference(x):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, k", [(8064, 2048), (4096, 4096), (8064, 7168), (8064, 2112), (8064, 3776)])
-def test_ring_kernel_gpu(key, m, k):
-  """The persistent two-warpgroup kernel (from RING_MIN_ELEMENTS elements on; by ticket from TICKET_MIN_ELEMENTS
-  on: 8064x7168 and 8064x3776; 8064x2112 and 8064x3776 in 64-column tiles), compiled, against the reference compiled
-  by XLA, with and without round_sf: random values with non-finite ones in the first and the last tile
-  (:func:`_non_finite_ends`)."""
-  assert m * k >= module.RING_MIN_ELEMENTS and k > module.DIRECT_MAX_K
-  _check_compiled_against_reference(_non_finite_ends(key, m, k))
-
-
-# The ticket ring on few SMs (TICKET_MIN_ELEMENTS and RING_MIN_ELEMENTS lowered to 0), so that a few CTAs take
-# hundreds of tickets each and the SMEM ring of published tickets wraps many times: 1024x2048 on 1 SM (2 CTAs, 128
-# tiles), 1152x2112 on 3 SMs (6 CTAs, 297 tiles of 64 columns), 256x640 on 66 SMs (G capped at its 10 tiles: one
-# fixed step each). Shapes no other test compiles (the SM count is read when the kernel is traced).
-@pytest.mark.gpu
-@pytest.mark.parametrize("m, k, sms", [(1024, 2048, 1), (1152, 2112, 3), (256, 640, 66)], ids=str)
-def test_ring_kernel_tickets_gpu(key, monkeypatch, m, k, sms):
-  monkeypatch.setattr(module, "RING_MIN_ELEMENTS", 0)
-  monkeypatch.setattr(module, "TICKET_MIN_ELEMENTS", 0)
-  monkeypatch.setattr(jaxkern._config, "num_sms", lambda: sms)
+@pytest.mark.parametrize("m, k", [(4096, 2048), (4096, 3072), (4096, 704), (4096, 576), (8064, 576), (384, 320),
+                                  (8064, 2048), (8064, 7168), (8064, 2112), (8064, 3776)])
+def test_split_register_kernel_gpu(key, m, k):
+  """The two-warpgroup register kernel (128-column tiles; 64 at K = 704, 576, 320, 2112, 3776), compiled, against
+  the reference compiled by XLA, with and without round_sf: random values with non-finite ones in the first and the
+  last tile (:func:`_non_finite_ends`)."""
   _check_compiled_against_reference(_non_finite_ends(key, m, k))
