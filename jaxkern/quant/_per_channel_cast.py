@@ -40,7 +40,8 @@ cold L2, 2026-11-29), bf16, one warpgroup per tile above ``K = 576``, µs (TileK
 with the ``(C,)`` operand 5.28 / 9.97 at ``4096x576`` / ``4096x2048`` (the kernel 4.58 / 9.28 plus a 0.67 µs
 broadcast launch). Measured on the same card and dropped: the two-warpgroup register kernel with 128-column tiles
 4.40 at ``4096x576`` but 7.38 at ``8064x576`` and 9.79 at ``4096x2048``; over four warpgroups 5.25 at ``4096x576``.
-(These figures at ``K = 576`` predate :func:`_split_register_kernel`.)
+(These figures predate :func:`_split_register_kernel` as it is now: that earlier two-warpgroup register kernel walked
+the column tiles first in its grid, 9.79 µs at ``4096x2048`` against 8.62-8.74 now.)
 
 With a ``pos_to_token`` gather ``per_channel_cast_fused`` runs a Pallas-Triton kernel instead
 (:func:`_gather_kernel`): Mosaic GPU has no per-row register gather, and feeding :func:`_kernel`
