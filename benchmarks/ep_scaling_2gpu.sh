@@ -15,8 +15,7 @@
 CAPACITY=1.1
 source "$(dirname "$0")/ep_scaling_common.sh"
 if [ "$part" = A ]; then
-  CUDA_VISIBLE_DEVICES=0 run 1gpu_t8k 200 --devices 1 --batch 4 --no-split &
-  CUDA_VISIBLE_DEVICES=1 run 1gpu_t16k 200 --devices 1 --batch 8 --no-split &
+  one_gpu_baselines
   wait
   run 2gpu_t16k_ag 170 --devices 2 --batch 8 --no-split
   run 2gpu_t16k_a2a 170 --devices 2 --batch 8 --no-split --ep-exchange all_to_all

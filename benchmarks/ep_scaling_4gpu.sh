@@ -14,8 +14,7 @@
 CAPACITY=1.25
 source "$(dirname "$0")/ep_scaling_common.sh"
 if [ "$part" = A ]; then
-  CUDA_VISIBLE_DEVICES=0 run 1gpu_t8k 200 --devices 1 --batch 4 --no-split &
-  CUDA_VISIBLE_DEVICES=1 run 1gpu_t16k 200 --devices 1 --batch 8 --no-split &
+  one_gpu_baselines
   CUDA_VISIBLE_DEVICES=2,3 run 2gpu_t16k_a2a 200 --devices 2 --batch 8 --no-split --ep-exchange all_to_all &
   wait
   run 4gpu_t16k_ag 170 --devices 4 --batch 8 --no-split

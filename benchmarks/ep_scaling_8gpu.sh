@@ -18,8 +18,7 @@
 CAPACITY=1.25
 source "$(dirname "$0")/ep_scaling_common.sh"
 if [ "$part" = A ]; then
-  CUDA_VISIBLE_DEVICES=0 run 1gpu_t8k 200 --devices 1 --batch 4 --no-split &
-  CUDA_VISIBLE_DEVICES=1 run 1gpu_t16k 200 --devices 1 --batch 8 --no-split &
+  one_gpu_baselines
   wait
   run 8gpu_t64k_ag 180 --devices 8 --batch 32 --no-split
   run 8gpu_t64k_a2a 180 --devices 8 --batch 32 --no-split --ep-exchange all_to_all

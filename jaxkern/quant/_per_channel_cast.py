@@ -30,7 +30,7 @@ there for step 3; each warp's rows reduce to partial column maxima in-thread and
 of a column meet in SMEM after one mbarrier, and both warpgroups compute the same scale factors. H200 (2026-11-30,
 runner, three runs): ``4096x576`` 4.40-4.45 µs, ``4096x2048`` 8.62-8.74, ``8064x7168`` 43.09-43.33 (TileKernels 4.53 /
 8.73 / 46.19). From ``K = 2048`` it replaced a TMA-loaded form of the same steps and that form's persistent grid (a
-ring of tiles per CTA), which were level or slower on every shape of the op's grid (:data:`_REGISTER_COLS`).
+ring of tiles per CTA), which were level or slower on every shape of the op's grid (:func:`_split_register_kernel`).
 
 The Mosaic GPU kernels take the e4m3 maximum as a one-element constant operand, broadcast in registers
 (:func:`_max_operand`): an ``(C,)`` constant became an XLA broadcast kernel before every call. NVIDIA H200 (CUPTI,
@@ -100,6 +100,12 @@ def _e4m3(v, interpret: bool):
   return ref.encode_e4m3(v) if interpret else v.astype(jnp.float8_e4m3fn)
 
 
+def _tile_cols(k: int) -> int:
+  """Columns per CTA of every per-channel Mosaic GPU kernel: 128 where they divide ``K``, else 64 (e.g. ``K = 576``);
+  the measurements that chose them: :func:`_kernel`, :func:`_split_register_kernel`."""
+  return 128 if k % 128 == 0 else 64
+
+
 def _column_max(parts, interpret: bool):
   """Column maxima of non-negative ``(rows, C)`` parts, NaN-propagating: elementwise, then one
   reduction, with the GPU's ``max.NaN``. Interpret mode runs XLA on the CPU, whose float max
@@ -141,7 +147,7 @@ def _kernel(x, sf_in=None, *, npt, round_sf, transpose_out=False, interpret=Fals
   """
   m, k = x.shape
   r = _ROWS
-  c = 128 if k % 128 == 0 else 64  # columns per CTA (64 / 256 measured no faster on an H200)
+  c = _tile_cols(k)  # (64 / 256 measured no faster on an H200)
   groups, chunk = r // npt, min(_CHUNK, npt)
   lay = row_layout(c, 4 if sf_in is not None else x.dtype.itemsize)[0]  # f32 reductions: 4 per vector
   per_thread = _per_thread(c)
@@ -271,8 +277,8 @@ def _cast_warpgroup_rows(v, maxv, o_g, sf_g, part_s, inv_s, joined, *, i, wg, ro
     o_g.at[rows, cols].reshape(4, h // 4, c)[...] = q
 
 
-# Columns per CTA of :func:`_split_register_kernel` where 128 divides ``K`` (64 elsewhere, e.g. ``K = 576``). With
-# them this kernel replaced, from ``K = 2048``, the TMA-loaded form of the same two-warpgroup steps (one 128x128 tile
+# :func:`_split_register_kernel` with 128-column tiles where 128 divides ``K`` (:func:`_tile_cols`). With them it
+# replaced, from ``K = 2048``, the TMA-loaded form of the same two-warpgroup steps (one 128x128 tile
 # per CTA, below 14 Mi elements) and that form's persistent grid (a ring of 3 tiles per CTA, tiles by ticket from 28
 # Mi). NVIDIA H200, 2026-11-30 (runner, CUPTI, cold L2, two runs of each alternating in one call), µs, replaced ->
 # this kernel: 4096x2048 8.80 / 8.85 -> 8.74 / 8.67, 4096x2560 10.40 / 10.43 -> 10.06 / 10.08, 4096x3072 12.02 /
@@ -282,15 +288,14 @@ def _cast_warpgroup_rows(v, maxv, o_g, sf_g, part_s, inv_s, joined, *, i, wg, ro
 # 128 does not divide ``K`` (64-column tiles; median of 20, two rounds): 4096x704 4.96-5.02 -> 4.64-4.69, 8064x2112
 # 15.97-16.18 -> 15.84-15.95, 8064x3776 24.88-24.94 -> 25.46-25.57 (the ticket ring 2.5% faster there). 64-column
 # tiles at K = 2048-3072 were 2-7% slower than the TMA kernel.
-_REGISTER_COLS = 128
 
 
 @functools.partial(jax.jit, static_argnames=("round_sf", "interpret"))
 def _split_register_kernel(x, *, round_sf, interpret=False):
   """Per-channel cast of a plain bf16 ``x`` ``(M, K)`` (``M % 128 == 0``, ``K % 64 == 0``), one group of 128 rows,
   with each CTA's ``(128, c)`` tile over two warpgroups of 64 rows (256 threads per tile, as TileKernels) held in
-  registers: ``(out (M, K) e4m3, sf (M/128, K) float32)``; ``c`` = :data:`_REGISTER_COLS` (128) where it divides
-  ``K``, else 64.
+  registers: ``(out (M, K) e4m3, sf (M/128, K) float32)``; ``c`` = 128 where it divides ``K``, else 64
+  (:func:`_tile_cols`).
 
   Each warpgroup loads its 64 rows straight from GMEM into registers in :func:`_warp_rows_layout` (warp ``w`` holds
   16 consecutive rows; no TMA, no SMEM copy of the data), reduces each warp's rows to partial column maxima in-thread
@@ -307,10 +312,10 @@ def _split_register_kernel(x, *, round_sf, interpret=False):
   and a 64-column last one this kernel took 4.38 at ``4096x576`` but 7.20 at ``8064x576``. Row tiles fastest instead
   of column tiles (H200, 2026-11-30, two calls, two runs of each order in each): ``8064x576`` 6.40 / 6.34 / 6.43 /
   6.37 -> 6.11 / 6.19 / 6.26 / 6.14, ``4096x576`` 4.42 / 4.42 / 4.51 / 4.45 -> 4.42 / 4.42 / 4.42 / 4.51. Above
-  ``K = 576``: :data:`_REGISTER_COLS`.
+  ``K = 576``: the comment above this function.
   """
   m, k = x.shape
-  r, c, nwg = _ROWS, (_REGISTER_COLS if k % _REGISTER_COLS == 0 else 64), 2
+  r, c, nwg = _ROWS, _tile_cols(k), 2
   h = r // nwg  # rows per warpgroup
   lay = _warp_rows_layout(h // 4, c, x.dtype.itemsize)
   per_thread = _per_thread(c)
