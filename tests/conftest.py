@@ -19,6 +19,23 @@ from jax._src import core as _jax_core
 import jaxkern
 
 
+def _dispatch_cpu_programs_inline():
+  """XLA:CPU runs each program before the call returns (``jax_cpu_enable_async_dispatch`` off), in this process and
+  in the ones it starts (the notebooks' kernels, the child pytest runs), before the CPU client exists.
+
+  An interpret-mode kernel runs its threads' steps as host callbacks that themselves dispatch JAX operations. A test
+  that leaves such a kernel running (its result not awaited) while it dispatches more operations can hang: on this
+  2-core CI machine, 2026-11-30, ``tests/quant/test_per_block_cast.py::test_jit_does_not_retrace`` stopped with both
+  xdist workers idle, the main thread in an eager multiply and a kernel's callback in the interpreter's
+  ``wait_smem_to_gmem``; a loop of that test's calls, results not awaited, hung in 1 of 7 runs of 25 iterations, and
+  ran 5 of 5 with inline dispatch."""
+  os.environ.setdefault("JAX_CPU_ENABLE_ASYNC_DISPATCH", "false")
+  jax.config.update("jax_cpu_enable_async_dispatch", os.environ["JAX_CPU_ENABLE_ASYNC_DISPATCH"].lower() == "true")
+
+
+_dispatch_cpu_programs_inline()
+
+
 def _share_compilation_cache():
   """JAX's persistent compilation cache in one directory for every process of the session: the xdist workers, the
   child pytest runs of the multi-device tests and the notebooks' kernels inherit the environment variables set here,
