@@ -163,6 +163,28 @@ def summarize(paths) -> str:
   return "\n".join(lines)
 
 
+def deepgemm_tables(paths) -> list[str]:
+  """Markdown for ``benchmarks/results/variants/*_gemm-vs-deepgemm-same-run.jsonl``: the FP8 grouped GEMM forward
+  and DeepGEMM's, timed in alternating processes of one call on the same inputs; per shape the TF/s of each round
+  by the runner's timer (CUPTI, 256 MiB flush before each call) and the ratio of the medians."""
+  rows = [json.loads(line) for p in paths for line in pathlib.Path(p).read_text().splitlines() if line.strip()]
+  if not rows:
+    return []
+  lines = ["## fp8_grouped_gemm forward against DeepGEMM in the same run", "",
+           "TF/s by CUPTI with a 256 MiB L2 flush before each call, one value per round; both read the same inputs "
+           "(DeepGEMM's casts of `randn`), both outputs bit-identical (NOTES.md, \"DeepGEMM in the same run\").", "",
+           "| card | date | shape | DeepGEMM | jaxkern | jaxkern / DeepGEMM |", "|---|---|---|---|---|---:|"]
+  by_shape = {}
+  for r in rows:
+    by_shape.setdefault((r["device"], r["date"], r["shape"]), {}).setdefault(r["who"], []).append(r["flush256_tflops"])
+  for (device, date, shape), who in sorted(by_shape.items()):
+    dg, jk = who.get("deepgemm", []), who.get("jaxkern", [])
+    ratio = f"{statistics.median(jk) / statistics.median(dg):.3f}" if dg and jk else "—"
+    lines.append(f"| {device} | {date} | {shape} | {', '.join(f'{v:.1f}' for v in dg)} | "
+                 f"{', '.join(f'{v:.1f}' for v in jk)} | {ratio} |")
+  return lines + [""]
+
+
 def train_step_tables(paths) -> list[str]:
   """Markdown for ``benchmarks/results/train_step/*.jsonl`` (``python -m benchmarks.train_step``): per card and
   model, the newest step rows by device count and implementation (wall-clock, tokens/s, strong-scaling
@@ -292,6 +314,7 @@ def main(argv=None) -> int:
   paths = (argv if argv is not None else sys.argv[1:]) or sorted(RESULTS.glob("*.jsonl"))
   text = summarize(paths)
   if argv is None or not argv:  # the default files: also the training-step rows
+    text += "\n" + "\n".join(deepgemm_tables(sorted((RESULTS / "variants").glob("*_gemm-vs-deepgemm-same-run.jsonl"))))
     text += "\n" + "\n".join(train_step_tables(sorted((RESULTS / "train_step").glob("*.jsonl"))))
   OUT.write_text(text)
   print(f"wrote {OUT}")

@@ -437,3 +437,13 @@ def test_summarize_builds_no_benchmark_case():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                        cwd=pathlib.Path(__file__).parents[1]).stdout
   assert out.strip() == "['benchmarks.summarize', 'benchmarks.targets']"
+
+
+def test_deepgemm_tables(tmp_path):
+  rows = [dict(device="NVIDIA H200", date="2026-11-30", shape="G=4 M=256 N=256 K=256", who=who, flush256_tflops=v)
+          for who, v in (("deepgemm", 100.0), ("deepgemm", 110.0), ("jaxkern", 84.0), ("jaxkern", 84.0))]
+  path = tmp_path / "x_gemm-vs-deepgemm-same-run.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  lines = summarize.deepgemm_tables([path])
+  assert lines[-2] == "| NVIDIA H200 | 2026-11-30 | G=4 M=256 N=256 K=256 | 100.0, 110.0 | 84.0, 84.0 | 0.800 |"
+  assert summarize.deepgemm_tables([]) == []
