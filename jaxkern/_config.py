@@ -28,6 +28,10 @@ import os
 from collections.abc import Iterator
 
 import jax
+# Pallas' interpreter imports the Pallas fuser on the first interpret-mode kernel call, and that import registers an
+# option of JAX's trace context (``pallas_fuser_disable_nested_fuse``), so a function jitted around that first call
+# was traced again on its next call. Imported here, the option exists before any trace of a jaxkern op.
+from jax.experimental.pallas import fuser as _fuser  # noqa: F401
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 IMPLEMENTATIONS = ("auto", "pallas", "interpret", "xla", "reference")

@@ -171,3 +171,28 @@ def test_interpret_results_are_finished_when_called_eagerly(monkeypatch):
   assert len(waited) == 1
   assert _dispatch.run("op", "reference", kernel=lambda interpret: x, xla=lambda: x) is x
   assert len(waited) == 1
+
+
+def test_first_interpret_call_keeps_the_trace_context():
+  """In a fresh process, a jitted function whose first call runs an op's first interpret-mode kernel is traced once
+  over two calls: the Pallas interpreter's first import registers an option of JAX's trace context, which jaxkern
+  makes sure exists before any trace (the option missing from the first trace made the second call trace again)."""
+  import subprocess
+  import sys
+  script = """
+import jax, jax.numpy as jnp
+import jaxkern
+from jaxkern import transpose
+jaxkern.set_implementation("interpret")
+traces = []
+@jax.jit
+def f(x):
+  traces.append(1)
+  return transpose.transpose(x)
+x = jnp.ones((64, 128), jnp.bfloat16)
+f(x).block_until_ready()
+f(x * 2).block_until_ready()
+assert len(traces) == 1, len(traces)
+"""
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
