@@ -738,6 +738,12 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
     L2, two rounds of 10): 1288.1-1289.2 -> 1301.9-1304.0 TF/s at G = 4, 1286.4-1287.7 -> 1302.9-1304.2 at G = 8,
     bit-identical.
 
+  * The memory warpgroup issues each step's weight tile before its x tile and x scales: the slot is complete only
+    once both halves of a multicast tile, one from each CTA, have landed, so those go out first. H200, 2026-11-30
+    (CUPTI, cold L2, M = 32768, four alternating rounds of 10): N = 7168, K = 2048 1280.7-1287.1 -> 1303.1-1307.2
+    TF/s at G = 4, 1284.1-1286.2 -> 1306.0-1307.4 at G = 8; N = 4096, K = 7168 unchanged (1275.5-1293.7 against
+    1281.7-1290.5); bit-identical, and 20 runs of the fused layout with skipped row blocks gave one result.
+
   Same numerics as the other kernels (bit-identical results). Falls back to :func:`_wide_kernel` where ``N < bn`` or
   ``M/128`` is odd.
   """
@@ -794,10 +800,8 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
 
     @pl.when(wg == 2)
     def _memory():
-      def load(slot, s, mi, c0, code):
+      def load(slot, s, mi, c0, code):  # the weight tile first: the pair's two halves of it gate the slot
         kcols = pl.ds(s * BLOCK, BLOCK)
-        plgpu.copy_gmem_to_smem(x_g.at[pl.ds(mi * BLOCK, BLOCK), kcols], x_s.at[slot], produced.at[slot])
-        plgpu.copy_gmem_to_smem(sfx_g.at[s, pl.ds(mi * BLOCK, BLOCK)], sx_s.at[slot], produced.at[slot])
         w_src = w_g.at[lax.rem(code, g), pl.ds(c0, bn), kcols]
 
         @pl.when(code >= g)
@@ -807,6 +811,9 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
         @pl.when(code < g)
         def _own():
           plgpu.copy_gmem_to_smem(w_src, w_s.at[slot], produced.at[slot])
+
+        plgpu.copy_gmem_to_smem(x_g.at[pl.ds(mi * BLOCK, BLOCK), kcols], x_s.at[slot], produced.at[slot])
+        plgpu.copy_gmem_to_smem(sfx_g.at[s, pl.ds(mi * BLOCK, BLOCK)], sx_s.at[slot], produced.at[slot])
 
       on_item = on_end = None
       if stage_w_scales:  # the tile's weight scales of the expert whose weights the CTA loads (its own or its peer's)
