@@ -164,9 +164,10 @@ def summarize(paths) -> str:
 
 
 def deepgemm_tables(paths) -> list[str]:
-  """Markdown for ``benchmarks/results/variants/*_gemm-vs-deepgemm-same-run.jsonl``: the FP8 grouped GEMM forward
+  """Markdown for ``benchmarks/results/variants/*_gemm-vs-deepgemm-same-run*.jsonl``: the FP8 grouped GEMM forward
   and DeepGEMM's, timed in alternating processes of one call on the same inputs; per shape the TF/s of each round
-  by the runner's timer (CUPTI, 256 MiB flush before each call) and the ratio of the medians."""
+  by the runner's timer (CUPTI, 256 MiB flush before each call) and the ratio of the medians. A row's ``run`` (where
+  given) names what changed in our kernel since the day's earlier runs; it follows the date."""
   rows = [json.loads(line) for p in paths for line in pathlib.Path(p).read_text().splitlines() if line.strip()]
   if not rows:
     return []
@@ -176,7 +177,8 @@ def deepgemm_tables(paths) -> list[str]:
            "| card | date | shape | DeepGEMM | jaxkern | jaxkern / DeepGEMM |", "|---|---|---|---|---|---:|"]
   by_shape = {}
   for r in rows:
-    by_shape.setdefault((r["device"], r["date"], r["shape"]), {}).setdefault(r["who"], []).append(r["flush256_tflops"])
+    when = f'{r["date"]}, {r["run"]}' if r.get("run") else r["date"]
+    by_shape.setdefault((r["device"], when, r["shape"]), {}).setdefault(r["who"], []).append(r["flush256_tflops"])
   for (device, date, shape), who in sorted(by_shape.items()):
     dg, jk = who.get("deepgemm", []), who.get("jaxkern", [])
     ratio = f"{statistics.median(jk) / statistics.median(dg):.3f}" if dg and jk else "—"
@@ -314,7 +316,7 @@ def main(argv=None) -> int:
   paths = (argv if argv is not None else sys.argv[1:]) or sorted(RESULTS.glob("*.jsonl"))
   text = summarize(paths)
   if argv is None or not argv:  # the default files: also the training-step rows
-    text += "\n" + "\n".join(deepgemm_tables(sorted((RESULTS / "variants").glob("*_gemm-vs-deepgemm-same-run.jsonl"))))
+    text += "\n" + "\n".join(deepgemm_tables(sorted((RESULTS / "variants").glob("*_gemm-vs-deepgemm-same-run*.jsonl"))))
     text += "\n" + "\n".join(train_step_tables(sorted((RESULTS / "train_step").glob("*.jsonl"))))
   OUT.write_text(text)
   print(f"wrote {OUT}")

@@ -446,4 +446,11 @@ def test_deepgemm_tables(tmp_path):
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
   lines = summarize.deepgemm_tables([path])
   assert lines[-2] == "| NVIDIA H200 | 2026-11-30 | G=4 M=256 N=256 K=256 | 100.0, 110.0 | 84.0, 84.0 | 0.800 |"
+  later = tmp_path / "y_gemm-vs-deepgemm-same-run-later.jsonl"
+  later.write_text("".join(json.dumps(dict(r, run="faster loads", flush256_tflops=r["flush256_tflops"] + 10)) + "\n"
+                           for r in rows))
+  lines = summarize.deepgemm_tables([path, later])
+  assert lines[-3:-1] == [
+      "| NVIDIA H200 | 2026-11-30 | G=4 M=256 N=256 K=256 | 100.0, 110.0 | 84.0, 84.0 | 0.800 |",
+      "| NVIDIA H200 | 2026-11-30, faster loads | G=4 M=256 N=256 K=256 | 110.0, 120.0 | 94.0, 94.0 | 0.817 |"]
   assert summarize.deepgemm_tables([]) == []
