@@ -36,6 +36,20 @@ def _dispatch_cpu_programs_inline():
 _dispatch_cpu_programs_inline()
 
 
+def _enough_xla_cpu_threads():
+  """XLA:CPU's thread pool gets 16 threads (``NPROC``, read when the CPU client is made; inherited by the child
+  processes), not one per core. An interpret-mode kernel runs each warpgroup (or warp) as a thread whose program waits
+  on barriers in host callbacks, and those callbacks occupy the pool's threads while they wait. With 2 threads (this
+  2-core CI machine) two waiting callbacks starved the other threads' programs, and the kernel never ended. Seen on
+  2026-11-30 with two variants of the clustered FP8 GEMM (the loads from one warp, and the next step's barrier
+  wait at the end of a step). gdb found both "XLAEigen" threads in barrier-wait callbacks, while four warpgroup
+  threads waited for their programs to run. With ``NPROC=16`` the same case ended in 13 s."""
+  os.environ.setdefault("NPROC", "16")
+
+
+_enough_xla_cpu_threads()
+
+
 def _share_compilation_cache():
   """JAX's persistent compilation cache in one directory for every process of the session: the xdist workers, the
   child pytest runs of the multi-device tests and the notebooks' kernels inherit the environment variables set here,
