@@ -312,7 +312,7 @@ def _zero_acc(acc, interpret):
 
 
 def _ring_memory_warpgroup(items, first, coords, expert_of, load, *, steps, stages, consumed, on_item=None,
-                           on_end=None):
+                           on_end=None, one_warp=False):
   """The memory warpgroup of the SMEM-ring kernels (:func:`_ring_kernel`, :func:`_wide_kernel`,
   :func:`_pair_mc_kernel`): walks the CTA's items as the compute warpgroups do (``coords(lin)``: row block and
   column position; ``expert_of(lin)``, carried one item ahead, ``first`` the carry of the CTA's first item; items
@@ -320,8 +320,23 @@ def _ring_memory_warpgroup(items, first, coords, expert_of, load, *, steps, stag
   (``consumed``) and calls ``load(slot, step, row block, column, expert)`` to issue the step's TMA loads. At the
   end it observes the last releases (every phase of the ``consumed`` barriers) before the kernel ends.
   ``on_item(t0, row block, column, expert)``, where given, runs before the first step's loads of each loaded item
-  (``t0``: the ring position of that step); ``on_end(total steps)`` at the end."""
+  (``t0``: the ring position of that step); ``on_end(total steps)`` at the end. ``one_warp``: the first warp alone
+  runs the loop and the other three end at once (Pallas then places no warpgroup barrier before each TMA issue)."""
   plgpu.set_max_registers(40, action="decrease")
+  loop = functools.partial(_ring_memory_loop, items, first, coords, expert_of, load, steps=steps, stages=stages,
+                           consumed=consumed, on_item=on_item, on_end=on_end)
+  if not one_warp:
+    loop()
+    return
+
+  def first_warp(warp):
+    pl.when(warp == 0)(loop)
+
+  plgpu.warp_map(first_warp)
+
+
+def _ring_memory_loop(items, first, coords, expert_of, load, *, steps, stages, consumed, on_item, on_end):
+  """The loop of :func:`_ring_memory_warpgroup` (arguments as there)."""
   ctas = lax.axis_size("sm")
 
   @plgpu.nd_loop(items, collective_axes="sm", init_carry=first)
@@ -579,6 +594,15 @@ def _tile_w_scales_loader(wsf_g, sw_s, sw_full, sw_free, *, ks, expert_index=lam
   return on_item, on_end
 
 
+# From this K the memory warpgroup of :func:`_pair_mc_kernel` issues its loads from one warp (the other three end at
+# once): fewer instructions and no warpgroup barriers between a slot's release and its loads. H200, 2026-11-30 (CUPTI,
+# cold L2, M = 32768, three alternating rounds of 10, bit-identical, 20 runs of the fused layout gave one result),
+# TF/s, four warps against one: N = 4096, K = 7168 1292.0-1312.7 -> 1318.7-1328.8 at G = 4, 1289.3-1310.6 ->
+# 1317.3-1330.2 at G = 8; but N = 7168, K = 4096 1360.0-1371.5 -> 1333.2-1341.3 and K = 2048 1327.3-1335.9 ->
+# 1305.2-1311.4 at G = 4 (those two stage the weight scales per item from the same warp).
+ONE_WARP_LOADS_MIN_K = 6144
+
+
 # :func:`_pair_mc_kernel` stages a tile's weight scales in SMEM where ``K/128`` is a multiple of this (each ``(2,
 # K/128)`` float32 buffer whole 128-byte units, as a TMA into SMEM lands 128-byte aligned); elsewhere it reads them
 # by scalar GMEM loads. Padding them instead cost more than it saved: H200, 2026-11-29, M = 32768, G = 8, N = 4096,
@@ -738,6 +762,7 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
     L2, two rounds of 10): 1288.1-1289.2 -> 1301.9-1304.0 TF/s at G = 4, 1286.4-1287.7 -> 1302.9-1304.2 at G = 8,
     bit-identical.
 
+  * From :data:`ONE_WARP_LOADS_MIN_K` the loads come from one warp of the memory warpgroup.
   * The memory warpgroup issues each step's weight tile before its x tile and x scales: the slot is complete only
     once both halves of a multicast tile, one from each CTA, have landed, so those go out first. H200, 2026-11-30
     (CUPTI, cold L2, M = 32768, four alternating rounds of 10): N = 7168, K = 2048 1280.7-1287.1 -> 1303.1-1307.2
@@ -782,12 +807,13 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cl")
 
-    def coords(u):  # (this CTA's row block, first column) of unit ``u``
+    def coords(u, hint=True):  # (this CTA's row block, first column) of unit ``u``; ``hint``: the column's alignment
       unit, j = pair_unit(u, gp, n_iters)
-      return unit * cluster + cta, pl.multiple_of(jnp.minimum(j * bn, n - bn), 32)
+      c0 = jnp.minimum(j * bn, n - bn)
+      return unit * cluster + cta, pl.multiple_of(c0, 32) if hint else c0
 
     def experts_of(u):  # (own expert, the pair's load code); clamped: a prefetch past the last unit is unused
-      mi, _ = coords(jnp.minimum(u, units - 1))
+      mi, _ = coords(jnp.minimum(u, units - 1), hint=False)
       own = be_g[mi]
       return own, pair_load_code(own, be_g[mi + 1 - 2 * cta], g)
 
@@ -819,8 +845,10 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
       if stage_w_scales:  # the tile's weight scales of the expert whose weights the CTA loads (its own or its peer's)
         on_item, on_end = _tile_w_scales_loader(sfw_g, sw_s, sw_full, sw_free, ks=ks,
                                                 expert_index=lambda c: lax.rem(c, g))
-      _ring_memory_warpgroup((units,), (jnp.int32(0), first_code), coords, lambda u: experts_of(u)[1], load,
-                             steps=ks, stages=stages, consumed=consumed, on_item=on_item, on_end=on_end)
+      one_warp = k >= ONE_WARP_LOADS_MIN_K  # pl.multiple_of has no lowering at warp scope
+      _ring_memory_warpgroup((units,), (jnp.int32(0), first_code), functools.partial(coords, hint=not one_warp),
+                             lambda u: experts_of(u)[1], load, steps=ks, stages=stages, consumed=consumed,
+                             on_item=on_item, on_end=on_end, one_warp=one_warp)
 
     @pl.when(wg < 2)
     def _compute():

@@ -212,6 +212,14 @@ def test_lowers_for_h100_staged_weight_scales(variant):
   lower_for_h100(lambda x, w, be: gemm.fp8_grouped_gemm(x, w, be, implementation="pallas"), x, w, be)
 
 
+@pytest.mark.parametrize("variant", ["pair192"], indirect=True)
+def test_lowers_for_h100_one_warp_loads(variant):
+  """K = 7168 (from ``ONE_WARP_LOADS_MIN_K``): the pair kernel's loads come from one warp of the memory warpgroup."""
+  assert 7168 >= _grouped.ONE_WARP_LOADS_MIN_K > 4096
+  x, w, be = _args(4, 1024, 4096, 7168)
+  lower_for_h100(lambda x, w, be: gemm.fp8_grouped_gemm(x, w, be, implementation="pallas"), x, w, be)
+
+
 @pytest.mark.parametrize("variant", ["k2tma_gh_ss"], indirect=True)
 def test_lowers_for_h100_half_width_staging(variant):
   """K/128 even with bf16 out: the SMEM scales leave no room for the whole staging tile beside 3 stages, so each
@@ -288,6 +296,26 @@ def test_row_unit_group():
   assert _grouped.row_unit_group(128, 16, 2) == 8 and _grouped.row_unit_group(256, 16, 1) == 16
   assert _grouped.row_unit_group(5, 16, 2) == 5 and _grouped.row_unit_group(12, 16, 2) == 6
   assert _grouped.row_unit_group(7, 4, 2) == 1
+
+
+@pytest.mark.parametrize("w_scales_unit", [1, 16])
+def test_pair_kernel_loads_from_one_warp(key, w_scales_unit, monkeypatch):
+  """The one-warp memory warpgroup (``ONE_WARP_LOADS_MIN_K``, here forced at K = 768) on the layout of
+  ``test_persistent_kernel_loops_over_items`` (a pair with a skipped block, then a pair of two experts; 6 steps over
+  3 slots), with the weight scales staged per item from that warp (unit 1) or read by the compute warpgroups."""
+  from jaxkern import _config
+  monkeypatch.setattr(_config, "num_sms", lambda: 3)
+  monkeypatch.setattr(_grouped, "VARIANT", "pair192")
+  monkeypatch.setattr(_grouped, "ONE_WARP_LOADS_MIN_K", 0)
+  monkeypatch.setattr(_grouped, "W_SCALES_SMEM_UNIT", w_scales_unit)
+  _grouped._pair_mc_kernel.clear_cache()  # both are read at trace time
+  g, m, n, k = 3, 512, 256, 768
+  x, w = make_inputs(key, g, m, n, k)
+  be = jnp.array([1, -1, 0, 2], jnp.int32)
+  got = run(x, w, be, out_dtype=jnp.float32)
+  want = ref.fp8_grouped_gemm(x, w, be, out_dtype=jnp.float32)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(want))
+  np.testing.assert_array_equal(np.asarray(got[128:256]), 0)
 
 
 def test_pair_kernel_falls_back_for_odd_row_blocks(key, monkeypatch):
