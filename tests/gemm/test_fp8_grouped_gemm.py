@@ -248,6 +248,18 @@ def test_gpu_accuracy(key, g, rows, n, k):
   assert rel_err(got, want) <= 5e-3
 
 
+def _check_skipped_block_layout(key, k):
+  """G = 3, M = 512 (row blocks of experts 1, -1, 0, 2), N = 256, contraction ``k``: the kernel against the reference,
+  and the skipped block's rows zero."""
+  g, m, n = 3, 512, 256
+  x, w = make_inputs(key, g, m, n, k)
+  be = jnp.array([1, -1, 0, 2], jnp.int32)
+  got = run(x, w, be, out_dtype=jnp.float32)
+  want = ref.fp8_grouped_gemm(x, w, be, out_dtype=jnp.float32)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(want))
+  np.testing.assert_array_equal(np.asarray(got[128:256]), 0)
+
+
 @pytest.mark.parametrize("variant, k", [("k2tma_gh", 768), ("k2tma_gh_ss", 768), ("ring_nodefer", 768),
                                         ("wide192", 768), ("pair192", 768)],
                          indirect=["variant"])
@@ -260,13 +272,7 @@ def test_persistent_kernel_loops_over_items(key, variant, k, monkeypatch):
   (3 SMs) walks the row-block pairs (1, -1) and (0, 2)."""
   from jaxkern import _config
   monkeypatch.setattr(_config, "num_sms", lambda: 3)
-  g, m, n = 3, 512, 256
-  x, w = make_inputs(key, g, m, n, k)
-  be = jnp.array([1, -1, 0, 2], jnp.int32)
-  got = run(x, w, be, out_dtype=jnp.float32)
-  want = ref.fp8_grouped_gemm(x, w, be, out_dtype=jnp.float32)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(want))
-  np.testing.assert_array_equal(np.asarray(got[128:256]), 0)
+  _check_skipped_block_layout(key, k)
 
 
 @pytest.mark.parametrize("variant, num_sms, w_scales_unit", [("pair192", 3, 16), ("pair192", 4, 1),
@@ -309,13 +315,7 @@ def test_pair_kernel_loads_from_one_warp(key, w_scales_unit, monkeypatch):
   monkeypatch.setattr(_grouped, "ONE_WARP_LOADS_MIN_K", 0)
   monkeypatch.setattr(_grouped, "W_SCALES_SMEM_UNIT", w_scales_unit)
   _grouped._pair_mc_kernel.clear_cache()  # both are read at trace time
-  g, m, n, k = 3, 512, 256, 768
-  x, w = make_inputs(key, g, m, n, k)
-  be = jnp.array([1, -1, 0, 2], jnp.int32)
-  got = run(x, w, be, out_dtype=jnp.float32)
-  want = ref.fp8_grouped_gemm(x, w, be, out_dtype=jnp.float32)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(want))
-  np.testing.assert_array_equal(np.asarray(got[128:256]), 0)
+  _check_skipped_block_layout(key, 768)
 
 
 def test_pair_kernel_falls_back_for_odd_row_blocks(key, monkeypatch):
