@@ -845,7 +845,8 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
       if stage_w_scales:  # the tile's weight scales of the expert whose weights the CTA loads (its own or its peer's)
         on_item, on_end = _tile_w_scales_loader(sfw_g, sw_s, sw_full, sw_free, ks=ks,
                                                 expert_index=lambda c: lax.rem(c, g))
-      one_warp = k >= ONE_WARP_LOADS_MIN_K  # pl.multiple_of has no lowering at warp scope
+      one_warp = k >= ONE_WARP_LOADS_MIN_K
+      # no alignment hint for the one-warp loop: pl.multiple_of has no lowering at warp scope
       _ring_memory_warpgroup((units,), (jnp.int32(0), first_code), functools.partial(coords, hint=not one_warp),
                              lambda u: experts_of(u)[1], load, steps=ks, stages=stages, consumed=consumed,
                              on_item=on_item, on_end=on_end, one_warp=one_warp)
