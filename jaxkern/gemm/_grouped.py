@@ -53,6 +53,7 @@ import numpy as np
 from jax import lax
 from jax._src.state import primitives as state_primitives  # ref_set on an accumulator in interpret mode
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkern import _autodiff, _checks, _config, _dispatch
@@ -311,6 +312,18 @@ def _zero_acc(acc, interpret):
     acc[...] = zeros
 
 
+def _ring_slot(t, stages: int):
+  """The ring slot of pipeline step ``t >= 0``: an AND where ``stages`` is a power of two. The signed remainder
+  ``lax.rem`` lowers to four dependent uniform-datapath instructions, and the compute warpgroup's slot sits on the
+  path from one step's wgmma wait to the next step's wgmma. ``"pair192"``, H200, 2026-11-30 (CUPTI, cold L2,
+  M = 32768, three alternating rounds of 10, with the release of :func:`_warpgroup_barrier`): G = 4, N = 7168,
+  K = 2048 1309.7-1310.0 -> 1325.1-1327.4 TF/s; G = 4, N = 4096, K = 7168 1309.1-1315.7 -> 1315.8-1320.6;
+  bit-identical."""
+  if stages & (stages - 1) == 0:
+    return lax.bitwise_and(t, stages - 1)
+  return lax.rem(t, stages)
+
+
 def _ring_memory_warpgroup(items, first, coords, expert_of, load, *, steps, stages, consumed, on_item=None,
                            on_end=None, one_warp=False):
   """The memory warpgroup of the SMEM-ring kernels (:func:`_ring_kernel`, :func:`_wide_kernel`,
@@ -354,7 +367,7 @@ def _ring_memory_loop(items, first, coords, expert_of, load, *, steps, stages, c
       @pl.loop(0, steps)
       def _step(s):
         t = t0 + s
-        slot = lax.rem(t, stages)
+        slot = _ring_slot(t, stages)
 
         @pl.when(t >= stages)
         def _wait_free():
@@ -368,7 +381,7 @@ def _ring_memory_loop(items, first, coords, expert_of, load, *, steps, stages, c
 
   @pl.loop(jnp.maximum(total_steps - stages, 0), total_steps)
   def _drain(t):
-    plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
+    plgpu.barrier_wait(consumed.at[_ring_slot(t, stages)])
 
   if on_end is not None:
     on_end(total_steps)
@@ -454,7 +467,7 @@ def _ring_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, num_
         def k_loop(acc):
           def step(s, c):
             total, sw, sw1 = c
-            slot = lax.rem(t0 + s, stages)
+            slot = _ring_slot(t0 + s, stages)
             plgpu.barrier_wait(produced.at[slot])
             _zero_acc(acc, interpret)
             plgpu.wgmma(acc, x_s.at[slot, pl.ds(wg * wm, wm)], w_s.at[slot].T)
@@ -513,11 +526,11 @@ def _wide_tile(e, c0, r0, t0, *, wg, wm, bn, ks, stages, first_cols_cases, x_s, 
 
   def k_loop(first_cols, acc):
     def step(s, carry):
+      carry, slot = carry
       if w_scales_smem is None:
         total, (w0, w1), w_next = carry
       else:
         total = carry
-      slot = lax.rem(t0 + s, stages)
       plgpu.barrier_wait(produced.at[slot])
       # The step's x scales are read from SMEM and multiplied by the weight scales before the wgmma (as DeepGEMM
       # does), so their latency is hidden under the tensor-core work and only the release and the FMAs follow the
@@ -533,15 +546,21 @@ def _wide_tile(e, c0, r0, t0, *, wg, wm, bn, ks, stages, first_cols_cases, x_s, 
       release(slot)
       promoted = jnp.concatenate([part[:, :first_cols] * s0[:, None],
                                   part[:, first_cols:] * s1[:, None]], axis=1)
-      if w_scales_smem is None:
-        return total + promoted, w_next, w_scales(s + 2)
-      return total + promoted
+      out = (total + promoted, w_next, w_scales(s + 2)) if w_scales_smem is None else total + promoted
+      return out, _ring_slot(slot + 1, stages)
+
+    # The slot rides in the carry, computed off the path from one step's wgmma wait to the next step's wgmma.
+    # "pair192", H200, 2026-11-30 (CUPTI, cold L2, M = 32768, three alternating rounds of 10): G = 4, N = 4096,
+    # K = 7168 1332.9-1334.9 -> 1341.7-1343.3 TF/s, G = 8 1325.4-1330.0 -> 1335.8-1339.6; N = 7168, K = 2048
+    # 1336.6-1339.0 -> 1338.3-1340.0; bit-identical.
+    def loop(init):
+      return lax.fori_loop(0, ks, step, (init, _ring_slot(t0, stages)))[0]
 
     zero = plgpu.layout_cast(jnp.zeros((wm, bn), jnp.float32), WG)
     if w_scales_smem is None:
-      return lax.fori_loop(0, ks, step, (zero, w_scales(0), w_scales(1)))[0]
+      return loop((zero, w_scales(0), w_scales(1)))[0]
     plgpu.barrier_wait(sw_full.at[parity])
-    total = lax.fori_loop(0, ks, step, zero)
+    total = loop(zero)
     plgpu.commit_smem()  # fence + warpgroup barrier: every warp has read the scales before warp 0 frees them
     plgpu.barrier_arrive(sw_free.at[parity])
     return total
@@ -744,14 +763,14 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
   * A slot is refilled only when both CTAs are done with it (the peer's multicast writes into it): each compute
     warpgroup of both CTAs arrives on a cluster barrier (``consumed``) in both CTAs, and the memory warpgroups wait
     for all four arrivals. Mosaic GPU's cluster-barrier arrival comes from the warpgroup's first warp only, so each
-    release is preceded by ``plgpu.commit_smem()`` (a fence between the generic and async proxies of shared memory,
-    then a warpgroup barrier): all four warps have completed their wgmma and read the step's x scales before the
-    slot is handed to the pair. Without it a slot could be released by one warp while the other warps of the
-    warpgroup still read it: on the training step's fused layout (H200, 2026-11-29, 40 runs of one executable)
-    26 and 39 of the 39 later runs differed from the first at N = 4096, K = 7168 and N = 7168, K = 2048 (64-row
-    tiles of the last row blocks, 8-row runs); with it all 40 gave the same bits as ``"wide192"`` at both shapes.
-    Relaying every thread's CTA-local arrival through the memory warpgroups (no fence, no warpgroup barrier) still
-    differed in 16-39 of 39, so which half of ``commit_smem`` is needed was not separated.
+    release is preceded by a warpgroup barrier (:func:`_warpgroup_barrier`): all four warps have completed their
+    wgmma and read the step's x scales before the slot is handed to the pair. Without any barrier a slot could be
+    released by one warp while the other warps of the warpgroup still read it: on the training step's fused layout
+    (H200, 2026-11-29, 40 runs of one executable) 26 and 39 of the 39 later runs differed from the first at
+    N = 4096, K = 7168 and N = 7168, K = 2048 (64-row tiles of the last row blocks, 8-row runs); with
+    ``plgpu.commit_smem()`` (proxy fence + warpgroup barrier) all 40 gave the same bits as ``"wide192"``, and with
+    the warpgroup barrier alone (2026-11-30) so did 20 runs, and the GPU determinism tests. Relaying every thread's
+    CTA-local arrival through the memory warpgroups (no fence, no warpgroup barrier) still differed in 16-39 of 39.
   * Raster: groups of ``row_group`` row blocks (:func:`row_unit_group`, :func:`pair_unit`), row blocks fastest
     inside a group, then the column tiles, groups slowest; the CTAs of one wave share a few weight tiles and
     ``row_group`` row blocks of ``x``.
@@ -821,7 +840,10 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
     first_own, first_code = experts_of(lax.axis_index("sm"))
 
     def release_slot(slot):  # a compute warpgroup is done with ``slot``: tell both CTAs of the pair
-      plgpu.commit_smem()  # fence + warpgroup barrier: every warp is done with the slot before warp 0 arrives
+      if interpret:  # the interpreter runs no inline Mosaic GPU code; commit_smem is the same ordering and more
+        plgpu.commit_smem()
+      else:
+        _warpgroup_barrier()  # every warp is done with the slot before warp 0 arrives
       plgpu.barrier_arrive(consumed.at[slot])
 
     @pl.when(wg == 2)
@@ -876,7 +898,7 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
 
           @pl.loop(0, ks)
           def _step(s):
-            slot = lax.rem(t0 + s, stages)
+            slot = _ring_slot(t0 + s, stages)
             plgpu.barrier_wait(produced.at[slot])
             release_slot(slot)
 
@@ -894,6 +916,24 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
                       scratch_types=scratch, interpret=interpret,
                       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   return call(block_expert, xq, sfx_t, wq, wsf)
+
+
+def _warpgroup_barrier():
+  """A barrier of the calling warpgroup's four warps (Mosaic GPU's ``warpgroup_barrier``, a ``bar.sync`` of 128
+  threads), without the shared-memory proxy fence of ``plgpu.commit_smem()``. :func:`_pair_mc_kernel` releases a
+  ring slot with it: the slot is read only by the warpgroup's wgmmas (complete at their wait) and by its x-scale
+  loads (complete before the wgmma is issued), so no generic-proxy write to it needs ordering before the TMA that
+  refills it. In the SASS, ``commit_smem`` adds a ``MEMBAR.ALL.CTA`` and a ``FENCE.VIEW.ASYNC.S`` to each step.
+  H200, 2026-11-30 (CUPTI, cold L2, M = 32768, three alternating rounds of 10): G = 4, N = 4096, K = 7168
+  1301.8-1308.1 -> 1309.1-1315.7 TF/s, G = 8 1298.1-1308.5 -> 1306.4-1315.0; N = 7168, K = 2048 unchanged
+  (1309.8-1311.6 against 1309.7-1310.0); bit-identical, and 20 runs of the fused layout with skipped row blocks
+  gave one result."""
+  @plgpu.inline_mgpu()
+  def bar(ctx):
+    del ctx
+    mgpu_utils.warpgroup_barrier()
+
+  bar()
 
 
 # The kernels :func:`default_variant` picks, what they fall back to, and an independent check for the tests (module

@@ -298,6 +298,13 @@ def test_pair_clusters_share_weight_tiles(key, variant, num_sms, w_scales_unit, 
   np.testing.assert_array_equal(np.asarray(got[1152:]), 0)
 
 
+def test_ring_slot():
+  """The ring slot of step t is t mod stages, by an AND for a power-of-two ring and by the remainder otherwise."""
+  t = jnp.arange(0, 4000, 7, dtype=jnp.int32)
+  for stages in (2, 3, 4, 5, 8):
+    np.testing.assert_array_equal(np.asarray(_grouped._ring_slot(t, stages)), np.asarray(t) % stages)
+
+
 def test_row_unit_group():
   assert _grouped.row_unit_group(128, 16, 2) == 8 and _grouped.row_unit_group(256, 16, 1) == 16
   assert _grouped.row_unit_group(5, 16, 2) == 5 and _grouped.row_unit_group(12, 16, 2) == 6
