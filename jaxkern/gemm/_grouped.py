@@ -553,8 +553,23 @@ def _wide_tile(e, c0, r0, t0, *, wg, wm, bn, ks, stages, first_cols_cases, x_s, 
     # "pair192", H200, 2026-11-30 (CUPTI, cold L2, M = 32768, three alternating rounds of 10): G = 4, N = 4096,
     # K = 7168 1332.9-1334.9 -> 1341.7-1343.3 TF/s, G = 8 1325.4-1330.0 -> 1335.8-1339.6; N = 7168, K = 2048
     # 1336.6-1339.0 -> 1338.3-1340.0; bit-identical.
+    # Two steps per loop iteration where K/128 and the ring are even: ``t0`` is a multiple of K/128, so each pair of
+    # steps starts at an even slot and its second slot is the first plus one, with no wrap; ptxas then schedules the
+    # second step's barrier arithmetic among the first step's FMAs. With the weight scales staged in SMEM
+    # (:func:`_w_scales_staged`), "pair192", H200, 2026-11-30 (CUPTI, cold L2, M = 32768, three alternating rounds of
+    # 10): G = 4, N = 7168, K = 2048 1344.9-1346.9 -> 1356.6-1359.2 TF/s; bit-identical. With the scalar weight-scale
+    # loads it was slower at K = 7168 (1333.9-1334.8 -> 1322.8-1327.5), so K = 7168 stages its scales too.
     def loop(init):
-      return lax.fori_loop(0, ks, step, (init, _ring_slot(t0, stages)))[0]
+      if ks % 2 or stages % 2:
+        return lax.fori_loop(0, ks, step, (init, _ring_slot(t0, stages)))[0]
+
+      def two_steps(j, carry):
+        carry, slot = carry
+        carry, _ = step(2 * j, (carry, slot))
+        carry, _ = step(2 * j + 1, (carry, slot + 1))
+        return carry, _ring_slot(slot + 2, stages)
+
+      return lax.fori_loop(0, ks // 2, two_steps, (init, _ring_slot(t0, stages)))[0]
 
     zero = plgpu.layout_cast(jnp.zeros((wm, bn), jnp.float32), WG)
     if w_scales_smem is None:
@@ -602,8 +617,13 @@ def _tile_w_scales_loader(wsf_g, sw_s, sw_full, sw_free, *, ks, expert_index=lam
     def _wait_free():
       plgpu.barrier_wait(sw_free.at[parity])
 
-    plgpu.copy_gmem_to_smem(wsf_g.at[expert_index(e), pl.ds(c0 // BLOCK, 2), :], sw_s.at[parity],
-                            sw_full.at[parity])
+    if ks % W_SCALES_SMEM_UNIT:  # one TMA per column block, into a padded row
+      for j in range(2):
+        plgpu.copy_gmem_to_smem(wsf_g.at[expert_index(e), c0 // BLOCK + j, :], sw_s.at[parity, j, pl.ds(0, ks)],
+                                sw_full.at[parity])
+    else:
+      plgpu.copy_gmem_to_smem(wsf_g.at[expert_index(e), pl.ds(c0 // BLOCK, 2), :], sw_s.at[parity],
+                              sw_full.at[parity])
 
   def on_end(total_steps):
     @pl.loop(jnp.maximum(total_steps // ks - 2, 0), total_steps // ks)
@@ -622,16 +642,30 @@ def _tile_w_scales_loader(wsf_g, sw_s, sw_full, sw_free, *, ks, expert_index=lam
 ONE_WARP_LOADS_MIN_K = 6144
 
 
-# :func:`_pair_mc_kernel` stages a tile's weight scales in SMEM where ``K/128`` is a multiple of this (each ``(2,
-# K/128)`` float32 buffer whole 128-byte units, as a TMA into SMEM lands 128-byte aligned); elsewhere it reads them
-# by scalar GMEM loads. Padding them instead cost more than it saved: H200, 2026-11-29, M = 32768, G = 8, N = 4096,
-# K = 7168 (56 scale columns padded to 64 by XLA before the kernel), runner, two alternating rounds in one call:
-# 1290.2-1291.0 TF/s against 1299.8-1300.8 with the scalar loads.
+# :func:`_pair_mc_kernel` stages a tile's weight scales in SMEM where a row of them (``K/128`` float32) is whole
+# 16-byte units, as a TMA needs (``K/128`` a multiple of 4; elsewhere scalar GMEM loads). Where ``K/128`` is also a
+# multiple of :data:`W_SCALES_SMEM_UNIT`, each ``(2, K/128)`` buffer is whole 128-byte units (a TMA into SMEM lands
+# 128-byte aligned) and one TMA brings both column blocks' rows; otherwise (K = 7168: 56 scales, 224 bytes) one TMA
+# per column block lands in a row padded to 128-byte units. That is what let K = 7168 take the two-step K loop
+# (``_wide_tile``): "pair192", H200, 2026-11-30 (CUPTI, cold L2, M = 32768, three alternating rounds of 10), G = 4,
+# N = 4096, K = 7168 1338.2-1352.2 -> 1374.4-1378.2 TF/s, G = 8 1311.5-1349.7 -> 1369.1-1377.7; staged without the
+# two-step loop it gained nothing (1315.8-1320.6 against 1315.7-1320.0). An earlier form that padded the scales to 64
+# columns in XLA before the kernel cost more than it saved (2026-11-29: 1290.2-1291.0 against 1299.8-1300.8).
 W_SCALES_SMEM_UNIT = 16
+W_SCALES_ROW_UNIT = 4
+
+
+def _w_scales_staged(ks: int) -> bool:
+  return ks % W_SCALES_ROW_UNIT == 0 or ks % W_SCALES_SMEM_UNIT == 0
+
+
+def _w_scales_row(ks: int) -> int:  # floats per row of a staged buffer: K/128, or padded to 128-byte units
+  return ks if ks % W_SCALES_SMEM_UNIT == 0 else -(-ks // 32) * 32
 
 
 def _w_scales_scratch(ks: int):
-  return dict(sw_s=plgpu.SMEM((2, 2, ks), jnp.float32), sw_full=plgpu.Barrier(num_arrivals=1, num_barriers=2),
+  return dict(sw_s=plgpu.SMEM((2, 2, _w_scales_row(ks)), jnp.float32),
+              sw_full=plgpu.Barrier(num_arrivals=1 if ks % W_SCALES_SMEM_UNIT == 0 else 2, num_barriers=2),
               sw_free=plgpu.Barrier(num_arrivals=2, num_barriers=2))
 
 
@@ -774,12 +808,12 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
   * Raster: groups of ``row_group`` row blocks (:func:`row_unit_group`, :func:`pair_unit`), row blocks fastest
     inside a group, then the column tiles, groups slowest; the CTAs of one wave share a few weight tiles and
     ``row_group`` row blocks of ``x``.
-  * Where ``K/128`` is a multiple of :data:`W_SCALES_SMEM_UNIT`, the weight scales of a tile (its two 128-column
+  * Where ``K/128`` is a multiple of 4 (:func:`_w_scales_staged`), the weight scales of a tile (its two 128-column
     blocks, every K step) are TMA'd into SMEM once per item by the memory warpgroup, as DeepGEMM stages them
     (:func:`_tile_w_scales_loader`), and read from there each step (:func:`_wide_tile`) instead of two scalar GMEM
     loads a step (as :func:`_wide_kernel` reads them). H200, 2026-11-29, M = 32768, N = 7168, K = 2048 (CUPTI, cold
     L2, two rounds of 10): 1288.1-1289.2 -> 1301.9-1304.0 TF/s at G = 4, 1286.4-1287.7 -> 1302.9-1304.2 at G = 8,
-    bit-identical.
+    bit-identical; at K = 7168 (rows padded, :data:`W_SCALES_SMEM_UNIT`) they are what the two-step K loop needs.
 
   * From :data:`ONE_WARP_LOADS_MIN_K` the loads come from one warp of the memory warpgroup.
   * The memory warpgroup issues each step's weight tile before its x tile and x scales: the slot is complete only
@@ -805,8 +839,8 @@ def _pair_mc_kernel(block_expert, xq, sfx_t, wq, wsf, *, out_dtype, interpret, n
   row_units = m_iters // cluster
   gp = row_unit_group(row_units, row_group, cluster)
   units = row_units * n_iters
-  stage_w_scales = ks % W_SCALES_SMEM_UNIT == 0
-  sw_bytes = 2 * 2 * ks * 4 if stage_w_scales else 0
+  stage_w_scales = _w_scales_staged(ks)
+  sw_bytes = 2 * 2 * _w_scales_row(ks) * 4 if stage_w_scales else 0
   out_bytes = 2 * wm * bn * jnp.dtype(out_dtype).itemsize
   stage_bytes = (BLOCK + bn) * BLOCK + BLOCK * 4
   while stages > 2 and stages * stage_bytes + out_bytes + sw_bytes > SMEM_LIMIT - 2048:  # 1024-byte alignment

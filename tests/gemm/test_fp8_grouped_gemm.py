@@ -275,20 +275,22 @@ def test_persistent_kernel_loops_over_items(key, variant, k, monkeypatch):
   _check_skipped_block_layout(key, k)
 
 
-@pytest.mark.parametrize("variant, num_sms, w_scales_unit", [("pair192", 3, 16), ("pair192", 4, 1),
-                                                             ("pair192_r32", 2, 1)], indirect=["variant"])
-def test_pair_clusters_share_weight_tiles(key, variant, num_sms, w_scales_unit, monkeypatch):
+@pytest.mark.parametrize("variant, num_sms, w_scales_unit, k", [("pair192", 3, 16, 384), ("pair192", 4, 1, 384),
+                                                                ("pair192_r32", 2, 1, 384), ("pair192", 4, 16, 512)],
+                         indirect=["variant"])
+def test_pair_clusters_share_weight_tiles(key, variant, num_sms, w_scales_unit, k, monkeypatch):
   """Row-block pairs of one expert (the weight tile multicast to both CTAs of a cluster), a pair of two skipped
   blocks (no loads: the ring's slot counter must stay in step in both CTAs), a pair of two experts and a pair with one
   skipped block, walked by one or two clusters (3 / 4 SMs) or with the grouped raster of 32 row blocks (2 SMs: one
   cluster); 192-column tiles over N = 256 (the second starts inside a weight-scale block). The weight scales by
-  scalar loads (K/128 = 3 is no multiple of 16) or staged in SMEM per item (``W_SCALES_SMEM_UNIT`` 1: the loader's
-  two buffers, a peer-only item's barrier phases, the final drain)."""
+  scalar loads (K/128 = 3 is no multiple of 4) or staged in SMEM per item (``W_SCALES_SMEM_UNIT`` 1: the loader's
+  two buffers, a peer-only item's barrier phases, the final drain), or at K/128 = 4 staged by one TMA per column
+  block into padded rows, with the K loop two steps per iteration (K = 7168's forms)."""
   from jaxkern import _config
   monkeypatch.setattr(_config, "num_sms", lambda: num_sms)
   monkeypatch.setattr(_grouped, "W_SCALES_SMEM_UNIT", w_scales_unit)
   _grouped._pair_mc_kernel.clear_cache()  # the unit is read at trace time
-  g, m, n, k = 3, 1280, 256, 384
+  g, m, n = 3, 1280, 256
   x, w = make_inputs(key, g, m, n, k)
   be = jnp.array([1, 1, -1, -1, 0, 0, 2, 0, 2, -1], jnp.int32)
   got = run(x, w, be, out_dtype=jnp.float32)
