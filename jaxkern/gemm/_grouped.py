@@ -525,8 +525,7 @@ def _wide_tile(e, c0, r0, t0, *, wg, wm, bn, ks, stages, first_cols_cases, x_s, 
     return sfw_g[e, scale_block, s], sfw_g[e, scale_block + 1, s]
 
   def k_loop(first_cols, acc):
-    def step(s, carry):
-      carry, slot = carry
+    def step(s, carry, slot):
       if w_scales_smem is None:
         total, (w0, w1), w_next = carry
       else:
@@ -546,8 +545,7 @@ def _wide_tile(e, c0, r0, t0, *, wg, wm, bn, ks, stages, first_cols_cases, x_s, 
       release(slot)
       promoted = jnp.concatenate([part[:, :first_cols] * s0[:, None],
                                   part[:, first_cols:] * s1[:, None]], axis=1)
-      out = (total + promoted, w_next, w_scales(s + 2)) if w_scales_smem is None else total + promoted
-      return out, _ring_slot(slot + 1, stages)
+      return (total + promoted, w_next, w_scales(s + 2)) if w_scales_smem is None else total + promoted
 
     # The slot rides in the carry, computed off the path from one step's wgmma wait to the next step's wgmma.
     # "pair192", H200, 2026-11-30 (CUPTI, cold L2, M = 32768, three alternating rounds of 10): G = 4, N = 4096,
@@ -559,17 +557,16 @@ def _wide_tile(e, c0, r0, t0, *, wg, wm, bn, ks, stages, first_cols_cases, x_s, 
     # (:func:`_w_scales_staged`), "pair192", H200, 2026-11-30 (CUPTI, cold L2, M = 32768, three alternating rounds of
     # 10): G = 4, N = 7168, K = 2048 1344.9-1346.9 -> 1356.6-1359.2 TF/s; bit-identical. With the scalar weight-scale
     # loads it was slower at K = 7168 (1333.9-1334.8 -> 1322.8-1327.5), so K = 7168 stages its scales too.
+    per_iter = 2 if ks % 2 == 0 and stages % 2 == 0 else 1
+
     def loop(init):
-      if ks % 2 or stages % 2:
-        return lax.fori_loop(0, ks, step, (init, _ring_slot(t0, stages)))[0]
-
-      def two_steps(j, carry):
+      def steps(j, carry):
         carry, slot = carry
-        carry, _ = step(2 * j, (carry, slot))
-        carry, _ = step(2 * j + 1, (carry, slot + 1))
-        return carry, _ring_slot(slot + 2, stages)
+        for i in range(per_iter):
+          carry = step(per_iter * j + i, carry, slot + i)
+        return carry, _ring_slot(slot + per_iter, stages)
 
-      return lax.fori_loop(0, ks // 2, two_steps, (init, _ring_slot(t0, stages)))[0]
+      return lax.fori_loop(0, ks // per_iter, steps, (init, _ring_slot(t0, stages)))[0]
 
     zero = plgpu.layout_cast(jnp.zeros((wm, bn), jnp.float32), WG)
     if w_scales_smem is None:
@@ -617,7 +614,7 @@ def _tile_w_scales_loader(wsf_g, sw_s, sw_full, sw_free, *, ks, expert_index=lam
     def _wait_free():
       plgpu.barrier_wait(sw_free.at[parity])
 
-    if ks % W_SCALES_SMEM_UNIT:  # one TMA per column block, into a padded row
+    if _w_scales_per_block(ks):
       for j in range(2):
         plgpu.copy_gmem_to_smem(wsf_g.at[expert_index(e), c0 // BLOCK + j, :], sw_s.at[parity, j, pl.ds(0, ks)],
                                 sw_full.at[parity])
@@ -659,13 +656,17 @@ def _w_scales_staged(ks: int) -> bool:
   return ks % W_SCALES_ROW_UNIT == 0 or ks % W_SCALES_SMEM_UNIT == 0
 
 
-def _w_scales_row(ks: int) -> int:  # floats per row of a staged buffer: K/128, or padded to 128-byte units
-  return ks if ks % W_SCALES_SMEM_UNIT == 0 else -(-ks // 32) * 32
+def _w_scales_per_block(ks: int) -> bool:  # one TMA per column block, into rows padded to 128-byte units
+  return ks % W_SCALES_SMEM_UNIT != 0
+
+
+def _w_scales_row(ks: int) -> int:  # floats per row of a staged buffer
+  return -(-ks // 32) * 32 if _w_scales_per_block(ks) else ks
 
 
 def _w_scales_scratch(ks: int):
   return dict(sw_s=plgpu.SMEM((2, 2, _w_scales_row(ks)), jnp.float32),
-              sw_full=plgpu.Barrier(num_arrivals=1 if ks % W_SCALES_SMEM_UNIT == 0 else 2, num_barriers=2),
+              sw_full=plgpu.Barrier(num_arrivals=2 if _w_scales_per_block(ks) else 1, num_barriers=2),
               sw_free=plgpu.Barrier(num_arrivals=2, num_barriers=2))
 
 
