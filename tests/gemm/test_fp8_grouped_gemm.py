@@ -275,12 +275,12 @@ def test_persistent_kernel_loops_over_items(key, variant, k, monkeypatch):
   _check_skipped_block_layout(key, k)
 
 
-def _skip_unaligned_scale_rows(k, w_scales_unit):
-  """A forced ``W_SCALES_SMEM_UNIT`` that stages rows of K/128 float32 weight scales not a multiple of 16 bytes runs
-  in interpret mode only: on the GPU Mosaic GPU refuses the TMA (GMEM strides must be 16-byte multiples), which is
-  why the kernels stage them only where K/128 % 4 == 0."""
+def _skip_unaligned_scale_rows(k):
+  """Call after forcing ``W_SCALES_SMEM_UNIT``: where that stages rows of K/128 float32 weight scales that are not
+  whole 16-byte units, the test runs in interpret mode only: on the GPU Mosaic GPU refuses the TMA (GMEM strides must
+  be 16-byte multiples), which is why the kernels stage them only where K/128 % 4 == 0."""
   ks = k // 128
-  if ON_GPU and ks % w_scales_unit == 0 and ks % _grouped.W_SCALES_ROW_UNIT:
+  if ON_GPU and _grouped._w_scales_staged(ks) and ks % _grouped.W_SCALES_ROW_UNIT:
     pytest.skip(f"K/128 = {ks} scales a row: a TMA of them is refused on the GPU")
 
 
@@ -297,10 +297,10 @@ def test_pair_clusters_share_weight_tiles(key, variant, num_sms, w_scales_unit, 
   two buffers, a peer-only item's barrier phases, the final drain), or at K/128 = 4 staged by one TMA per column
   block into padded rows, with the K loop two steps per iteration (K = 7168's forms; bfloat16 output, so the ring
   keeps 4 slots: a float32 output tile leaves room for 3, and an odd ring runs one step per iteration)."""
-  _skip_unaligned_scale_rows(k, w_scales_unit)
   from jaxkern import _config
   monkeypatch.setattr(_config, "num_sms", lambda: num_sms)
   monkeypatch.setattr(_grouped, "W_SCALES_SMEM_UNIT", w_scales_unit)
+  _skip_unaligned_scale_rows(k)
   _grouped._pair_mc_kernel.clear_cache()  # the unit is read at trace time
   g, m, n = 3, 1280, 256
   x, w = make_inputs(key, g, m, n, k)
@@ -335,9 +335,9 @@ def test_pair_kernel_loads_from_one_warp(key, w_scales_unit, monkeypatch):
   from jaxkern import _config
   monkeypatch.setattr(_config, "num_sms", lambda: 3)
   monkeypatch.setattr(_grouped, "VARIANT", "pair192")
-  _skip_unaligned_scale_rows(768, w_scales_unit)
   monkeypatch.setattr(_grouped, "ONE_WARP_LOADS_MIN_K", 0)
   monkeypatch.setattr(_grouped, "W_SCALES_SMEM_UNIT", w_scales_unit)
+  _skip_unaligned_scale_rows(768)
   _grouped._pair_mc_kernel.clear_cache()  # both are read at trace time
   _check_skipped_block_layout(key, 768)
 
